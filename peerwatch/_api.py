@@ -1,0 +1,294 @@
+"""The user's side: install(), watch(), beat(), paused(), and the process hooks.
+
+Hooks (excepthook, sys.exit, atexit, at-fork) are installed once per process and act
+only in the process that installed the watcher: a forked child (a DataLoader worker)
+never writes the rank's records.
+"""
+
+from __future__ import annotations
+
+import atexit
+import faulthandler
+import logging
+import multiprocessing
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from types import TracebackType
+from typing import IO, Any, Callable, Optional, Type
+
+import psutil
+
+from . import _identity, _rundir, _teardown
+from ._config import Config
+from ._errors import PeerFailure, RunDirError
+from ._records import EXCEPTION, EXIT, MAX_TRACEBACK_CHARS, Failure, Registration, Verdict
+from ._rundir import STACKS, RunDir, rank_file
+from ._watcher import Watcher
+
+logger = logging.getLogger("peerwatch")
+
+_lock = threading.RLock()
+_watcher: Optional[Watcher] = None
+_owner_pid: Optional[int] = None
+_hooks_installed = False
+_explicit_install = False
+_original_sys_exit: Callable[..., Any] = sys.exit
+
+
+def install(**options: Any) -> Optional[Watcher]:
+    """Start watching this rank's peers. Idempotent: returns the running watcher.
+
+    Call it at the top of the training script, before a launcher spawns more ranks.
+    Options (each also a ``PEERWATCH_*`` variable; see :class:`Config`) override the
+    environment. Returns ``None`` when disabled (``PEERWATCH_DISABLE=1``), in a
+    multiprocessing child that is not given ``rank=`` (a DataLoader worker), or when the
+    run directory cannot be used; in that last case training goes on unprotected and
+    the reason is logged as an error, unless ``strict=True``, which raises
+    :class:`RunDirError` instead. A bad option raises :class:`ConfigError`.
+    """
+    global _explicit_install
+    with _lock:
+        _explicit_install = True
+        return _install(options)
+
+
+def _install(options: Any) -> Optional[Watcher]:
+    global _watcher, _owner_pid
+    with _lock:
+        if _watcher is not None and _owner_pid == os.getpid():
+            return _watcher
+        config = Config.resolve(options)
+        if not config.enabled:
+            logger.info("peerwatch: disabled (%s)", config.source_of("enabled"))
+            return None
+        if multiprocessing.parent_process() is not None and "rank" not in options:
+            logger.debug("peerwatch: a multiprocessing child without rank=; not a rank, not watching")
+            return None
+        try:
+            watcher = _start(config)
+        except (RunDirError, OSError) as e:
+            if config.strict:
+                raise
+            logger.error("peerwatch: rank %d is NOT protected: %s", config.effective_rank, e)
+            return None
+        _watcher, _owner_pid = watcher, os.getpid()
+        _install_hooks(watcher)
+        watcher.start()
+        return watcher
+
+
+def _start(config: Config) -> Watcher:
+    me = _identity.self_info()
+    rank = config.effective_rank
+    path, how = _rundir.resolve(config.run_dir, os.environ)
+    rd = RunDir(path)
+    reg = Registration(
+        rank=rank, pid=me.pid, ppid=me.ppid, start_ticks=me.start_ticks, uid=me.uid,
+        host=_identity.hostname(), boot_id=_identity.boot_id(), pidns=_identity.pid_namespace(),
+        time_ns=time.time_ns(), world_size=config.world_size, local_rank=config.local_rank,
+        argv=" ".join(sys.argv)[:500],
+    )
+    try:
+        started_ns = int(psutil.Process().create_time() * 1e9)
+    except psutil.Error:
+        started_ns = time.time_ns()
+    rd.prepare(reg, started_ns)
+    stack_file = _open_stack_file(rd, rank)
+    # Children started from here on (Lightning's ranks 1..N-1) join this run.
+    os.environ["PEERWATCH_DIR"] = path
+    watcher = Watcher(config, rd, reg, stack_file)
+    watcher.interrupt_installed = _install_interrupt_handler()
+    rd.publish_registration(reg)
+    logger.info("peerwatch: rank %d (pid %d) is watching its peers in %s (%s)", rank, me.pid, path, how)
+    return watcher
+
+
+def _open_stack_file(rd: RunDir, rank: int) -> Optional[IO[str]]:
+    """Open this rank's stack file and have faulthandler dump into it on STACKS_SIGNAL.
+
+    faulthandler writes from its C signal handler, so the dump works even while the main
+    thread holds the GIL in C code.
+    """
+    try:
+        fd = os.open(
+            rd.join(STACKS, rank_file("rank", rank, ".txt")),
+            os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+        )
+        stack_file = os.fdopen(fd, "w")
+        faulthandler.register(_teardown.STACKS_SIGNAL, file=stack_file, all_threads=True, chain=False)
+        return stack_file
+    except (OSError, RuntimeError, ValueError) as e:
+        logger.warning("peerwatch: rank %d cannot arm stack dumps: %s", rank, e)
+        return None
+
+
+def _install_interrupt_handler() -> bool:
+    """Our handler wakes the main thread out of sleep/select/wait to raise PeerFailure."""
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    try:
+        if signal.getsignal(_teardown.INTERRUPT_SIGNAL) not in (signal.SIG_DFL, None, _on_interrupt):
+            return False
+        signal.signal(_teardown.INTERRUPT_SIGNAL, _on_interrupt)
+        return True
+    except (OSError, ValueError):
+        return False
+
+
+def _on_interrupt(signum: int, frame: Any) -> None:
+    w = _active()
+    if w is not None and w.verdict is not None and w.in_watch > 0 and w.verdict.rank != w.rank:
+        raise PeerFailure()
+
+
+def _active() -> Optional[Watcher]:
+    """The watcher of this very process (not one inherited through fork)."""
+    w = _watcher
+    return w if w is not None and _owner_pid == os.getpid() else None
+
+
+def current_verdict() -> Optional[Verdict]:
+    w = _active()
+    return w.verdict if w is not None else None
+
+
+# -- watch() ------------------------------------------------------------------------
+
+
+class watch:
+    """Context manager around the work that must finish on every rank.
+
+    Installs peerwatch if needed. A clean exit writes this rank's success marker; an
+    exception writes a failure record with its traceback, then propagates. If a peer
+    fails meanwhile, the main thread gets :class:`PeerFailure` (a ``SystemExit``
+    carrying the failed rank's exit code) and must leave within the grace period, or
+    the process exits hard.
+    """
+
+    def __init__(self, **options: Any) -> None:
+        self._options = options
+        self._watcher: Optional[Watcher] = None
+
+    def __enter__(self) -> Optional[Watcher]:
+        self._watcher = _install(self._options)
+        if self._watcher is not None:
+            self._watcher.in_watch += 1
+        return self._watcher
+
+    def __exit__(
+        self, exc_type: Optional[Type[BaseException]], exc: Optional[BaseException], tb: Optional[TracebackType]
+    ) -> None:
+        w = self._watcher
+        if w is None or _owner_pid != os.getpid():
+            return
+        w.in_watch -= 1
+        if exc is None or (isinstance(exc, SystemExit) and exc.code in (None, 0) and not isinstance(exc, PeerFailure)):
+            w.record_success()
+        elif not isinstance(exc, PeerFailure):
+            _record_exception(w, exc, tb)
+
+
+# -- progress -----------------------------------------------------------------------
+
+
+def beat(step: Optional[int] = None) -> None:
+    """Tell peerwatch the training made progress (cheap: no I/O; call it every step)."""
+    w = _active()
+    if w is None:
+        return
+    w.step = (w.step or 0) + 1 if step is None else step
+    w.progress_ns = time.monotonic_ns()
+
+
+# -- hooks --------------------------------------------------------------------------
+
+
+def _install_hooks(w: Watcher) -> None:
+    global _hooks_installed
+    if _hooks_installed:
+        return
+    _hooks_installed = True
+    previous_excepthook = sys.excepthook
+
+    def excepthook(exc_type: Type[BaseException], exc: BaseException, tb: Optional[TracebackType]) -> None:
+        w = _active()
+        if w is not None and not isinstance(exc, PeerFailure):
+            _record_exception(w, exc, tb)
+        previous_excepthook(exc_type, exc, tb)
+
+    sys.excepthook = excepthook
+    sys.exit = _exit  # type: ignore[assignment]
+    atexit.register(_at_exit)
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _exit(status: Any = None) -> None:
+    """``sys.exit`` that first records a non-zero exit of the main thread as this rank's failure."""
+    w = _active()
+    if w is not None and threading.current_thread() is threading.main_thread() and not w.in_watch:
+        code = _exit_status(status)
+        if code != 0 and w.verdict is None:
+            stack = "".join(traceback.format_stack()[:-1])
+            w.record_failure(Failure(
+                rank=w.rank, pid=os.getpid(), time_ns=time.time_ns(), cause=EXIT, exit_code=code,
+                message=f"sys.exit({status!r})", traceback=stack[-MAX_TRACEBACK_CHARS:],
+                thread=threading.current_thread().name,
+            ))
+    _original_sys_exit(status)
+
+
+def _exit_status(status: Any) -> int:
+    if status is None:
+        return 0
+    if isinstance(status, int) and not isinstance(status, bool):
+        return status & 0xFF
+    return 1  # sys.exit("message") prints it and exits 1
+
+
+def _record_exception(w: Watcher, exc: BaseException, tb: Optional[TracebackType]) -> None:
+    if w.verdict is not None and w.verdict.rank != w.rank:
+        return  # we are being torn down: what we raise now is a consequence, not a cause
+    if isinstance(exc, SystemExit):
+        code = _exit_status(exc.code)
+        if code == 0:
+            return
+        cause, name, message = EXIT, None, f"SystemExit({exc.code!r})"
+    else:
+        code = 130 if isinstance(exc, KeyboardInterrupt) else 1
+        cause, name, message = EXCEPTION, _qualified_name(type(exc)), str(exc)[:2000]
+    text = "".join(traceback.format_exception(type(exc), exc, tb))
+    w.record_failure(Failure(
+        rank=w.rank, pid=os.getpid(), time_ns=time.time_ns(), cause=cause, exit_code=code,
+        exception=name, message=message, traceback=text[-MAX_TRACEBACK_CHARS:],
+        thread=threading.current_thread().name,
+    ))
+
+
+def _qualified_name(cls: type) -> str:
+    module = cls.__module__
+    return cls.__qualname__ if module in ("builtins", "__main__") else f"{module}.{cls.__qualname__}"
+
+
+def _at_exit() -> None:
+    """At a normal interpreter exit: the rank finished cleanly unless we know otherwise."""
+    w = _active()
+    if w is None:
+        return
+    if w.verdict is not None:
+        return  # being torn down: the watcher enforces the deadline until the process is gone
+    if w.own_exit_code is None and _explicit_install:
+        w.record_success()
+    w.stop(timeout=1.0)
+
+
+def _after_fork_in_child() -> None:
+    global _watcher
+    # The watcher thread does not exist in the child; the parent's records are not ours.
+    _watcher = None
+
+
+__all__ = ["beat", "current_verdict", "install", "watch"]

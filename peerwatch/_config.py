@@ -1,0 +1,187 @@
+"""Configuration: keyword arguments > ``PEERWATCH_*`` environment > defaults.
+
+Resolved once into a frozen :class:`Config`; every bad value is reported with the
+option's name and where the value came from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Callable, Mapping, Optional, Tuple
+
+from ._errors import ConfigError
+
+GRACE_S = 5.0  # between SIGTERM and SIGKILL; also how long a rank's main thread may take to leave
+ACK_WINDOW_S = 0.5  # how long a peer has to acknowledge a verdict before we signal it
+HEARTBEAT_INTERVAL_S = 1.0  # liveness/progress record; the slow path, not the detector
+PARENT_WAIT_S = 0.1  # a dead rank's parent may know its exit status: let it speak first
+DEFAULT_EXIT_CODE = 1  # exit code of torn-down ranks when the failing rank's code is unknown
+STARTUP_TIMEOUT_S = 0.0  # 0: off
+
+# Environment variables that carry the rank, in order of preference.
+_RANK_VARS = ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
+_WORLD_VARS = ("WORLD_SIZE", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
+_LOCAL_RANK_VARS = ("LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK")
+_LOCAL_WORLD_VARS = ("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Everything peerwatch needs to know, resolved once.
+
+    ``rank`` is ``None`` only when nothing says which rank this is; peerwatch then
+    assumes rank 0 (a launcher's first process, e.g. Lightning's rank 0 before it
+    spawns the others). ``sources`` maps each option to where its value came from.
+    """
+
+    enabled: bool = True
+    run_dir: Optional[str] = None
+    rank: Optional[int] = None
+    world_size: Optional[int] = None
+    local_rank: Optional[int] = None
+    local_world_size: Optional[int] = None
+    grace: float = GRACE_S
+    ack_window: float = ACK_WINDOW_S
+    heartbeat_interval: float = HEARTBEAT_INTERVAL_S
+    parent_wait: float = PARENT_WAIT_S
+    exit_code: int = DEFAULT_EXIT_CODE
+    startup_timeout: float = STARTUP_TIMEOUT_S
+    strict: bool = False
+    use_pidfd: bool = True
+    sources: Tuple[Tuple[str, str], ...] = ()
+
+    @property
+    def effective_rank(self) -> int:
+        return 0 if self.rank is None else self.rank
+
+    def source_of(self, option: str) -> str:
+        return dict(self.sources).get(option, "default")
+
+    @classmethod
+    def resolve(cls, options: Mapping[str, Any], env: Mapping[str, str] | None = None) -> Config:
+        """Build a Config from keyword options, then ``PEERWATCH_*`` variables, then defaults.
+
+        Raises :class:`ConfigError` naming the option, the value and its source.
+        """
+        env = os.environ if env is None else env
+        unknown = set(options) - _OPTION_NAMES
+        if unknown:
+            name = sorted(unknown)[0]
+            raise ConfigError(name, options[name], "keyword argument", "unknown option")
+        values: dict[str, Any] = {}
+        sources: dict[str, str] = {}
+        for name, (env_var, parse) in _OPTIONS.items():
+            if name in options and options[name] is not None:
+                raw, source = options[name], "keyword argument"
+            elif env.get(env_var, "") != "":
+                raw, source = env[env_var], f"environment variable {env_var}"
+            else:
+                continue
+            try:
+                values[name] = parse(raw)
+            except (TypeError, ValueError) as e:
+                raise ConfigError(name, raw, source, str(e)) from None
+            sources[name] = source
+        if "disable" in values:
+            values["enabled"] = not values.pop("disable")
+            sources["enabled"] = sources.pop("disable")
+        for name, var_names in (
+            ("rank", _RANK_VARS),
+            ("world_size", _WORLD_VARS),
+            ("local_rank", _LOCAL_RANK_VARS),
+            ("local_world_size", _LOCAL_WORLD_VARS),
+        ):
+            if name in values:
+                continue
+            for var in var_names:
+                if env.get(var, "") != "":
+                    source = f"environment variable {var}"
+                    try:
+                        values[name] = _non_negative_int(env[var])
+                    except ValueError as e:
+                        raise ConfigError(name, env[var], source, str(e)) from None
+                    sources[name] = source
+                    break
+        if "rank" not in values and "local_rank" in values and env.get("NODE_RANK", "0") == "0":
+            # Lightning's subprocess launcher sets LOCAL_RANK and NODE_RANK, not RANK.
+            values["rank"] = values["local_rank"]
+            sources["rank"] = sources["local_rank"]
+        config = cls(**values, sources=tuple(sorted(sources.items())))
+        config._validate()
+        return config
+
+    def _validate(self) -> None:
+        if self.world_size is not None and self.rank is not None and self.rank >= self.world_size:
+            raise ConfigError(
+                "rank", self.rank, self.source_of("rank"),
+                f"rank must be below world_size={self.world_size} ({self.source_of('world_size')})",
+            )
+        if self.world_size == 0:
+            raise ConfigError("world_size", 0, self.source_of("world_size"), "must be at least 1")
+
+
+def _non_negative_int(raw: Any) -> int:
+    if isinstance(raw, bool):
+        raise ValueError("expected a whole number, got a boolean")
+    value = int(raw)
+    if isinstance(raw, float) and raw != value:
+        raise ValueError("expected a whole number")
+    if value < 0:
+        raise ValueError("must not be negative")
+    return value
+
+
+def _exit_code(raw: Any) -> int:
+    value = _non_negative_int(raw)
+    if not 1 <= value <= 255:
+        raise ValueError("must be an exit status from 1 to 255")
+    return value
+
+
+def _seconds(raw: Any) -> float:
+    if isinstance(raw, bool):
+        raise ValueError("expected a number of seconds, got a boolean")
+    value = float(raw)
+    if not (value >= 0.0 and value < float("inf")):
+        raise ValueError("must be a finite number of seconds, 0 or more")
+    return value
+
+
+def _flag(raw: Any) -> bool:
+    if isinstance(raw, bool):
+        return raw
+    text = str(raw).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ValueError("expected one of 1/0, true/false, yes/no, on/off")
+
+
+def _path(raw: Any) -> str:
+    text = os.fspath(raw)
+    if not text:
+        raise ValueError("must not be empty")
+    return os.path.abspath(text)
+
+
+_OPTIONS: dict[str, tuple[str, Callable[[Any], Any]]] = {
+    "disable": ("PEERWATCH_DISABLE", _flag),
+    "run_dir": ("PEERWATCH_DIR", _path),
+    "rank": ("PEERWATCH_RANK", _non_negative_int),
+    "world_size": ("PEERWATCH_WORLD_SIZE", _non_negative_int),
+    "local_rank": ("PEERWATCH_LOCAL_RANK", _non_negative_int),
+    "local_world_size": ("PEERWATCH_LOCAL_WORLD_SIZE", _non_negative_int),
+    "grace": ("PEERWATCH_GRACE", _seconds),
+    "ack_window": ("PEERWATCH_ACK_WINDOW", _seconds),
+    "heartbeat_interval": ("PEERWATCH_HEARTBEAT", _seconds),
+    "parent_wait": ("PEERWATCH_PARENT_WAIT", _seconds),
+    "exit_code": ("PEERWATCH_EXIT_CODE", _exit_code),
+    "startup_timeout": ("PEERWATCH_STARTUP_TIMEOUT", _seconds),
+    "strict": ("PEERWATCH_STRICT", _flag),
+    "use_pidfd": ("PEERWATCH_PIDFD", _flag),
+}
+_OPTION_NAMES = frozenset(_OPTIONS)
+
+__all__ = ["Config", "GRACE_S"]

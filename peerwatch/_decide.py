@@ -1,0 +1,163 @@
+"""The decision: observed state -> verdict, or nothing yet. Pure: no I/O, no clock.
+
+Rules, in order:
+
+1. A verdict already written is the verdict (one per run; everyone follows it).
+2. A success marker is final: that rank never causes a teardown, whatever comes after.
+3. A failure record, an exit status seen by the parent, or a local peer seen gone (its
+   pidfd fired, or it no longer is the registered process) without a success marker is
+   a failure. Exited is not succeeded: exit code 0 without a marker is a failure too.
+4. A peer seen gone whose parent is a live peer is held back for ``parent_wait``: only
+   the parent can read the exit status, and it usually writes it within a millisecond.
+5. Of several failures, the earliest (then the lowest rank) is the root cause; we wait
+   while a held-back failure might still turn out to be the earliest.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import AbstractSet, List, Mapping, Optional, Tuple
+
+from ._records import (
+    EXIT, SIGNAL, VANISHED, ExitStatus, Failure, Registration, Verdict,
+    returncode_exit_code, signal_name,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Observed:
+    """What one watcher knows at ``now_ns`` (``time.time_ns()``)."""
+
+    self_rank: int
+    now_ns: int
+    registrations: Mapping[int, Registration]
+    successes: AbstractSet[int]
+    failures: Mapping[int, Failure]
+    exit_statuses: Mapping[int, ExitStatus]
+    gone: Mapping[int, int]  # rank -> when this watcher saw its process gone (time_ns)
+    verdict: Optional[Verdict] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    parent_wait_ns: int
+    default_exit_code: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    verdict: Optional[Verdict]
+    recheck_at_ns: Optional[int] = None  # decide again by then, even if nothing happens
+
+
+def decide(obs: Observed, policy: Policy) -> Decision:
+    if obs.verdict is not None:
+        return Decision(obs.verdict)
+    found: List[Verdict] = []
+    held: List[Tuple[int, int]] = []  # (seen_ns, until_ns)
+    for rank, failure in obs.failures.items():
+        if rank not in obs.successes:
+            found.append(_from_failure(obs, failure, policy))
+    for rank, status in obs.exit_statuses.items():
+        if rank not in obs.successes and rank not in obs.failures:
+            found.append(_from_status(obs, status, policy))
+    for rank, seen_ns in obs.gone.items():
+        if rank in obs.successes or rank in obs.failures or rank in obs.exit_statuses:
+            continue
+        until_ns = seen_ns + policy.parent_wait_ns
+        if obs.now_ns < until_ns and _has_live_parent(obs, rank):
+            held.append((seen_ns, until_ns))
+            continue
+        found.append(_vanished(obs, rank, seen_ns, policy))
+    first = min(found, key=lambda v: (v.failed_at_ns, v.rank), default=None)
+    waiting = [until for seen, until in held if first is None or seen <= first.failed_at_ns]
+    if waiting:
+        return Decision(None, recheck_at_ns=min(waiting))
+    return Decision(first)
+
+
+def _has_live_parent(obs: Observed, rank: int) -> bool:
+    """True if the rank's parent is another registered rank that is not known to be gone
+    and is not this watcher (which would already have read the status if it could)."""
+    reg = obs.registrations.get(rank)
+    if reg is None:
+        return False
+    for other, parent in obs.registrations.items():
+        if (
+            other != rank
+            and parent.pid == reg.ppid
+            and parent.boot_id == reg.boot_id
+            and parent.pidns == reg.pidns
+        ):
+            return other != obs.self_rank and other not in obs.gone
+    return False
+
+
+def exit_code_for(returncode: Optional[int], policy: Policy) -> int:
+    """The exit code torn-down ranks use: the failing rank's, but never 0."""
+    if returncode is None:
+        return policy.default_exit_code
+    code = returncode_exit_code(returncode)
+    return code if 0 < code <= 255 else policy.default_exit_code
+
+
+def _base(obs: Observed, rank: int) -> dict:
+    reg = obs.registrations.get(rank)
+    return {
+        "rank": rank,
+        "pid": reg.pid if reg else None,
+        "host": reg.host if reg else None,
+        "detected_by": obs.self_rank,
+        "detected_at_ns": obs.now_ns,
+    }
+
+
+def _from_failure(obs: Observed, f: Failure, policy: Policy) -> Verdict:
+    if f.exception:
+        detail = f"raised {f.exception}: {f.message}" if f.message else f"raised {f.exception}"
+    else:
+        detail = f"exited with code {f.exit_code}"
+    if f.thread and f.thread != "MainThread":
+        detail += f" (in thread {f.thread})"
+    return Verdict(
+        **_base(obs, f.rank),
+        cause=f.cause,
+        exit_code=exit_code_for(f.exit_code, policy),
+        failed_at_ns=f.time_ns,
+        returncode=f.exit_code,
+        exception=f.exception,
+        message=f.message,
+        traceback=f.traceback,
+        detail=detail,
+    )
+
+
+def _from_status(obs: Observed, st: ExitStatus, policy: Policy) -> Verdict:
+    base = _base(obs, st.rank)
+    base["pid"] = st.pid
+    if st.returncode < 0:
+        name = signal_name(-st.returncode)
+        return Verdict(
+            **base, cause=SIGNAL, exit_code=exit_code_for(st.returncode, policy),
+            failed_at_ns=st.time_ns, returncode=st.returncode, signal=name,
+            detail=f"killed by {name}",
+        )
+    detail = f"exited with code {st.returncode}"
+    if st.returncode == 0:
+        detail += " without a success marker"
+    return Verdict(
+        **base, cause=EXIT, exit_code=exit_code_for(st.returncode, policy),
+        failed_at_ns=st.time_ns, returncode=st.returncode, detail=detail,
+    )
+
+
+def _vanished(obs: Observed, rank: int, seen_ns: int, policy: Policy) -> Verdict:
+    return Verdict(
+        **_base(obs, rank), cause=VANISHED, exit_code=policy.default_exit_code,
+        failed_at_ns=seen_ns,
+        detail="process ended without a success marker; how it ended is known only to its "
+        "parent, which is not a watching rank (SIGKILL, the OOM killer, os._exit, ...)",
+    )
+
+
+__all__ = ["Decision", "Observed", "Policy", "decide", "exit_code_for"]

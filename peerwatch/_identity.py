@@ -1,0 +1,113 @@
+"""Who is this process, and is that pid still that process?
+
+A process is identified by (boot id, PID namespace, pid, start time in clock ticks since
+boot, uid). Everything here fails closed: when we cannot tell, the answer is "not the
+same process", so a pid that cannot be verified is never signalled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import socket
+from typing import Optional
+
+import psutil
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessInfo:
+    """What ``/proc/<pid>/stat`` says of a live process (or a zombie)."""
+
+    pid: int
+    ppid: int
+    state: str  # R, S, D, T, t, Z, X, ...
+    start_ticks: int
+    uid: int
+
+    @property
+    def dead(self) -> bool:
+        return self.state in ("Z", "X", "x")
+
+
+@functools.lru_cache(maxsize=None)
+def boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return f"boot-time-{int(psutil.boot_time())}"
+
+
+def pid_namespace() -> str:
+    # Not cached: a process can move to a new PID namespace for its children (unshare),
+    # but its own namespace only changes across fork, where caches would lie.
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return "pid:[unknown]"
+
+
+@functools.lru_cache(maxsize=None)
+def hostname() -> str:
+    return socket.gethostname()
+
+
+def probe(pid: int) -> Optional[ProcessInfo]:
+    """Read pid's identity, or ``None`` if there is no such process (or it cannot be read)."""
+    if pid <= 0:
+        return None
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+        uid = os.stat(f"/proc/{pid}").st_uid
+    except FileNotFoundError:
+        return None
+    except OSError:
+        return _probe_psutil(pid)
+    # The command name may hold spaces and parentheses: split after the last ')'.
+    fields = data[data.rfind(b")") + 2 :].split()
+    try:
+        return ProcessInfo(
+            pid=pid,
+            ppid=int(fields[1]),
+            state=fields[0].decode("ascii", "replace"),
+            start_ticks=int(fields[19]),
+            uid=uid,
+        )
+    except (IndexError, ValueError):
+        return None
+
+
+def _probe_psutil(pid: int) -> Optional[ProcessInfo]:
+    """Fallback where /proc cannot be read (not Linux)."""
+    try:
+        p = psutil.Process(pid)
+        with p.oneshot():
+            status = p.status()
+            return ProcessInfo(
+                pid=pid,
+                ppid=p.ppid(),
+                state="Z" if status == psutil.STATUS_ZOMBIE else "S",
+                start_ticks=int(round(p.create_time() * 100)),
+                uid=p.uids().real,
+            )
+    except (psutil.Error, OSError):
+        return None
+
+
+def is_same_process(pid: int, start_ticks: int, uid: int) -> bool:
+    """True only if pid is alive (not a zombie) and is the process that started at start_ticks."""
+    info = probe(pid)
+    return info is not None and not info.dead and info.start_ticks == start_ticks and info.uid == uid
+
+
+def self_info() -> ProcessInfo:
+    info = probe(os.getpid())
+    if info is None:
+        raise OSError("cannot read this process's own identity from /proc")
+    return info
+
+
+__all__ = ["ProcessInfo", "boot_id", "hostname", "is_same_process", "pid_namespace", "probe", "self_info"]

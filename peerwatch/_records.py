@@ -1,0 +1,226 @@
+"""The records kept in a run directory: what each holds and how it is (de)serialised.
+
+Pure: no I/O. Every record is a JSON object with ``version`` and ``kind``; unknown keys
+are ignored, a record of another major version or with a field of the wrong type parses
+to ``None`` (the caller treats it as "not written yet" and logs it once).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import signal as _signal
+import typing
+from typing import Any, Dict, Optional, Tuple, Type, TypeVar
+
+RECORD_VERSION = 1
+MAX_RECORD_BYTES = 1 << 20  # a larger file is not a record of ours
+MAX_TRACEBACK_CHARS = 32_000
+
+# Causes of a verdict.
+EXCEPTION = "exception"  # the rank raised and said so
+EXIT = "exit"  # the rank exited with a non-zero code (or 0 without a success marker)
+SIGNAL = "signal"  # the rank was killed by a signal (known to its parent)
+VANISHED = "vanished"  # the rank's process is gone and nobody knows how
+HANG = "hang"
+LOST = "lost"
+
+
+@dataclasses.dataclass(frozen=True)
+class Registration:
+    """The pid file: which process is rank ``rank`` of this run."""
+
+    KIND = "registration"
+    rank: int
+    pid: int
+    ppid: int
+    start_ticks: int
+    uid: int
+    host: str
+    boot_id: str
+    pidns: str
+    time_ns: int
+    world_size: Optional[int] = None
+    local_rank: Optional[int] = None
+    argv: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Success:
+    """The rank finished its watched work cleanly."""
+
+    KIND = "success"
+    rank: int
+    pid: int
+    time_ns: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Failure:
+    """What a failing rank knew about its own failure, written before it went."""
+
+    KIND = "failure"
+    rank: int
+    pid: int
+    time_ns: int
+    cause: str
+    exit_code: Optional[int] = None
+    exception: Optional[str] = None  # qualified type name
+    message: Optional[str] = None
+    traceback: Optional[str] = None
+    thread: Optional[str] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class ExitStatus:
+    """How a rank ended, as seen by its parent (the only process the kernel tells)."""
+
+    KIND = "exit"
+    rank: int
+    pid: int
+    time_ns: int
+    returncode: int  # as subprocess reports it: -N for signal N
+    observed_by: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Ack:
+    """A rank saw the verdict and is leaving on its own by ``deadline_ns`` (CLOCK_MONOTONIC)."""
+
+    KIND = "ack"
+    rank: int
+    pid: int
+    time_ns: int
+    deadline_ns: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Heartbeat:
+    KIND = "heartbeat"
+    rank: int
+    pid: int
+    time_ns: int
+    seq: int
+    step: Optional[int] = None
+    progress_ns: Optional[int] = None
+    paused: bool = False
+    children: Tuple[Tuple[int, int], ...] = ()  # (pid, start_ticks) of this rank's descendants
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    """The first failure of the run. Written once; every watcher acts on it."""
+
+    KIND = "verdict"
+    rank: int
+    cause: str
+    exit_code: int  # what every torn-down rank exits with
+    failed_at_ns: int
+    detected_by: int
+    detected_at_ns: int
+    pid: Optional[int] = None
+    host: Optional[str] = None
+    returncode: Optional[int] = None
+    signal: Optional[str] = None
+    exception: Optional[str] = None
+    message: Optional[str] = None
+    traceback: Optional[str] = None
+    detail: str = ""
+
+
+R = TypeVar("R")
+
+
+def encode(record: Any) -> bytes:
+    body: Dict[str, Any] = {"version": RECORD_VERSION, "kind": type(record).KIND}
+    body.update(dataclasses.asdict(record))
+    return json.dumps(body, separators=(",", ":")).encode()
+
+
+def decode(cls: Type[R], data: bytes) -> Optional[R]:
+    """Parse ``data`` as a record of ``cls``; ``None`` if it is not one."""
+    if len(data) > MAX_RECORD_BYTES:
+        return None
+    try:
+        body = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        return None
+    if not isinstance(body, dict):
+        return None
+    if body.get("version") != RECORD_VERSION or body.get("kind") != cls.KIND:  # type: ignore[attr-defined]
+        return None
+    values = {}
+    for field in dataclasses.fields(cls):  # type: ignore[arg-type]
+        if field.name not in body:
+            if field.default is dataclasses.MISSING:
+                return None
+            continue
+        value = _check(body[field.name], _field_types(cls)[field.name])
+        if value is _INVALID:
+            return None
+        values[field.name] = value
+    try:
+        return cls(**values)
+    except (TypeError, ValueError):
+        return None
+
+
+_INVALID = object()
+
+
+def _check(value: Any, expected: Any) -> Any:
+    origin = typing.get_origin(expected)
+    if origin is typing.Union:
+        for option in typing.get_args(expected):
+            checked = _check(value, option)
+            if checked is not _INVALID:
+                return checked
+        return _INVALID
+    if expected is type(None):
+        return None if value is None else _INVALID
+    if expected is int:
+        return value if type(value) is int else _INVALID
+    if expected is bool:
+        return value if type(value) is bool else _INVALID
+    if expected is str:
+        return value if type(value) is str else _INVALID
+    if origin is tuple:
+        args = typing.get_args(expected)
+        if not isinstance(value, list):
+            return _INVALID
+        if len(args) == 2 and args[1] is Ellipsis:
+            items = [_check(v, args[0]) for v in value]
+        elif len(args) == len(value):
+            items = [_check(v, a) for v, a in zip(value, args)]
+        else:
+            return _INVALID
+        return _INVALID if any(i is _INVALID for i in items) else tuple(items)
+    return _INVALID
+
+
+_TYPE_CACHE: Dict[type, Dict[str, Any]] = {}
+
+
+def _field_types(cls: type) -> Dict[str, Any]:
+    if cls not in _TYPE_CACHE:
+        _TYPE_CACHE[cls] = typing.get_type_hints(cls)
+    return _TYPE_CACHE[cls]
+
+
+def returncode_exit_code(returncode: int) -> int:
+    """The shell's view of a subprocess returncode: signal N -> 128+N."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def signal_name(signum: int) -> str:
+    try:
+        return _signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+__all__ = [
+    "EXCEPTION", "EXIT", "HANG", "LOST", "SIGNAL", "VANISHED",
+    "Ack", "ExitStatus", "Failure", "Heartbeat", "Registration", "Success", "Verdict",
+    "MAX_RECORD_BYTES", "RECORD_VERSION", "decode", "encode", "returncode_exit_code", "signal_name",
+]

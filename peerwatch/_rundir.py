@@ -1,0 +1,327 @@
+"""The run directory: where it is, whether to trust it, and reading/writing its records.
+
+Layout (per host)::
+
+    RUN/ranks/rank-00003.json       registration (pid file)
+    RUN/events/success-00003.json   success marker            \\
+    RUN/events/failure-00003.json   failure record             | watched by inotify;
+    RUN/events/exit-00003.json      exit status seen by parent | created by link(2), so
+    RUN/events/ack-00003.json       "I saw the verdict"        | they appear complete
+    RUN/events/verdict.json         the verdict (first wins)  /
+    RUN/heartbeats/rank-00003.json  liveness and progress (replaced in place by rename)
+    RUN/stacks/rank-00003.txt       Python stacks dumped at teardown
+    RUN/report.json                 the report
+    RUN/tmp/                        temp files; records are written here first
+
+Records are written to ``tmp/`` and then linked (write-once records) or renamed
+(heartbeats) into place: a reader never sees half a record. Records in ``events/`` are
+linked rather than renamed because watchdog holds back rename events for half a second
+to pair them.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import stat
+import threading
+import time
+from typing import Dict, Iterator, Mapping, Optional, Set, Tuple, Type, TypeVar
+
+import filelock
+
+from . import _identity
+from ._errors import RunDirError
+from ._records import MAX_RECORD_BYTES, Registration, Verdict, decode, encode
+
+logger = logging.getLogger("peerwatch")
+
+RANKS, EVENTS, HEARTBEATS, STACKS, TMP = "ranks", "events", "heartbeats", "stacks", "tmp"
+VERDICT_FILE = "verdict.json"
+REPORT_FILE = "report.json"
+_SUBDIRS = (RANKS, EVENTS, HEARTBEATS, STACKS, TMP)
+
+R = TypeVar("R")
+
+
+def rank_file(prefix: str, rank: int, suffix: str = ".json") -> str:
+    return f"{prefix}-{rank:05d}{suffix}"
+
+
+def parse_rank_file(name: str) -> Optional[Tuple[str, int]]:
+    """``"failure-00003.json"`` -> ``("failure", 3)``; anything else -> ``None``."""
+    stem, dot, ext = name.rpartition(".")
+    if not dot or ext not in ("json", "txt"):
+        return None
+    prefix, dash, number = stem.rpartition("-")
+    if not dash or not number.isdigit() or len(number) > 9:
+        return None
+    return prefix, int(number)
+
+
+def base_dir() -> str:
+    """Where run directories live on this host when nothing says otherwise."""
+    runtime = os.environ.get("XDG_RUNTIME_DIR", "")
+    if runtime and os.path.isdir(runtime):
+        try:
+            st = os.stat(runtime)
+            if st.st_uid == os.geteuid() and not st.st_mode & 0o022:
+                return os.path.join(runtime, "peerwatch")
+        except OSError:
+            pass
+    tmp = os.environ.get("TMPDIR", "") or "/tmp"
+    return os.path.join(tmp, f"peerwatch-{os.geteuid()}")
+
+
+def resolve(run_dir: Optional[str], env: Mapping[str, str]) -> Tuple[str, str]:
+    """Pick this run's directory so that all ranks of one run agree, with no configuration.
+
+    Returns ``(path, how)``. The rule, first match wins:
+
+    ======================================  ==================================================
+    what the environment says               run directory (under :func:`base_dir`)
+    ======================================  ==================================================
+    ``PEERWATCH_DIR`` / ``run_dir=``        that directory (also how rank 0 tells its children)
+    torchrun: ``TORCHELASTIC_RUN_ID``       ``torchrun-<run id>-<agent pid>.<agent start>-r<restart>``
+    Slurm: ``SLURM_JOB_ID``                 ``slurm-<job id>.<step id>``
+    ``MASTER_ADDR`` and ``MASTER_PORT``     ``master-<addr>-<port>-<parent pid>.<parent start>``
+    nothing                                 ``run-<pid>.<start>``: a new run led by this process
+    ======================================  ==================================================
+    """
+    if run_dir:
+        return run_dir, "PEERWATCH_DIR"
+    base = base_dir()
+    parent = _parent_key()
+    if env.get("TORCHELASTIC_RUN_ID"):
+        restart = env.get("TORCHELASTIC_RESTART_COUNT", "0")
+        name = f"torchrun-{_safe(env['TORCHELASTIC_RUN_ID'])}-{parent}-r{_safe(restart)}"
+        return os.path.join(base, name), "torchrun (TORCHELASTIC_RUN_ID)"
+    if env.get("SLURM_JOB_ID"):
+        step = env.get("SLURM_STEP_ID", "batch")
+        return os.path.join(base, f"slurm-{_safe(env['SLURM_JOB_ID'])}.{_safe(step)}"), "Slurm (SLURM_JOB_ID)"
+    if env.get("MASTER_ADDR") and env.get("MASTER_PORT"):
+        name = f"master-{_safe(env['MASTER_ADDR'])}-{_safe(env['MASTER_PORT'])}-{parent}"
+        return os.path.join(base, name), "MASTER_ADDR/MASTER_PORT and parent process"
+    me = _identity.self_info()
+    return os.path.join(base, f"run-{me.pid}.{me.start_ticks}"), "new run led by this process"
+
+
+def _parent_key() -> str:
+    parent = _identity.probe(os.getppid())
+    return f"{os.getppid()}.{parent.start_ticks if parent else 0}"
+
+
+def _safe(text: str) -> str:
+    cleaned = "".join(c if c.isalnum() or c in "._" else "_" for c in text)
+    return cleaned[:64] or "_"
+
+
+def check_trusted(path: str) -> None:
+    """Raise :class:`RunDirError` unless path is a real directory, ours, not group/world-writable."""
+    try:
+        st = os.lstat(path)
+    except OSError as e:
+        raise RunDirError(path, f"cannot be read ({e.strerror})") from None
+    if stat.S_ISLNK(st.st_mode):
+        raise RunDirError(path, "is a symbolic link; refusing to follow it")
+    if not stat.S_ISDIR(st.st_mode):
+        raise RunDirError(path, "is not a directory")
+    if st.st_uid != os.geteuid():
+        raise RunDirError(path, f"is owned by uid {st.st_uid}, not by this user (uid {os.geteuid()})")
+    if st.st_mode & 0o022:
+        raise RunDirError(path, f"is group- or world-writable (mode {stat.S_IMODE(st.st_mode):o})")
+
+
+def _make_dir(path: str) -> None:
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    check_trusted(path)
+
+
+class RunDir:
+    """One run directory on this host. Reads are tolerant; writes are atomic."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._warned: Set[Tuple[str, str]] = set()
+        self._warn_lock = threading.Lock()
+
+    def join(self, *parts: str) -> str:
+        return os.path.join(self.path, *parts)
+
+    # -- creation and registration -------------------------------------------------
+
+    def prepare(self, reg: Registration, process_start_ns: int) -> None:
+        """Create the directory and its folders (0700) for rank ``reg.rank`` to register in.
+
+        Under a lock beside the directory: a directory left by an earlier run (this rank's
+        slot held by a dead process, or a verdict older than this process) is set aside
+        first. A slot held by another live process means two jobs share the directory:
+        :class:`RunDirError`.
+        """
+        parent = os.path.dirname(self.path)
+        try:
+            os.makedirs(parent, 0o700, exist_ok=True)
+        except OSError as e:
+            raise RunDirError(parent, f"cannot be created ({e.strerror})") from None
+        if parent == base_dir():
+            check_trusted(parent)
+        lock = filelock.FileLock(self.path + ".lock", timeout=30)
+        try:
+            with lock:
+                self._set_aside_if_stale(reg, process_start_ns)
+                _make_dir(self.path)
+                for sub in _SUBDIRS:
+                    _make_dir(self.join(sub))
+        except filelock.Timeout:
+            raise RunDirError(self.path, "timed out waiting for its lock file") from None
+
+    def publish_registration(self, reg: Registration) -> None:
+        """Write this rank's pid file: from now on its peers watch it."""
+        self.write(RANKS, rank_file("rank", reg.rank), encode(reg), replace=True)
+
+    def _set_aside_if_stale(self, reg: Registration, process_start_ns: int) -> None:
+        if not os.path.lexists(self.path):
+            return
+        check_trusted(self.path)
+        stale_reason = None
+        mine = self.read(RANKS, rank_file("rank", reg.rank), Registration)
+        if mine is not None and (mine.pid, mine.start_ticks) != (reg.pid, reg.start_ticks):
+            if _identity.is_same_process(mine.pid, mine.start_ticks, mine.uid) and mine.boot_id == reg.boot_id:
+                raise RunDirError(
+                    self.path,
+                    f"rank {reg.rank} is already registered by live pid {mine.pid}: two jobs share "
+                    "this run directory; give each its own PEERWATCH_DIR",
+                )
+            stale_reason = f"rank {reg.rank} was registered by pid {mine.pid}, which is gone"
+        verdict = self.read(EVENTS, VERDICT_FILE, Verdict)
+        if stale_reason is None and verdict is not None and verdict.detected_at_ns < process_start_ns:
+            if not any(self._alive(r) for r in self.registrations().values()):
+                stale_reason = "it holds a verdict from before this process started"
+        if stale_reason is None:
+            return
+        aside = f"{self.path}.stale-{time.time_ns()}"
+        logger.warning("peerwatch: %s is from an earlier run (%s); moved it to %s", self.path, stale_reason, aside)
+        os.rename(self.path, aside)
+
+    @staticmethod
+    def _alive(reg: Registration) -> bool:
+        return reg.boot_id == _identity.boot_id() and _identity.is_same_process(reg.pid, reg.start_ticks, reg.uid)
+
+    # -- writing -------------------------------------------------------------------
+
+    def write(self, sub: str, name: str, data: bytes, *, replace: bool = False) -> bool:
+        """Write ``data`` to ``sub/name`` atomically. Without ``replace`` the first writer wins:
+        returns False if the file was already there. Raises OSError (ENOSPC, ...) to the caller.
+        """
+        tmp = self.join(TMP, f"{name}.{os.getpid()}.{threading.get_ident()}.{time.monotonic_ns()}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view) :]
+            finally:
+                os.close(fd)
+            target = self.join(sub, name)
+            if replace:
+                os.replace(tmp, target)
+                return True
+            try:
+                os.link(tmp, target)
+                return True
+            except FileExistsError:
+                return False
+        finally:
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+
+    # -- reading -------------------------------------------------------------------
+
+    def read_bytes(self, sub: str, name: str, limit: int = MAX_RECORD_BYTES) -> Optional[bytes]:
+        """The file's bytes, or None if it is missing, not a regular file, a symlink or too big."""
+        path = self.join(sub, name)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                self.warn_once(path, "is a symbolic link; ignored")
+            elif e.errno not in (errno.ENOTDIR,):
+                self.warn_once(path, f"cannot be read ({e.strerror}); ignored")
+            return None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                self.warn_once(path, "is not a regular file; ignored")
+                return None
+            if st.st_size > limit:
+                self.warn_once(path, f"is {st.st_size} bytes, over the {limit} byte limit; ignored")
+                return None
+            chunks = []
+            while True:
+                chunk = os.read(fd, limit + 1)
+                if not chunk:
+                    break
+                chunks.append(chunk)
+                if sum(map(len, chunks)) > limit:
+                    self.warn_once(path, "grew over the size limit while being read; ignored")
+                    return None
+            return b"".join(chunks)
+        except OSError as e:
+            self.warn_once(path, f"cannot be read ({e.strerror}); ignored")
+            return None
+        finally:
+            os.close(fd)
+
+    def read(self, sub: str, name: str, cls: Type[R]) -> Optional[R]:
+        data = self.read_bytes(sub, name)
+        if data is None:
+            return None
+        record = decode(cls, data)
+        if record is None and data:
+            self.warn_once(self.join(sub, name), "is not a valid peerwatch record; ignored")
+        return record
+
+    def entries(self, sub: str) -> Iterator[Tuple[str, int, str]]:
+        """(prefix, rank, name) of the rank files in sub; other entries are skipped."""
+        try:
+            names = os.listdir(self.join(sub))
+        except FileNotFoundError:
+            return
+        except OSError as e:
+            self.warn_once(self.join(sub), f"cannot be listed ({e.strerror})")
+            return
+        for name in names:
+            parsed = parse_rank_file(name)
+            if parsed is not None:
+                yield parsed[0], parsed[1], name
+
+    def registrations(self) -> Dict[int, Registration]:
+        found = {}
+        for prefix, rank, name in self.entries(RANKS):
+            if prefix != "rank":
+                continue
+            reg = self.read(RANKS, name, Registration)
+            if reg is not None and reg.rank == rank:
+                found[rank] = reg
+        return found
+
+    def warn_once(self, path: str, reason: str) -> None:
+        with self._warn_lock:
+            if (path, reason) in self._warned:
+                return
+            self._warned.add((path, reason))
+        logger.warning("peerwatch: %s %s", path, reason)
+
+
+__all__ = [
+    "EVENTS", "HEARTBEATS", "RANKS", "REPORT_FILE", "STACKS", "TMP", "VERDICT_FILE",
+    "RunDir", "base_dir", "check_trusted", "parse_rank_file", "rank_file", "resolve",
+]

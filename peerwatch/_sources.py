@@ -1,0 +1,128 @@
+"""Where observations come from: pidfds of local peers, inotify on the events folder,
+and the exit status of a peer that is our own child.
+
+Thin OS adapters; the watcher thread owns them and polls their file descriptors.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+from typing import Callable, List, Optional
+
+from . import _identity
+from ._records import Registration
+
+logger = logging.getLogger("peerwatch")
+
+
+def pidfd_supported() -> bool:
+    if not hasattr(os, "pidfd_open"):
+        return False
+    try:
+        fd = os.pidfd_open(os.getpid())
+    except OSError:
+        return False
+    os.close(fd)
+    return True
+
+
+def is_local(reg: Registration) -> bool:
+    """A registration is of this host if boot id and PID namespace are ours."""
+    return reg.boot_id == _identity.boot_id() and reg.pidns == _identity.pid_namespace()
+
+
+class Peer:
+    """A local peer we watch: its registration and, where the OS has them, a pidfd.
+
+    The pidfd is opened and then the process is verified (start time, uid): from then on
+    the fd refers to that process and no other, even if its pid is later reused.
+    """
+
+    def __init__(self, reg: Registration, use_pidfd: bool) -> None:
+        self.reg = reg
+        self.pidfd: Optional[int] = None
+        self.alive = False
+        if use_pidfd:
+            try:
+                self.pidfd = os.pidfd_open(reg.pid)
+            except OSError as e:
+                if e.errno != errno.ESRCH:
+                    logger.warning("peerwatch: pidfd_open(%d) for rank %d failed: %s", reg.pid, reg.rank, e)
+                return
+        self.alive = _identity.is_same_process(reg.pid, reg.start_ticks, reg.uid)
+        if not self.alive:
+            self.close()
+
+    def check_alive(self) -> bool:
+        """Re-check without a pidfd (the polling fallback)."""
+        if self.alive and not _identity.is_same_process(self.reg.pid, self.reg.start_ticks, self.reg.uid):
+            self.alive = False
+        return self.alive
+
+    def close(self) -> None:
+        if self.pidfd is not None:
+            os.close(self.pidfd)
+            self.pidfd = None
+
+
+def child_returncode(pid: int) -> Optional[int]:
+    """The exit status of our own child ``pid`` if it has ended, without reaping it.
+
+    Returned as ``subprocess`` does (``-N`` for signal N), so a ``Popen.wait()`` elsewhere
+    still gets the right code. ``None`` if pid is not our child, was already reaped, or
+    is still running.
+    """
+    try:
+        result = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except (ChildProcessError, OSError):
+        return None
+    if result is None:
+        return None
+    if result.si_code == os.CLD_EXITED:
+        return result.si_status
+    if result.si_code in (os.CLD_KILLED, os.CLD_DUMPED):
+        return -result.si_status
+    return None
+
+
+class FolderWatch:
+    """inotify (through watchdog) on the folders whose changes must wake the watcher.
+
+    ``on_change`` is called from watchdog's thread; it must be cheap and thread-safe.
+    If inotify cannot be used, :attr:`active` is False and the watcher rescans on a timer.
+    """
+
+    def __init__(self, folders: List[str], on_change: Callable[[], None], name: str) -> None:
+        self.active = False
+        self._observer = None
+        try:
+            from watchdog.events import FileSystemEventHandler
+            from watchdog.observers.inotify import InotifyObserver
+        except ImportError as e:
+            logger.warning("peerwatch: watchdog's inotify observer is unavailable (%s); polling instead", e)
+            return
+
+        class Handler(FileSystemEventHandler):  # type: ignore[misc]
+            def on_any_event(self, event: object) -> None:
+                on_change()
+
+        try:
+            observer = InotifyObserver(timeout=5.0)
+            observer.name = name
+            for folder in folders:
+                observer.schedule(Handler(), folder, recursive=False)
+            observer.start()
+        except OSError as e:
+            logger.warning("peerwatch: cannot watch %s with inotify (%s); polling instead", folders, e)
+            return
+        self._observer = observer
+        self.active = True
+
+    def stop(self) -> None:
+        if self._observer is not None:
+            self._observer.stop()
+
+
+__all__ = ["FolderWatch", "Peer", "child_returncode", "is_local", "pidfd_supported"]

@@ -1,0 +1,191 @@
+"""Teardown: stack dumps, signalling verified process trees, grace, SIGKILL, leaving.
+
+Every signal goes through :func:`send`, which only signals a :class:`Target`: a process
+verified (pid, start time, uid) when the target was made, and held by a pidfd where the
+OS has them, so a pid reused in between cannot be hit.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import logging
+import os
+import select
+import signal
+import sys
+import threading
+import time
+from typing import Iterable, List, Optional, Sequence, Set, Tuple
+
+import psutil
+
+from . import _identity
+
+logger = logging.getLogger("peerwatch")
+
+_RTMIN = int(getattr(signal, "SIGRTMIN", 34))
+# Signals of our own, from the real-time range that training code does not use.
+INTERRUPT_SIGNAL = _RTMIN + 4  # raise PeerFailure in a rank's main thread
+STACKS_SIGNAL = _RTMIN + 5  # faulthandler dumps all stacks (works under a held GIL)
+
+_PIDFD = hasattr(os, "pidfd_open") and hasattr(signal, "pidfd_send_signal")
+
+
+@dataclasses.dataclass
+class Target:
+    pid: int
+    start_ticks: int
+    uid: int
+    label: str  # "rank 3" or "pid 812, a child of rank 3": for people
+    pidfd: Optional[int] = None
+
+    def close(self) -> None:
+        if self.pidfd is not None:
+            os.close(self.pidfd)
+            self.pidfd = None
+
+
+def make_target(pid: int, start_ticks: int, uid: int, label: str) -> Optional[Target]:
+    """A target for pid if it is alive and is the process that started at start_ticks."""
+    if pid <= 1 or pid == os.getpid() or uid != os.geteuid():
+        return None
+    pidfd = None
+    if _PIDFD:
+        try:
+            pidfd = os.pidfd_open(pid)
+        except OSError:
+            return None
+    # Verified after the pidfd is open: the fd now pins this very process.
+    if not _identity.is_same_process(pid, start_ticks, uid):
+        if pidfd is not None:
+            os.close(pidfd)
+        return None
+    return Target(pid, start_ticks, uid, label, pidfd)
+
+
+def descendants(pid: int, uid: int, exclude: Set[int]) -> List[Tuple[int, int]]:
+    """(pid, start_ticks) of pid's live descendants owned by uid, minus ``exclude`` (peers)."""
+    try:
+        children = psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        return []
+    found = []
+    for child in children:
+        if child.pid in exclude:
+            continue
+        info = _identity.probe(child.pid)
+        if info is not None and not info.dead and info.uid == uid:
+            found.append((child.pid, info.start_ticks))
+    return found
+
+
+def send(target: Target, sig: int, reason: str) -> bool:
+    """Signal a verified target. Returns False if it is gone (or no longer the same process)."""
+    try:
+        if target.pidfd is not None:
+            signal.pidfd_send_signal(target.pidfd, sig)
+        else:
+            if not _identity.is_same_process(target.pid, target.start_ticks, target.uid):
+                return False
+            os.kill(target.pid, sig)
+    except ProcessLookupError:
+        return False
+    except OSError as e:
+        logger.warning("peerwatch: could not send %s to %s (pid %d): %s", _name(sig), target.label, target.pid, e)
+        return False
+    if sig != STACKS_SIGNAL:
+        logger.warning("peerwatch: sent %s to %s (pid %d): %s", _name(sig), target.label, target.pid, reason)
+    return True
+
+
+def alive(target: Target) -> bool:
+    if target.pidfd is not None:
+        ready, _, _ = select.select([target.pidfd], [], [], 0)
+        if ready:
+            return False
+    return _identity.is_same_process(target.pid, target.start_ticks, target.uid)
+
+
+def wait_gone(targets: Sequence[Target], deadline: float) -> List[Target]:
+    """Wait until every target is gone or the monotonic deadline passes; returns the living."""
+    living = [t for t in targets if alive(t)]
+    while living:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        fds = [t.pidfd for t in living if t.pidfd is not None]
+        if len(fds) == len(living):
+            select.select(fds, [], [], left)
+        else:
+            time.sleep(min(left, 0.01))
+        living = [t for t in living if alive(t)]
+    return living
+
+
+def terminate(targets: Sequence[Target], grace: float, reason: str) -> Tuple[int, int]:
+    """SIGTERM every target (SIGCONT for stopped ones), wait ``grace`` s, SIGKILL survivors.
+
+    One deadline for all (not one per process). Returns (signalled, killed).
+    """
+    signalled = [t for t in targets if send(t, signal.SIGTERM, reason)]
+    for t in signalled:
+        info = _identity.probe(t.pid)
+        if info is not None and info.state in ("T", "t"):
+            send(t, signal.SIGCONT, "it is stopped; SIGTERM takes effect only once it runs")
+    survivors = wait_gone(signalled, time.monotonic() + grace)
+    for t in survivors:
+        send(t, signal.SIGKILL, f"still alive {grace:g}s after SIGTERM")
+    wait_gone(survivors, time.monotonic() + 1.0)
+    return len(signalled), len(survivors)
+
+
+def _name(sig: int) -> str:
+    if sig > _RTMIN:
+        return f"SIGRTMIN+{sig - _RTMIN}"
+    try:
+        return signal.Signals(sig).name
+    except ValueError:
+        return str(sig)
+
+
+def flush_and_exit(code: int) -> None:
+    """Leave now with ``code``: flush what people must see, then ``os._exit``."""
+    for handler in logging.getLogger("peerwatch").handlers + logging.getLogger().handlers:
+        try:
+            handler.flush()
+        except Exception:  # noqa: BLE001 - leaving must not fail
+            pass
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            if stream is not None:
+                stream.flush()
+        except Exception:  # noqa: BLE001
+            pass
+    os._exit(code)
+
+
+def raise_in_main_thread(exc_type: type, use_signal: bool) -> None:
+    """Make the main thread raise ``exc_type`` at its next Python instruction.
+
+    With ``use_signal`` (our handler is installed for INTERRUPT_SIGNAL) the main thread is
+    also woken from blocking calls that Python retries on EINTR (sleep, select, wait...).
+    """
+    main = threading.main_thread().ident
+    if main is None:
+        return
+    if use_signal:
+        signal.pthread_kill(main, INTERRUPT_SIGNAL)
+        return
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(main), ctypes.py_object(exc_type))
+
+
+def close_all(targets: Iterable[Target]) -> None:
+    for t in targets:
+        t.close()
+
+
+__all__ = [
+    "INTERRUPT_SIGNAL", "STACKS_SIGNAL", "Target", "alive", "close_all", "descendants",
+    "flush_and_exit", "make_target", "raise_in_main_thread", "send", "terminate", "wait_gone",
+]

@@ -1,0 +1,414 @@
+"""The watcher thread: the one place that wires sources -> decide -> teardown -> report.
+
+It sleeps in ``poll(2)`` on the pidfds of its local peers and on a wake pipe that the
+inotify observer (and the API) write to. Every wake rescans what changed in the run
+directory, asks :func:`decide`, and on a verdict runs the teardown.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import logging
+import os
+import select
+import threading
+import time
+from typing import IO, Dict, List, Optional, Set
+
+from . import _decide, _report, _rundir, _teardown
+from ._config import Config
+from ._records import Ack, ExitStatus, Failure, Heartbeat, Registration, Success, Verdict, encode
+from ._rundir import EVENTS, HEARTBEATS, RANKS, VERDICT_FILE, RunDir, rank_file
+from ._sources import FolderWatch, Peer, child_returncode, is_local, pidfd_supported
+
+logger = logging.getLogger("peerwatch")
+
+POLL_FALLBACK_S = 0.1  # where pidfds or inotify are missing: how often we look instead
+CHILDREN_SCAN_EVERY = 10  # heartbeats between snapshots of our own descendants (costs a /proc walk)
+
+_EVENT_TYPES = {"success": Success, "failure": Failure, "exit": ExitStatus, "ack": Ack}
+
+
+class Watcher:
+    """Watches the local peers of one rank. Created and started by :func:`peerwatch.install`."""
+
+    def __init__(self, config: Config, run_dir: RunDir, me: Registration, stack_file: Optional[IO[str]]) -> None:
+        self.config = config
+        self.run_dir = run_dir
+        self.me = me
+        self.rank = me.rank
+        self.stack_file = stack_file
+        self.verdict: Optional[Verdict] = None
+        self.verdict_seen = threading.Event()
+        self.stopped = threading.Event()
+        self.in_watch = 0
+        self.interrupt_installed = False
+        self.own_exit_code: Optional[int] = None  # set when this rank records its own failure
+        self.succeeded = False
+        # Progress, written by beat() in the training thread; published by the heartbeat.
+        self.step: Optional[int] = None
+        self.progress_ns: Optional[int] = None
+        self.paused = 0
+        self._use_pidfd = config.use_pidfd and pidfd_supported()
+        self._policy = _decide.Policy(
+            parent_wait_ns=int(config.parent_wait * 1e9), default_exit_code=config.exit_code
+        )
+        self._wake_r, self._wake_w = os.pipe()
+        for fd in (self._wake_r, self._wake_w):
+            os.set_blocking(fd, False)
+            os.set_inheritable(fd, False)
+        self._poller = select.poll()
+        self._poller.register(self._wake_r, select.POLLIN)
+        self._fd_rank: Dict[int, int] = {}
+        self._peers: Dict[int, Peer] = {}
+        self._gone: Dict[int, int] = {}
+        self._registrations: Dict[int, Registration] = {me.rank: me}
+        self._seen: Dict[str, Dict[str, int]] = {RANKS: {}, EVENTS: {}}  # name -> inode
+        self._events: Dict[str, object] = {}
+        self._heartbeat_seq = 0
+        self._children: tuple = ()
+        self._folders: Optional[FolderWatch] = None
+        self.thread = threading.Thread(target=self._main, name=f"peerwatch-rank{self.rank}", daemon=True)
+
+    # -- control from other threads ------------------------------------------------
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"\0")
+        except (BlockingIOError, OSError):
+            pass  # the pipe is full: the watcher will wake anyway
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop watching (this rank is done). Safe to call from any thread, more than once."""
+        self.stopped.set()
+        self.wake()
+        if self._folders is not None:
+            self._folders.stop()
+        if threading.current_thread() is not self.thread and self.thread.is_alive():
+            self.thread.join(timeout)
+
+    # -- the thread ----------------------------------------------------------------
+
+    def _main(self) -> None:
+        try:
+            self._run()
+        except BaseException:  # noqa: BLE001 - the watcher must never die silently
+            logger.exception(
+                "peerwatch: the watcher of rank %d failed; this rank is NOT protected any more "
+                "(training goes on)", self.rank,
+            )
+
+    def _run(self) -> None:
+        rd = self.run_dir
+        self._folders = FolderWatch(
+            [rd.join(EVENTS), rd.join(RANKS)], self.wake, name=f"peerwatch-inotify-rank{self.rank}"
+        )
+        fallback = not (self._folders.active and self._use_pidfd)
+        if not self._use_pidfd:
+            logger.info("peerwatch: pidfd is unavailable; rank %d checks its peers every %gs", self.rank, POLL_FALLBACK_S)
+        recheck_ns: Optional[int] = None
+        next_beat = 0.0
+        while not self.stopped.is_set():
+            now = time.monotonic()
+            if now >= next_beat:
+                self._heartbeat()
+                next_beat = now + self.config.heartbeat_interval
+            timeout = next_beat - now
+            if recheck_ns is not None:
+                timeout = min(timeout, (recheck_ns - time.time_ns()) / 1e9)
+            if fallback:
+                timeout = min(timeout, POLL_FALLBACK_S)
+            self._poll(timeout)
+            if self.stopped.is_set():
+                break
+            self._scan()
+            decision = _decide.decide(self._observed(), self._policy)
+            recheck_ns = decision.recheck_at_ns
+            if decision.verdict is not None:
+                self._act(decision.verdict)
+                return
+
+    def _poll(self, timeout: float) -> None:
+        for fd, _ in self._poller.poll(max(0, int(timeout * 1000) + 1)):
+            if fd == self._wake_r:
+                try:
+                    while os.read(self._wake_r, 4096):
+                        pass
+                except BlockingIOError:
+                    pass
+            elif fd in self._fd_rank:
+                self._peer_gone(self._fd_rank[fd])
+
+    def _peer_gone(self, rank: int) -> None:
+        peer = self._peers.get(rank)
+        if peer is None or rank in self._gone:
+            return
+        self._gone[rank] = time.time_ns()
+        if peer.pidfd is not None:
+            self._poller.unregister(peer.pidfd)
+            self._fd_rank.pop(peer.pidfd, None)
+        peer.alive = False
+        peer.close()
+        if peer.reg.ppid == os.getpid():
+            # Only a parent can learn how its child ended; tell everyone.
+            returncode = child_returncode(peer.reg.pid)
+            if returncode is not None:
+                status = ExitStatus(
+                    rank=rank, pid=peer.reg.pid, time_ns=self._gone[rank],
+                    returncode=returncode, observed_by=self.rank,
+                )
+                self._write_event(rank_file("exit", rank), status)
+                self._events.setdefault(rank_file("exit", rank), status)
+
+    def _scan(self) -> None:
+        rd = self.run_dir
+        for name in self._changed(RANKS):
+            parsed = _rundir.parse_rank_file(name)
+            if parsed is None or parsed[0] != "rank" or parsed[1] == self.rank:
+                continue
+            reg = rd.read(RANKS, name, Registration)
+            if reg is not None and reg.rank == parsed[1]:
+                self._add_peer(reg)
+        for name in self._changed(EVENTS):
+            if name == VERDICT_FILE:
+                record: object = rd.read(EVENTS, name, Verdict)
+            else:
+                parsed = _rundir.parse_rank_file(name)
+                cls = _EVENT_TYPES.get(parsed[0]) if parsed else None
+                if parsed is None or cls is None:
+                    continue
+                record = rd.read(EVENTS, name, cls)
+                if record is not None and getattr(record, "rank", None) != parsed[1]:
+                    rd.warn_once(rd.join(EVENTS, name), "names another rank than its file name; ignored")
+                    record = None
+            if record is not None:
+                self._events[name] = record
+        if not self._use_pidfd:
+            for rank, peer in self._peers.items():
+                if rank not in self._gone and not peer.check_alive():
+                    self._peer_gone(rank)
+
+    def _changed(self, sub: str) -> List[str]:
+        seen = self._seen[sub]
+        changed = []
+        try:
+            with os.scandir(self.run_dir.join(sub)) as it:
+                for entry in it:
+                    if seen.get(entry.name) != entry.inode():
+                        seen[entry.name] = entry.inode()
+                        changed.append(entry.name)
+        except OSError as e:
+            self.run_dir.warn_once(self.run_dir.join(sub), f"cannot be listed ({e.strerror})")
+        return changed
+
+    def _add_peer(self, reg: Registration) -> None:
+        old = self._registrations.get(reg.rank)
+        if old is not None and (old.pid, old.start_ticks) == (reg.pid, reg.start_ticks):
+            return
+        if reg.rank in self._peers:
+            self.run_dir.warn_once(
+                self.run_dir.join(RANKS, rank_file("rank", reg.rank)),
+                f"re-registered rank {reg.rank} as pid {reg.pid}; keeping the first registration (pid {old.pid if old else '?'})",
+            )
+            return
+        self._registrations[reg.rank] = reg
+        if not is_local(reg):
+            return  # another host's rank: not ours to watch through the OS
+        if reg.uid != os.geteuid():
+            self.run_dir.warn_once(
+                self.run_dir.join(RANKS, rank_file("rank", reg.rank)), f"belongs to uid {reg.uid}; not watched"
+            )
+            return
+        peer = Peer(reg, self._use_pidfd)
+        self._peers[reg.rank] = peer
+        if not peer.alive:
+            self._peer_gone(reg.rank)
+        elif peer.pidfd is not None:
+            self._fd_rank[peer.pidfd] = reg.rank
+            self._poller.register(peer.pidfd, select.POLLIN)
+
+    def _observed(self) -> _decide.Observed:
+        successes: Set[int] = set()
+        failures: Dict[int, Failure] = {}
+        statuses: Dict[int, ExitStatus] = {}
+        verdict = None
+        for record in self._events.values():
+            if isinstance(record, Success):
+                successes.add(record.rank)
+            elif isinstance(record, Failure):
+                failures[record.rank] = record
+            elif isinstance(record, ExitStatus):
+                statuses[record.rank] = record
+            elif isinstance(record, Verdict):
+                verdict = record
+        return _decide.Observed(
+            self_rank=self.rank, now_ns=time.time_ns(), registrations=self._registrations,
+            successes=successes, failures=failures, exit_statuses=statuses, gone=self._gone,
+            verdict=verdict,
+        )
+
+    def _write_event(self, name: str, record: object) -> bool:
+        try:
+            return self.run_dir.write(EVENTS, name, encode(record))
+        except OSError as e:
+            logger.error("peerwatch: rank %d could not write %s: %s", self.rank, name, e)
+            return False
+
+    def _heartbeat(self) -> None:
+        self._heartbeat_seq += 1
+        if self._heartbeat_seq % CHILDREN_SCAN_EVERY == 1:
+            exclude = {r.pid for r in self._registrations.values()}
+            self._children = tuple(_teardown.descendants(os.getpid(), os.geteuid(), exclude))
+        beat = Heartbeat(
+            rank=self.rank, pid=os.getpid(), time_ns=time.time_ns(), seq=self._heartbeat_seq,
+            step=self.step, progress_ns=self.progress_ns, paused=self.paused > 0, children=self._children,
+        )
+        try:
+            self.run_dir.write(HEARTBEATS, rank_file("rank", self.rank), encode(beat), replace=True)
+        except OSError as e:
+            self.run_dir.warn_once(self.run_dir.join(HEARTBEATS), f"heartbeat cannot be written ({e.strerror})")
+
+    # -- the verdict ---------------------------------------------------------------
+
+    def _act(self, verdict: Verdict) -> None:
+        made = False
+        if not isinstance(self._events.get(VERDICT_FILE), Verdict):
+            made = self._write_event(VERDICT_FILE, verdict)
+            if not made:
+                existing = self.run_dir.read(EVENTS, VERDICT_FILE, Verdict)
+                verdict = existing if existing is not None else verdict
+        self.verdict = verdict
+        self.verdict_seen.set()
+        started = time.monotonic()
+        mine = verdict.rank == self.rank
+        in_watch = self.in_watch > 0 and not mine
+        stay = mine or in_watch  # the main thread leaves by itself; we only enforce a deadline
+        deadline = started + (self.config.grace if stay else 0.0)
+        code = (self.own_exit_code or verdict.exit_code) if mine else verdict.exit_code
+        self._write_event(
+            rank_file("ack", self.rank),
+            Ack(rank=self.rank, pid=os.getpid(), time_ns=time.time_ns(), deadline_ns=int(deadline * 1e9)),
+        )
+        if not mine:
+            logger.error(
+                "peerwatch: rank %d (pid %s on %s) %s; cause: %s. Tearing down rank %d (pid %d), exit code %d.",
+                verdict.rank, verdict.pid, verdict.host, verdict.detail, verdict.cause,
+                self.rank, os.getpid(), code,
+            )
+        self._dump_own_stacks()
+        if in_watch:
+            _teardown.raise_in_main_thread(_peer_failure_type(), self.interrupt_installed)
+        self._tear_down_peers(verdict)
+        if not stay:
+            self._tear_down_own_children()
+        self._finish(verdict, made)
+        if stay:
+            self.stopped.wait(max(0.0, deadline - time.monotonic()))
+            logger.error(
+                "peerwatch: rank %d did not leave within %gs of the verdict; exiting with code %d",
+                self.rank, self.config.grace, code,
+            )
+            self._tear_down_own_children()
+        _teardown.flush_and_exit(code)
+
+    def _dump_own_stacks(self) -> None:
+        if self.stack_file is None:
+            return
+        try:
+            faulthandler.dump_traceback(self.stack_file, all_threads=True)
+            self.stack_file.flush()
+        except (OSError, ValueError):
+            pass
+
+    def _tear_down_peers(self, verdict: Verdict) -> None:
+        """Give live peers ``ack_window`` to say they are leaving; signal those that do not."""
+        deadline = time.monotonic() + self.config.ack_window
+        while True:
+            self._scan()
+            acked = {r.rank for r in self._events.values() if isinstance(r, Ack)}
+            pending = [
+                p for r, p in self._peers.items() if r not in self._gone and r not in acked and r != self.rank
+            ]
+            left = deadline - time.monotonic()
+            if not pending or left <= 0:
+                break
+            self._poll(left)
+        targets: List[_teardown.Target] = []
+        peer_pids = {r.pid for r in self._registrations.values()}
+        for peer in pending:
+            reg = peer.reg
+            target = _teardown.make_target(reg.pid, reg.start_ticks, reg.uid, f"rank {reg.rank}")
+            if target is None:
+                continue
+            _teardown.send(target, _teardown.STACKS_SIGNAL, "dump stacks")
+            targets.append(target)
+            for pid, start in _teardown.descendants(reg.pid, reg.uid, peer_pids):
+                child = _teardown.make_target(pid, start, reg.uid, f"pid {pid}, a descendant of rank {reg.rank}")
+                if child is not None:
+                    targets.append(child)
+        targets.extend(self._orphans_of(verdict, peer_pids))
+        if targets:
+            reason = f"rank {verdict.rank} failed ({verdict.cause}) and this process did not leave by itself"
+            _teardown.terminate(targets, self.config.grace, reason)
+            _teardown.close_all(targets)
+
+    def _orphans_of(self, verdict: Verdict, peer_pids: Set[int]) -> List[_teardown.Target]:
+        """Descendants of the failed rank (from its last heartbeat) that outlived it."""
+        reg = self._registrations.get(verdict.rank)
+        beat = self.run_dir.read(HEARTBEATS, rank_file("rank", verdict.rank), Heartbeat)
+        if reg is None or beat is None or beat.pid != reg.pid or not is_local(reg):
+            return []
+        found = []
+        for pid, start in beat.children:
+            if pid in peer_pids:
+                continue
+            target = _teardown.make_target(pid, start, reg.uid, f"pid {pid}, left behind by rank {verdict.rank}")
+            if target is not None:
+                found.append(target)
+        return found
+
+    def _tear_down_own_children(self) -> None:
+        peer_pids = {r.pid for r in self._registrations.values()}
+        targets = [
+            t for t in (
+                _teardown.make_target(pid, start, os.geteuid(), f"pid {pid}, a descendant of rank {self.rank}")
+                for pid, start in _teardown.descendants(os.getpid(), os.geteuid(), peer_pids)
+            ) if t is not None
+        ]
+        if targets:
+            _teardown.terminate(targets, self.config.grace, f"rank {self.rank} is being torn down")
+            _teardown.close_all(targets)
+
+    def _finish(self, verdict: Verdict, made: bool) -> None:
+        try:
+            report = _report.write(self.run_dir)
+            if made:
+                logger.error("%s", _report.summary(report))
+        except Exception:  # noqa: BLE001 - a report must never stop the teardown
+            logger.exception("peerwatch: rank %d could not write the report", self.rank)
+
+    # -- called from the training thread -------------------------------------------
+
+    def record_failure(self, failure: Failure) -> None:
+        """This rank failed: say so before it goes (first record wins)."""
+        self.own_exit_code = failure.exit_code if failure.exit_code else 1
+        self._write_event(rank_file("failure", self.rank), failure)
+        self.wake()
+
+    def record_success(self) -> None:
+        if self.succeeded or self.verdict is not None:
+            return
+        self.succeeded = True
+        self._write_event(rank_file("success", self.rank), Success(rank=self.rank, pid=os.getpid(), time_ns=time.time_ns()))
+
+
+def _peer_failure_type() -> type:
+    from ._errors import PeerFailure
+
+    return PeerFailure
+
+
+__all__ = ["Watcher"]

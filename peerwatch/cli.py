@@ -1,0 +1,102 @@
+"""``peerwatch report DIR``, ``peerwatch status DIR``, ``peerwatch ls``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import List, Optional
+
+from . import _report, _rundir
+from ._errors import RunDirError
+from ._records import Heartbeat
+from ._rundir import HEARTBEATS, RunDir, rank_file
+
+
+def _open(path: str) -> RunDir:
+    path = os.path.abspath(path)
+    if not os.path.lexists(path):
+        raise RunDirError(path, "does not exist")
+    if not os.access(path, os.R_OK | os.X_OK):
+        raise RunDirError(path, "cannot be read by this user")
+    if not os.path.isdir(os.path.join(path, _rundir.RANKS)):
+        raise RunDirError(path, "is not a peerwatch run directory (no ranks/ folder)")
+    return RunDir(path)
+
+
+def _report_cmd(args: argparse.Namespace) -> int:
+    report = _report.build(_open(args.dir))
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(_report.summary(report))
+    return 0
+
+
+def _status_cmd(args: argparse.Namespace) -> int:
+    rd = _open(args.dir)
+    report = _report.build(rd)
+    now = time.time_ns()
+    print(f"{'rank':>4}  {'pid':>7}  {'host':<16} {'state':<10} {'heartbeat':>9}  {'step':>8}")
+    for r in report["ranks"]:
+        beat = rd.read(HEARTBEATS, rank_file("rank", r["rank"]), Heartbeat)
+        age = f"{(now - beat.time_ns) / 1e9:.1f}s" if beat else "-"
+        step = "-" if not beat or beat.step is None else str(beat.step)
+        print(f"{r['rank']:>4}  {str(r['pid']):>7}  {str(r['host'])[:16]:<16} {r['state']:<10} {age:>9}  {step:>8}")
+    print(f"outcome: {report['outcome']}")
+    return 0
+
+
+def _ls_cmd(args: argparse.Namespace) -> int:
+    base = args.base or _rundir.base_dir()
+    try:
+        names = os.listdir(base)
+    except FileNotFoundError:
+        print(f"no run directories in {base}")
+        return 0
+    rows = []
+    for name in names:
+        path = os.path.join(base, name)
+        if name.endswith(".lock") or not os.path.isdir(os.path.join(path, _rundir.RANKS)):
+            continue
+        try:
+            report = _report.build(RunDir(path))
+            mtime = os.stat(path).st_mtime
+        except OSError:
+            continue
+        verdict = report["verdict"]
+        what = f"rank {verdict['rank']} {verdict['cause']}" if verdict else ""
+        rows.append((mtime, path, report["outcome"], len(report["ranks"]), what))
+    rows.sort(reverse=True)
+    for mtime, path, outcome, n, what in rows:
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(mtime))
+        print(f"{when}  {outcome:<9}  {n:>4} ranks  {what:<24}  {path}")
+    if not rows:
+        print(f"no run directories in {base}")
+    return 0
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="peerwatch", description="Inspect peerwatch run directories.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("report", help="the root cause and what happened to every rank")
+    p.add_argument("dir")
+    p.add_argument("--json", action="store_true", help="print report.json's schema instead of text")
+    p.set_defaults(func=_report_cmd)
+    p = sub.add_parser("status", help="a table of the ranks: pid, host, state, heartbeat age, step")
+    p.add_argument("dir")
+    p.set_defaults(func=_status_cmd)
+    p = sub.add_parser("ls", help="the run directories on this host, newest first")
+    p.add_argument("--base", help="where to look (default: this user's peerwatch folder)")
+    p.set_defaults(func=_ls_cmd)
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args))
+    except RunDirError as e:
+        print(f"peerwatch: {e}", file=sys.stderr)
+        return 2
+
+
+__all__ = ["main"]

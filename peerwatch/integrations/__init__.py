@@ -1,0 +1,1 @@
+"""Optional integrations (torch, Lightning). Importing this package imports neither."""

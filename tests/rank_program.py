@@ -1,0 +1,125 @@
+"""One rank of a test job. Started by the tests (and the demo), never imported.
+
+    python rank_program.py --world 4 --style lightning --behave 2=raise@0.3 --ready DIR
+
+Styles: ``lightning`` (rank 0 starts ranks 1..N-1 with subprocess.Popen, as Lightning's
+subprocess launcher does) and ``sibling`` (the test starts every rank; this process is
+one of them). Behaviours per rank, ``RANK=WHAT[@SECONDS]``:
+
+    sleep            sleep in Python until torn down (the default)
+    succeed          finish cleanly after SECONDS
+    raise            raise RuntimeError after SECONDS
+    exit:N           sys.exit(N) after SECONDS
+    os_exit:N        os._exit(N) after SECONDS
+    segv             segfault after SECONDS
+    ignore_term      ignore SIGTERM, then sleep
+    gloo             join a gloo process group and block in all_reduce
+    store_wait       wait in the TCPStore for a key nobody sets
+    children:N       start N sleeping child processes, then sleep
+    gil              hold the GIL in C (ctypes sleep) for a long time
+
+Each rank writes ``READY/rank-<i>`` once it is watched (and, for gloo, in the group).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import peerwatch
+
+
+def parse_behaviours(items: list[str]) -> dict[int, tuple[str, float]]:
+    out = {}
+    for item in items:
+        rank, _, what = item.partition("=")
+        action, _, delay = what.partition("@")
+        out[int(rank)] = (action, float(delay or 0.0))
+    return out
+
+
+def ready(args: argparse.Namespace, rank: int) -> None:
+    if args.ready:
+        path = os.path.join(args.ready, f"rank-{rank}")
+        with open(path + ".tmp", "w") as f:
+            f.write(str(os.getpid()))
+        os.replace(path + ".tmp", path)
+
+
+def behave(args: argparse.Namespace, rank: int, action: str, delay: float) -> None:
+    name, _, arg = action.partition(":")
+    if name == "ignore_term":
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if name == "children":
+        for _ in range(int(arg or 1)):
+            subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    if name in ("gloo", "store_wait"):
+        import datetime
+
+        import torch
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo", rank=rank, world_size=args.world, timeout=datetime.timedelta(seconds=120))
+        ready(args, rank)
+        if name == "gloo":
+            t = torch.ones(1)
+            while True:
+                dist.all_reduce(t)  # blocks as soon as any peer stops taking part
+                time.sleep(0.01)
+        store = dist.distributed_c10d._get_default_store()
+        store.wait(["never-set"], datetime.timedelta(seconds=300))
+        return
+    ready(args, rank)
+    if delay:
+        time.sleep(delay)
+    if name == "succeed":
+        return
+    if name == "raise":
+        raise RuntimeError(f"rank {rank} failed on purpose")
+    if name == "exit":
+        sys.exit(int(arg))
+    if name == "os_exit":
+        os._exit(int(arg))
+    if name == "segv":
+        ctypes.string_at(0)
+    if name == "gil":
+        ctypes.PyDLL(None).sleep(600)  # PyDLL: the GIL stays held during the call
+    while True:
+        time.sleep(0.05)
+        peerwatch.beat()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--world", type=int, required=True)
+    parser.add_argument("--style", choices=["lightning", "sibling"], default="sibling")
+    parser.add_argument("--api", choices=["install", "watch", "both"], default="install")
+    parser.add_argument("--behave", action="append", default=[])
+    parser.add_argument("--ready", default="")
+    args = parser.parse_args()
+    rank = int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")))
+    if args.api in ("install", "both"):
+        peerwatch.install()
+    children = []
+    if args.style == "lightning" and rank == 0:
+        for child_rank in range(1, args.world):
+            env = dict(os.environ, LOCAL_RANK=str(child_rank), NODE_RANK="0", WORLD_SIZE=str(args.world))
+            env.pop("RANK", None)
+            children.append(subprocess.Popen([sys.executable, *sys.argv], env=env))
+    action, delay = parse_behaviours(args.behave).get(rank, ("sleep", 0.0))
+    if args.api in ("watch", "both"):
+        with peerwatch.watch():
+            behave(args, rank, action, delay)
+    else:
+        behave(args, rank, action, delay)
+    for child in children:
+        child.wait()
+
+
+if __name__ == "__main__":
+    main()
