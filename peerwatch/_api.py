@@ -10,7 +10,6 @@ from __future__ import annotations
 import atexit
 import faulthandler
 import logging
-import multiprocessing
 import os
 import signal
 import sys
@@ -19,8 +18,6 @@ import time
 import traceback
 from types import TracebackType
 from typing import IO, Any, Callable, Optional, Type
-
-import psutil
 
 from . import _identity, _rundir, _teardown
 from ._config import Config
@@ -65,7 +62,7 @@ def _install(options: Any) -> Optional[Watcher]:
         if not config.enabled:
             logger.info("peerwatch: disabled (%s)", config.source_of("enabled"))
             return None
-        if multiprocessing.parent_process() is not None and "rank" not in options:
+        if _in_multiprocessing_child() and "rank" not in options:
             logger.debug("peerwatch: a multiprocessing child without rank=; not a rank, not watching")
             return None
         try:
@@ -81,6 +78,11 @@ def _install(options: Any) -> Optional[Watcher]:
         return watcher
 
 
+def _in_multiprocessing_child() -> bool:
+    mp = sys.modules.get("multiprocessing")  # not imported: this cannot be a multiprocessing child
+    return mp is not None and mp.parent_process() is not None
+
+
 def _start(config: Config) -> Watcher:
     me = _identity.self_info()
     rank = config.effective_rank
@@ -92,10 +94,7 @@ def _start(config: Config) -> Watcher:
         time_ns=time.time_ns(), world_size=config.world_size, local_rank=config.local_rank,
         argv=" ".join(sys.argv)[:500],
     )
-    try:
-        started_ns = int(psutil.Process().create_time() * 1e9)
-    except psutil.Error:
-        started_ns = time.time_ns()
+    started_ns = _process_start_ns()
     rd.prepare(reg, started_ns)
     stack_file = _open_stack_file(rd, rank)
     # Children started from here on (Lightning's ranks 1..N-1) join this run.
@@ -105,6 +104,16 @@ def _start(config: Config) -> Watcher:
     rd.publish_registration(reg)
     logger.info("peerwatch: rank %d (pid %d) is watching its peers in %s (%s)", rank, me.pid, path, how)
     return watcher
+
+
+def _process_start_ns() -> int:
+    """When this process started, on the wall clock (to tell records of earlier runs)."""
+    import psutil
+
+    try:
+        return int(psutil.Process().create_time() * 1e9)
+    except psutil.Error:
+        return time.time_ns()
 
 
 def _open_stack_file(rd: RunDir, rank: int) -> Optional[IO[str]]:

@@ -13,8 +13,6 @@ import os
 import socket
 from typing import Optional
 
-import psutil
-
 
 @dataclasses.dataclass(frozen=True)
 class ProcessInfo:
@@ -37,6 +35,8 @@ def boot_id() -> str:
         with open("/proc/sys/kernel/random/boot_id") as f:
             return f.read().strip()
     except OSError:
+        import psutil
+
         return f"boot-time-{int(psutil.boot_time())}"
 
 
@@ -82,6 +82,8 @@ def probe(pid: int) -> Optional[ProcessInfo]:
 
 def _probe_psutil(pid: int) -> Optional[ProcessInfo]:
     """Fallback where /proc cannot be read (not Linux)."""
+    import psutil
+
     try:
         p = psutil.Process(pid)
         with p.oneshot():

@@ -29,8 +29,6 @@ import threading
 import time
 from typing import Dict, Iterator, Mapping, Optional, Set, Tuple, Type, TypeVar
 
-import filelock
-
 from . import _identity
 from ._errors import RunDirError
 from ._records import MAX_RECORD_BYTES, Registration, Verdict, decode, encode
@@ -169,6 +167,8 @@ class RunDir:
             raise RunDirError(parent, f"cannot be created ({e.strerror})") from None
         if parent == base_dir():
             check_trusted(parent)
+        import filelock
+
         lock = filelock.FileLock(self.path + ".lock", timeout=30)
         try:
             with lock:

@@ -18,8 +18,6 @@ import threading
 import time
 from typing import Iterable, List, Optional, Sequence, Set, Tuple
 
-import psutil
-
 from . import _identity
 
 logger = logging.getLogger("peerwatch")
@@ -66,6 +64,8 @@ def make_target(pid: int, start_ticks: int, uid: int, label: str) -> Optional[Ta
 
 def descendants(pid: int, uid: int, exclude: Set[int]) -> List[Tuple[int, int]]:
     """(pid, start_ticks) of pid's live descendants owned by uid, minus ``exclude`` (peers)."""
+    import psutil
+
     try:
         children = psutil.Process(pid).children(recursive=True)
     except psutil.Error:
