@@ -198,6 +198,8 @@ class watch:
         if exc is None or (isinstance(exc, SystemExit) and exc.code in (None, 0) and not isinstance(exc, PeerFailure)):
             w.record_success()
         elif not isinstance(exc, PeerFailure):
+            if _consequence_of_peer_failure(w) is not None:
+                raise PeerFailure() from exc
             _record_exception(w, exc, tb)
 
 
@@ -216,18 +218,54 @@ def beat(step: Optional[int] = None) -> None:
 # -- hooks --------------------------------------------------------------------------
 
 
+class _StderrFallback(logging.Handler):
+    """Where peerwatch's warnings go when the application configured no logging.
+
+    Like logging's last resort, but bound to the process's real stderr: hooks up the
+    excepthook chain (torch.distributed's) swap ``sys.stderr`` for a buffer, and a line
+    written there is lost when the process ends in the meantime.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if logging.getLogger().handlers:
+            return  # the application configured logging: the record propagates there
+        try:
+            stream = sys.__stderr__
+            if stream is not None:
+                stream.write(self.format(record) + "\n")
+                stream.flush()
+        except Exception:  # noqa: BLE001
+            self.handleError(record)
+
+
 def _install_hooks(w: Watcher) -> None:
     global _hooks_installed
     if _hooks_installed:
         return
     _hooks_installed = True
+    logger.addHandler(_StderrFallback())
     previous_excepthook = sys.excepthook
 
     def excepthook(exc_type: Type[BaseException], exc: BaseException, tb: Optional[TracebackType]) -> None:
         w = _active()
-        if w is not None and not isinstance(exc, PeerFailure):
+        if w is None or isinstance(exc, PeerFailure):
+            previous_excepthook(exc_type, exc, tb)
+            return
+        verdict = _consequence_of_peer_failure(w)
+        if verdict is None:
             _record_exception(w, exc, tb)
+            previous_excepthook(exc_type, exc, tb)
+            return
         previous_excepthook(exc_type, exc, tb)
+        # No exit from here: a hook up the chain (torch's) may have swapped sys.stderr and
+        # prints only when we return. The watcher ends the process with the verdict's code.
+        logger.error(
+            "peerwatch: the exception above in rank %d followed the failure of rank %d (%s); "
+            "exiting with code %d", w.rank, verdict.rank, verdict.detail, verdict.exit_code,
+        )
 
     sys.excepthook = excepthook
     sys.exit = _exit  # type: ignore[assignment]
@@ -256,6 +294,26 @@ def _exit_status(status: Any) -> int:
     if isinstance(status, int) and not isinstance(status, bool):
         return status & 0xFF
     return 1  # sys.exit("message") prints it and exits 1
+
+
+SETTLE_S = 0.25  # how long a failing rank waits for its watcher's look at the peers
+
+
+def _consequence_of_peer_failure(w: Watcher) -> Optional[Verdict]:
+    """If a peer failed before this rank's exception, the verdict on that peer; else None.
+
+    When a peer dies, the survivors' collectives fail within milliseconds ("Connection
+    reset by peer"): those exceptions are consequences, not root causes. The pidfd of the
+    dead peer has fired before the exception was raised, so one look by the watcher
+    settles which came first.
+    """
+    if w.verdict is not None:
+        return w.verdict if w.verdict.rank != w.rank else None
+    w.settle(SETTLE_S)
+    if not w.peer_failed():
+        return None
+    w.verdict_seen.wait(w.config.parent_wait + SETTLE_S)
+    return w.verdict if w.verdict is not None and w.verdict.rank != w.rank else None
 
 
 def _record_exception(w: Watcher, exc: BaseException, tb: Optional[TracebackType]) -> None:
@@ -288,7 +346,14 @@ def _at_exit() -> None:
     if w is None:
         return
     if w.verdict is not None:
-        return  # being torn down: the watcher enforces the deadline until the process is gone
+        # Being torn down: the watcher is the one to end the process, with the verdict's
+        # exit code, once its share of the teardown is done. Tell it we are leaving.
+        w.stopped.set()
+        w.wake()
+        w.thread.join(w.config.grace + w.config.ack_window + 2.0)
+        code = w.verdict.exit_code if w.verdict.rank != w.rank else (w.own_exit_code or w.verdict.exit_code)
+        _teardown.flush_and_exit(code)
+        return
     if w.own_exit_code is None and _explicit_install:
         w.record_success()
     w.stop(timeout=1.0)

@@ -155,8 +155,8 @@ def _vanished(obs: Observed, rank: int, seen_ns: int, policy: Policy) -> Verdict
     return Verdict(
         **_base(obs, rank), cause=VANISHED, exit_code=policy.default_exit_code,
         failed_at_ns=seen_ns,
-        detail="process ended without a success marker; how it ended is known only to its "
-        "parent, which is not a watching rank (SIGKILL, the OOM killer, os._exit, ...)",
+        detail="ended without a success marker (how is known only to its parent, not a "
+        "watching rank: SIGKILL, OOM killer, os._exit...)",
     )
 
 

@@ -68,6 +68,10 @@ class Watcher:
         self._heartbeat_seq = 0
         self._children: tuple = ()
         self._folders: Optional[FolderWatch] = None
+        # settle(): the training thread asks for one full look before it judges an exception.
+        self._cond = threading.Condition()
+        self._settle_requested = 0
+        self._settled = 0
         self.thread = threading.Thread(target=self._main, name=f"peerwatch-rank{self.rank}", daemon=True)
 
     # -- control from other threads ------------------------------------------------
@@ -80,6 +84,37 @@ class Watcher:
             os.write(self._wake_w, b"\0")
         except (BlockingIOError, OSError):
             pass  # the pipe is full: the watcher will wake anyway
+
+    def settle(self, timeout: float) -> None:
+        """Wait until the watcher has taken one full look at its sources (or has a verdict).
+
+        Called from the training thread when it is about to fail: a peer that died just
+        before (its pidfd already fired) is then known, so the exception can be told
+        apart as a consequence (gloo's "connection reset") rather than a root cause.
+        """
+        if threading.current_thread() is self.thread or not self.thread.is_alive():
+            return
+        with self._cond:
+            self._settle_requested += 1
+            wanted = self._settle_requested
+        self.wake()
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while self._settled < wanted and not self.verdict_seen.is_set():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cond.wait(left)
+
+    def peer_failed(self) -> bool:
+        """True if this watcher knows of a failure of another rank (judged or not yet)."""
+        if self.verdict is not None:
+            return self.verdict.rank != self.rank
+        if self._gone:
+            return True
+        return any(
+            isinstance(r, (Failure, ExitStatus)) and r.rank != self.rank for r in list(self._events.values())
+        )
 
     def stop(self, timeout: float = 5.0) -> None:
         """Stop watching (this rank is done). Safe to call from any thread, more than once."""
@@ -121,6 +156,8 @@ class Watcher:
                 timeout = min(timeout, (recheck_ns - time.time_ns()) / 1e9)
             if fallback:
                 timeout = min(timeout, POLL_FALLBACK_S)
+            with self._cond:
+                requested = self._settle_requested
             self._poll(timeout)
             if self.stopped.is_set():
                 break
@@ -130,6 +167,9 @@ class Watcher:
             if decision.verdict is not None:
                 self._act(decision.verdict)
                 return
+            with self._cond:
+                self._settled = max(self._settled, requested)
+                self._cond.notify_all()
 
     def _poll(self, timeout: float) -> None:
         for fd, _ in self._poller.poll(max(0, int(timeout * 1000) + 1)):
@@ -282,6 +322,8 @@ class Watcher:
                 verdict = existing if existing is not None else verdict
         self.verdict = verdict
         self.verdict_seen.set()
+        with self._cond:
+            self._cond.notify_all()
         started = time.monotonic()
         mine = verdict.rank == self.rank
         in_watch = self.in_watch > 0 and not mine
@@ -306,11 +348,13 @@ class Watcher:
             self._tear_down_own_children()
         self._finish(verdict, made)
         if stay:
-            self.stopped.wait(max(0.0, deadline - time.monotonic()))
-            logger.error(
-                "peerwatch: rank %d did not leave within %gs of the verdict; exiting with code %d",
-                self.rank, self.config.grace, code,
-            )
+            # The main thread is leaving by itself (PeerFailure, or its own exception);
+            # at exit it sets `stopped` and waits for us. If it is stuck, we end it.
+            if not self.stopped.wait(max(0.0, deadline - time.monotonic())):
+                logger.error(
+                    "peerwatch: rank %d did not leave within %gs of the verdict; exiting with code %d",
+                    self.rank, self.config.grace, code,
+                )
             self._tear_down_own_children()
         _teardown.flush_and_exit(code)
 
