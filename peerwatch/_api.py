@@ -129,6 +129,10 @@ def _open_stack_file(rd: RunDir, rank: int) -> Optional[IO[str]]:
         )
         stack_file = os.fdopen(fd, "w")
         faulthandler.register(_teardown.STACKS_SIGNAL, file=stack_file, all_threads=True, chain=False)
+        if not faulthandler.is_enabled():
+            # A rank that segfaults leaves its last words here, where its peers read
+            # which signal ended it (only its parent could learn that otherwise).
+            faulthandler.enable(file=stack_file, all_threads=True)
         return stack_file
     except (OSError, RuntimeError, ValueError) as e:
         logger.warning("peerwatch: rank %d cannot arm stack dumps: %s", rank, e)

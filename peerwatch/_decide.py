@@ -36,6 +36,7 @@ class Observed:
     exit_statuses: Mapping[int, ExitStatus]
     gone: Mapping[int, int]  # rank -> when this watcher saw its process gone (time_ns)
     verdict: Optional[Verdict] = None
+    oom_kills: int = 0  # how many more OOM kills the kernel counts than when we started
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +74,11 @@ def decide(obs: Observed, policy: Policy) -> Decision:
     waiting = [until for seen, until in held if first is None or seen <= first.failed_at_ns]
     if waiting:
         return Decision(None, recheck_at_ns=min(waiting))
+    if first is not None and obs.oom_kills > 0 and (first.cause == VANISHED or first.signal == "SIGKILL"):
+        first = dataclasses.replace(
+            first, oom_suspected=True,
+            detail=f"{first.detail}; likely killed by the OOM killer ({obs.oom_kills} OOM kill(s) during the run)",
+        )
     return Decision(first)
 
 

@@ -126,6 +126,7 @@ class Verdict:
     message: Optional[str] = None
     traceback: Optional[str] = None
     detail: str = ""
+    oom_suspected: bool = False
 
 
 R = TypeVar("R")

@@ -87,6 +87,60 @@ def child_returncode(pid: int) -> Optional[int]:
     return None
 
 
+_FATAL_SIGNALS = {
+    b"Segmentation fault": 11,
+    b"Aborted": 6,
+    b"Bus error": 7,
+    b"Floating point exception": 8,
+    b"Illegal instruction": 4,
+}
+
+
+def fatal_signal_in(stack_dump: bytes) -> Optional[int]:
+    """The signal named by faulthandler's last words (``Fatal Python error: Segmentation
+    fault``) in a rank's stack file, or None."""
+    marker = stack_dump.find(b"Fatal Python error: ")
+    if marker < 0:
+        return None
+    line = stack_dump[marker + len(b"Fatal Python error: ") :].split(b"\n", 1)[0]
+    for name, signum in _FATAL_SIGNALS.items():
+        if line.startswith(name):
+            return signum
+    return None
+
+
+def oom_kill_count() -> Optional[int]:
+    """How many processes the OOM killer has killed: in this process's cgroup (v2
+    ``memory.events``, v1 ``memory.oom_control``) where the kernel says, else system-wide
+    (``/proc/vmstat``). None if nothing tells."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        lines = []
+    candidates = []
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        if parts[0] == "0" and parts[1] == "":
+            candidates.append(f"/sys/fs/cgroup{parts[2]}/memory.events")
+            candidates.append(f"/sys/fs/cgroup/unified{parts[2]}/memory.events")
+        elif "memory" in parts[1].split(","):
+            candidates.append(f"/sys/fs/cgroup/memory{parts[2]}/memory.oom_control")
+    candidates.append("/proc/vmstat")
+    for path in candidates:
+        try:
+            with open(path) as f:
+                for line in f:
+                    key, _, value = line.partition(" ")
+                    if key == "oom_kill":
+                        return int(value)
+        except (OSError, ValueError):
+            continue
+    return None
+
+
 class FolderWatch:
     """inotify (through watchdog) on the folders whose changes must wake the watcher.
 
@@ -125,4 +179,6 @@ class FolderWatch:
             self._observer.stop()
 
 
-__all__ = ["FolderWatch", "Peer", "child_returncode", "is_local", "pidfd_supported"]
+__all__ = [
+    "FolderWatch", "Peer", "child_returncode", "fatal_signal_in", "is_local", "oom_kill_count", "pidfd_supported",
+]

@@ -19,7 +19,7 @@ from . import _decide, _report, _rundir, _teardown
 from ._config import Config
 from ._records import Ack, ExitStatus, Failure, Heartbeat, Registration, Success, Verdict, encode
 from ._rundir import EVENTS, HEARTBEATS, RANKS, VERDICT_FILE, RunDir, rank_file
-from ._sources import FolderWatch, Peer, child_returncode, is_local, pidfd_supported
+from ._sources import FolderWatch, Peer, child_returncode, fatal_signal_in, is_local, oom_kill_count, pidfd_supported
 
 logger = logging.getLogger("peerwatch")
 
@@ -65,6 +65,7 @@ class Watcher:
         self._registrations: Dict[int, Registration] = {me.rank: me}
         self._seen: Dict[str, Dict[str, int]] = {RANKS: {}, EVENTS: {}}  # name -> inode
         self._events: Dict[str, object] = {}
+        self._oom_kills_at_start = oom_kill_count()
         self._heartbeat_seq = 0
         self._children: tuple = ()
         self._folders: Optional[FolderWatch] = None
@@ -192,16 +193,19 @@ class Watcher:
             self._fd_rank.pop(peer.pidfd, None)
         peer.alive = False
         peer.close()
-        if peer.reg.ppid == os.getpid():
-            # Only a parent can learn how its child ended; tell everyone.
-            returncode = child_returncode(peer.reg.pid)
-            if returncode is not None:
-                status = ExitStatus(
-                    rank=rank, pid=peer.reg.pid, time_ns=self._gone[rank],
-                    returncode=returncode, observed_by=self.rank,
-                )
-                self._write_event(rank_file("exit", rank), status)
-                self._events.setdefault(rank_file("exit", rank), status)
+        # Only a parent can learn how its child ended; failing that, faulthandler's last
+        # words in the rank's stack file name a fatal signal. Tell everyone.
+        returncode = child_returncode(peer.reg.pid) if peer.reg.ppid == os.getpid() else None
+        if returncode is None:
+            dump = self.run_dir.read_bytes(_rundir.STACKS, rank_file("rank", rank, ".txt"), limit=1 << 20)
+            signum = fatal_signal_in(dump or b"")
+            returncode = -signum if signum else None
+        if returncode is not None:
+            status = ExitStatus(
+                rank=rank, pid=peer.reg.pid, time_ns=self._gone[rank], returncode=returncode, observed_by=self.rank,
+            )
+            self._write_event(rank_file("exit", rank), status)
+            self._events.setdefault(rank_file("exit", rank), status)
 
     def _scan(self) -> None:
         rd = self.run_dir
@@ -287,8 +291,14 @@ class Watcher:
         return _decide.Observed(
             self_rank=self.rank, now_ns=time.time_ns(), registrations=self._registrations,
             successes=successes, failures=failures, exit_statuses=statuses, gone=self._gone,
-            verdict=verdict,
+            verdict=verdict, oom_kills=self._oom_kills_since_start(),
         )
+
+    def _oom_kills_since_start(self) -> int:
+        if self._oom_kills_at_start is None or not (self._gone or self._events):
+            return 0
+        now = oom_kill_count()
+        return 0 if now is None else max(0, now - self._oom_kills_at_start)
 
     def _write_event(self, name: str, record: object) -> bool:
         try:
