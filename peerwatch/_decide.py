@@ -19,8 +19,15 @@ import dataclasses
 from typing import AbstractSet, List, Mapping, Optional, Tuple
 
 from ._records import (
-    EXIT, SIGNAL, VANISHED, ExitStatus, Failure, Registration, Verdict,
-    returncode_exit_code, signal_name,
+    EXIT,
+    SIGNAL,
+    VANISHED,
+    ExitStatus,
+    Failure,
+    Registration,
+    Verdict,
+    returncode_exit_code,
+    signal_name,
 )
 
 

@@ -154,13 +154,13 @@ def flush_and_exit(code: int) -> None:
     for handler in logging.getLogger("peerwatch").handlers + logging.getLogger().handlers:
         try:
             handler.flush()
-        except Exception:  # noqa: BLE001 - leaving must not fail
+        except Exception:  # noqa: BLE001, S110 - leaving must not fail
             pass
     for stream in (sys.stdout, sys.stderr):
         try:
             if stream is not None:
                 stream.flush()
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001, S110 - leaving must not fail
             pass
     os._exit(code)
 
