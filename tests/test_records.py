@@ -240,8 +240,12 @@ def _fits(value: Any, tp: Any) -> bool:
     if tp in (int, bool, str):
         return type(value) is tp
     if typing.get_origin(tp) is tuple:
-        return isinstance(value, list) and all(isinstance(v, list) and len(v) == 2
-                                               and all(type(x) is int for x in v) for v in value)
+        args = typing.get_args(tp)
+        if not isinstance(value, list):
+            return False
+        if len(args) == 2 and args[1] is Ellipsis:
+            return all(_fits(v, args[0]) for v in value)
+        return len(value) == len(args) and all(_fits(v, a) for v, a in zip(value, args))
     raise AssertionError(tp)
 
 
