@@ -1,0 +1,199 @@
+"""Process identity: probe() and is_same_process() on real processes, each one reaped."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from typing import Callable, Iterator
+
+import psutil
+import pytest
+
+from peerwatch import _identity
+from peerwatch._identity import ProcessInfo, is_same_process, probe, self_info
+
+POLL_S = 0.005
+DEADLINE_S = 5.0
+
+
+def wait_for(predicate: Callable[[], bool], what: str, timeout: float = DEADLINE_S) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(POLL_S)
+
+
+@pytest.fixture
+def cat() -> Iterator[subprocess.Popen]:
+    """A live child that stays until its stdin is closed; always reaped."""
+    proc = subprocess.Popen(["cat"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
+    try:
+        yield proc
+    finally:
+        if proc.returncode is None:
+            try:
+                proc.kill()
+            except ProcessLookupError:
+                pass
+            proc.wait(timeout=DEADLINE_S)
+        if proc.stdin:
+            proc.stdin.close()
+
+
+def exit_without_reaping(proc: subprocess.Popen) -> None:
+    """Close the child's stdin and block until it has exited, leaving it a zombie."""
+    proc.stdin.close()
+    os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT)
+
+
+def test_probe_self():
+    info = probe(os.getpid())
+    assert info is not None
+    assert (info.pid, info.ppid, info.uid) == (os.getpid(), os.getppid(), os.getuid())
+    assert info.state == "R"  # reading its own /proc/self/stat, it is running
+    assert not info.dead
+
+
+def test_self_info_matches_probe():
+    a, b = self_info(), probe(os.getpid())
+    assert (a.pid, a.ppid, a.start_ticks, a.uid) == (b.pid, b.ppid, b.start_ticks, b.uid)
+
+
+def test_start_ticks_are_clock_ticks_since_boot():
+    # psutil derives create_time from the same field: boot time + starttime / CLK_TCK.
+    ticks_per_s = os.sysconf("SC_CLK_TCK")
+    proc = psutil.Process()
+    expected = proc.create_time()
+    got = psutil.boot_time() + self_info().start_ticks / ticks_per_s
+    assert abs(got - expected) < 2.0 / ticks_per_s
+
+
+def test_probe_of_a_live_child(cat):
+    info = probe(cat.pid)
+    assert info is not None
+    assert (info.pid, info.ppid, info.uid) == (cat.pid, os.getpid(), os.getuid())
+    assert info.state in ("R", "S")
+    assert info.start_ticks >= self_info().start_ticks
+    assert is_same_process(cat.pid, info.start_ticks, info.uid)
+
+
+def test_probe_of_a_reaped_child_is_none(cat):
+    info = probe(cat.pid)
+    cat.stdin.close()
+    assert cat.wait(timeout=DEADLINE_S) == 0
+    assert probe(cat.pid) is None
+    assert not is_same_process(cat.pid, info.start_ticks, info.uid)
+
+
+def test_zombie_is_probed_but_is_not_the_same_process(cat):
+    info = probe(cat.pid)
+    exit_without_reaping(cat)
+    zombie = probe(cat.pid)
+    assert zombie is not None
+    assert zombie.state == "Z"
+    assert zombie.dead
+    assert (zombie.start_ticks, zombie.uid) == (info.start_ticks, info.uid)
+    assert not is_same_process(cat.pid, info.start_ticks, info.uid)
+    assert cat.wait(timeout=DEADLINE_S) == 0  # reap it
+    assert probe(cat.pid) is None
+
+
+def test_stopped_process_is_still_the_same_process(cat):
+    info = probe(cat.pid)
+    os.kill(cat.pid, signal.SIGSTOP)
+    wait_for(lambda: probe(cat.pid).state == "T", "the child to stop")
+    assert not probe(cat.pid).dead
+    assert is_same_process(cat.pid, info.start_ticks, info.uid)
+    os.kill(cat.pid, signal.SIGCONT)
+
+
+def test_start_time_mismatch_is_not_the_same_process(cat):
+    info = probe(cat.pid)
+    assert is_same_process(cat.pid, info.start_ticks, info.uid)
+    assert not is_same_process(cat.pid, info.start_ticks + 1, info.uid)
+    assert not is_same_process(cat.pid, info.start_ticks - 1, info.uid)
+    assert not is_same_process(cat.pid, 0, info.uid)
+
+
+def test_uid_mismatch_is_not_the_same_process():
+    me = self_info()
+    assert is_same_process(me.pid, me.start_ticks, me.uid)
+    assert not is_same_process(me.pid, me.start_ticks, me.uid + 1)
+
+
+def test_another_pid_is_not_the_same_process(cat):
+    me = self_info()
+    assert not is_same_process(cat.pid, me.start_ticks, me.uid)
+
+
+@pytest.mark.parametrize("pid", [0, -1, -os.getpid(), 2**22 + 1, 2**31 - 1])
+def test_probe_of_no_such_pid_is_none(pid):
+    assert probe(pid) is None
+    assert not is_same_process(pid, 0, os.getuid())
+
+
+def test_command_name_with_spaces_and_parentheses(tmp_path):
+    # /proc/PID/stat puts the command name in parentheses; a name that itself holds
+    # ") Z 1 (" would fool a parser that splits at the first ')'.
+    tricky = tmp_path / "x) Z 1 (y"
+    tricky.symlink_to(_which("cat"))
+    proc = subprocess.Popen([str(tricky)], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
+    try:
+        wait_for(lambda: psutil.Process(proc.pid).name() == "x) Z 1 (y", "the child to exec")
+        info = probe(proc.pid)
+        assert info is not None
+        assert info.state in ("R", "S")
+        assert info.ppid == os.getpid()
+        assert is_same_process(proc.pid, info.start_ticks, os.getuid())
+    finally:
+        proc.stdin.close()
+        proc.wait(timeout=DEADLINE_S)
+
+
+def _which(name: str) -> str:
+    for d in os.environ.get("PATH", "/usr/bin:/bin").split(os.pathsep):
+        candidate = os.path.join(d, name)
+        if os.access(candidate, os.X_OK):
+            return os.path.realpath(candidate)
+    pytest.skip(f"no {name} on PATH")
+
+
+@pytest.mark.parametrize(("state", "dead"), [("R", False), ("S", False), ("D", False), ("T", False),
+                                             ("t", False), ("Z", True), ("X", True), ("x", True)])
+def test_dead_states(state, dead):
+    assert ProcessInfo(pid=1, ppid=0, state=state, start_ticks=1, uid=0).dead is dead
+
+
+def test_boot_id_is_this_boot_and_cached():
+    with open("/proc/sys/kernel/random/boot_id") as f:
+        assert _identity.boot_id() == f.read().strip()
+    assert _identity.boot_id() is _identity.boot_id()
+
+
+def test_pid_namespace():
+    assert _identity.pid_namespace() == os.readlink("/proc/self/ns/pid")
+    assert _identity.pid_namespace().startswith("pid:[")
+
+
+def test_psutil_fallback_agrees_on_who_the_process_is(cat):
+    via_proc, via_psutil = probe(cat.pid), _identity._probe_psutil(cat.pid)
+    assert via_psutil is not None
+    assert (via_psutil.pid, via_psutil.ppid, via_psutil.uid) == (via_proc.pid, via_proc.ppid, via_proc.uid)
+    assert not via_psutil.dead
+
+
+@pytest.mark.xfail(strict=True, reason="bug: the psutil fallback gives start_ticks in centiseconds since the "
+                                       "epoch, /proc gives clock ticks since boot: the two never match")
+def test_psutil_fallback_start_ticks_match_proc(cat):
+    assert _identity._probe_psutil(cat.pid).start_ticks == probe(cat.pid).start_ticks
+
+
+def test_psutil_fallback_sees_a_zombie(cat):
+    exit_without_reaping(cat)
+    info = _identity._probe_psutil(cat.pid)
+    assert info is not None and info.dead
+    cat.wait(timeout=DEADLINE_S)
+    assert _identity._probe_psutil(cat.pid) is None
