@@ -13,7 +13,7 @@ Importing peerwatch is cheap and never imports torch.
 
 from __future__ import annotations
 
-from ._api import beat, install, watch
+from ._api import beat, install, paused, watch
 from ._config import Config
 from ._errors import ConfigError, PeerFailure, PeerwatchError, RunDirError
 
@@ -28,5 +28,6 @@ __all__ = [
     "__version__",
     "beat",
     "install",
+    "paused",
     "watch",
 ]

@@ -211,12 +211,39 @@ class watch:
 
 
 def beat(step: Optional[int] = None) -> None:
-    """Tell peerwatch the training made progress (cheap: no I/O; call it every step)."""
+    """Tell peerwatch the training made progress. Cheap (no I/O): call it every step.
+
+    ``step`` is the training step (the rank with the lowest step is named first when the
+    job hangs); without it, an internal counter goes up by one. Only matters with
+    ``hang_timeout`` set; the Lightning callback calls it for you.
+    """
     w = _active()
     if w is None:
         return
     w.step = (w.step or 0) + 1 if step is None else step
     w.progress_ns = time.monotonic_ns()
+
+
+class paused:
+    """Context manager for a long phase without steps (checkpointing, evaluation on one rank).
+
+    While any rank is inside ``paused()``, no hang verdict is given; entering and leaving
+    count as progress.
+    """
+
+    def __enter__(self) -> None:
+        w = _active()
+        if w is not None:
+            w.paused += 1
+            w.progress_ns = time.monotonic_ns()
+            w.publish_heartbeat()
+
+    def __exit__(self, *exc: object) -> None:
+        w = _active()
+        if w is not None:
+            w.paused = max(0, w.paused - 1)
+            w.progress_ns = time.monotonic_ns()
+            w.publish_heartbeat()
 
 
 # -- hooks --------------------------------------------------------------------------
@@ -369,4 +396,4 @@ def _after_fork_in_child() -> None:
     _watcher = None
 
 
-__all__ = ["beat", "current_verdict", "install", "watch"]
+__all__ = ["beat", "current_verdict", "install", "paused", "watch"]

@@ -18,6 +18,8 @@ HEARTBEAT_INTERVAL_S = 1.0  # liveness/progress record; the slow path, not the d
 PARENT_WAIT_S = 0.1  # a dead rank's parent may know its exit status: let it speak first
 DEFAULT_EXIT_CODE = 1  # exit code of torn-down ranks when the failing rank's code is unknown
 STARTUP_TIMEOUT_S = 0.0  # 0: off
+HANG_TIMEOUT_S = 0.0  # 0: off. No rank made progress (beat()) for this long: the job is hung
+GIL_TIMEOUT_S = 0.0  # 0: off. The watcher could not run for this long: faulthandler ends the rank
 
 # Environment variables that carry the rank, in order of preference.
 _RANK_VARS = ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
@@ -47,6 +49,8 @@ class Config:
     parent_wait: float = PARENT_WAIT_S
     exit_code: int = DEFAULT_EXIT_CODE
     startup_timeout: float = STARTUP_TIMEOUT_S
+    hang_timeout: float = HANG_TIMEOUT_S
+    gil_timeout: float = GIL_TIMEOUT_S
     strict: bool = False
     use_pidfd: bool = True
     sources: Tuple[Tuple[str, str], ...] = ()
@@ -112,6 +116,20 @@ class Config:
         return config
 
     def _validate(self) -> None:
+        if self.heartbeat_interval <= 0:
+            raise ConfigError(
+                "heartbeat_interval", self.heartbeat_interval, self.source_of("heartbeat_interval"), "must be above 0"
+            )
+        if self.hang_timeout and self.hang_timeout < 2 * self.heartbeat_interval:
+            raise ConfigError(
+                "hang_timeout", self.hang_timeout, self.source_of("hang_timeout"),
+                f"must be 0 (off) or at least twice heartbeat_interval ({self.heartbeat_interval:g}s)",
+            )
+        if self.gil_timeout and self.gil_timeout < 2 * self.heartbeat_interval:
+            raise ConfigError(
+                "gil_timeout", self.gil_timeout, self.source_of("gil_timeout"),
+                f"must be 0 (off) or at least twice heartbeat_interval ({self.heartbeat_interval:g}s)",
+            )
         if self.world_size is not None and self.rank is not None and self.rank >= self.world_size:
             raise ConfigError(
                 "rank", self.rank, self.source_of("rank"),
@@ -179,6 +197,8 @@ _OPTIONS: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "parent_wait": ("PEERWATCH_PARENT_WAIT", _seconds),
     "exit_code": ("PEERWATCH_EXIT_CODE", _exit_code),
     "startup_timeout": ("PEERWATCH_STARTUP_TIMEOUT", _seconds),
+    "hang_timeout": ("PEERWATCH_HANG_TIMEOUT", _seconds),
+    "gil_timeout": ("PEERWATCH_GIL_TIMEOUT", _seconds),
     "strict": ("PEERWATCH_STRICT", _flag),
     "use_pidfd": ("PEERWATCH_PIDFD", _flag),
 }

@@ -11,6 +11,20 @@ Rules, in order:
    the parent can read the exit status, and it usually writes it within a millisecond.
 5. Of several failures, the earliest (then the lowest rank) is the root cause; we wait
    while a held-back failure might still turn out to be the earliest.
+6. Hang (only with ``hang_timeout``): when no live rank has made progress (``beat()``) for
+   ``hang_timeout``, and none is in a ``paused()`` phase, the job is hung. The laggard is,
+   in this order of preference: a frozen rank (state T or D); a rank whose watcher has
+   gone silent (the GIL held in C code); a rank whose main thread is *not* waiting inside
+   torch.distributed while others are (they wait for it); the rank with the lowest step;
+   the one silent longest.
+
+Why rule 6 does not fire on a slow rank: in a synchronous job every rank waits for the
+slowest in each collective, so the job as a whole moves exactly as fast as its slowest
+rank. Judging "no rank moved" rather than "this rank is behind" means a rank that is
+slow but moving, or ranks that wait for it, never trip it; only a job in which nothing
+has moved for the whole timeout does. A rank in ``paused()`` (checkpointing, evaluation
+on one rank) suspends the rule for everyone, since the others are expected to wait.
+Entering and leaving ``paused()`` count as progress, so a pause cannot age into a hang.
 """
 
 from __future__ import annotations
@@ -20,6 +34,8 @@ from typing import AbstractSet, List, Mapping, Optional, Tuple
 
 from ._records import (
     EXIT,
+    HANG,
+    HANG_EXIT_CODE,
     SIGNAL,
     VANISHED,
     ExitStatus,
@@ -30,6 +46,20 @@ from ._records import (
     signal_name,
 )
 
+FROZEN_STATES = {"T": "stopped (SIGSTOP)", "t": "stopped by a debugger", "D": "in uninterruptible sleep (I/O)"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Progress:
+    """What a live local rank last said of its training, and its process state."""
+
+    step: Optional[int]
+    progress_mono_ns: Optional[int]  # its last beat(), CLOCK_MONOTONIC (one clock per host)
+    paused: bool = False
+    state: str = "?"  # from /proc: R, S, D, T, ...
+    in_collective: bool = False  # its main thread waits inside torch.distributed
+    watcher_silent: bool = False  # its watcher has not written a heartbeat for a while (GIL held?)
+    where: str = ""
 
 @dataclasses.dataclass(frozen=True)
 class Observed:
@@ -44,12 +74,15 @@ class Observed:
     gone: Mapping[int, int]  # rank -> when this watcher saw its process gone (time_ns)
     verdict: Optional[Verdict] = None
     oom_kills: int = 0  # how many more OOM kills the kernel counts than when we started
+    progress: Mapping[int, Progress] = dataclasses.field(default_factory=dict)
+    now_mono_ns: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
 class Policy:
     parent_wait_ns: int
     default_exit_code: int
+    hang_timeout_ns: int = 0  # 0: no hang detection
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,12 +114,58 @@ def decide(obs: Observed, policy: Policy) -> Decision:
     waiting = [until for seen, until in held if first is None or seen <= first.failed_at_ns]
     if waiting:
         return Decision(None, recheck_at_ns=min(waiting))
-    if first is not None and obs.oom_kills > 0 and (first.cause == VANISHED or first.signal == "SIGKILL"):
+    if first is None:
+        return Decision(_hang(obs, policy))
+    if obs.oom_kills > 0 and (first.cause == VANISHED or first.signal == "SIGKILL"):
         first = dataclasses.replace(
             first, oom_suspected=True,
             detail=f"{first.detail}; likely killed by the OOM killer ({obs.oom_kills} OOM kill(s) during the run)",
         )
     return Decision(first)
+
+
+def _hang(obs: Observed, policy: Policy) -> Optional[Verdict]:
+    if not policy.hang_timeout_ns:
+        return None
+    live = {r: p for r, p in obs.progress.items() if r not in obs.successes and r not in obs.gone}
+    if not live or any(p.paused for p in live.values()):
+        return None
+    beats = [p.progress_mono_ns for p in live.values() if p.progress_mono_ns is not None]
+    if not beats:
+        return None  # nobody reports progress (no beat() yet): nothing to judge by
+    silent_ns = obs.now_mono_ns - max(beats)
+    if silent_ns < policy.hang_timeout_ns:
+        return None
+
+    def lag(rank: int) -> Tuple[bool, bool, bool, int, int, int]:
+        p = live[rank]
+        return (
+            p.state not in FROZEN_STATES, not p.watcher_silent, p.in_collective,
+            -1 if p.step is None else p.step, p.progress_mono_ns or 0, rank,
+        )
+
+    order = sorted(live, key=lag)
+    laggards = tuple(r for r in order if lag(r)[:4] == lag(order[0])[:4])
+    first = order[0]
+    p = live[first]
+    why = []
+    if p.state in FROZEN_STATES:
+        why.append(f"its process is {FROZEN_STATES[p.state]}")
+    if p.watcher_silent:
+        why.append("its watcher cannot run (the GIL is held, e.g. by C code)")
+    if not p.in_collective and any(live[r].in_collective for r in live):
+        why.append("the others wait for it in torch.distributed")
+    why.append("it never reported progress" if p.step is None else f"step {p.step}")
+    if p.where:
+        why.append(f"at {p.where}")
+    others = [r for r in laggards if r != first]
+    detail = f"no rank made progress for {silent_ns / 1e9:.1f}s; rank {first} holds the job up ({', '.join(why)})"
+    if others:
+        detail += f"; also behind: ranks {', '.join(map(str, others))}"
+    return Verdict(
+        **_base(obs, first), cause=HANG, exit_code=HANG_EXIT_CODE,
+        failed_at_ns=obs.now_ns - silent_ns, detail=detail, laggards=laggards,
+    )
 
 
 def _has_live_parent(obs: Observed, rank: int) -> bool:
@@ -173,4 +252,4 @@ def _vanished(obs: Observed, rank: int, seen_ns: int, policy: Policy) -> Verdict
     )
 
 
-__all__ = ["Decision", "Observed", "Policy", "decide", "exit_code_for"]
+__all__ = ["FROZEN_STATES", "Decision", "Observed", "Policy", "Progress", "decide", "exit_code_for"]

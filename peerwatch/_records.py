@@ -22,8 +22,10 @@ EXCEPTION = "exception"  # the rank raised and said so
 EXIT = "exit"  # the rank exited with a non-zero code (or 0 without a success marker)
 SIGNAL = "signal"  # the rank was killed by a signal (known to its parent)
 VANISHED = "vanished"  # the rank's process is gone and nobody knows how
-HANG = "hang"
+HANG = "hang"  # no rank made progress for hang_timeout; the verdict names the laggard
 LOST = "lost"
+
+HANG_EXIT_CODE = 124  # as timeout(1): the job was ended for not moving
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +107,8 @@ class Heartbeat:
     progress_ns: Optional[int] = None
     paused: bool = False
     children: Tuple[Tuple[int, int], ...] = ()  # (pid, start_ticks) of this rank's descendants
+    where: str = ""  # the main thread's innermost frame: "file:line in function"
+    in_collective: bool = False  # the main thread is inside torch.distributed (waiting for peers)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,6 +131,7 @@ class Verdict:
     traceback: Optional[str] = None
     detail: str = ""
     oom_suspected: bool = False
+    laggards: Tuple[int, ...] = ()  # for a hang: the ranks holding the job up, most likely first
 
 
 R = TypeVar("R")
@@ -223,5 +228,5 @@ def signal_name(signum: int) -> str:
 __all__ = [
     "EXCEPTION", "EXIT", "HANG", "LOST", "SIGNAL", "VANISHED",
     "Ack", "ExitStatus", "Failure", "Heartbeat", "Registration", "Success", "Verdict",
-    "MAX_RECORD_BYTES", "RECORD_VERSION", "decode", "encode", "returncode_exit_code", "signal_name",
+    "HANG_EXIT_CODE", "MAX_RECORD_BYTES", "RECORD_VERSION", "decode", "encode", "returncode_exit_code", "signal_name",
 ]

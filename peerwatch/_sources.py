@@ -109,6 +109,16 @@ def fatal_signal_in(stack_dump: bytes) -> Optional[int]:
     return None
 
 
+def gil_timeout_in(stack_dump: bytes) -> Optional[str]:
+    """"0:00:05" if the stack file ends with faulthandler's ``dump_traceback_later`` report
+    (our gil_timeout watchdog fired), else None."""
+    marker = stack_dump.rfind(b"Timeout (")
+    if marker < 0 or (marker > 0 and stack_dump[marker - 1 : marker] != b"\n"):
+        return None
+    end = stack_dump.find(b")!", marker)
+    return stack_dump[marker + len(b"Timeout (") : end].decode("ascii", "replace") if end > 0 else None
+
+
 def oom_kill_count() -> Optional[int]:
     """How many processes the OOM killer has killed: in this process's cgroup (v2
     ``memory.events``, v1 ``memory.oom_control``) where the kernel says, else system-wide
@@ -180,5 +190,5 @@ class FolderWatch:
 
 
 __all__ = [
-    "FolderWatch", "Peer", "child_returncode", "fatal_signal_in", "is_local", "oom_kill_count", "pidfd_supported",
+    "FolderWatch", "Peer", "child_returncode", "fatal_signal_in", "gil_timeout_in", "is_local", "oom_kill_count", "pidfd_supported",
 ]

@@ -11,20 +11,42 @@ import faulthandler
 import logging
 import os
 import select
+import sys
 import threading
 import time
-from typing import IO, Dict, List, Optional, Set
+from typing import IO, Dict, List, Optional, Set, Tuple
 
-from . import _decide, _report, _rundir, _teardown
+from . import _decide, _identity, _report, _rundir, _teardown
 from ._config import Config
-from ._records import Ack, ExitStatus, Failure, Heartbeat, Registration, Success, Verdict, encode
+from ._records import (
+    HANG,
+    MAX_TRACEBACK_CHARS,
+    Ack,
+    ExitStatus,
+    Failure,
+    Heartbeat,
+    Registration,
+    Success,
+    Verdict,
+    encode,
+)
 from ._rundir import EVENTS, HEARTBEATS, RANKS, VERDICT_FILE, RunDir, rank_file
-from ._sources import FolderWatch, Peer, child_returncode, fatal_signal_in, is_local, oom_kill_count, pidfd_supported
+from ._sources import (
+    FolderWatch,
+    Peer,
+    child_returncode,
+    fatal_signal_in,
+    gil_timeout_in,
+    is_local,
+    oom_kill_count,
+    pidfd_supported,
+)
 
 logger = logging.getLogger("peerwatch")
 
 POLL_FALLBACK_S = 0.1  # where pidfds or inotify are missing: how often we look instead
 CHILDREN_SCAN_EVERY = 10  # heartbeats between snapshots of our own descendants (costs a /proc walk)
+HANG_JUDGES = 2  # the lowest live local ranks judge hangs: O(N) heartbeat reads per host, not N^2
 
 _EVENT_TYPES = {"success": Success, "failure": Failure, "exit": ExitStatus, "ack": Ack}
 
@@ -51,8 +73,10 @@ class Watcher:
         self.paused = 0
         self._use_pidfd = config.use_pidfd and pidfd_supported()
         self._policy = _decide.Policy(
-            parent_wait_ns=int(config.parent_wait * 1e9), default_exit_code=config.exit_code
+            parent_wait_ns=int(config.parent_wait * 1e9), default_exit_code=config.exit_code,
+            hang_timeout_ns=int(config.hang_timeout * 1e9),
         )
+        self._heartbeat_lock = threading.Lock()
         self._wake_r, self._wake_w = os.pipe()
         for fd in (self._wake_r, self._wake_w):
             os.set_blocking(fd, False)
@@ -121,6 +145,8 @@ class Watcher:
         """Stop watching (this rank is done). Safe to call from any thread, more than once."""
         self.stopped.set()
         self.wake()
+        if self.config.gil_timeout and not self.verdict_seen.is_set():
+            faulthandler.cancel_dump_traceback_later()
         if self._folders is not None:
             self._folders.stop()
         if threading.current_thread() is not self.thread and self.thread.is_alive():
@@ -149,9 +175,12 @@ class Watcher:
         next_beat = 0.0
         while not self.stopped.is_set():
             now = time.monotonic()
+            judge_hang = False
             if now >= next_beat:
                 self._heartbeat()
+                self._arm_gil_watchdog()
                 next_beat = now + self.config.heartbeat_interval
+                judge_hang = self._is_hang_judge()
             timeout = next_beat - now
             if recheck_ns is not None:
                 timeout = min(timeout, (recheck_ns - time.time_ns()) / 1e9)
@@ -163,7 +192,7 @@ class Watcher:
             if self.stopped.is_set():
                 break
             self._scan()
-            decision = _decide.decide(self._observed(), self._policy)
+            decision = _decide.decide(self._observed(judge_hang), self._policy)
             recheck_ns = decision.recheck_at_ns
             if decision.verdict is not None:
                 self._act(decision.verdict)
@@ -196,10 +225,22 @@ class Watcher:
         # Only a parent can learn how its child ended; failing that, faulthandler's last
         # words in the rank's stack file name a fatal signal. Tell everyone.
         returncode = child_returncode(peer.reg.pid) if peer.reg.ppid == os.getpid() else None
+        dump = b""
         if returncode is None:
-            dump = self.run_dir.read_bytes(_rundir.STACKS, rank_file("rank", rank, ".txt"), limit=1 << 20)
-            signum = fatal_signal_in(dump or b"")
+            dump = self.run_dir.read_bytes(_rundir.STACKS, rank_file("rank", rank, ".txt"), limit=1 << 20) or b""
+            signum = fatal_signal_in(dump)
             returncode = -signum if signum else None
+        starved = gil_timeout_in(dump) if returncode is None else None
+        if starved is not None:
+            # Its own GIL watchdog ended it: the rank was stuck with the GIL held.
+            failure = Failure(
+                rank=rank, pid=peer.reg.pid, time_ns=self._gone[rank], cause=HANG,
+                message=f"its watcher could not run for {starved} (the GIL was held, e.g. by C code); "
+                "faulthandler's gil_timeout watchdog ended it",
+                traceback=dump.decode("utf-8", "replace")[-MAX_TRACEBACK_CHARS:],
+            )
+            self._write_event(rank_file("failure", rank), failure)
+            self._events.setdefault(rank_file("failure", rank), failure)
         if returncode is not None:
             status = ExitStatus(
                 rank=rank, pid=peer.reg.pid, time_ns=self._gone[rank], returncode=returncode, observed_by=self.rank,
@@ -274,7 +315,47 @@ class Watcher:
             self._fd_rank[peer.pidfd] = reg.rank
             self._poller.register(peer.pidfd, select.POLLIN)
 
-    def _observed(self) -> _decide.Observed:
+    def _is_hang_judge(self) -> bool:
+        if not self.config.hang_timeout:
+            return False
+        finished = {r.rank for r in self._events.values() if isinstance(r, Success)}
+        live = sorted(
+            r for r in self._registrations
+            if r not in self._gone and r not in finished and (r == self.rank or r in self._peers)
+        )
+        return self.rank in live[:HANG_JUDGES]
+
+    def _progress(self) -> Dict[int, _decide.Progress]:
+        """Every live local rank's last progress, from its heartbeat (ours from memory)."""
+        where, waiting = main_thread_position()
+        found = {
+            self.rank: _decide.Progress(
+                self.step, self.progress_ns, self.paused > 0, "R", in_collective=waiting, where=where
+            )
+        }
+        for rank, peer in self._peers.items():
+            if rank in self._gone:
+                continue
+            beat = self.run_dir.read(HEARTBEATS, rank_file("rank", rank), Heartbeat)
+            info = _identity.probe(peer.reg.pid)
+            state = info.state if info is not None and info.start_ticks == peer.reg.start_ticks else "?"
+            if beat is None or beat.pid != peer.reg.pid:
+                found[rank] = _decide.Progress(None, None, False, state)
+            else:
+                silent = time.time_ns() - beat.time_ns > 3e9 * self.config.heartbeat_interval
+                found[rank] = _decide.Progress(
+                    beat.step, beat.progress_ns, beat.paused, state,
+                    in_collective=beat.in_collective, watcher_silent=silent, where=beat.where,
+                )
+        return found
+
+    def _arm_gil_watchdog(self) -> None:
+        """With gil_timeout: if this thread cannot run for that long, faulthandler's C thread
+        dumps every stack into our stack file and ends the process."""
+        if self.config.gil_timeout and self.stack_file is not None and not self.verdict_seen.is_set():
+            faulthandler.dump_traceback_later(self.config.gil_timeout, exit=True, file=self.stack_file)
+
+    def _observed(self, with_progress: bool = False) -> _decide.Observed:
         successes: Set[int] = set()
         failures: Dict[int, Failure] = {}
         statuses: Dict[int, ExitStatus] = {}
@@ -292,6 +373,7 @@ class Watcher:
             self_rank=self.rank, now_ns=time.time_ns(), registrations=self._registrations,
             successes=successes, failures=failures, exit_statuses=statuses, gone=self._gone,
             verdict=verdict, oom_kills=self._oom_kills_since_start(),
+            progress=self._progress() if with_progress else {}, now_mono_ns=time.monotonic_ns(),
         )
 
     def _oom_kills_since_start(self) -> int:
@@ -307,14 +389,24 @@ class Watcher:
             logger.error("peerwatch: rank %d could not write %s: %s", self.rank, name, e)
             return False
 
+    def publish_heartbeat(self) -> None:
+        """Write this rank's heartbeat now (paused() calls it: the judges must not miss a pause)."""
+        self._heartbeat()
+
     def _heartbeat(self) -> None:
+        with self._heartbeat_lock:
+            self._write_heartbeat()
+
+    def _write_heartbeat(self) -> None:
         self._heartbeat_seq += 1
         if self._heartbeat_seq % CHILDREN_SCAN_EVERY == 1:
             exclude = {r.pid for r in self._registrations.values()}
             self._children = tuple(_teardown.descendants(os.getpid(), os.geteuid(), exclude))
+        where, waiting = main_thread_position() if self.config.hang_timeout else ("", False)
         beat = Heartbeat(
             rank=self.rank, pid=os.getpid(), time_ns=time.time_ns(), seq=self._heartbeat_seq,
             step=self.step, progress_ns=self.progress_ns, paused=self.paused > 0, children=self._children,
+            where=where, in_collective=waiting,
         )
         try:
             self.run_dir.write(HEARTBEATS, rank_file("rank", self.rank), encode(beat), replace=True)
@@ -335,9 +427,12 @@ class Watcher:
         with self._cond:
             self._cond.notify_all()
         started = time.monotonic()
+        self._arm_last_resort()
         mine = verdict.rank == self.rank
         in_watch = self.in_watch > 0 and not mine
-        stay = mine or in_watch  # the main thread leaves by itself; we only enforce a deadline
+        # The main thread leaves by itself (its own exception, or PeerFailure): we only
+        # enforce a deadline. A hung rank's main thread is stuck: it does not stay.
+        stay = (mine and verdict.cause != HANG) or in_watch
         deadline = started + (self.config.grace if stay else 0.0)
         code = (self.own_exit_code or verdict.exit_code) if mine else verdict.exit_code
         self._write_event(
@@ -367,6 +462,17 @@ class Watcher:
                 )
             self._tear_down_own_children()
         _teardown.flush_and_exit(code)
+
+    def _arm_last_resort(self) -> None:
+        """Once teardown has begun this process ends, even if this thread never runs again
+        (the main thread holding the GIL in C): faulthandler's C thread needs no GIL."""
+        if self.stack_file is None:
+            return
+        budget = self.config.ack_window + 3 * self.config.grace + 2.0
+        try:
+            faulthandler.dump_traceback_later(budget, exit=True, file=self.stack_file)
+        except (OSError, ValueError, RuntimeError):
+            pass
 
     def _dump_own_stacks(self) -> None:
         if self.stack_file is None:
@@ -457,6 +563,24 @@ class Watcher:
             return
         self.succeeded = True
         self._write_event(rank_file("success", self.rank), Success(rank=self.rank, pid=os.getpid(), time_ns=time.time_ns()))
+
+
+_COLLECTIVE_PATHS = (os.sep + os.path.join("torch", "distributed") + os.sep,)
+
+
+def main_thread_position() -> Tuple[str, bool]:
+    """Where the main thread is ("file:line in function" of its innermost frame outside
+    torch.distributed), and whether it is waiting inside torch.distributed."""
+    frame = sys._current_frames().get(threading.main_thread().ident or 0)
+    waiting = False
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if any(p in filename for p in _COLLECTIVE_PATHS):
+            waiting = True
+        elif not filename.startswith("<"):
+            return f"{os.path.basename(filename)}:{frame.f_lineno} in {frame.f_code.co_name}", waiting
+        frame = frame.f_back
+    return "", waiting
 
 
 def _peer_failure_type() -> type:
