@@ -1,0 +1,578 @@
+"""The run directory on real files: atomic writes, tolerant reads, trust checks, preparation
+(with stale directories set aside) and the resolution rule table."""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Iterator, List
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from peerwatch import RunDirError
+from peerwatch import _identity
+from peerwatch._records import MAX_RECORD_BYTES, Registration, Success, Verdict, encode
+from peerwatch._rundir import (
+    EVENTS, HEARTBEATS, RANKS, STACKS, TMP, VERDICT_FILE, RunDir, base_dir, check_trusted,
+    parse_rank_file, rank_file, resolve,
+)
+
+SUBDIRS = (RANKS, EVENTS, HEARTBEATS, STACKS, TMP)
+DEADLINE_S = 5.0
+
+
+def registration(info: _identity.ProcessInfo, rank: int, **over) -> Registration:
+    fields = dict(
+        rank=rank, pid=info.pid, ppid=info.ppid, start_ticks=info.start_ticks, uid=info.uid,
+        host=_identity.hostname(), boot_id=_identity.boot_id(), pidns=_identity.pid_namespace(),
+        time_ns=time.time_ns(),
+    )
+    fields.update(over)
+    return Registration(**fields)
+
+
+def my_reg(rank: int = 0, **over) -> Registration:
+    return registration(_identity.self_info(), rank, **over)
+
+
+@pytest.fixture
+def rd(tmp_path: Path) -> RunDir:
+    run = RunDir(str(tmp_path / "run"))
+    run.prepare(my_reg(), time.time_ns())
+    return run
+
+
+@pytest.fixture
+def child() -> Iterator[subprocess.Popen]:
+    """A live child process (cat, until its stdin closes); always reaped."""
+    proc = subprocess.Popen(["cat"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
+    try:
+        yield proc
+    finally:
+        proc.stdin.close()
+        proc.wait(timeout=DEADLINE_S)
+
+
+def dead_process_info() -> _identity.ProcessInfo:
+    """The identity of a process that ran and has been reaped."""
+    proc = subprocess.Popen(["cat"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
+    try:
+        info = _identity.probe(proc.pid)
+    finally:
+        proc.stdin.close()
+        proc.wait(timeout=DEADLINE_S)
+    assert info is not None and _identity.probe(proc.pid) is None
+    return info
+
+
+def warnings_about(caplog, text: str) -> List[logging.LogRecord]:
+    return [r for r in caplog.records if r.name == "peerwatch" and r.levelno == logging.WARNING
+            and text in r.getMessage()]
+
+
+def mode(path) -> int:
+    return stat.S_IMODE(os.lstat(path).st_mode)
+
+
+def set_asides(run: RunDir) -> List[str]:
+    parent, name = os.path.split(run.path)
+    return sorted(n for n in os.listdir(parent) if n.startswith(name + ".stale-"))
+
+
+SUCCESS = encode(Success(rank=1, pid=2, time_ns=3))
+
+
+# -- names ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("name", "parsed"),
+    [
+        ("rank-00003.json", ("rank", 3)),
+        ("failure-00012.json", ("failure", 12)),
+        ("rank-00003.txt", ("rank", 3)),
+        ("rank-123456789.json", ("rank", 123456789)),
+        ("rank-1234567890.json", None),
+        ("rank-00003.json.tmp", None),
+        ("rank-abc.json", None),
+        ("rank-.json", None),
+        ("rank00003.json", None),
+        ("rank-00003", None),
+        ("verdict.json", None),
+    ],
+)
+def test_parse_rank_file(name, parsed):
+    assert parse_rank_file(name) == parsed
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.sampled_from(["rank", "success", "failure", "exit", "ack"]), st.integers(0, 10**9 - 1))
+def test_rank_file_round_trip(prefix, rank):
+    assert parse_rank_file(rank_file(prefix, rank)) == (prefix, rank)
+
+
+# -- atomic writes -----------------------------------------------------------------------
+
+
+def test_write_then_read(rd):
+    assert rd.write(EVENTS, "success-00001.json", SUCCESS) is True
+    assert rd.read(EVENTS, "success-00001.json", Success) == Success(rank=1, pid=2, time_ns=3)
+    assert mode(rd.join(EVENTS, "success-00001.json")) == 0o600
+    assert os.listdir(rd.join(TMP)) == []
+
+
+def test_first_writer_wins_without_replace(rd):
+    assert rd.write(EVENTS, VERDICT_FILE, b"first") is True
+    assert rd.write(EVENTS, VERDICT_FILE, b"second") is False
+    assert rd.read_bytes(EVENTS, VERDICT_FILE) == b"first"
+    assert os.listdir(rd.join(TMP)) == []
+
+
+def test_replace_overwrites(rd):
+    assert rd.write(HEARTBEATS, "rank-00000.json", b"old") is True
+    assert rd.write(HEARTBEATS, "rank-00000.json", b"new", replace=True) is True
+    assert rd.read_bytes(HEARTBEATS, "rank-00000.json") == b"new"
+    assert os.listdir(rd.join(TMP)) == []
+
+
+def test_concurrent_writers_exactly_one_wins(rd):
+    n = 8
+    results: List[bool] = [False] * n
+    start = threading.Barrier(n)
+
+    def write(i: int) -> None:
+        start.wait()
+        results[i] = rd.write(EVENTS, VERDICT_FILE, f"writer {i}".encode() * 1000)
+
+    threads = [threading.Thread(target=write, args=(i,), name=f"writer-{i}") for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(DEADLINE_S)
+    assert results.count(True) == 1
+    winner = results.index(True)
+    assert rd.read_bytes(EVENTS, VERDICT_FILE) == f"writer {winner}".encode() * 1000
+    assert os.listdir(rd.join(TMP)) == []
+
+
+def test_write_does_not_follow_a_symlink_in_place_of_the_record(rd, tmp_path):
+    outside = tmp_path / "outside"
+    outside.write_bytes(b"precious")
+    os.symlink(outside, rd.join(EVENTS, VERDICT_FILE))
+    assert rd.write(EVENTS, VERDICT_FILE, b"verdict") is False  # something is already there
+    os.symlink(outside, rd.join(HEARTBEATS, "rank-00000.json"))
+    assert rd.write(HEARTBEATS, "rank-00000.json", b"beat", replace=True) is True
+    assert outside.read_bytes() == b"precious"
+    assert rd.read_bytes(HEARTBEATS, "rank-00000.json") == b"beat"
+
+
+def test_write_into_a_missing_folder_raises_and_leaves_no_temp_file(rd):
+    with pytest.raises(FileNotFoundError):
+        rd.write("nowhere", "x.json", b"data")
+    assert os.listdir(rd.join(TMP)) == []
+
+
+# -- tolerant reads -------------------------------------------------------------------------
+
+
+def test_missing_file_is_none_without_warning(rd, caplog):
+    caplog.set_level(logging.DEBUG, logger="peerwatch")
+    assert rd.read(EVENTS, "success-00001.json", Success) is None
+    assert rd.read_bytes(EVENTS, "success-00001.json") is None
+    assert rd.read(RANKS, "rank-00001.json", Registration) is None
+    assert caplog.records == []
+
+
+def test_missing_folder_is_none(tmp_path):
+    assert RunDir(str(tmp_path / "absent")).read(EVENTS, VERDICT_FILE, Verdict) is None
+
+
+def test_symlink_is_none_and_warned_once(rd, tmp_path, caplog):
+    target = tmp_path / "elsewhere.json"
+    target.write_bytes(SUCCESS)
+    os.symlink(target, rd.join(EVENTS, "success-00001.json"))
+    for _ in range(3):
+        assert rd.read(EVENTS, "success-00001.json", Success) is None
+    assert len(warnings_about(caplog, "symbolic link")) == 1
+
+
+def test_directory_in_place_of_a_file_is_none(rd, caplog):
+    os.mkdir(rd.join(EVENTS, VERDICT_FILE))
+    for _ in range(2):
+        assert rd.read(EVENTS, VERDICT_FILE, Verdict) is None
+    assert len(warnings_about(caplog, VERDICT_FILE)) == 1
+
+
+@pytest.mark.timeout(10)
+def test_fifo_in_place_of_a_file_is_none_without_blocking(rd, caplog):
+    os.mkfifo(rd.join(EVENTS, VERDICT_FILE))
+    assert rd.read_bytes(EVENTS, VERDICT_FILE) is None
+    assert rd.read(EVENTS, VERDICT_FILE, Verdict) is None
+    assert len(warnings_about(caplog, "not a regular file")) == 1
+
+
+def test_over_size_file_is_none(rd, caplog):
+    with open(rd.join(EVENTS, "failure-00001.json"), "wb") as f:
+        f.truncate(MAX_RECORD_BYTES + 1)
+    assert rd.read_bytes(EVENTS, "failure-00001.json") is None
+    assert len(warnings_about(caplog, "over the")) == 1
+
+
+def test_size_limit_boundary(rd):
+    with open(rd.join(EVENTS, "a.json"), "wb") as f:
+        f.write(b"x" * 10)
+    assert rd.read_bytes(EVENTS, "a.json", limit=10) == b"x" * 10
+    assert rd.read_bytes(EVENTS, "a.json", limit=9) is None
+
+
+def test_garbage_is_none_and_warned_once_per_file(rd, caplog):
+    for name, data in (("success-00001.json", b"\x00garbage\xff"), ("success-00002.json", b'{"version": 1}')):
+        with open(rd.join(EVENTS, name), "wb") as f:
+            f.write(data)
+    for _ in range(3):
+        assert rd.read(EVENTS, "success-00001.json", Success) is None
+        assert rd.read(EVENTS, "success-00002.json", Success) is None
+    warned = warnings_about(caplog, "not a valid peerwatch record")
+    assert len(warned) == 2
+    assert {("success-00001.json" in r.getMessage()) for r in warned} == {True, False}
+
+
+def test_record_of_another_kind_is_none(rd):
+    rd.write(EVENTS, VERDICT_FILE, SUCCESS)
+    assert rd.read(EVENTS, VERDICT_FILE, Verdict) is None
+
+
+def test_empty_file_is_not_written_yet_and_not_warned(rd, caplog):
+    open(rd.join(EVENTS, VERDICT_FILE), "wb").close()
+    assert rd.read(EVENTS, VERDICT_FILE, Verdict) is None
+    assert warnings_about(caplog, "") == []
+
+
+def test_registrations_skip_what_is_not_a_registration_of_that_rank(rd):
+    rd.publish_registration(my_reg(0))
+    rd.publish_registration(my_reg(3))
+    rd.write(RANKS, "rank-00005.json", encode(my_reg(6)))  # says rank 6 in rank 5's file
+    rd.write(RANKS, "rank-00007.json", b"garbage")
+    rd.write(RANKS, "rank-abc.json", encode(my_reg(8)))
+    rd.write(RANKS, "notes.txt", b"hello")
+    rd.write(RANKS, "other-00009.json", encode(my_reg(9)))
+    assert sorted(rd.registrations()) == [0, 3]
+    assert rd.registrations()[3] == my_reg(3, time_ns=rd.registrations()[3].time_ns)
+
+
+def test_entries_of_a_missing_folder_is_empty(tmp_path):
+    assert list(RunDir(str(tmp_path / "absent")).entries(EVENTS)) == []
+
+
+# -- trust ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dir_mode", [0o700, 0o750, 0o755, 0o500])
+def test_check_trusted_accepts_own_directory_not_writable_by_others(tmp_path, dir_mode):
+    d = tmp_path / "d"
+    d.mkdir()
+    d.chmod(dir_mode)
+    check_trusted(str(d))
+
+
+@pytest.mark.parametrize("dir_mode", [0o770, 0o720, 0o702, 0o777, 0o1777, 0o722])
+def test_check_trusted_refuses_group_or_world_writable(tmp_path, dir_mode):
+    d = tmp_path / "d"
+    d.mkdir()
+    d.chmod(dir_mode)
+    with pytest.raises(RunDirError) as info:
+        check_trusted(str(d))
+    assert info.value.path == str(d)
+    assert "writable" in info.value.reason
+
+
+def test_check_trusted_refuses_a_symlink_to_a_good_directory(tmp_path):
+    good = tmp_path / "good"
+    good.mkdir(mode=0o700)
+    link = tmp_path / "link"
+    link.symlink_to(good)
+    with pytest.raises(RunDirError, match="symbolic link"):
+        check_trusted(str(link))
+
+
+def test_check_trusted_refuses_a_file(tmp_path):
+    f = tmp_path / "f"
+    f.write_text("")
+    f.chmod(0o700)
+    with pytest.raises(RunDirError, match="not a directory"):
+        check_trusted(str(f))
+
+
+def test_check_trusted_refuses_a_missing_path(tmp_path):
+    with pytest.raises(RunDirError, match="cannot be read"):
+        check_trusted(str(tmp_path / "missing"))
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give a directory away")
+def test_check_trusted_refuses_a_directory_owned_by_someone_else(tmp_path):
+    d = tmp_path / "d"
+    d.mkdir(mode=0o700)
+    os.chown(d, 12345, 12345)
+    with pytest.raises(RunDirError, match="owned by uid 12345"):
+        check_trusted(str(d))
+
+
+def test_run_dir_error_is_an_os_error_with_fields():
+    e = RunDirError("/x", "is odd")
+    assert isinstance(e, OSError)
+    assert (e.path, e.reason) == ("/x", "is odd")
+    assert str(e) == "peerwatch run directory /x: is odd"
+
+
+# -- prepare ----------------------------------------------------------------------------------
+
+
+def test_prepare_creates_0700_folders_whatever_the_umask(tmp_path):
+    run = RunDir(str(tmp_path / "run"))
+    old = os.umask(0)
+    try:
+        run.prepare(my_reg(), time.time_ns())
+    finally:
+        os.umask(old)
+    assert mode(run.path) == 0o700
+    for sub in SUBDIRS:
+        assert stat.S_ISDIR(os.lstat(run.join(sub)).st_mode)
+        assert mode(run.join(sub)) == 0o700, sub
+
+
+def test_prepare_creates_missing_parents(tmp_path):
+    run = RunDir(str(tmp_path / "a" / "b" / "run"))
+    run.prepare(my_reg(), time.time_ns())
+    assert os.path.isdir(run.join(EVENTS))
+
+
+def test_prepare_is_idempotent_for_the_same_rank(rd, caplog):
+    rd.publish_registration(my_reg(0))
+    rd.write(EVENTS, "success-00001.json", SUCCESS)
+    rd.prepare(my_reg(0), time.time_ns())
+    assert rd.read(EVENTS, "success-00001.json", Success) is not None
+    assert set_asides(rd) == []
+    assert warnings_about(caplog, "earlier run") == []
+
+
+@pytest.mark.parametrize("where", ["", EVENTS])
+def test_prepare_refuses_a_writable_directory(rd, where):
+    os.chmod(rd.join(where) if where else rd.path, 0o777)
+    with pytest.raises(RunDirError, match="writable"):
+        rd.prepare(my_reg(), time.time_ns())
+
+
+def test_prepare_refuses_a_symlinked_run_directory(tmp_path):
+    real = RunDir(str(tmp_path / "real"))
+    real.prepare(my_reg(), time.time_ns())
+    os.symlink(real.path, tmp_path / "link")
+    with pytest.raises(RunDirError, match="symbolic link"):
+        RunDir(str(tmp_path / "link")).prepare(my_reg(), time.time_ns())
+
+
+def test_prepare_checks_the_base_directory(tmp_path, monkeypatch):
+    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    base = base_dir()
+    assert base == str(tmp_path / f"peerwatch-{os.geteuid()}")
+    RunDir(os.path.join(base, "run-1")).prepare(my_reg(), time.time_ns())
+    assert mode(base) == 0o700
+    os.chmod(base, 0o777)
+    with pytest.raises(RunDirError) as info:
+        RunDir(os.path.join(base, "run-2")).prepare(my_reg(), time.time_ns())
+    assert info.value.path == base
+
+
+def test_slot_held_by_a_dead_process_sets_the_directory_aside(rd, caplog):
+    old = registration(dead_process_info(), rank=0)
+    rd.publish_registration(old)
+    rd.write(EVENTS, "failure-00002.json", b"from the old run")
+    rd.prepare(my_reg(0), time.time_ns())
+    aside = set_asides(rd)
+    assert len(aside) == 1
+    moved = RunDir(os.path.join(os.path.dirname(rd.path), aside[0]))
+    assert moved.registrations() == {0: old}
+    assert moved.read_bytes(EVENTS, "failure-00002.json") == b"from the old run"
+    # A fresh, empty directory in its place.
+    assert rd.registrations() == {}
+    assert os.listdir(rd.join(EVENTS)) == []
+    assert mode(rd.path) == 0o700
+    assert len(warnings_about(caplog, "earlier run")) == 1
+
+
+def test_slot_held_by_a_live_other_process_is_an_error(rd, child):
+    holder = registration(_identity.probe(child.pid), rank=0)
+    rd.publish_registration(holder)
+    with pytest.raises(RunDirError) as info:
+        rd.prepare(my_reg(0), time.time_ns())
+    assert info.value.path == rd.path
+    assert f"live pid {child.pid}" in info.value.reason and "rank 0" in info.value.reason
+    assert set_asides(rd) == []
+    assert rd.registrations() == {0: holder}
+
+
+def test_slot_held_by_a_zombie_is_stale(rd, child):
+    holder = registration(_identity.probe(child.pid), rank=0)
+    rd.publish_registration(holder)
+    child.stdin.close()
+    os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOWAIT)  # exited, not reaped
+    rd.prepare(my_reg(0), time.time_ns())
+    assert len(set_asides(rd)) == 1
+
+
+def test_slot_held_by_a_live_pid_from_an_earlier_boot_is_stale(rd, child):
+    rd.publish_registration(registration(_identity.probe(child.pid), rank=0, boot_id="an-earlier-boot"))
+    rd.prepare(my_reg(0), time.time_ns())
+    assert len(set_asides(rd)) == 1
+
+
+def test_slot_held_by_a_pid_reused_by_another_process_is_stale(rd, child):
+    info = _identity.probe(child.pid)
+    rd.publish_registration(registration(info, rank=0, start_ticks=info.start_ticks - 1))
+    rd.prepare(my_reg(0), time.time_ns())
+    assert len(set_asides(rd)) == 1
+
+
+def test_dead_registration_of_another_rank_is_left_alone(rd):
+    rd.publish_registration(registration(dead_process_info(), rank=1))
+    rd.prepare(my_reg(0), time.time_ns())
+    assert set_asides(rd) == []
+    assert sorted(rd.registrations()) == [1]
+
+
+def _verdict(detected_at_ns: int) -> bytes:
+    return encode(Verdict(rank=1, cause="exit", exit_code=1, failed_at_ns=detected_at_ns - 1,
+                          detected_by=0, detected_at_ns=detected_at_ns))
+
+
+def test_verdict_from_before_this_process_sets_the_directory_aside(rd):
+    rd.write(EVENTS, VERDICT_FILE, _verdict(1000))
+    rd.prepare(my_reg(0), process_start_ns=1001)
+    assert len(set_asides(rd)) == 1
+    assert rd.read_bytes(EVENTS, VERDICT_FILE) is None
+
+
+def test_verdict_from_after_this_process_started_is_kept(rd):
+    rd.write(EVENTS, VERDICT_FILE, _verdict(1000))
+    rd.prepare(my_reg(0), process_start_ns=1000)
+    assert set_asides(rd) == []
+    assert rd.read_bytes(EVENTS, VERDICT_FILE) is not None
+
+
+def test_old_verdict_is_kept_while_a_registered_peer_lives(rd, child):
+    rd.publish_registration(registration(_identity.probe(child.pid), rank=1))
+    rd.write(EVENTS, VERDICT_FILE, _verdict(1000))
+    rd.prepare(my_reg(0), process_start_ns=1001)
+    assert set_asides(rd) == []
+
+
+# -- resolve ------------------------------------------------------------------------------------
+
+
+def parent_key() -> str:
+    parent = _identity.probe(os.getppid())
+    return f"{os.getppid()}.{parent.start_ticks}"
+
+
+TORCHRUN = {"TORCHELASTIC_RUN_ID": "abc123", "TORCHELASTIC_RESTART_COUNT": "2"}
+SLURM = {"SLURM_JOB_ID": "4711", "SLURM_STEP_ID": "3"}
+MASTER = {"MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}
+
+
+def test_resolve_explicit_run_dir_wins():
+    assert resolve("/given/dir", {**TORCHRUN, **SLURM, **MASTER}) == ("/given/dir", "PEERWATCH_DIR")
+
+
+@pytest.mark.parametrize(
+    ("env", "name", "how"),
+    [
+        (TORCHRUN, "torchrun-abc123-{parent}-r2", "torchrun (TORCHELASTIC_RUN_ID)"),
+        ({"TORCHELASTIC_RUN_ID": "abc123"}, "torchrun-abc123-{parent}-r0", "torchrun (TORCHELASTIC_RUN_ID)"),
+        ({**TORCHRUN, **SLURM, **MASTER}, "torchrun-abc123-{parent}-r2", "torchrun (TORCHELASTIC_RUN_ID)"),
+        (SLURM, "slurm-4711.3", "Slurm (SLURM_JOB_ID)"),
+        ({"SLURM_JOB_ID": "4711"}, "slurm-4711.batch", "Slurm (SLURM_JOB_ID)"),
+        ({**SLURM, **MASTER}, "slurm-4711.3", "Slurm (SLURM_JOB_ID)"),
+        (MASTER, "master-10.0.0.1-29500-{parent}", "MASTER_ADDR/MASTER_PORT and parent process"),
+        ({"MASTER_ADDR": "10.0.0.1"}, "run-{me}", "new run led by this process"),
+        ({"MASTER_PORT": "29500"}, "run-{me}", "new run led by this process"),
+        ({}, "run-{me}", "new run led by this process"),
+        ({"TORCHELASTIC_RUN_ID": "", "SLURM_JOB_ID": ""}, "run-{me}", "new run led by this process"),
+    ],
+    ids=["torchrun", "torchrun-no-restart", "torchrun-first", "slurm", "slurm-batch", "slurm-before-master",
+         "master", "addr-only", "port-only", "nothing", "empty-vars"],
+)
+def test_resolve_rule_table(env, name, how):
+    me = _identity.self_info()
+    expected = os.path.join(base_dir(), name.format(parent=parent_key(), me=f"{me.pid}.{me.start_ticks}"))
+    assert resolve(None, env) == (expected, how)
+
+
+def test_resolve_sanitises_what_the_environment_says():
+    path, _ = resolve(None, {"SLURM_JOB_ID": "../../etc", "SLURM_STEP_ID": "a b/c"})
+    assert path == os.path.join(base_dir(), "slurm-.._.._etc.a_b_c")
+    path, _ = resolve(None, {"TORCHELASTIC_RUN_ID": "x" * 200})
+    assert os.path.basename(path).startswith("torchrun-" + "x" * 64 + "-")
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.sampled_from(["TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "MASTER_ADDR"]), st.text(min_size=1),
+       st.text())
+def test_resolve_always_stays_under_the_base_directory(var, value, other):
+    env = {var: value, "TORCHELASTIC_RESTART_COUNT": other, "SLURM_STEP_ID": other, "MASTER_PORT": other or "1"}
+    path, _ = resolve(None, env)
+    assert os.path.dirname(path) == base_dir()
+    name = os.path.basename(path)
+    assert name not in ("", ".", "..") and "/" not in name and "\0" not in name
+
+
+def test_resolve_agrees_between_siblings():
+    """Two ranks started by the same parent (torchrun's agent, here the test) find the same run."""
+    code = "import os, sys; from peerwatch._rundir import resolve; print(resolve(None, os.environ)[0])"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC_", "SLURM_", "MASTER_"))}
+    env.update(TORCHRUN)
+    procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    outs = []
+    for p in procs:
+        out, _ = p.communicate(timeout=30)
+        assert p.returncode == 0
+        outs.append(out.strip())
+    me = _identity.self_info()
+    assert outs[0] == outs[1] == os.path.join(base_dir(), f"torchrun-abc123-{me.pid}.{me.start_ticks}-r2")
+
+
+# -- base_dir ------------------------------------------------------------------------------------
+
+
+def test_base_dir_prefers_a_private_xdg_runtime_dir(tmp_path, monkeypatch):
+    xdg = tmp_path / "xdg"
+    xdg.mkdir(mode=0o700)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(xdg))
+    assert base_dir() == str(xdg / "peerwatch")
+
+
+@pytest.mark.parametrize("setup", ["writable", "missing", "empty"])
+def test_base_dir_falls_back_to_tmpdir(tmp_path, monkeypatch, setup):
+    xdg = tmp_path / "xdg"
+    if setup == "writable":
+        xdg.mkdir()
+        xdg.chmod(0o777)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", "" if setup == "empty" else str(xdg))
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
+    assert base_dir() == str(tmp_path / "tmp" / f"peerwatch-{os.geteuid()}")
+    monkeypatch.delenv("TMPDIR")
+    assert base_dir() == f"/tmp/peerwatch-{os.geteuid()}"
+
+
+def test_registration_helper_is_consistent():
+    # Guard for the tests above: a registration of this process names this process.
+    reg = my_reg(2)
+    assert _identity.is_same_process(reg.pid, reg.start_ticks, reg.uid)
