@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, List, Optional, Set, Tuple
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 import pytest
 from hypothesis import given, settings
@@ -11,7 +11,14 @@ from hypothesis import strategies as st
 
 from peerwatch._decide import Decision, Observed, Policy, decide, exit_code_for
 from peerwatch._records import (
-    EXCEPTION, EXIT, SIGNAL, VANISHED, ExitStatus, Failure, Registration, Verdict,
+    EXCEPTION,
+    EXIT,
+    SIGNAL,
+    VANISHED,
+    ExitStatus,
+    Failure,
+    Registration,
+    Verdict,
 )
 
 WAIT_NS = 100_000_000
@@ -28,8 +35,8 @@ def reg(rank: int, *, pid: Optional[int] = None, ppid: int = 1, boot_id: str = B
     )
 
 
-def failure(rank: int, t: int, **kw) -> Failure:
-    fields = dict(rank=rank, pid=1000 + rank, time_ns=t, cause=EXCEPTION, exit_code=1,
+def failure(rank: int, t: int, **kw: Any) -> Failure:
+    fields: Dict[str, Any] = dict(rank=rank, pid=1000 + rank, time_ns=t, cause=EXCEPTION, exit_code=1,
                   exception="builtins.RuntimeError", message="boom", traceback="Traceback ...")
     fields.update(kw)
     return Failure(**fields)

@@ -45,6 +45,7 @@ def cat() -> Iterator[subprocess.Popen]:
 
 def exit_without_reaping(proc: subprocess.Popen) -> None:
     """Close the child's stdin and block until it has exited, leaving it a zombie."""
+    assert proc.stdin is not None
     proc.stdin.close()
     os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT)
 

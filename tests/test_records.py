@@ -12,8 +12,19 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from peerwatch._records import (
-    MAX_RECORD_BYTES, RECORD_VERSION, Ack, ExitStatus, Failure, Heartbeat, Registration, Success,
-    Verdict, decode, encode, returncode_exit_code, signal_name,
+    MAX_RECORD_BYTES,
+    RECORD_VERSION,
+    Ack,
+    ExitStatus,
+    Failure,
+    Heartbeat,
+    Registration,
+    Success,
+    Verdict,
+    decode,
+    encode,
+    returncode_exit_code,
+    signal_name,
 )
 
 RECORD_TYPES = [Registration, Success, Failure, ExitStatus, Ack, Heartbeat, Verdict]
@@ -53,7 +64,7 @@ any_record = st.one_of(*[records(cls) for cls in RECORD_TYPES])
 
 def minimal(cls: type) -> Dict[str, Any]:
     """A valid JSON body of cls with only its required fields."""
-    body: Dict[str, Any] = {"version": RECORD_VERSION, "kind": cls.KIND}
+    body: Dict[str, Any] = {"version": RECORD_VERSION, "kind": cls.KIND}  # type: ignore[attr-defined]
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         if f.default is dataclasses.MISSING:

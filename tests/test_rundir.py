@@ -11,26 +11,35 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Iterator, List
+from typing import Any, Dict, Iterator, List
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from peerwatch import RunDirError
-from peerwatch import _identity
+from peerwatch import RunDirError, _identity
 from peerwatch._records import MAX_RECORD_BYTES, Registration, Success, Verdict, encode
 from peerwatch._rundir import (
-    EVENTS, HEARTBEATS, RANKS, STACKS, TMP, VERDICT_FILE, RunDir, base_dir, check_trusted,
-    parse_rank_file, rank_file, resolve,
+    EVENTS,
+    HEARTBEATS,
+    RANKS,
+    STACKS,
+    TMP,
+    VERDICT_FILE,
+    RunDir,
+    base_dir,
+    check_trusted,
+    parse_rank_file,
+    rank_file,
+    resolve,
 )
 
 SUBDIRS = (RANKS, EVENTS, HEARTBEATS, STACKS, TMP)
 DEADLINE_S = 5.0
 
 
-def registration(info: _identity.ProcessInfo, rank: int, **over) -> Registration:
-    fields = dict(
+def registration(info: _identity.ProcessInfo, rank: int, **over: Any) -> Registration:
+    fields: Dict[str, Any] = dict(
         rank=rank, pid=info.pid, ppid=info.ppid, start_ticks=info.start_ticks, uid=info.uid,
         host=_identity.hostname(), boot_id=_identity.boot_id(), pidns=_identity.pid_namespace(),
         time_ns=time.time_ns(),
@@ -39,7 +48,7 @@ def registration(info: _identity.ProcessInfo, rank: int, **over) -> Registration
     return Registration(**fields)
 
 
-def my_reg(rank: int = 0, **over) -> Registration:
+def my_reg(rank: int = 0, **over: Any) -> Registration:
     return registration(_identity.self_info(), rank, **over)
 
 
@@ -54,6 +63,7 @@ def rd(tmp_path: Path) -> RunDir:
 def child() -> Iterator[subprocess.Popen]:
     """A live child process (cat, until its stdin closes); always reaped."""
     proc = subprocess.Popen(["cat"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
+    assert proc.stdin is not None
     try:
         yield proc
     finally:
@@ -64,6 +74,7 @@ def child() -> Iterator[subprocess.Popen]:
 def dead_process_info() -> _identity.ProcessInfo:
     """The identity of a process that ran and has been reaped."""
     proc = subprocess.Popen(["cat"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
+    assert proc.stdin is not None
     try:
         info = _identity.probe(proc.pid)
     finally:
@@ -479,6 +490,7 @@ def test_old_verdict_is_kept_while_a_registered_peer_lives(rd, child):
 
 def parent_key() -> str:
     parent = _identity.probe(os.getppid())
+    assert parent is not None
     return f"{os.getppid()}.{parent.start_ticks}"
 
 
