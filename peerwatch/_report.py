@@ -89,6 +89,8 @@ def build(rd: RunDir) -> Dict[str, Any]:
     }
     if verdict is not None:
         v = dataclasses.asdict(verdict)
+        v["detected_at"] = _iso(verdict.detected_at_ns)
+        v["failed_at"] = _iso(verdict.failed_at_ns)
         stack = rd.join(STACKS, rank_file("rank", verdict.rank, ".txt"))
         v["stack_file"] = stack if _non_empty(stack) else None
         report["verdict"] = v
@@ -109,6 +111,10 @@ def _non_empty(path: str) -> bool:
         return os.path.getsize(path) > 0
     except OSError:
         return False
+
+
+def _iso(ns: int) -> str:
+    return datetime.datetime.fromtimestamp(ns / 1e9, tz=datetime.timezone.utc).isoformat(timespec="microseconds")
 
 
 def _clock(ns: Optional[int]) -> str:
