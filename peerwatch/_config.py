@@ -49,6 +49,7 @@ class Config:
     parent_wait: float = PARENT_WAIT_S
     exit_code: int = DEFAULT_EXIT_CODE
     startup_timeout: float = STARTUP_TIMEOUT_S
+    startup_action: str = "warn"  # or "fail": what to do about ranks missing at startup_timeout
     hang_timeout: float = HANG_TIMEOUT_S
     gil_timeout: float = GIL_TIMEOUT_S
     strict: bool = False
@@ -84,7 +85,7 @@ class Config:
                 continue
             try:
                 values[name] = parse(raw)
-            except (TypeError, ValueError) as e:
+            except (TypeError, ValueError, OverflowError) as e:
                 raise ConfigError(name, raw, source, str(e)) from None
             sources[name] = source
         if "disable" in values:
@@ -177,6 +178,13 @@ def _flag(raw: Any) -> bool:
     raise ValueError("expected one of 1/0, true/false, yes/no, on/off")
 
 
+def _startup_action(raw: Any) -> str:
+    text = str(raw).strip().lower()
+    if text not in ("warn", "fail"):
+        raise ValueError("expected warn or fail")
+    return text
+
+
 def _path(raw: Any) -> str:
     text = os.fspath(raw)
     if not text:
@@ -197,6 +205,7 @@ _OPTIONS: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "parent_wait": ("PEERWATCH_PARENT_WAIT", _seconds),
     "exit_code": ("PEERWATCH_EXIT_CODE", _exit_code),
     "startup_timeout": ("PEERWATCH_STARTUP_TIMEOUT", _seconds),
+    "startup_action": ("PEERWATCH_STARTUP_ACTION", _startup_action),
     "hang_timeout": ("PEERWATCH_HANG_TIMEOUT", _seconds),
     "gil_timeout": ("PEERWATCH_GIL_TIMEOUT", _seconds),
     "strict": ("PEERWATCH_STRICT", _flag),

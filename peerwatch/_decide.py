@@ -36,6 +36,7 @@ from ._records import (
     EXIT,
     HANG,
     HANG_EXIT_CODE,
+    MISSING,
     SIGNAL,
     VANISHED,
     ExitStatus,
@@ -76,6 +77,7 @@ class Observed:
     oom_kills: int = 0  # how many more OOM kills the kernel counts than when we started
     progress: Mapping[int, Progress] = dataclasses.field(default_factory=dict)
     now_mono_ns: int = 0
+    missing: Tuple[int, ...] = ()  # ranks that never registered by startup_timeout (to fail on)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,6 +116,8 @@ def decide(obs: Observed, policy: Policy) -> Decision:
     waiting = [until for seen, until in held if first is None or seen <= first.failed_at_ns]
     if waiting:
         return Decision(None, recheck_at_ns=min(waiting))
+    if first is None and obs.missing:
+        return Decision(_missing(obs, policy))
     if first is None:
         return Decision(_hang(obs, policy))
     if obs.oom_kills > 0 and (first.cause == VANISHED or first.signal == "SIGKILL"):
@@ -122,6 +126,14 @@ def decide(obs: Observed, policy: Policy) -> Decision:
             detail=f"{first.detail}; likely killed by the OOM killer ({obs.oom_kills} OOM kill(s) during the run)",
         )
     return Decision(first)
+
+
+def _missing(obs: Observed, policy: Policy) -> Verdict:
+    ranks = ", ".join(map(str, obs.missing))
+    return Verdict(
+        **_base(obs, obs.missing[0]), cause=MISSING, exit_code=policy.default_exit_code,
+        failed_at_ns=obs.now_ns, detail=f"never started: rank(s) {ranks} did not register within startup_timeout",
+    )
 
 
 def _hang(obs: Observed, policy: Policy) -> Optional[Verdict]:

@@ -24,6 +24,7 @@ SIGNAL = "signal"  # the rank was killed by a signal (known to its parent)
 VANISHED = "vanished"  # the rank's process is gone and nobody knows how
 HANG = "hang"  # no rank made progress for hang_timeout; the verdict names the laggard
 LOST = "lost"
+MISSING = "missing"  # a rank never registered within startup_timeout (startup_action=fail)
 
 HANG_EXIT_CODE = 124  # as timeout(1): the job was ended for not moving
 
@@ -226,7 +227,7 @@ def signal_name(signum: int) -> str:
 
 
 __all__ = [
-    "EXCEPTION", "EXIT", "HANG", "LOST", "SIGNAL", "VANISHED",
+    "EXCEPTION", "EXIT", "HANG", "LOST", "MISSING", "SIGNAL", "VANISHED",
     "Ack", "ExitStatus", "Failure", "Heartbeat", "Registration", "Success", "Verdict",
     "HANG_EXIT_CODE", "MAX_RECORD_BYTES", "RECORD_VERSION", "decode", "encode", "returncode_exit_code", "signal_name",
 ]

@@ -173,6 +173,7 @@ class Watcher:
             logger.info("peerwatch: pidfd is unavailable; rank %d checks its peers every %gs", self.rank, POLL_FALLBACK_S)
         recheck_ns: Optional[int] = None
         next_beat = 0.0
+        startup_deadline = time.monotonic() + self.config.startup_timeout if self.config.startup_timeout else None
         while not self.stopped.is_set():
             now = time.monotonic()
             judge_hang = False
@@ -192,7 +193,11 @@ class Watcher:
             if self.stopped.is_set():
                 break
             self._scan()
-            decision = _decide.decide(self._observed(judge_hang), self._policy)
+            missing: Tuple[int, ...] = ()
+            if startup_deadline is not None and time.monotonic() >= startup_deadline:
+                startup_deadline = None
+                missing = self._missing_ranks()
+            decision = _decide.decide(self._observed(judge_hang, missing), self._policy)
             recheck_ns = decision.recheck_at_ns
             if decision.verdict is not None:
                 self._act(decision.verdict)
@@ -315,6 +320,31 @@ class Watcher:
             self._fd_rank[peer.pidfd] = reg.rank
             self._poller.register(peer.pidfd, select.POLLIN)
 
+    def _missing_ranks(self) -> Tuple[int, ...]:
+        """Ranks expected on this host that have not registered. Expected: ranks
+        0..local_world_size-1 when the launcher says how many run here, else all of
+        world_size (one host)."""
+        expected = self.config.local_world_size or self.config.world_size
+        if not expected:
+            logger.warning("peerwatch: startup_timeout is set but neither LOCAL_WORLD_SIZE nor WORLD_SIZE says how many ranks to expect")
+            return ()
+        local = {r for r, reg in self._registrations.items() if is_local(reg)}
+        if len(local) >= expected:
+            return ()
+        if self.config.local_world_size and self.config.world_size and self.config.local_world_size < self.config.world_size:
+            logger.warning(
+                "peerwatch: only %d of %d local ranks registered within %gs (registered: %s)",
+                len(local), expected, self.config.startup_timeout, sorted(local),
+            )
+            return ()  # which global ranks belong here is not known: warn only
+        missing = tuple(r for r in range(expected) if r not in self._registrations)
+        logger.warning(
+            "peerwatch: rank(s) %s did not register within startup_timeout=%gs%s",
+            ", ".join(map(str, missing)), self.config.startup_timeout,
+            "; failing the job (startup_action=fail)" if self.config.startup_action == "fail" else "",
+        )
+        return missing if self.config.startup_action == "fail" else ()
+
     def _is_hang_judge(self) -> bool:
         if not self.config.hang_timeout:
             return False
@@ -355,7 +385,7 @@ class Watcher:
         if self.config.gil_timeout and self.stack_file is not None and not self.verdict_seen.is_set():
             faulthandler.dump_traceback_later(self.config.gil_timeout, exit=True, file=self.stack_file)
 
-    def _observed(self, with_progress: bool = False) -> _decide.Observed:
+    def _observed(self, with_progress: bool = False, missing: Tuple[int, ...] = ()) -> _decide.Observed:
         successes: Set[int] = set()
         failures: Dict[int, Failure] = {}
         statuses: Dict[int, ExitStatus] = {}
@@ -373,7 +403,7 @@ class Watcher:
             self_rank=self.rank, now_ns=time.time_ns(), registrations=self._registrations,
             successes=successes, failures=failures, exit_statuses=statuses, gone=self._gone,
             verdict=verdict, oom_kills=self._oom_kills_since_start(),
-            progress=self._progress() if with_progress else {}, now_mono_ns=time.monotonic_ns(),
+            progress=self._progress() if with_progress else {}, now_mono_ns=time.monotonic_ns(), missing=missing,
         )
 
     def _oom_kills_since_start(self) -> int:
