@@ -25,6 +25,7 @@ import errno
 import logging
 import os
 import stat
+import sys
 import threading
 import time
 from typing import Dict, Iterator, Mapping, Optional, Set, Tuple, Type, TypeVar
@@ -72,6 +73,10 @@ def base_dir() -> str:
     return os.path.join(tmp, f"peerwatch-{os.geteuid()}")
 
 
+NEW_RUN = "new run led by this process"  # resolve()'s `how` when nothing in the environment names a run
+OWNER_VAR = "PEERWATCH_DIR_OWNER"  # "<pid>.<start ticks>" of the install() that exported PEERWATCH_DIR
+
+
 def resolve(run_dir: Optional[str], env: Mapping[str, str]) -> Tuple[str, str]:
     """Pick this run's directory so that all ranks of one run agree, with no configuration.
 
@@ -81,13 +86,23 @@ def resolve(run_dir: Optional[str], env: Mapping[str, str]) -> Tuple[str, str]:
     what the environment says               run directory (under :func:`base_dir`)
     ======================================  ==================================================
     ``PEERWATCH_DIR`` / ``run_dir=``        that directory (also how rank 0 tells its children)
+    the same, exported by ``install()`` in  ``<that directory>/spawn``: the parent launched
+    the parent of a multiprocessing child   this rank (``mp.spawn``); it is not one of its peers
     torchrun: ``TORCHELASTIC_RUN_ID``       ``torchrun-<run id>-<agent pid>.<agent start>-r<restart>``
+    a multiprocessing child (``mp.spawn``)  ``spawn-<parent pid>.<parent start>``
     Slurm: ``SLURM_JOB_ID``                 ``slurm-<job id>.<step id>``
     ``MASTER_ADDR`` and ``MASTER_PORT``     ``master-<addr>-<port>-<parent pid>.<parent start>``
     nothing                                 ``run-<pid>.<start>``: a new run led by this process
     ======================================  ==================================================
+
+    A multiprocessing child only gets this far when it was given ``rank=`` (a DataLoader
+    worker never installs), so it is a rank started by ``torch.multiprocessing.spawn`` (or
+    Lightning's ``ddp_spawn``), and its siblings share its parent.
     """
+    spawned = is_multiprocessing_child()
     if run_dir:
+        if spawned and env.get(OWNER_VAR) == _parent_key() and env.get("PEERWATCH_DIR") == run_dir:
+            return os.path.join(run_dir, "spawn"), "multiprocessing child of a launcher that installed peerwatch"
         return run_dir, "PEERWATCH_DIR"
     base = base_dir()
     parent = _parent_key()
@@ -95,6 +110,8 @@ def resolve(run_dir: Optional[str], env: Mapping[str, str]) -> Tuple[str, str]:
         restart = env.get("TORCHELASTIC_RESTART_COUNT", "0")
         name = f"torchrun-{_safe(env['TORCHELASTIC_RUN_ID'])}-{parent}-r{_safe(restart)}"
         return os.path.join(base, name), "torchrun (TORCHELASTIC_RUN_ID)"
+    if spawned:
+        return os.path.join(base, f"spawn-{parent}"), "multiprocessing child (torch.multiprocessing.spawn)"
     if env.get("SLURM_JOB_ID"):
         step = env.get("SLURM_STEP_ID", "batch")
         return os.path.join(base, f"slurm-{_safe(env['SLURM_JOB_ID'])}.{_safe(step)}"), "Slurm (SLURM_JOB_ID)"
@@ -102,17 +119,32 @@ def resolve(run_dir: Optional[str], env: Mapping[str, str]) -> Tuple[str, str]:
         name = f"master-{_safe(env['MASTER_ADDR'])}-{_safe(env['MASTER_PORT'])}-{parent}"
         return os.path.join(base, name), "MASTER_ADDR/MASTER_PORT and parent process"
     me = _identity.self_info()
-    return os.path.join(base, f"run-{me.pid}.{me.start_ticks}"), "new run led by this process"
+    return os.path.join(base, f"run-{me.pid}.{me.start_ticks}"), NEW_RUN
+
+
+def process_key(pid: int) -> str:
+    """``"<pid>.<start ticks>"``: names a process for as long as the machine is up."""
+    info = _identity.probe(pid)
+    return f"{pid}.{info.start_ticks if info else 0}"
+
+
+def is_multiprocessing_child() -> bool:
+    mp = sys.modules.get("multiprocessing")  # not imported: this cannot be a multiprocessing child
+    return mp is not None and mp.parent_process() is not None
 
 
 def _parent_key() -> str:
-    parent = _identity.probe(os.getppid())
-    return f"{os.getppid()}.{parent.start_ticks if parent else 0}"
+    return process_key(os.getppid())
 
 
 def _safe(text: str) -> str:
     cleaned = "".join(c if c.isalnum() or c in "._" else "_" for c in text)
     return cleaned[:64] or "_"
+
+
+def safe_name(text: str) -> str:
+    """``text`` made safe for a file name: letters, digits, ``.`` and ``_``; at most 64 characters."""
+    return _safe(text)
 
 
 def check_trusted(path: str) -> None:
@@ -322,6 +354,6 @@ class RunDir:
 
 
 __all__ = [
-    "EVENTS", "HEARTBEATS", "RANKS", "REPORT_FILE", "STACKS", "TMP", "VERDICT_FILE",
-    "RunDir", "base_dir", "check_trusted", "parse_rank_file", "rank_file", "resolve",
+    "EVENTS", "HEARTBEATS", "NEW_RUN", "OWNER_VAR", "RANKS", "REPORT_FILE", "STACKS", "TMP", "VERDICT_FILE",
+    "RunDir", "base_dir", "check_trusted", "parse_rank_file", "is_multiprocessing_child", "process_key", "rank_file", "resolve", "safe_name",
 ]
