@@ -131,7 +131,8 @@ def summary(report: Dict[str, Any]) -> str:
         lines.append(f"peerwatch: no failure recorded in {report['run_dir']} (outcome: {report['outcome']})")
     else:
         how = v.get("detail") or v.get("cause")
-        lines.append(f"peerwatch: rank {v['rank']} (pid {v.get('pid')}, {v.get('host')}) failed first: {how}")
+        where = f" (pid {v['pid']}, {v.get('host')})" if v.get("pid") else ""
+        lines.append(f"peerwatch: rank {v['rank']}{where} failed first: {how}")
         extra = f"cause: {v['cause']}, ranks exit with code {v['exit_code']}"
         if v.get("signal"):
             extra += f", signal {v['signal']}"

@@ -471,9 +471,9 @@ class Watcher:
         )
         if not mine:
             logger.error(
-                "peerwatch: rank %d (pid %s on %s) %s; cause: %s. Tearing down rank %d (pid %d), exit code %d.",
-                verdict.rank, verdict.pid, verdict.host, verdict.detail, verdict.cause,
-                self.rank, os.getpid(), code,
+                "peerwatch: rank %d%s %s; cause: %s. Tearing down rank %d (pid %d), exit code %d.",
+                verdict.rank, f" (pid {verdict.pid} on {verdict.host})" if verdict.pid else "",
+                verdict.detail, verdict.cause, self.rank, os.getpid(), code,
             )
         self._dump_own_stacks()
         if in_watch:
