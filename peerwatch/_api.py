@@ -19,7 +19,7 @@ import traceback
 from types import TracebackType
 from typing import IO, Any, Callable, Optional, Type
 
-from . import _identity, _rundir, _teardown
+from . import _identity, _launchers, _rundir, _teardown
 from ._config import Config
 from ._errors import PeerFailure, RunDirError
 from ._records import EXCEPTION, EXIT, MAX_TRACEBACK_CHARS, Failure, Registration, Verdict
@@ -75,6 +75,7 @@ def _install(options: Any) -> Optional[Watcher]:
         _watcher, _owner_pid = watcher, os.getpid()
         _install_hooks(watcher)
         watcher.start()
+        _launchers.after_install(watcher)
         return watcher
 
 

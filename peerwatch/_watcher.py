@@ -16,7 +16,7 @@ import threading
 import time
 from typing import IO, Dict, List, Optional, Set, Tuple
 
-from . import _decide, _identity, _report, _rundir, _teardown
+from . import _decide, _identity, _launchers, _report, _rundir, _teardown
 from ._config import Config
 from ._records import (
     HANG,
@@ -475,6 +475,7 @@ class Watcher:
                 verdict.rank, f" (pid {verdict.pid} on {verdict.host})" if verdict.pid else "",
                 verdict.detail, verdict.cause, self.rank, os.getpid(), code,
             )
+        _launchers.on_verdict(self, verdict)  # Lightning's observer must not SIGKILL us meanwhile
         self._dump_own_stacks()
         if in_watch:
             _teardown.raise_in_main_thread(_peer_failure_type(), self.interrupt_installed)
@@ -491,6 +492,7 @@ class Watcher:
                     self.rank, self.config.grace, code,
                 )
             self._tear_down_own_children()
+        _launchers.before_exit(self, verdict)  # under torchrun: let the agent see the failed worker first
         _teardown.flush_and_exit(code)
 
     def _arm_last_resort(self) -> None:
