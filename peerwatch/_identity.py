@@ -29,6 +29,9 @@ class ProcessInfo:
         return self.state in ("Z", "X", "x")
 
 
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
 @functools.lru_cache(maxsize=None)
 def boot_id() -> str:
     try:
@@ -92,7 +95,8 @@ def _probe_psutil(pid: int) -> Optional[ProcessInfo]:
                 pid=pid,
                 ppid=p.ppid(),
                 state="Z" if status == psutil.STATUS_ZOMBIE else "S",
-                start_ticks=int(round(p.create_time() * 100)),
+                # The same unit as /proc's: clock ticks since boot.
+                start_ticks=int(round((p.create_time() - psutil.boot_time()) * _CLOCK_TICKS)),
                 uid=p.uids().real,
             )
     except (psutil.Error, OSError):

@@ -154,7 +154,8 @@ def decode(cls: Type[R], data: bytes) -> Optional[R]:
         return None
     if not isinstance(body, dict):
         return None
-    if body.get("version") != RECORD_VERSION or body.get("kind") != cls.KIND:  # type: ignore[attr-defined]
+    version = body.get("version")
+    if type(version) is not int or version != RECORD_VERSION or body.get("kind") != cls.KIND:  # type: ignore[attr-defined]
         return None
     values = {}
     for field in dataclasses.fields(cls):  # type: ignore[arg-type]

@@ -186,8 +186,6 @@ def test_psutil_fallback_agrees_on_who_the_process_is(cat):
     assert not via_psutil.dead
 
 
-@pytest.mark.xfail(strict=True, reason="bug: the psutil fallback gives start_ticks in centiseconds since the "
-                                       "epoch, /proc gives clock ticks since boot: the two never match")
 def test_psutil_fallback_start_ticks_match_proc(cat):
     assert _identity._probe_psutil(cat.pid).start_ticks == probe(cat.pid).start_ticks
 
