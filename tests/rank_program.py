@@ -16,15 +16,20 @@ one of them). Behaviours per rank, ``RANK=WHAT[@SECONDS]``:
     gloo             join a gloo process group and block in all_reduce
     store_wait       wait in the TCPStore for a key nobody sets
     children:N       start N sleeping child processes, then sleep
-    gil              hold the GIL in C (ctypes sleep) for a long time
+    gil              hold the GIL in C (ctypes sleep, signals blocked) for a long time
 
-Each rank writes ``READY/rank-<i>`` once it is watched (and, for gloo, in the group).
+Behaviours combine with ``+``: ``1=ignore_term+gil`` ignores SIGTERM, then holds the GIL.
+Each rank writes ``READY/rank-<i>`` (its pid) once it is watched (and, for gloo, in the
+group). With ``--api watch``/``both``, a rank whose ``watch()`` block ends in PeerFailure
+writes ``READY/peerfailure-<i>`` (JSON: rank, cause, exit_code of the failure) first.
+Lightning-style rank 0 writes ``READY/exit-<i>`` (the returncode) once it has reaped rank i.
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes
+import json
 import os
 import signal
 import subprocess
@@ -43,21 +48,28 @@ def parse_behaviours(items: list[str]) -> dict[int, tuple[str, float]]:
     return out
 
 
-def ready(args: argparse.Namespace, rank: int) -> None:
+def note(args: argparse.Namespace, name: str, text: str) -> None:
     if args.ready:
-        path = os.path.join(args.ready, f"rank-{rank}")
+        path = os.path.join(args.ready, name)
         with open(path + ".tmp", "w") as f:
-            f.write(str(os.getpid()))
+            f.write(text)
         os.replace(path + ".tmp", path)
 
 
+def ready(args: argparse.Namespace, rank: int) -> None:
+    note(args, f"rank-{rank}", str(os.getpid()))
+
+
 def behave(args: argparse.Namespace, rank: int, action: str, delay: float) -> None:
-    name, _, arg = action.partition(":")
-    if name == "ignore_term":
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    if name == "children":
-        for _ in range(int(arg or 1)):
-            subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    parts = action.split("+")
+    for part in parts:
+        name, _, arg = part.partition(":")
+        if name == "ignore_term":
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        if name == "children":
+            for _ in range(int(arg or 1)):
+                subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    name, _, arg = parts[-1].partition(":")
     if name in ("gloo", "store_wait"):
         import datetime
 
@@ -88,6 +100,10 @@ def behave(args: argparse.Namespace, rank: int, action: str, delay: float) -> No
     if name == "segv":
         ctypes.string_at(0)
     if name == "gil":
+        # Like a long computation in C: signals must not cut the call short (a handled
+        # signal ends sleep() early, and Python would get the GIL back), so the main
+        # thread blocks them; the kernel delivers them to another thread instead.
+        signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
         ctypes.PyDLL(None).sleep(600)  # PyDLL: the GIL stays held during the call
     while True:
         time.sleep(0.05)
@@ -112,13 +128,26 @@ def main() -> None:
             env.pop("RANK", None)
             children.append(subprocess.Popen([sys.executable, *sys.argv], env=env))
     action, delay = parse_behaviours(args.behave).get(rank, ("sleep", 0.0))
-    if args.api in ("watch", "both"):
-        with peerwatch.watch():
+    try:
+        if args.api in ("watch", "both"):
+            try:
+                with peerwatch.watch():
+                    behave(args, rank, action, delay)
+            except peerwatch.PeerFailure as e:
+                fields = {"rank": e.rank, "cause": e.cause, "exit_code": e.exit_code}
+                note(args, f"peerfailure-{rank}", json.dumps(fields))
+                raise
+        else:
             behave(args, rank, action, delay)
-    else:
-        behave(args, rank, action, delay)
-    for child in children:
-        child.wait()
+    except BaseException:
+        # Leaving by an exception, the Popen objects reap the children that have ended
+        # (Popen.__del__ polls): say how those ended, as nobody else can learn it.
+        for child_rank, child in enumerate(children, start=1):
+            if child.poll() is not None:
+                note(args, f"exit-{child_rank}", str(child.returncode))
+        raise
+    for child_rank, child in enumerate(children, start=1):
+        note(args, f"exit-{child_rank}", str(child.wait()))
 
 
 if __name__ == "__main__":
