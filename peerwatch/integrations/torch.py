@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from typing import Any, Optional, Tuple
 
 import torch.distributed as dist
@@ -31,6 +32,7 @@ from .._watcher import Watcher
 logger = logging.getLogger("peerwatch")
 
 _KEY_PREFIX = "pg-"  # run directory name of ranks that agreed through their process group
+_KEY_RE = re.compile(r"[A-Za-z0-9._-]{1,100}")
 
 
 def is_initialized() -> bool:
@@ -97,18 +99,32 @@ def install(*, agree: Optional[bool] = None, group: Optional[Any] = None, **opti
             _, how = _rundir.resolve(None, os.environ)
             agree = how == _rundir.NEW_RUN
         if agree:
-            options["run_dir"] = os.path.join(_rundir.base_dir(), agreed_key(group))
+            options["run_dir"] = run_dir_for(agreed_key(group))
     return _api.install(**options)
 
 
-def agreed_key(group: Optional[Any] = None) -> str:
-    """A run directory name that every rank of ``group`` gets the same, chosen by its rank 0
-    (host, pid and start time of rank 0: a new one for every run). A collective call."""
+def run_key() -> str:
+    """This process's name for a run it would lead: host, pid and start time."""
     me = _identity.self_info()
-    key = [f"{_KEY_PREFIX}{_rundir.safe_name(_identity.hostname())}-{me.pid}.{me.start_ticks}"]
+    return f"{_KEY_PREFIX}{_rundir.safe_name(_identity.hostname())}-{me.pid}.{me.start_ticks}"
+
+
+def run_dir_for(key: str) -> str:
+    """The run directory on this host of the run named ``key`` (from :func:`agreed_key`)."""
+    name = key if _KEY_RE.fullmatch(key) and key.strip(".") else _rundir.safe_name(key)
+    return os.path.join(_rundir.base_dir(), name)
+
+
+def agreed_key(group: Optional[Any] = None) -> str:
+    """The :func:`run_key` of rank 0 of ``group``, on every rank: a new one for every run.
+    A collective call (a broadcast)."""
+    key = [run_key()]
     src = dist.get_global_rank(group, 0) if group is not None else 0
     dist.broadcast_object_list(key, src=src, group=group)
     return str(key[0])
 
 
-__all__ = ["agreed_key", "install", "is_initialized", "options_from_process_group", "rank_and_world_size"]
+__all__ = [
+    "agreed_key", "install", "is_initialized", "options_from_process_group", "rank_and_world_size", "run_dir_for",
+    "run_key",
+]

@@ -1,0 +1,125 @@
+"""Lightning integration: the :class:`PeerWatch` callback.
+
+Importing this module imports Lightning (``lightning``, else ``pytorch_lightning``)
+and torch; ``import peerwatch`` imports neither.
+
+The one line alone is enough under ``Trainer(strategy="ddp")``::
+
+    import peerwatch
+    peerwatch.install()        # at the top: rank 0 runs it before Lightning starts ranks 1..N-1,
+                               # which inherit PEERWATCH_DIR and join its run
+
+The callback adds what only Lightning knows::
+
+    from peerwatch.integrations.lightning import PeerWatch
+    trainer = Trainer(strategy="ddp", devices=4, callbacks=[PeerWatch()])
+
+- it installs peerwatch at ``setup`` if the script did not (rank and world size from
+  the trainer; the ranks agree on a run directory through a broadcast from rank 0);
+- progress: ``peerwatch.beat(trainer.global_step)`` after every training batch;
+- success: this rank is marked as done at the end of ``fit`` (a failure after that,
+  in ``trainer.test()`` say, no longer tears the job down; ``mark_success=False``
+  leaves it to the end of the process or of ``peerwatch.watch()``);
+- an exception in this rank is recorded as soon as Lightning sees it
+  (``on_exception``), before Lightning's own teardown, so peers learn it at once;
+- the verdict is reported through Lightning's logging (logger ``lightning.pytorch``),
+  prefixed with the rank, on every rank, before the rank is torn down.
+
+Lightning's own ``_ChildProcessObserver`` (rank 0 polls its children every 5 s and
+SIGKILLs everything when one exited non-zero) is quieted once there is a verdict,
+with or without this callback: peerwatch tears the job down itself, with the failing
+rank's exit code (the observer would make rank 0 exit 137).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+try:
+    from lightning.fabric.utilities.rank_zero import rank_prefixed_message
+    from lightning.pytorch.callbacks import Callback
+
+    _LIGHTNING_LOGGER = "lightning.pytorch"
+except ImportError:  # the older package name
+    from lightning_fabric.utilities.rank_zero import rank_prefixed_message  # type: ignore[no-redef]
+    from pytorch_lightning.callbacks import Callback  # type: ignore[no-redef,assignment]
+
+    _LIGHTNING_LOGGER = "pytorch_lightning"
+
+from .. import _api, _launchers, _rundir
+from .._config import Config
+from .._errors import PeerFailure
+from .._records import Verdict
+from .._watcher import Watcher
+from . import torch as _pw_torch
+
+log = logging.getLogger(_LIGHTNING_LOGGER)
+
+
+class PeerWatch(Callback):  # type: ignore[misc]
+    """Watch this rank's peers for the length of the training (see the module docstring).
+
+    ``options`` are :func:`peerwatch.install` options (``grace=``, ``run_dir=``, ...),
+    used only if peerwatch is not installed yet when the trainer sets up.
+    """
+
+    def __init__(self, *, mark_success: bool = True, **options: Any) -> None:
+        super().__init__()
+        Config.resolve({k: v for k, v in options.items() if k not in ("rank", "world_size")})  # fail early on typos
+        self.mark_success = mark_success
+        self.options = options
+        self.watcher: Optional[Watcher] = None
+
+    # Trainers are pickled into ddp_spawn's workers: a watcher holds threads and files.
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state["watcher"] = None
+        return state
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        self.watcher = _api._active() or self._install(trainer)
+        _launchers.add_verdict_listener(self._report_verdict)
+
+    def _install(self, trainer: Any) -> Optional[Watcher]:
+        options = {"rank": trainer.global_rank, "world_size": trainer.world_size, **self.options}
+        config = Config.resolve(options)
+        if config.enabled and config.run_dir is None and trainer.world_size > 1:
+            # Installed this late, rank 0 has started its children already: PEERWATCH_DIR did
+            # not reach them, and rank 0's parent is not theirs. Agree through Lightning.
+            key = trainer.strategy.broadcast(_pw_torch.run_key(), src=0)
+            options["run_dir"] = _pw_torch.run_dir_for(key)
+        return _api.install(**options)
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        _api.beat(trainer.global_step)
+
+    def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
+        w = _api._active()
+        if self.mark_success and w is not None:
+            w.record_success()
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        w = _api._active()
+        if w is None or isinstance(exception, PeerFailure) or w.verdict is not None:
+            return
+        if isinstance(exception, SystemExit) and exception.code in (None, 0):
+            return
+        if _api._consequence_of_peer_failure(w) is not None:
+            return  # e.g. gloo's "connection closed" after a peer died: not a cause
+        # Recorded now, before Lightning's teardown (which may wait on the peers): the
+        # peers learn it at once. The excepthook later finds the record already there.
+        _api._record_exception(w, exception, exception.__traceback__)
+
+    def _report_verdict(self, watcher: Watcher, verdict: Verdict) -> None:
+        if verdict.rank == watcher.rank:
+            message = f"peerwatch: this rank failed first ({verdict.detail}); the other ranks are being torn down"
+        else:
+            message = (
+                f"peerwatch: rank {verdict.rank} failed ({verdict.detail}); stopping this rank"
+                f" with exit code {verdict.exit_code}"
+            )
+        log.error(rank_prefixed_message(f"{message}. Report: {watcher.run_dir.join(_rundir.REPORT_FILE)}", watcher.rank))
+
+
+__all__ = ["PeerWatch"]
