@@ -19,15 +19,17 @@ The watcher calls in here at three fixed points; nothing here imports torch or L
     subprocess launcher). Every 5 s it polls rank 0's children; seeing one exit non-zero
     (as torn-down ranks do) it SIGKILLs rank 0 and all the children: rank 0 would then exit
     137 whatever the verdict's code, and maybe before writing the report. Once there is a
-    verdict, peerwatch tears the job down itself. Then it runs the verdict listeners
-    (the Lightning callback reports through Lightning's logging).
+    verdict, peerwatch tears the job down itself. Under torchrun it writes the report at
+    once (see ``before_exit``). Then it runs the verdict listeners (the Lightning callback
+    reports through Lightning's logging).
 
 ``before_exit``
     Under torchrun, a surviving worker lets the agent see the failed worker first: it
     waits (at most ``AGENT_WAIT_S``) until the agent has reaped it. The agent then stops
-    the other workers itself, and its summary names the right root cause; survivors that
-    left first would all be reaped in the same poll with the same one-second timestamp,
-    and torchrun would name the lowest local rank as the root cause.
+    the other workers itself (SIGTERM, as without peerwatch), and its summary names the
+    right root cause; survivors that left first would all be reaped in the same poll with
+    the same one-second timestamp, and torchrun would name the lowest local rank as the
+    root cause.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Callable, List, Mapping, Optional
 
-from . import _identity, _rundir, _teardown
+from . import _identity, _report, _rundir, _teardown
 from ._records import LOST, Failure, Registration, Verdict
 from ._sources import is_local
 
@@ -190,6 +192,13 @@ def on_verdict(watcher: Watcher, verdict: Verdict) -> None:
         quiet_lightning_observer()
     except Exception:  # noqa: BLE001
         logger.exception("peerwatch: could not quiet Lightning's child process observer")
+    if os.environ.get("TORCHELASTIC_RUN_ID") and verdict.rank != watcher.rank:
+        # torchrun's agent SIGTERMs the surviving workers as soon as it has seen the failed
+        # one: the report cannot wait for the end of this rank's teardown.
+        try:
+            _report.write(watcher.run_dir)
+        except Exception:  # noqa: BLE001
+            logger.exception("peerwatch: rank %d could not write the report", watcher.rank)
     with _listeners_lock:
         listeners = list(_listeners)
     for listener in listeners:
