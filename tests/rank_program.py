@@ -23,6 +23,7 @@ Each rank writes ``READY/rank-<i>`` (its pid) once it is watched (and, for gloo,
 group). With ``--api watch``/``both``, a rank whose ``watch()`` block ends in PeerFailure
 writes ``READY/peerfailure-<i>`` (JSON: rank, cause, exit_code of the failure) first.
 Lightning-style rank 0 writes ``READY/exit-<i>`` (the returncode) once it has reaped rank i.
+With ``--sync`` (needs ``--ready``) a rank's SECONDS count from when every rank is ready.
 """
 
 from __future__ import annotations
@@ -60,6 +61,16 @@ def ready(args: argparse.Namespace, rank: int) -> None:
     note(args, f"rank-{rank}", str(os.getpid()))
 
 
+def wait_for_all(args: argparse.Namespace, timeout: float = 60.0) -> None:
+    """Wait until every rank of the job is ready (--sync): delays then count from there."""
+    names = {f"rank-{r}" for r in range(args.world)}
+    deadline = time.monotonic() + timeout
+    while not names <= set(os.listdir(args.ready)):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"not every rank was ready within {timeout}s")
+        time.sleep(0.01)
+
+
 def behave(args: argparse.Namespace, rank: int, action: str, delay: float) -> None:
     parts = action.split("+")
     for part in parts:
@@ -87,6 +98,8 @@ def behave(args: argparse.Namespace, rank: int, action: str, delay: float) -> No
         store.wait(["never-set"], datetime.timedelta(seconds=300))
         return
     ready(args, rank)
+    if args.sync:
+        wait_for_all(args)
     if delay:
         time.sleep(delay)
     if name == "succeed":
@@ -117,6 +130,7 @@ def main() -> None:
     parser.add_argument("--api", choices=["install", "watch", "both"], default="install")
     parser.add_argument("--behave", action="append", default=[])
     parser.add_argument("--ready", default="")
+    parser.add_argument("--sync", action="store_true", help="count delays from when every rank is ready")
     args = parser.parse_args()
     rank = int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")))
     if args.api in ("install", "both"):
