@@ -135,6 +135,7 @@ class Job:
         grace: float = 1.0,
         env: Optional[Mapping[str, str]] = None,
         gloo: bool = False,
+        sync: bool = True,
         name: str = "job",
     ) -> None:
         assert style in ("lightning", "sibling"), style
@@ -146,6 +147,7 @@ class Job:
         self.grace = grace
         self.extra_env = dict(env or {})
         self.gloo = gloo
+        self.sync = sync  # behaviours' delays count from when every rank is ready
         self.run_dir = self.tmp / "run"
         self.ready_dir = self.tmp / "ready"
         self.started: Dict[int, _Proc] = {}  # rank -> process the test started
@@ -175,6 +177,8 @@ class Job:
                 "--api", self.api, "--ready", str(self.ready_dir)]
         for item in self.behave:
             argv += ["--behave", item]
+        if self.sync:
+            argv.append("--sync")
         return argv
 
     def start(self, ranks: Optional[Sequence[int]] = None) -> Job:
@@ -232,6 +236,10 @@ class Job:
                 return self.pids
             ended = [p for p in self.started.values() if p.gone()]
             if ended:
+                # Let the rest of the job end first: what survives a bounded wait is a leak.
+                with contextlib.suppress(AssertionError):
+                    self.snapshot_tree()
+                    self.wait_gone(5.0)
                 raise AssertionError(
                     f"{', '.join(p.label for p in ended)} ended before all ranks were ready "
                     f"(ready: {sorted(self.ranks)})\n{self.logs()}"
@@ -260,8 +268,14 @@ class Job:
         return {rank: p.pid for rank, p in sorted(self.ranks.items())}
 
     def snapshot_tree(self) -> None:
-        """Hold every live descendant of every rank, so that waits cover them too."""
+        """Hold every live descendant of every rank, and every rank not ready yet (found by
+        the READY folder in its command line), so that waits cover them too."""
         rank_pids = {p.pid for p in self.ranks.values()} | {p.pid for p in self.started.values()}
+        marker = str(self.ready_dir)
+        for proc in psutil.process_iter(["cmdline"]):
+            if proc.pid in rank_pids or proc.pid in self.others or marker not in (proc.info["cmdline"] or ()):
+                continue
+            self.others[proc.pid] = _Proc(proc.pid, f"pid {proc.pid}, a rank of this job not ready yet")
         for proc in list(self.ranks.values()):
             try:
                 children = psutil.Process(proc.pid).children(recursive=True)
