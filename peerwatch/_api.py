@@ -377,6 +377,11 @@ def _at_exit() -> None:
     w = _active()
     if w is None:
         return
+    if w.verdict is None and w.own_exit_code is not None:
+        # This rank failed. Its peers may be unable to leave by themselves (the GIL held
+        # in C code), and its watcher may be the only one left to end them: stay until
+        # the verdict is made and our share of the teardown is done.
+        w.verdict_seen.wait(w.config.parent_wait + w.config.ack_window + SETTLE_S)
     if w.verdict is not None:
         # Being torn down: the watcher is the one to end the process, with the verdict's
         # exit code, once its share of the teardown is done. Tell it we are leaving.

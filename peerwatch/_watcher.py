@@ -173,6 +173,9 @@ class Watcher:
             logger.info("peerwatch: pidfd is unavailable; rank %d checks its peers every %gs", self.rank, POLL_FALLBACK_S)
         recheck_ns: Optional[int] = None
         next_beat = 0.0
+        # Look at once: every peer may have registered before our inotify watch began,
+        # and nothing would wake us until the first heartbeat.
+        first_look = True
         startup_deadline = time.monotonic() + self.config.startup_timeout if self.config.startup_timeout else None
         while not self.stopped.is_set():
             now = time.monotonic()
@@ -187,6 +190,8 @@ class Watcher:
                 timeout = min(timeout, (recheck_ns - time.time_ns()) / 1e9)
             if fallback:
                 timeout = min(timeout, POLL_FALLBACK_S)
+            if first_look:
+                timeout, first_look = 0.0, False
             with self._cond:
                 requested = self._settle_requested
             self._poll(timeout)
