@@ -1,0 +1,160 @@
+"""The root-cause report: what each failure kind leaves in report.json, the stack files,
+the schema, and the CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import jsonschema
+import pytest
+
+from harness import by_rank
+
+SCHEMA = json.loads((Path(__file__).parents[1] / "peerwatch" / "schemas" / "report-v1.schema.json").read_text())
+GONE_S = 4.0  # grace (1 s) + generous slack on two loaded cores
+
+
+def _validate(report: dict) -> None:
+    jsonschema.validate(report, SCHEMA)
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "peerwatch", *args], capture_output=True, text=True, timeout=30)
+
+
+@pytest.mark.timeout(60)
+def test_exception_is_reported_with_type_message_and_traceback(make_job) -> None:
+    job = make_job(world=3, behave=["2=raise@0.3"]).start()
+    job.wait_ready()
+    job.wait_gone(within=10.0)
+    report = job.report()
+    _validate(report)
+    v = report["verdict"]
+    assert (v["rank"], v["cause"], v["exit_code"]) == (2, "exception", 1)
+    assert v["exception"] == "RuntimeError"
+    assert v["message"] == "rank 2 failed on purpose"
+    assert 'raise RuntimeError(f"rank {rank} failed on purpose")' in v["traceback"]
+    assert by_rank(report)[2]["state"] == "failed"
+    assert {by_rank(report)[r]["state"] for r in (0, 1)} == {"torn_down"}
+
+
+@pytest.mark.timeout(60)
+def test_segfault_is_named_by_its_peers_without_being_their_child(make_job) -> None:
+    # Sibling style: no rank is the failing rank's parent; faulthandler's last words tell.
+    job = make_job(world=3, behave=["1=segv@0.3"]).start()
+    job.wait_ready()
+    job.wait_gone(within=GONE_S + 3)
+    report = job.report()
+    _validate(report)
+    v = report["verdict"]
+    assert (v["rank"], v["cause"], v["signal"], v["exit_code"]) == (1, "signal", "SIGSEGV", 139)
+    assert v["stack_file"] and "Segmentation fault" in Path(v["stack_file"]).read_text()
+    assert job.exit_codes() == {0: 139, 1: 139, 2: 139}
+
+
+@pytest.mark.timeout(60)
+def test_sys_exit_seven_everywhere(make_job) -> None:
+    job = make_job(world=3, style="lightning", behave=["1=exit:7@0.3"]).start()
+    job.wait_ready()
+    job.wait_gone(within=GONE_S)
+    v = job.report()["verdict"]
+    assert (v["rank"], v["cause"], v["exit_code"], v["returncode"]) == (1, "exit", 7, 7)
+    codes = job.exit_codes()
+    assert codes[0] == 7 and codes[2] == 7
+
+
+@pytest.mark.timeout(60)
+def test_stack_files_show_where_each_survivor_was(make_job) -> None:
+    # Rank 2 holds the GIL in C: only a signal-driven faulthandler dump can show it.
+    job = make_job(world=3, behave=["2=ignore_term+gil"]).start()
+    job.wait_ready()
+    job.wait_holding_gil(2)
+    job.kill(1)
+    job.wait_gone(within=GONE_S + 2)
+    report = job.report()
+    _validate(report)
+    ranks = by_rank(report)
+    sleeping = Path(ranks[0]["stack_file"]).read_text()
+    assert "rank_program.py" in sleeping and "in behave" in sleeping
+    stuck = Path(ranks[2]["stack_file"]).read_text()
+    assert "in hold_gil" in stuck or "in behave" in stuck, stuck
+
+
+PARENT = textwrap.dedent(
+    """
+    import json, os, signal, subprocess, sys, time
+    import peerwatch
+    out = sys.argv[1]
+    child = subprocess.Popen([sys.executable, "-c",
+        "import os, time, peerwatch; peerwatch.install(rank=1);"
+        "open(os.environ['CHILD_READY'], 'w').write(str(os.getpid())); time.sleep(60)"])
+    try:
+        with peerwatch.watch(rank=0):
+            time.sleep(60)  # not child.wait(): that would reap the child itself
+    except peerwatch.PeerFailure as e:
+        # The watcher read the status without reaping: Popen still gets it.
+        json.dump({"popen": child.wait(), "cause": e.cause, "code": e.exit_code}, open(out, "w"))
+        raise
+    """
+)
+
+
+@pytest.mark.timeout(60)
+def test_parent_reads_exit_status_and_popen_still_gets_it(tmp_path: Path) -> None:
+    out = tmp_path / "out.json"
+    ready = tmp_path / "child_ready"
+    env = dict(os.environ, CHILD_READY=str(ready), PEERWATCH_GRACE="2")
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(var, None)
+    parent = subprocess.Popen([sys.executable, "-c", PARENT, str(out)], env=env)
+    try:
+        deadline = time.monotonic() + 30
+        while not ready.exists():
+            assert time.monotonic() < deadline and parent.poll() is None, "the child did not start"
+            time.sleep(0.01)
+        os.kill(int(ready.read_text()), signal.SIGKILL)
+        assert parent.wait(timeout=15) == 137
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait()
+    assert json.loads(out.read_text()) == {"popen": -9, "cause": "signal", "code": 137}
+
+
+@pytest.mark.timeout(60)
+def test_cli_report_status_and_ls(make_job) -> None:
+    job = make_job(world=2, behave=["1=exit:5@0.3"]).start()
+    job.wait_ready()
+    job.wait_gone(within=GONE_S)
+    text = _cli("report", str(job.run_dir))
+    assert text.returncode == 0
+    assert "rank 1" in text.stdout and "failed first: exited with code 5" in text.stdout
+    as_json = json.loads(_cli("report", str(job.run_dir), "--json").stdout)
+    _validate(as_json)
+    assert as_json["verdict"]["exit_code"] == 5
+    status = _cli("status", str(job.run_dir))
+    assert status.returncode == 0 and "outcome: failed" in status.stdout
+    assert status.stdout.splitlines()[0].split() == ["rank", "pid", "host", "state", "heartbeat", "step"]
+    listing = _cli("ls", "--base", str(job.tmp))
+    assert listing.returncode == 0 and str(job.run_dir) in listing.stdout and "rank 1 exit" in listing.stdout
+
+
+@pytest.mark.parametrize("make_path", [
+    lambda tmp: tmp / "missing",
+    lambda tmp: (tmp / "a-file").write_text("x") and tmp / "a-file",
+    lambda tmp: (tmp / "empty").mkdir() or tmp / "empty",
+], ids=["missing", "a file", "not a run directory"])
+def test_cli_says_what_is_wrong_with_the_directory(tmp_path: Path, make_path) -> None:
+    path = make_path(tmp_path)
+    for command in ("report", "status"):
+        out = _cli(command, str(path))
+        assert out.returncode == 2
+        assert out.stderr.startswith("peerwatch: peerwatch run directory") and str(path) in out.stderr
+        assert "Traceback" not in out.stderr
