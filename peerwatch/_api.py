@@ -310,7 +310,9 @@ def _exit(status: Any = None) -> None:
     w = _active()
     if w is not None and threading.current_thread() is threading.main_thread() and not w.in_watch:
         code = _exit_status(status)
-        if code != 0 and w.verdict is None:
+        # torch.multiprocessing.spawn turns a worker's exception into sys.exit(1): gloo's
+        # "connection reset" after a peer died is a consequence here too, not a cause.
+        if code != 0 and w.verdict is None and _consequence_of_peer_failure(w) is None:
             stack = "".join(traceback.format_stack()[:-1])
             w.record_failure(Failure(
                 rank=w.rank, pid=os.getpid(), time_ns=time.time_ns(), cause=EXIT, exit_code=code,
