@@ -16,7 +16,7 @@ import signal
 import sys
 import threading
 import time
-from typing import Iterable, List, Optional, Sequence, Set, Tuple
+from typing import Any, Iterable, List, Optional, Sequence, Set, Tuple
 
 from . import _identity
 
@@ -74,12 +74,26 @@ def descendants(pid: int, uid: int, exclude: Set[int]) -> List[Tuple[int, int]]:
         return []
     found = []
     for child in children:
-        if child.pid in exclude:
+        if child.pid in exclude or _ends_by_itself(child):
             continue
         info = _identity.probe(child.pid)
         if info is not None and not info.dead and info.uid == uid:
             found.append((child.pid, info.start_ticks))
     return found
+
+
+_RESOURCE_TRACKER = "from multiprocessing.resource_tracker import main"
+
+
+def _ends_by_itself(child: Any) -> bool:
+    """multiprocessing's resource tracker ignores SIGTERM and ends once the processes that
+    hold its pipe are gone; it must outlive them, to unlink the shared memory they leaked.
+    Signalling it would only hold the teardown up for the grace period, then SIGKILL it."""
+    try:
+        cmd = child.cmdline()
+    except Exception:  # noqa: BLE001 - psutil.Error: gone, or not ours to read
+        return False
+    return any(arg == "-c" and nxt.startswith(_RESOURCE_TRACKER) for arg, nxt in zip(cmd, cmd[1:]))
 
 
 def _has_children() -> bool:
