@@ -19,17 +19,17 @@ The watcher calls in here at three fixed points; nothing here imports torch or L
     subprocess launcher). Every 5 s it polls rank 0's children; seeing one exit non-zero
     (as torn-down ranks do) it SIGKILLs rank 0 and all the children: rank 0 would then exit
     137 whatever the verdict's code, and maybe before writing the report. Once there is a
-    verdict, peerwatch tears the job down itself. Under torchrun it writes the report at
-    once (see ``before_exit``). Then it runs the verdict listeners (the Lightning callback
+    verdict, peerwatch tears the job down itself. Under torchrun and mp.spawn it writes
+    the report at once (see ``before_exit``). Then it runs the verdict listeners (the Lightning callback
     reports through Lightning's logging).
 
 ``before_exit``
-    Under torchrun, a surviving worker lets the agent see the failed worker first: it
-    waits (at most ``AGENT_WAIT_S``) until the agent has reaped it. The agent then stops
-    the other workers itself (SIGTERM, as without peerwatch), and its summary names the
-    right root cause; survivors that left first would all be reaped in the same poll with
-    the same one-second timestamp, and torchrun would name the lowest local rank as the
-    root cause.
+    Under torchrun and mp.spawn, a surviving worker lets the launcher see the failed
+    worker first: it waits (at most ``AGENT_WAIT_S``) until the launcher has reaped it.
+    The launcher then stops the other workers itself (SIGTERM, as without peerwatch), and
+    names the right root cause. Survivors that left first would be reaped in the same
+    poll: torchrun would name the lowest local rank as the root cause (its timestamps
+    have a one-second resolution), mp.spawn whichever sentinel it looks at first.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("peerwatch")
 
-AGENT_WAIT_S = 1.0  # how long a torchrun worker waits for the agent to reap the failed worker
+AGENT_WAIT_S = 1.0  # how long a surviving worker waits for its launcher to reap the failed one
 AGENT_POLL_S = 0.005  # how often it looks meanwhile (only during a teardown)
 LAUNCHER_POLL_S = 0.1  # where pidfds are missing: how often the launcher is checked
 VERDICT_WAIT_S = 2.0  # after the launcher's death, how long to wait for the verdict before leaving anyway
@@ -192,9 +192,9 @@ def on_verdict(watcher: Watcher, verdict: Verdict) -> None:
         quiet_lightning_observer()
     except Exception:  # noqa: BLE001
         logger.exception("peerwatch: could not quiet Lightning's child process observer")
-    if os.environ.get("TORCHELASTIC_RUN_ID") and verdict.rank != watcher.rank:
-        # torchrun's agent SIGTERMs the surviving workers as soon as it has seen the failed
-        # one: the report cannot wait for the end of this rank's teardown.
+    if verdict.rank != watcher.rank and launcher_of(watcher.me, os.environ) is not None:
+        # torchrun's agent and mp.spawn's main process SIGTERM the surviving workers as soon
+        # as they have seen the failed one: the report cannot wait for our teardown's end.
         try:
             _report.write(watcher.run_dir)
         except Exception:  # noqa: BLE001
@@ -240,11 +240,11 @@ def before_exit(watcher: Watcher, verdict: Verdict) -> None:
 
 
 def _let_agent_see_first(w: Watcher, verdict: Verdict) -> None:
-    if verdict.rank == w.rank or not os.environ.get("TORCHELASTIC_RUN_ID"):
+    if verdict.rank == w.rank or launcher_of(w.me, os.environ) is None:
         return
     failed = w.run_dir.read(_rundir.RANKS, _rundir.rank_file("rank", verdict.rank), Registration)
     if failed is None or not is_local(failed) or failed.ppid != w.me.ppid:
-        return  # not a sibling: our agent has nothing to see
+        return  # not a sibling: our launcher has nothing to see
     agent = _identity.probe(w.me.ppid)
     if agent is None or agent.dead:
         return
