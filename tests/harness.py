@@ -263,6 +263,29 @@ class Job:
             return
         self.ranks[rank] = _Proc(pid, f"rank {rank} (pid {pid})")
 
+    def wait_holding_gil(self, rank: int, timeout: float = 10.0) -> None:
+        """Wait until rank's main thread sleeps in C with every signal blocked (``gil``).
+
+        READY comes just before: a failure sent in between would find a rank that can
+        still act. Linux only: reads the main thread's signal mask and current syscall.
+        """
+        pid = self.ranks[rank].pid
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                with open(f"/proc/{pid}/task/{pid}/status") as f:
+                    blocked = int(next(ln for ln in f if ln.startswith("SigBlk:")).split()[1], 16)
+                with open(f"/proc/{pid}/task/{pid}/syscall") as f:
+                    syscall = f.read().split()[0]
+            except (OSError, StopIteration, ValueError, IndexError):
+                blocked, syscall = 0, ""
+            # nanosleep / clock_nanosleep: 35 / 230 on x86_64, 101 / 115 on aarch64
+            if blocked & (1 << (signal.SIGTERM - 1)) and syscall in ("35", "230", "101", "115"):
+                return
+            if time.monotonic() >= deadline:
+                raise AssertionError(f"rank {rank} (pid {pid}) is not holding the GIL in C after {timeout}s")
+            time.sleep(READY_POLL_S)
+
     @property
     def pids(self) -> Dict[int, int]:
         return {rank: p.pid for rank, p in sorted(self.ranks.items())}

@@ -24,6 +24,7 @@ group). With ``--api watch``/``both``, a rank whose ``watch()`` block ends in Pe
 writes ``READY/peerfailure-<i>`` (JSON: rank, cause, exit_code of the failure) first.
 Lightning-style rank 0 writes ``READY/exit-<i>`` (the returncode) once it has reaped rank i.
 With ``--sync`` (needs ``--ready``) a rank's SECONDS count from when every rank is ready.
+(Without SECONDS there is nothing to wait for: ``gil`` holds the GIL right after READY.)
 """
 
 from __future__ import annotations
@@ -98,7 +99,7 @@ def behave(args: argparse.Namespace, rank: int, action: str, delay: float) -> No
         store.wait(["never-set"], datetime.timedelta(seconds=300))
         return
     ready(args, rank)
-    if args.sync:
+    if args.sync and delay:
         wait_for_all(args)
     if delay:
         time.sleep(delay)

@@ -21,8 +21,8 @@ pytestmark = pytest.mark.timeout(60)
 GRACE_S = 1.0  # PEERWATCH_GRACE of every job here
 ACK_S = 0.5  # peerwatch's default ack window: how long a peer has to say it is leaving
 # Failure -> every process of the job gone, when every survivor can leave by itself.
-# Typically 20-100 ms; the bound leaves room for a loaded machine and for a watcher that
-# has not scanned its peers yet when the failure comes (see test_kill_right_after_start).
+# Typically 20-100 ms; the bound leaves room for a loaded 2-core machine, and is still
+# below what a detection waiting for a timer takes here (grace, a 3 s heartbeat).
 FAST_S = 1.5
 # Failure -> every process gone, when a survivor must be SIGKILLed after the grace period.
 STUCK_S = ACK_S + GRACE_S + 2.0
@@ -83,13 +83,6 @@ def test_sigkill_of_a_rank_tears_down_the_job(make_job, style: str, victim: int)
     assert took < FAST_S, f"the job took {took:.2f}s to go after the kill"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: a watcher scans the run directory only after its first poll() returns, which "
-    "nothing wakes if every registration was published before its inotify watch began: until "
-    "its first heartbeat timer (heartbeat_interval) it watches no peer, and a peer killed "
-    "meanwhile is noticed only then",
-)
 def test_kill_right_after_start_is_seen_at_once(make_job) -> None:
     """A rank that dies just after every rank's install() returned is seen at once.
 
@@ -211,6 +204,7 @@ def test_survivor_holding_the_gil_and_ignoring_sigterm_is_sigkilled(make_job, st
     it with SIGKILL once the grace period after SIGTERM is over, not before."""
     job = make_job(world=3, style=style, behave=["1=ignore_term+gil"]).start()
     job.wait_ready()
+    job.wait_holding_gil(1)
     killed_at = job.kill(2)
     job.wait_gone(within=STUCK_S + 1.0)
 
@@ -239,6 +233,8 @@ def test_survivor_that_can_half_help_itself(make_job, behaviour: str, returncode
     Ignoring SIGTERM with a free GIL: its own watcher ends it at once with the verdict's code."""
     job = make_job(world=3, behave=[f"1={behaviour}"]).start()
     job.wait_ready()
+    if behaviour == "gil":
+        job.wait_holding_gil(1)
     killed_at = job.kill(2)
     job.wait_gone(within=STUCK_S)
     _assert_exit_codes(job, {0: 1, 1: returncode, 2: -9})
@@ -246,13 +242,6 @@ def test_survivor_that_can_half_help_itself(make_job, behaviour: str, returncode
     assert took < (ACK_S + FAST_S if behaviour == "gil" else FAST_S)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: when the failing rank's main thread reaches peerwatch's atexit hook before its "
-    "watcher has set the verdict, _at_exit() calls stop(timeout=1.0): the watcher either never "
-    "acts or is cut off at interpreter exit after SIGTERM and before SIGKILL (ack_window + grace "
-    "> 1 s), so a stuck peer that ignores SIGTERM is left running for good",
-)
 def test_stuck_survivor_whose_only_peer_is_the_failing_rank(make_job) -> None:
     """World of 2: rank 0 holds the GIL and ignores SIGTERM, rank 1 raises. Only rank 1's
     watcher can end rank 0, so rank 1 must not exit before it did.
@@ -264,6 +253,7 @@ def test_stuck_survivor_whose_only_peer_is_the_failing_rank(make_job) -> None:
     try:
         for job in jobs:
             job.wait_ready()
+            job.wait_holding_gil(0)
         for i, job in enumerate(jobs):
             try:
                 job.wait_gone(within=STUCK_S + 1.0)
