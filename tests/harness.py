@@ -263,6 +263,15 @@ class Job:
             return
         self.ranks[rank] = _Proc(pid, f"rank {rank} (pid {pid})")
 
+    def wait_noted(self, names: Sequence[str], timeout: float = 10.0) -> None:
+        """Wait until a rank wrote each of ``names`` in the READY folder (see rank_program)."""
+        deadline = time.monotonic() + timeout
+        while not all((self.ready_dir / name).exists() for name in names):
+            if time.monotonic() >= deadline:
+                missing = [n for n in names if not (self.ready_dir / n).exists()]
+                raise AssertionError(f"not written within {timeout}s: {missing}\n{self.logs()}")
+            time.sleep(READY_POLL_S)
+
     def wait_holding_gil(self, rank: int, timeout: float = 10.0) -> None:
         """Wait until rank's main thread sleeps in C with every signal blocked (``gil``).
 

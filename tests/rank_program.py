@@ -22,6 +22,7 @@ Behaviours combine with ``+``: ``1=ignore_term+gil`` ignores SIGTERM, then holds
 Each rank writes ``READY/rank-<i>`` (its pid) once it is watched (and, for gloo, in the
 group). With ``--api watch``/``both``, a rank whose ``watch()`` block ends in PeerFailure
 writes ``READY/peerfailure-<i>`` (JSON: rank, cause, exit_code of the failure) first.
+A ``gloo`` rank writes ``READY/collective-<i>`` just before its first all_reduce.
 Lightning-style rank 0 writes ``READY/exit-<i>`` (the returncode) once it has reaped rank i.
 With ``--sync`` (needs ``--ready``) a rank's SECONDS count from when every rank is ready.
 (Without SECONDS there is nothing to wait for: ``gil`` holds the GIL right after READY.)
@@ -92,6 +93,7 @@ def behave(args: argparse.Namespace, rank: int, action: str, delay: float) -> No
         ready(args, rank)
         if name == "gloo":
             t = torch.ones(1)
+            note(args, f"collective-{rank}", "")  # next: the first all_reduce
             while True:
                 dist.all_reduce(t)  # blocks as soon as any peer stops taking part
                 time.sleep(0.01)

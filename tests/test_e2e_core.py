@@ -272,12 +272,14 @@ def test_stuck_survivor_whose_only_peer_is_the_failing_rank(make_job) -> None:
 
 @pytest.mark.parametrize("style", STYLES)
 def test_survivors_blocked_in_gloo_all_reduce(make_job, style: str) -> None:
-    """Ranks in a gloo all_reduce when a peer is SIGKILLed: they are torn down with the
-    killed rank's code, and their own collective errors are not taken for the root cause."""
+    """Ranks 0 and 1 block in a gloo all_reduce that rank 2 never joins; rank 2 is then
+    SIGKILLed. They are torn down with rank 2's code: their own collective errors are
+    consequences, not the root cause."""
     pytest.importorskip("torch.distributed")
     world, victim = 3, 2
-    job = make_job(world=world, style=style, gloo=True, behave=[f"{r}=gloo" for r in range(world)]).start()
+    job = make_job(world=world, style=style, gloo=True, behave=["0=gloo", "1=gloo", f"{victim}=store_wait"]).start()
     job.wait_ready(timeout=40.0)
+    job.wait_noted(["collective-0", "collective-1"])
     killed_at = job.kill(victim)
     job.wait_gone(within=STUCK_S)
     took = job.gone_at - killed_at  # type: ignore[operator]
