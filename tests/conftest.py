@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 import uuid
 from pathlib import Path
 from typing import Callable, Iterator, List
@@ -73,9 +74,21 @@ def kill_leaks(test_id: str) -> List[str]:
             proc.send_signal(signal.SIGKILL)  # psutil checks the pid still is that process
         except psutil.Error:
             pass
-    psutil.wait_procs(leaks, timeout=KILL_WAIT_S)  # reaps those that are our children
-    _reap_own_zombies()
+    # Wait until each is gone or a zombie (an orphan of init may stay one for a while).
+    deadline = time.monotonic() + KILL_WAIT_S
+    while leaks and time.monotonic() < deadline:
+        _reap_own_zombies()
+        leaks = [p for p in leaks if _running(p)]
+        if leaks:
+            psutil.wait_procs(leaks, timeout=0.02)
     return described
+
+
+def _running(proc: psutil.Process) -> bool:
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 @pytest.fixture(autouse=True)
