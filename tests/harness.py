@@ -334,8 +334,8 @@ class Job:
     def kill_all(self) -> None:
         """SIGKILL every process of the job still alive, and wait for them (at most 5 s).
 
-        Only for tests that expect peerwatch to fail (xfail): a survivor left running
-        would otherwise turn the expected failure into a leak error."""
+        Only for tests that name the survivors themselves (several jobs at once, or an
+        expected failure): elsewhere a survivor is a leak for ``no_leaks`` to report."""
         self.snapshot_tree()
         for p in self.all_procs():
             if p.pidfd is not None and not p.gone():

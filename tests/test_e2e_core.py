@@ -43,6 +43,7 @@ def _assert_torn_down(report: dict, failed: int, code: int) -> None:
         if rank != failed:
             assert entry["state"] == "torn_down", entry
             assert entry["exit_code"] == code, entry
+            assert entry["acked_verdict"], entry
 
 
 def _assert_exit_codes(job: Job, expected: Dict[int, int]) -> None:
@@ -95,10 +96,7 @@ def test_kill_right_after_start_is_seen_at_once(make_job) -> None:
     job.start([1])
     job.wait_ready()
     killed_at = job.kill(0)
-    try:
-        job.wait_gone(within=6.0)
-    finally:
-        job.kill_all()
+    job.wait_gone(within=6.0)
     took = job.gone_at - killed_at  # type: ignore[operator]
     _assert_exit_codes(job, {0: -9, 1: 1})
     assert took < FAST_S, f"rank 1 took {took:.2f}s to notice that rank 0 was killed"
