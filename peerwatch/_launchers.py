@@ -13,6 +13,8 @@ The watcher calls in here at three fixed points; nothing here imports torch or L
     each other, so their own watchers see nothing wrong, and they train on or hang in a
     collective. The launcher's death is therefore this rank's failure (cause ``lost``),
     and the usual teardown follows. The launcher is the parent process at ``install()``.
+    (mp.spawn's own answer, SIGINT on the parent's death, is dropped: its wrapper turns
+    the KeyboardInterrupt into a clean exit 0, and a rank blocked in C never sees it.)
 
 ``on_verdict``
     Quiets Lightning's ``_ChildProcessObserver`` in this process (rank 0 under Lightning's
@@ -34,10 +36,12 @@ The watcher calls in here at three fixed points; nothing here imports torch or L
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import logging
 import os
 import select
+import signal
 import sys
 import threading
 import time
@@ -57,6 +61,7 @@ AGENT_POLL_S = 0.005  # how often it looks meanwhile (only during a teardown)
 LAUNCHER_POLL_S = 0.1  # where pidfds are missing: how often the launcher is checked
 VERDICT_WAIT_S = 2.0  # after the launcher's death, how long to wait for the verdict before leaving anyway
 LAUNCHER_GONE = "peerwatch.LauncherGone"  # the "exception" named in the failure record
+MP_PARENT = "multiprocessing parent (torch.multiprocessing.spawn)"
 
 _OBSERVER_MODULES = (
     "lightning.fabric.strategies.launchers.subprocess_script",
@@ -85,6 +90,8 @@ def after_install(watcher: Watcher) -> None:
         os.environ[_rundir.OWNER_VAR] = _rundir.process_key(os.getpid())
         launcher = launcher_of(watcher.me, os.environ)
         if launcher is not None:
+            if launcher.kind == MP_PARENT:
+                _drop_sigint_on_parent_death()
             threading.Thread(
                 target=_watch_launcher, args=(watcher, launcher), name=f"peerwatch-launcher-rank{watcher.rank}",
                 daemon=True,
@@ -101,13 +108,33 @@ def launcher_of(me: Registration, env: Mapping[str, str]) -> Optional[Launcher]:
     if env.get("TORCHELASTIC_RUN_ID"):
         kind = "torchrun agent"
     elif _rundir.is_multiprocessing_child():
-        kind = "multiprocessing parent (torch.multiprocessing.spawn)"
+        kind = MP_PARENT
     else:
         return None
     info = _identity.probe(me.ppid)
     if info is None or info.dead:
         return Launcher(me.ppid, 0, me.uid, kind)  # already gone
     return Launcher(info.pid, info.start_ticks, info.uid, kind)
+
+
+_PR_SET_PDEATHSIG, _PR_GET_PDEATHSIG = 1, 2
+
+
+def _drop_sigint_on_parent_death() -> None:
+    """torch.multiprocessing.spawn's workers get SIGINT when their parent dies, and its
+    wrapper swallows the KeyboardInterrupt: the worker then ends with status 0, as if it
+    had finished, or not at all if its main thread is blocked in C (a collective). Since
+    peerwatch watches the parent, the parent's death becomes a failure instead."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        current = ctypes.c_int(0)
+        if libc.prctl(_PR_GET_PDEATHSIG, ctypes.byref(current), 0, 0, 0) != 0:
+            return
+        if current.value == signal.SIGINT:
+            libc.prctl(_PR_SET_PDEATHSIG, 0, 0, 0, 0)
+            logger.debug("peerwatch: the parent's death is watched; SIGINT on its death dropped")
+    except (OSError, AttributeError):
+        pass  # not Linux: no PDEATHSIG to drop
 
 
 def _watch_launcher(w: Watcher, launcher: Launcher) -> None:
