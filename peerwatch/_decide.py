@@ -217,6 +217,13 @@ def _base(obs: Observed, rank: int) -> dict:
 
 
 def _from_failure(obs: Observed, f: Failure, policy: Policy) -> Verdict:
+    if f.cause == HANG:
+        # Written on the rank's behalf: its gil_timeout watchdog ended it, stuck.
+        return Verdict(
+            **_base(obs, f.rank), cause=HANG, exit_code=HANG_EXIT_CODE, failed_at_ns=f.time_ns,
+            message=f.message, traceback=f.traceback, laggards=(f.rank,),
+            detail=f"hung: {f.message}" if f.message else "hung",
+        )
     if f.exception:
         detail = f"raised {f.exception}: {f.message}" if f.message else f"raised {f.exception}"
     else:

@@ -12,7 +12,18 @@ import os
 import time
 from typing import Any, Dict, List, Optional
 
-from ._records import Ack, ExitStatus, Failure, Heartbeat, Success, Verdict, returncode_exit_code, signal_name
+from . import _identity
+from ._records import (
+    Ack,
+    ExitStatus,
+    Failure,
+    Heartbeat,
+    Registration,
+    Success,
+    Verdict,
+    returncode_exit_code,
+    signal_name,
+)
 from ._rundir import EVENTS, HEARTBEATS, REPORT_FILE, STACKS, VERDICT_FILE, RunDir, rank_file
 
 REPORT_VERSION = 1
@@ -51,7 +62,7 @@ def build(rd: RunDir) -> Dict[str, Any]:
             state = FAILED
         elif verdict is not None:
             state = TORN_DOWN
-        elif status is not None:
+        elif status is not None or (reg is not None and not _alive(reg)):
             state = ENDED
         else:
             state = RUNNING
@@ -104,6 +115,13 @@ def write(rd: RunDir) -> Dict[str, Any]:
     report = build(rd)
     rd.write("", REPORT_FILE, json.dumps(report, indent=2).encode() + b"\n", replace=True)
     return report
+
+
+def _alive(reg: Registration) -> bool:
+    """As far as this host can tell: another host's rank is assumed alive."""
+    if reg.boot_id != _identity.boot_id() or reg.pidns != _identity.pid_namespace():
+        return True
+    return _identity.is_same_process(reg.pid, reg.start_ticks, reg.uid)
 
 
 def _non_empty(path: str) -> bool:

@@ -234,12 +234,6 @@ def test_gil_timeout_names_the_rank_holding_the_gil(make_hang_job) -> None:
     _assert_exit_codes(job, {0: v["exit_code"], 1: 1, 2: v["exit_code"]})
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: a hang found by gil_timeout becomes a verdict through _decide._from_failure, which "
-    "treats it as an exit: exit_code 1 (docs: 124 for a hang), detail 'exited with code None', "
-    "laggards [] (docs: the ranks holding the job up)",
-)
 def test_gil_timeout_hang_verdict_is_a_hang_verdict(make_hang_job) -> None:
     """The same job as above: its verdict must read like any hang verdict (docs/hangs.md,
     docs/report.md)."""
