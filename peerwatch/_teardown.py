@@ -62,6 +62,39 @@ def make_target(pid: int, start_ticks: int, uid: int, label: str) -> Optional[Ta
     return Target(pid, start_ticks, uid, label, pidfd)
 
 
+def holds_file(pid: int, path: str) -> bool:
+    """True if process pid has ``path`` open (compared by device and inode).
+
+    Every rank keeps its stack file open for faulthandler, so a process holding a rank's
+    stack file is that rank (or a process it forked): a pid file naming any other process
+    (pid 1, an unrelated process of ours, a forged record) is not vouched for by the OS.
+    """
+    try:
+        want = os.stat(path)
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return False
+    for fd in fds:
+        try:
+            st = os.stat(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if (st.st_dev, st.st_ino) == (want.st_dev, want.st_ino):
+            return True
+    return False
+
+
+def inherited_run(pid: int, run_dir: str) -> bool:
+    """True if process pid was started with ``PEERWATCH_DIR=run_dir`` in its environment
+    (a child that a rank started after ``install()`` exported it)."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = f.read(1 << 20)
+    except OSError:
+        return False
+    return f"PEERWATCH_DIR={run_dir}".encode() in env.split(b"\0")
+
+
 def descendants(pid: int, uid: int, exclude: Set[int]) -> List[Tuple[int, int]]:
     """(pid, start_ticks) of pid's live descendants owned by uid, minus ``exclude`` (peers)."""
     if pid == os.getpid() and not _has_children():
@@ -210,6 +243,6 @@ def close_all(targets: Iterable[Target]) -> None:
 
 
 __all__ = [
-    "INTERRUPT_SIGNAL", "STACKS_SIGNAL", "Target", "alive", "close_all", "descendants",
+    "INTERRUPT_SIGNAL", "STACKS_SIGNAL", "Target", "alive", "close_all", "descendants", "holds_file", "inherited_run",
     "flush_and_exit", "make_target", "raise_in_main_thread", "send", "terminate", "wait_gone",
 ]

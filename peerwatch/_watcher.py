@@ -540,6 +540,14 @@ class Watcher:
             target = _teardown.make_target(reg.pid, reg.start_ticks, reg.uid, f"rank {reg.rank}")
             if target is None:
                 continue
+            if not _teardown.holds_file(reg.pid, self._stack_path(reg.rank)):
+                self.run_dir.warn_once(
+                    self.run_dir.join(RANKS, rank_file("rank", reg.rank)),
+                    f"names pid {reg.pid}, which does not hold rank {reg.rank}'s stack file: not a verified "
+                    "peer, not signalled",
+                )
+                target.close()
+                continue
             _teardown.send(target, _teardown.STACKS_SIGNAL, "dump stacks")
             targets.append(target)
             for pid, start in _teardown.descendants(reg.pid, reg.uid, peer_pids):
@@ -563,9 +571,22 @@ class Watcher:
             if pid in peer_pids:
                 continue
             target = _teardown.make_target(pid, start, reg.uid, f"pid {pid}, left behind by rank {verdict.rank}")
-            if target is not None:
+            if target is None:
+                continue
+            # Vouched for by the OS: it inherited the run directory from the rank (a child
+            # started after install()), or the rank's stack file (a forked worker).
+            if _teardown.inherited_run(pid, self.run_dir.path) or _teardown.holds_file(
+                pid, self._stack_path(verdict.rank)
+            ):
                 found.append(target)
+            else:
+                target.close()
+                logger.info("peerwatch: pid %d, named as a child of rank %d, is not vouched for; not signalled",
+                            pid, verdict.rank)
         return found
+
+    def _stack_path(self, rank: int) -> str:
+        return self.run_dir.join(_rundir.STACKS, rank_file("rank", rank, ".txt"))
 
     def _tear_down_own_children(self) -> None:
         peer_pids = {r.pid for r in self._registrations.values()}
