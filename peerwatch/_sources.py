@@ -162,7 +162,7 @@ class FolderWatch:
         self.active = False
         self._observer = None
         try:
-            from watchdog.events import FileSystemEventHandler
+            from watchdog.events import FileCreatedEvent, FileMovedEvent, FileSystemEventHandler
             from watchdog.observers.inotify import InotifyObserver
         except ImportError as e:
             logger.warning("peerwatch: watchdog's inotify observer is unavailable (%s); polling instead", e)
@@ -176,7 +176,11 @@ class FolderWatch:
             observer = InotifyObserver(timeout=5.0)
             observer.name = name
             for folder in folders:
-                observer.schedule(Handler(), folder, recursive=False)
+                # Only new entries: records appear by link(2) or rename(2). Opening and
+                # reading the folder (every watcher's rescan) must not wake the others.
+                observer.schedule(
+                    Handler(), folder, recursive=False, event_filter=[FileCreatedEvent, FileMovedEvent]
+                )
             observer.start()
         except OSError as e:
             logger.warning("peerwatch: cannot watch %s with inotify (%s); polling instead", folders, e)
