@@ -1,0 +1,272 @@
+"""End to end under the real launchers, on CPU with gloo: Lightning's subprocess launcher,
+torchrun, torch.multiprocessing.spawn, and ranks started by hand.
+
+In each test one process of the job dies; every process of the job (launcher, ranks and
+their descendants, held by pidfds) must be gone within ``WITHIN_S`` of the death, with
+the right exit codes, and nothing left in the process table (the autouse ``no_leaks``
+fixture of conftest.py checks that last part, by the PEERWATCH_TEST_ID every process
+inherits). The programs are in launcher_program.py; the plumbing in launcher_jobs.py.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import sys
+from pathlib import Path
+from typing import Dict, Optional
+
+import pytest
+from launcher_jobs import PROGRAM, TORCHRUN, LauncherJob, exit_code, free_port
+
+pytestmark = [pytest.mark.torch]
+
+WITHIN_S = 2.0  # from the death to the last process of the job gone
+GRACE_S = 2.0  # PEERWATCH_GRACE of every job
+SIGKILL_EXIT = 128 + signal.SIGKILL
+
+pytest.importorskip("torch")
+
+
+@pytest.fixture
+def job_dir(tmp_path: Path) -> Path:
+    return tmp_path
+
+
+def only_report(job: LauncherJob) -> dict:
+    """The one report of the job (one run directory had a verdict)."""
+    reports = {name: r for name, r in job.reports().items() if r.get("verdict")}
+    assert len(reports) == 1, f"expected one run with a verdict, got {sorted(job.reports())}\n{job.log()}"
+    return next(iter(reports.values()))
+
+
+def codes(job: LauncherJob, ranks: Dict[int, int]) -> Dict[int, Optional[int]]:
+    """rank -> exit code as a shell shows it, where the test can know it (None: reaped by
+    its own parent, e.g. torchrun's agent)."""
+    return {rank: exit_code(job.returncode(pid)) for rank, pid in sorted(ranks.items())}
+
+
+# -- Lightning: Trainer(strategy="ddp", accelerator="cpu") with the one-line install() --
+
+
+def lightning_job(job_dir: Path, *args: str, env: Optional[Dict[str, str]] = None) -> LauncherJob:
+    return LauncherJob(job_dir / "lightning", [sys.executable, str(PROGRAM), "lightning", *args], world=3,
+                       env=env, grace=GRACE_S)
+
+
+@pytest.mark.timeout(120)
+def test_lightning_rank1_sigkilled_mid_training(job_dir: Path) -> None:
+    """Rank 0 is rank 1's parent: it reads 'killed by SIGKILL' and everyone exits 137."""
+    with lightning_job(job_dir) as job:
+        job.start()
+        ranks = job.wait_ready()
+        job.kill(ranks[1])
+        assert job.wait_all_gone(WITHIN_S) <= WITHIN_S
+        assert codes(job, ranks) == {0: SIGKILL_EXIT, 1: SIGKILL_EXIT, 2: SIGKILL_EXIT}
+        verdict = only_report(job)["verdict"]
+        assert (verdict["rank"], verdict["cause"], verdict["signal"]) == (1, "signal", "SIGKILL")
+
+
+@pytest.mark.timeout(120)
+def test_lightning_rank0_sigkilled_mid_training(job_dir: Path) -> None:
+    """Rank 0, the parent of the other ranks, dies: its orphans are torn down. How it died
+    is known only to its parent (the test), so they exit with the documented code 1."""
+    with lightning_job(job_dir) as job:
+        job.start()
+        ranks = job.wait_ready()
+        job.kill(ranks[0])
+        assert job.wait_all_gone(WITHIN_S) <= WITHIN_S
+        assert codes(job, ranks) == {0: SIGKILL_EXIT, 1: 1, 2: 1}
+        verdict = only_report(job)["verdict"]
+        assert (verdict["rank"], verdict["cause"]) == (0, "vanished")
+
+
+@pytest.mark.timeout(120)
+def test_lightning_callback_alone_agrees_and_reports_through_lightning(job_dir: Path) -> None:
+    """No install() at the top: the PeerWatch callback installs at setup, the ranks agree
+    on a run directory through Lightning's broadcast, and the verdict reaches Lightning's
+    logging on the surviving ranks."""
+    with lightning_job(job_dir, "--callback", env={"LP_PEERWATCH": "0"}) as job:
+        job.start()
+        ranks = job.wait_ready()
+        job.kill(ranks[2])
+        assert job.wait_all_gone(WITHIN_S) <= WITHIN_S
+        assert codes(job, ranks) == {0: SIGKILL_EXIT, 1: SIGKILL_EXIT, 2: SIGKILL_EXIT}
+        names = [d.name for d in job.run_dirs()]
+        assert len(names) == 1 and names[0].startswith(f"pg-{_hostname()}-{ranks[0]}."), names
+        log = job.log(limit=200_000)
+        for rank in (0, 1):
+            assert f"[rank: {rank}] peerwatch: rank 2 failed (killed by SIGKILL)" in log
+
+
+@pytest.mark.timeout(120)
+def test_lightning_child_observer_firing_does_not_change_rank0_exit_code(job_dir: Path) -> None:
+    """Rank 0 raises and takes a second to clean up. Its children, torn down, exit 1; an
+    eager Lightning _ChildProcessObserver would see that and SIGKILL rank 0 (exit 137).
+    peerwatch quiets it at the verdict: rank 0 exits 1, the code of its own failure."""
+    env = {"LP_FAIL_RANK": "0", "LP_CLEANUP_S": "1", "LP_OBSERVER_PERIOD": "0.05"}
+    with lightning_job(job_dir, "--callback", env=env) as job:
+        job.start()
+        ranks = job.wait_ready()
+        job.wait_died(ranks[0], timeout=30)
+        job.wait_all_gone(WITHIN_S)
+        assert codes(job, ranks) == {0: 1, 1: 1, 2: 1}
+        verdict = only_report(job)["verdict"]
+        assert (verdict["rank"], verdict["cause"], verdict["exit_code"]) == (0, "exception", 1)
+        assert "Forcefully terminating all other processes" not in job.log(limit=200_000)
+
+
+# -- torchrun --nproc-per-node 4 ---------------------------------------------------------
+
+
+def torchrun_job(job_dir: Path, *launcher_args: str, env: Optional[Dict[str, str]] = None) -> LauncherJob:
+    argv = [TORCHRUN, "--standalone", "--nproc-per-node", "4", *launcher_args, str(PROGRAM), "worker"]
+    return LauncherJob(job_dir / "torchrun", argv, world=4, env=env, grace=GRACE_S)
+
+
+def torchrun_root_cause(log: str) -> int:
+    section = log.split("Root Cause (first observed failure):", 1)
+    assert len(section) == 2, f"torchrun printed no root cause\n{log[-3000:]}"
+    found = re.search(r"rank\s*:\s*(\d+)", section[1])
+    assert found is not None
+    return int(found.group(1))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("block", ["allreduce", "store"])
+def test_torchrun_worker_sigkilled(job_dir: Path, block: str) -> None:
+    """torchrun exits as before (code 1) and names the killed worker as the root cause:
+    the survivors let the agent see the dead worker first."""
+    with torchrun_job(job_dir, env={"LP_BLOCK": block}) as job:
+        job.start()
+        ranks = job.wait_ready()
+        job.kill(ranks[2])
+        assert job.wait_all_gone(WITHIN_S) <= WITHIN_S
+        assert job.wait_launcher(5) == 1
+        log = job.log(limit=200_000)
+        assert torchrun_root_cause(log) == 2, log[-3000:]
+        assert "exitcode  : -9" in log
+        verdict = only_report(job)["verdict"]
+        assert verdict["rank"] == 2
+
+
+@pytest.mark.timeout(120)
+def test_torchrun_restart_is_a_new_run(job_dir: Path) -> None:
+    """With --max-restarts 1 the agent restarts the workers after the kill: that restart
+    is a new run directory (-r1), where every rank succeeds; torchrun exits 0."""
+    with torchrun_job(job_dir, "--max-restarts", "1") as job:
+        job.start()
+        ranks = job.wait_ready()
+        job.kill(ranks[1])
+        assert job.wait_launcher(60) == 0, job.log()
+        job.wait_all_gone(WITHIN_S)
+        names = [d.name for d in job.run_dirs()]
+        assert len(names) == 2 and names[0].endswith("-r0") and names[1].endswith("-r1"), names
+        assert names[0][: -len("-r0")] == names[1][: -len("-r1")]
+        reports = job.reports()
+        assert reports[names[0]]["verdict"]["rank"] == 1
+        successes = sorted(p.name for p in (job.base / "peerwatch" / names[1] / "events").glob("success-*"))
+        assert len(successes) == 4, successes
+        assert not (job.base / "peerwatch" / names[1] / "events" / "verdict.json").exists()
+
+
+@pytest.mark.timeout(120)
+def test_torchrun_agent_sigkilled_orphans_are_torn_down(job_dir: Path) -> None:
+    """The workers watch their agent: when it dies they are torn down (code 1), instead
+    of training on, or hanging, with nobody to restart, reap or report them."""
+    with torchrun_job(job_dir) as job:
+        job.start()
+        ranks = job.wait_ready()
+        assert job.launcher is not None
+        job.kill(job.launcher.pid)
+        assert job.wait_all_gone(WITHIN_S) <= WITHIN_S
+        assert codes(job, ranks) == {0: 1, 1: 1, 2: 1, 3: 1}  # orphans: the test reaped them
+        verdict = only_report(job)["verdict"]
+        assert verdict["cause"] == "lost" and "torchrun agent" in verdict["message"]
+
+
+# -- torch.multiprocessing.spawn ---------------------------------------------------------
+
+
+def spawn_job(job_dir: Path, *args: str) -> LauncherJob:
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    return LauncherJob(job_dir / "spawn", [sys.executable, str(PROGRAM), "spawn", *args], world=3, env=env,
+                       grace=GRACE_S)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("where", ["worker", "worker-and-parent"])
+def test_spawn_worker_sigkilled(job_dir: Path, where: str) -> None:
+    """install(rank=i) in the worker function (and, in the second case, install() at the
+    top of the script too, so the main process runs it): the main process still names
+    the killed worker and exits 1."""
+    with spawn_job(job_dir, *(["--install-in-parent"] if where == "worker-and-parent" else [])) as job:
+        job.start()
+        ranks = job.wait_ready()
+        job.kill(ranks[1])
+        assert job.wait_all_gone(WITHIN_S) <= WITHIN_S
+        assert job.wait_launcher(5) == 1
+        assert "process 1 terminated with signal SIGKILL" in job.log(limit=200_000)
+        dirs = [str(d.relative_to(job.base / "peerwatch")) for d in job.run_dirs()]
+        if where == "worker":
+            assert len(dirs) == 1 and dirs[0].startswith("spawn-"), dirs
+        else:  # the workers do not take the main process for their rank 0
+            assert len(dirs) == 2 and dirs[1] == f"{dirs[0]}/spawn", dirs
+
+
+@pytest.mark.timeout(120)
+def test_spawn_main_process_sigkilled_orphans_are_torn_down(job_dir: Path) -> None:
+    with spawn_job(job_dir) as job:
+        job.start()
+        ranks = job.wait_ready()
+        assert job.launcher is not None
+        job.kill(job.launcher.pid)
+        assert job.wait_all_gone(WITHIN_S) <= WITHIN_S
+        assert codes(job, ranks) == {0: 1, 1: 1, 2: 1}
+        verdict = only_report(job)["verdict"]
+        assert verdict["cause"] == "lost"
+
+
+# -- ranks started by hand ---------------------------------------------------------------
+
+
+def by_hand_job(job_dir: Path, env: Dict[str, str]) -> LauncherJob:
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "3", **env}
+    job = LauncherJob(job_dir / "by_hand", [sys.executable, str(PROGRAM), "worker"], world=3, env=env,
+                      grace=GRACE_S)
+    for rank in range(3):
+        job.start(env={"RANK": str(rank), "LOCAL_RANK": str(rank)})
+    return job
+
+
+@pytest.mark.timeout(120)
+def test_rank_crashes_before_init_process_group_while_the_others_wait_in_its_rendezvous(job_dir: Path) -> None:
+    with by_hand_job(job_dir, {"LP_CRASH_RANK": "1"}) as job:
+        ranks = job.wait_ready()
+        job.wait_died(ranks[1], timeout=30)
+        crashed_at = job.noted("crashed-at")
+        assert crashed_at is not None
+        job.killed_at = float(crashed_at)  # measure from the crash, not from its process's end
+        assert job.wait_all_gone(WITHIN_S) <= WITHIN_S
+        assert codes(job, ranks) == {0: 1, 1: 1, 2: 1}
+        verdict = only_report(job)["verdict"]
+        assert (verdict["rank"], verdict["cause"]) == (1, "exception")
+
+
+@pytest.mark.timeout(120)
+def test_survivors_blocked_in_store_wait_for_a_key_the_dead_rank_would_set(job_dir: Path) -> None:
+    """Like NCCL: nothing on the wire notices the death; the survivors would wait the
+    store's timeout (5 minutes here)."""
+    with by_hand_job(job_dir, {"LP_BLOCK": "store"}) as job:
+        ranks = job.wait_ready()
+        job.kill(ranks[1])
+        assert job.wait_all_gone(WITHIN_S) <= WITHIN_S
+        assert codes(job, ranks) == {0: 1, 1: SIGKILL_EXIT, 2: 1}
+        verdict = only_report(job)["verdict"]
+        assert (verdict["rank"], verdict["cause"]) == (1, "vanished")
+
+
+def _hostname() -> str:
+    import socket
+
+    return "".join(c if c.isalnum() or c in "._" else "_" for c in socket.gethostname())[:64]
