@@ -605,6 +605,8 @@ class Watcher:
             report = _report.write(self.run_dir)
             if made:
                 logger.error("%s", _report.summary(report))
+        except OSError as e:
+            logger.error("peerwatch: rank %d could not write the report: %s", self.rank, e)
         except Exception:  # noqa: BLE001 - a report must never stop the teardown
             logger.exception("peerwatch: rank %d could not write the report", self.rank)
 
