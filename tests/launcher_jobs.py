@@ -17,7 +17,6 @@ import json
 import os
 import select
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +24,7 @@ from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Sequence
 
 import psutil
+from harness import exit_code, free_port  # shared with the core's end-to-end tests
 
 PROGRAM = Path(__file__).with_name("launcher_program.py")
 READY_POLL_S = 0.02  # how often the READY folder is read while we wait on the launcher's pidfd
@@ -37,17 +37,6 @@ FOREIGN_ENV = (
     "SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID",
     "PEERWATCH_DIR", "PEERWATCH_DIR_OWNER", "PEERWATCH_RANK", "PEERWATCH_WORLD_SIZE",
 )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def exit_code(returncode: Optional[int]) -> Optional[int]:
-    """-N (signal N) -> 128+N, as a shell shows it."""
-    return None if returncode is None else (128 - returncode if returncode < 0 else returncode)
 
 
 class Proc:
