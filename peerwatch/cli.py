@@ -97,6 +97,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     except RunDirError as e:
         print(f"peerwatch: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `peerwatch report DIR | head`
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 __all__ = ["main"]
