@@ -146,8 +146,10 @@ def test_torchrun_worker_sigkilled(job_dir: Path, block: str) -> None:
         log = job.log(limit=200_000)
         assert torchrun_root_cause(log) == 2, log[-3000:]
         assert "exitcode  : -9" in log
-        verdict = only_report(job)["verdict"]
-        assert verdict["rank"] == 2
+        # The agent stops the survivors (SIGTERM) as soon as it has seen the dead worker,
+        # sometimes before any of them has the verdict: then torchrun's summary is all.
+        for report in job.reports().values():
+            assert report["verdict"]["rank"] == 2
 
 
 @pytest.mark.timeout(120)
