@@ -221,6 +221,14 @@ class RunDir:
         check_trusted(self.path)
         stale_reason = None
         mine = self.read(RANKS, rank_file("rank", reg.rank), Registration)
+        if mine is not None and (mine.host, mine.pidns) != (reg.host, reg.pidns):
+            # Another host's (or container's) record is never judged stale: we cannot see
+            # its processes. A run directory belongs to one host.
+            raise RunDirError(
+                self.path,
+                f"rank {reg.rank} is registered here by host {mine.host} ({mine.pidns}): a run directory "
+                "belongs to one host; on a shared filesystem give each host its own PEERWATCH_DIR",
+            )
         if mine is not None and (mine.pid, mine.start_ticks) != (reg.pid, reg.start_ticks):
             if _identity.is_same_process(mine.pid, mine.start_ticks, mine.uid) and mine.boot_id == reg.boot_id:
                 raise RunDirError(
@@ -241,6 +249,8 @@ class RunDir:
 
     @staticmethod
     def _alive(reg: Registration) -> bool:
+        if reg.host != _identity.hostname() or reg.pidns != _identity.pid_namespace():
+            return True  # not ours to see: assume alive
         return reg.boot_id == _identity.boot_id() and _identity.is_same_process(reg.pid, reg.start_ticks, reg.uid)
 
     # -- writing -------------------------------------------------------------------

@@ -588,3 +588,14 @@ def test_registration_helper_is_consistent():
     # Guard for the tests above: a registration of this process names this process.
     reg = my_reg(2)
     assert _identity.is_same_process(reg.pid, reg.start_ticks, reg.uid)
+
+
+@pytest.mark.parametrize("other", [{"host": "another-host"}, {"pidns": "pid:[1]"}], ids=["host", "pid namespace"])
+def test_slot_held_by_another_host_is_never_judged_stale(rd, other):
+    # A shared filesystem: another host's record says nothing we can check.
+    holder = my_reg(0, pid=4_000_000, **other)
+    rd.publish_registration(holder)
+    with pytest.raises(RunDirError, match="belongs to one host"):
+        rd.prepare(my_reg(0), time.time_ns())
+    assert set_asides(rd) == []
+    assert rd.registrations() == {0: holder}
