@@ -300,6 +300,15 @@ def _install_hooks(w: Watcher) -> None:
         )
 
     sys.excepthook = excepthook
+    previous_threading_hook = threading.excepthook
+
+    def threading_excepthook(args: Any) -> None:
+        w = _active()
+        if w is not None and args.exc_value is not None and not isinstance(args.exc_value, SystemExit):
+            _record_thread_exception(w, args)
+        previous_threading_hook(args)
+
+    threading.excepthook = threading_excepthook
     sys.exit = _exit  # type: ignore[assignment]
     atexit.register(_at_exit)
     os.register_at_fork(after_in_child=_after_fork_in_child)
@@ -367,6 +376,24 @@ def _record_exception(w: Watcher, exc: BaseException, tb: Optional[TracebackType
         exception=name, message=message, traceback=text[-MAX_TRACEBACK_CHARS:],
         thread=threading.current_thread().name,
     ))
+
+
+def _record_thread_exception(w: Watcher, args: Any) -> None:
+    """An uncaught exception in a thread other than the main one. The process goes on, so
+    by default it is recorded for the report (``events/thread-<rank>.json``, the first
+    one), not judged; ``thread_exceptions="fail"`` makes it this rank's failure."""
+    exc = args.exc_value
+    thread = args.thread.name if args.thread is not None else "?"
+    text = "".join(traceback.format_exception(type(exc), exc, args.exc_traceback))
+    failure = Failure(
+        rank=w.rank, pid=os.getpid(), time_ns=time.time_ns(), cause=EXCEPTION, exit_code=1,
+        exception=_qualified_name(type(exc)), message=str(exc)[:2000], traceback=text[-MAX_TRACEBACK_CHARS:],
+        thread=thread,
+    )
+    if w.config.thread_exceptions == "fail" and w.verdict is None:
+        w.record_failure(failure)
+    else:
+        w.record_thread_exception(failure)
 
 
 def _qualified_name(cls: type) -> str:

@@ -50,6 +50,7 @@ class Config:
     exit_code: int = DEFAULT_EXIT_CODE
     startup_timeout: float = STARTUP_TIMEOUT_S
     startup_action: str = "warn"  # or "fail": what to do about ranks missing at startup_timeout
+    thread_exceptions: str = "record"  # or "fail": an uncaught exception in another thread fails the rank
     hang_timeout: float = HANG_TIMEOUT_S
     gil_timeout: float = GIL_TIMEOUT_S
     strict: bool = False
@@ -185,6 +186,13 @@ def _startup_action(raw: Any) -> str:
     return text
 
 
+def _thread_exceptions(raw: Any) -> str:
+    text = str(raw).strip().lower()
+    if text not in ("record", "fail"):
+        raise ValueError("expected record or fail")
+    return text
+
+
 def _path(raw: Any) -> str:
     text = os.fspath(raw)
     if not text:
@@ -206,6 +214,7 @@ _OPTIONS: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "exit_code": ("PEERWATCH_EXIT_CODE", _exit_code),
     "startup_timeout": ("PEERWATCH_STARTUP_TIMEOUT", _seconds),
     "startup_action": ("PEERWATCH_STARTUP_ACTION", _startup_action),
+    "thread_exceptions": ("PEERWATCH_THREAD_EXCEPTIONS", _thread_exceptions),
     "hang_timeout": ("PEERWATCH_HANG_TIMEOUT", _seconds),
     "gil_timeout": ("PEERWATCH_GIL_TIMEOUT", _seconds),
     "strict": ("PEERWATCH_STRICT", _flag),

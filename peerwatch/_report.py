@@ -39,8 +39,8 @@ ENDED = "ended"  # gone without a marker, not (yet) judged
 def build(rd: RunDir) -> Dict[str, Any]:
     """The report as a dict, from what the run directory holds now."""
     regs = rd.registrations()
-    events: Dict[str, Dict[int, Any]] = {k: {} for k in ("success", "failure", "exit", "ack")}
-    types = {"success": Success, "failure": Failure, "exit": ExitStatus, "ack": Ack}
+    events: Dict[str, Dict[int, Any]] = {k: {} for k in ("success", "failure", "exit", "ack", "thread")}
+    types = {"success": Success, "failure": Failure, "exit": ExitStatus, "ack": Ack, "thread": Failure}
     for prefix, rank, name in rd.entries(EVENTS):
         if prefix in types:
             record = rd.read(EVENTS, name, types[prefix])
@@ -86,6 +86,7 @@ def build(rd: RunDir) -> Dict[str, Any]:
             "last_heartbeat_ns": beat.time_ns if beat else None,
             "step": beat.step if beat else None,
             "acked_verdict": rank in events["ack"],
+            "thread_exception": _thread_exception(events["thread"].get(rank)),
         })
     outcome = "failed" if verdict is not None else (
         "succeeded" if ranks and all(r["state"] == SUCCEEDED for r in ranks) else "running"
@@ -115,6 +116,12 @@ def write(rd: RunDir) -> Dict[str, Any]:
     report = build(rd)
     rd.write("", REPORT_FILE, json.dumps(report, indent=2).encode() + b"\n", replace=True)
     return report
+
+
+def _thread_exception(f: Optional[Failure]) -> Optional[Dict[str, Any]]:
+    if f is None:
+        return None
+    return {"thread": f.thread, "exception": f.exception, "message": f.message, "traceback": f.traceback}
 
 
 def _alive(reg: Registration) -> bool:

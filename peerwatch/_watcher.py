@@ -618,6 +618,14 @@ class Watcher:
         self._write_event(rank_file("failure", self.rank), failure)
         self.wake()
 
+    def record_thread_exception(self, failure: Failure) -> None:
+        """For the report only: another thread of this rank died of an exception."""
+        self._write_event(rank_file("thread", self.rank), failure)
+        logger.warning(
+            "peerwatch: rank %d: thread %s died of %s: %s (recorded; set thread_exceptions=fail to fail the rank)",
+            self.rank, failure.thread, failure.exception, failure.message,
+        )
+
     def record_success(self) -> None:
         if self.succeeded or self.verdict is not None:
             return

@@ -16,6 +16,7 @@ one of them). Behaviours per rank, ``RANK=WHAT[@SECONDS]``:
     gloo             join a gloo process group and block in all_reduce
     store_wait       wait in the TCPStore for a key nobody sets
     children:N       start N sleeping child processes, then sleep
+    thread_raise     a thread dies of an uncaught exception (combine: thread_raise+succeed@1)
     gil              hold the GIL in C (ctypes sleep, signals blocked) for a long time
 
 Behaviours combine with ``+``: ``1=ignore_term+gil`` ignores SIGTERM, then holds the GIL.
@@ -82,6 +83,15 @@ def behave(args: argparse.Namespace, rank: int, action: str, delay: float) -> No
         if name == "children":
             for _ in range(int(arg or 1)):
                 subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        if name == "thread_raise":
+            import threading
+
+            def fail() -> None:
+                raise ValueError(f"a helper thread of rank {rank} failed")
+
+            worker = threading.Thread(target=fail, name="prefetcher")
+            worker.start()
+            worker.join()
     name, _, arg = parts[-1].partition(":")
     if name in ("gloo", "store_wait"):
         import datetime

@@ -158,3 +158,26 @@ def test_cli_says_what_is_wrong_with_the_directory(tmp_path: Path, make_path) ->
         assert out.returncode == 2
         assert out.stderr.startswith("peerwatch: peerwatch run directory") and str(path) in out.stderr
         assert "Traceback" not in out.stderr
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", ["record", "fail"])
+def test_exception_in_another_thread(make_job, mode: str) -> None:
+    """By default a thread's death is recorded for the report, not judged (the process goes
+    on); thread_exceptions=fail makes it the rank's failure."""
+    job = make_job(
+        world=2, behave=["0=succeed@1.0", "1=thread_raise+succeed@1.0"], env={"PEERWATCH_THREAD_EXCEPTIONS": mode}
+    ).start()
+    job.wait_ready()
+    job.wait_gone(within=10.0)
+    report = job.cli_report()
+    _validate(report)
+    noted = by_rank(report)[1]["thread_exception"]
+    if mode == "record":
+        assert report["verdict"] is None and job.exit_codes() == {0: 0, 1: 0}
+        assert noted["thread"] == "prefetcher" and noted["exception"] == "ValueError"
+        assert "a helper thread of rank 1 failed" in noted["traceback"]
+    else:
+        v = report["verdict"]
+        assert (v["rank"], v["cause"], v["exception"]) == (1, "exception", "ValueError")
+        assert "in thread prefetcher" in v["detail"]
