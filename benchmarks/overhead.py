@@ -1,0 +1,195 @@
+"""What peerwatch costs a job that is not failing. Used by run.py.
+
+- Idle CPU: N ranks that only sleep, with and without peerwatch, side by side; the CPU time
+  of every thread of every rank (scheduler nanoseconds, /proc/PID/task/*/schedstat) over a
+  window, extrapolated to an hour.
+- Step time: two jobs of 2 ranks (one with peerwatch, one without) run blocks of training
+  steps in turn, A/B interleaved in random order, so that drifts of the machine fall on both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable, Dict, List
+
+from _common import HERE, Pidfds, clean_env, cpu_ns, free_port, wait_files
+
+RANKS_PY = str(HERE / "_ranks.py")
+IDLE_SETTLE_S = 3.0  # after every rank is running: the first heartbeats and scans are done
+
+
+@dataclasses.dataclass
+class Idle:
+    n: int
+    seconds: float
+    with_s_per_h: float  # CPU seconds per rank per hour, mean over the ranks
+    without_s_per_h: float
+    with_max_s_per_h: float
+    import_ms: float  # median over the ranks of the job with peerwatch
+    install_ms: float
+
+    @property
+    def watcher_s_per_h(self) -> float:
+        return self.with_s_per_h - self.without_s_per_h
+
+
+def idle_cpu(ns: List[int], seconds: float, progress: Callable[[str], None]) -> List[Idle]:
+    """Every job at once: what is measured is each process's own CPU time, not wall time."""
+    with tempfile.TemporaryDirectory(prefix="pw-bench-") as d:
+        jobs: Dict[tuple, List[subprocess.Popen]] = {}
+        folders: Dict[tuple, Path] = {}
+        everything = Pidfds([])
+        try:
+            for n in ns:
+                for pw in (False, True):
+                    folder = Path(d) / f"n{n}-{'pw' if pw else 'none'}"
+                    (folder / "ready").mkdir(parents=True)
+                    env = clean_env(WORLD_SIZE=str(n), PEERWATCH_DIR=str(folder / "run"))
+                    argv = [sys.executable, RANKS_PY, "idle", str(folder / "ready")] + (["--peerwatch"] if pw else [])
+                    jobs[n, pw] = [
+                        subprocess.Popen(argv, env=dict(env, RANK=str(r)), stdin=subprocess.DEVNULL)
+                        for r in range(n)
+                    ]
+                    folders[n, pw] = folder
+                    for p in jobs[n, pw]:
+                        everything.add(p.pid)
+            notes = {}
+            for key, folder in folders.items():
+                notes[key] = wait_files(folder / "ready", [f"rank-{r}" for r in range(key[0])], watch=jobs[key])
+            time.sleep(IDLE_SETTLE_S)
+            progress(f"idle: {sum(len(v) for v in jobs.values())} ranks running; measuring for {seconds:g} s")
+            before = {key: [cpu_ns(p.pid) for p in procs] for key, procs in jobs.items()}
+            t0 = time.monotonic()
+            time.sleep(seconds)
+            after = {key: [cpu_ns(p.pid) for p in procs] for key, procs in jobs.items()}
+            window = time.monotonic() - t0
+            for key, procs in jobs.items():
+                if any(p.poll() is not None for p in procs):
+                    raise RuntimeError(f"a rank of the idle job {key} ended while measured")
+        finally:
+            everything.kill_all()
+            everything.wait_all_gone(30)
+            everything.close()
+            for procs in jobs.values():
+                for p in procs:
+                    p.wait()
+    out = []
+    for n in ns:
+        rates = {}
+        for pw in (False, True):
+            rates[pw] = [((a or 0) - (b or 0)) / 1e9 / window * 3600 for a, b in zip(after[n, pw], before[n, pw])]
+        infos = [json.loads(v) for v in notes[n, True].values()]
+        out.append(Idle(
+            n, window, statistics.mean(rates[True]), statistics.mean(rates[False]), max(rates[True]),
+            statistics.median(i["import_s"] for i in infos) * 1000, statistics.median(i["install_s"] for i in infos) * 1000,
+        ))
+    return out
+
+
+@dataclasses.dataclass
+class Steps:
+    kind: str
+    pairs: int
+    steps: int
+    without_ms: List[float]  # mean step time of each block (both ranks averaged)
+    with_ms: List[float]
+
+    @property
+    def diffs_pct(self) -> List[float]:
+        return [(b - a) / a * 100 for a, b in zip(self.without_ms, self.with_ms)]
+
+    @property
+    def diff_pct(self) -> float:
+        return statistics.mean(self.diffs_pct)
+
+    @property
+    def ci95_pct(self) -> float:
+        """Half-width of the 95% interval of the mean difference (t distribution)."""
+        if len(self.diffs_pct) < 2:
+            return float("nan")
+        t95 = {2: 12.71, 3: 4.30, 4: 3.18, 5: 2.78, 6: 2.57, 7: 2.45, 8: 2.36, 9: 2.31, 10: 2.26}.get(self.pairs, 2.0)
+        return t95 * statistics.stdev(self.diffs_pct) / len(self.diffs_pct) ** 0.5
+
+    @property
+    def noise_pct(self) -> float:
+        """Block-to-block spread without peerwatch (coefficient of variation)."""
+        if len(self.without_ms) < 2:
+            return float("nan")
+        return statistics.stdev(self.without_ms) / statistics.mean(self.without_ms) * 100
+
+
+class _TrainJob:
+    def __init__(self, kind: str, use_peerwatch: bool, folder: Path) -> None:
+        env = clean_env(WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+                        PEERWATCH_DIR=str(folder / "run"))
+        argv = [sys.executable, RANKS_PY, "train", kind] + (["--peerwatch"] if use_peerwatch else [])
+        self.procs = [
+            subprocess.Popen(argv, env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+            for r in range(2)
+        ]
+        for p in self.procs:
+            self._read(p)
+
+    @staticmethod
+    def _read(p: subprocess.Popen) -> Dict:
+        assert p.stdout is not None
+        line = p.stdout.readline()
+        if not line:
+            raise RuntimeError(f"a training rank ended with {p.wait()}")
+        return dict(json.loads(line))
+
+    def block(self, steps: int) -> float:
+        for p in self.procs:
+            assert p.stdin is not None
+            p.stdin.write(f"run {steps}\n")
+            p.stdin.flush()
+        return statistics.mean(self._read(p)["mean_ms"] for p in self.procs)
+
+    def close(self) -> None:
+        for p in self.procs:
+            try:
+                assert p.stdin is not None
+                p.stdin.write("quit\n")
+                p.stdin.close()
+            except OSError:
+                pass
+        for p in self.procs:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+def step_time(kind: str, pairs: int, block_s: float, progress: Callable[[str], None]) -> Steps:
+    """``pairs`` A/B pairs of blocks of about ``block_s`` seconds each."""
+    with tempfile.TemporaryDirectory(prefix="pw-bench-") as d:
+        jobs = {}
+        try:
+            for pw in (False, True):
+                jobs[pw] = _TrainJob(kind, pw, Path(d) / ("pw" if pw else "none"))
+            warm = {pw: jobs[pw].block(20) for pw in (False, True)}  # warm-up, and the step time
+            steps = max(20, int(block_s * 1000 / statistics.mean(warm.values())))
+            results: Dict[bool, List[float]] = {False: [], True: []}
+            for i in range(pairs):
+                order = [False, True] if random.random() < 0.5 else [True, False]
+                for pw in order:
+                    results[pw].append(jobs[pw].block(steps))
+                progress(f"step time {kind}: pair {i + 1}/{pairs}: without {results[False][-1]:.3f} ms, "
+                         f"with {results[True][-1]:.3f} ms")
+        finally:
+            for job in jobs.values():
+                job.close()
+    return Steps(kind, pairs, steps, results[False], results[True])
+
+
+__all__ = ["Idle", "Steps", "idle_cpu", "step_time"]
