@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import random
 import statistics
 import subprocess
@@ -26,44 +27,62 @@ RANKS_PY = str(HERE / "_ranks.py")
 IDLE_SETTLE_S = 3.0  # after every rank is running: the first heartbeats and scans are done
 
 
+TMPFS = "/dev/shm"
+
+
 @dataclasses.dataclass
 class Idle:
     n: int
+    where: str  # the run directory's filesystem
     seconds: float
     with_s_per_h: float  # CPU seconds per rank per hour, mean over the ranks
     without_s_per_h: float
     with_max_s_per_h: float
-    import_ms: float  # median over the ranks of the job with peerwatch
-    install_ms: float
 
     @property
     def watcher_s_per_h(self) -> float:
         return self.with_s_per_h - self.without_s_per_h
 
 
+def _fs(path: str) -> str:
+    best, kind = "", "?"
+    with open("/proc/mounts") as f:
+        for line in f:
+            _, mount, fstype = line.split()[:3]
+            if (path == mount or path.startswith(mount.rstrip("/") + "/")) and len(mount) > len(best):
+                best, kind = mount, fstype
+    return kind
+
+
 def idle_cpu(ns: List[int], seconds: float, progress: Callable[[str], None]) -> List[Idle]:
-    """Every job at once: what is measured is each process's own CPU time, not wall time."""
-    with tempfile.TemporaryDirectory(prefix="pw-bench-") as d:
+    """Every job at once: what is measured is each process's own CPU time, not wall time.
+
+    For the smallest N, one more job keeps its run directory on tmpfs (where
+    $XDG_RUNTIME_DIR usually is), to show what the filesystem costs the heartbeats.
+    """
+    with tempfile.TemporaryDirectory(prefix="pw-bench-") as d, \
+            tempfile.TemporaryDirectory(prefix="pw-bench-", dir=TMPFS if os.path.isdir(TMPFS) else None) as shm:
+        variants = [(n, mode) for n in ns for mode in ("none", "peerwatch")] + [(min(ns), "tmpfs")]
         jobs: Dict[tuple, List[subprocess.Popen]] = {}
         folders: Dict[tuple, Path] = {}
         everything = Pidfds([])
         try:
-            for n in ns:
-                for pw in (False, True):
-                    folder = Path(d) / f"n{n}-{'pw' if pw else 'none'}"
-                    (folder / "ready").mkdir(parents=True)
-                    env = clean_env(WORLD_SIZE=str(n), PEERWATCH_DIR=str(folder / "run"))
-                    argv = [sys.executable, RANKS_PY, "idle", str(folder / "ready")] + (["--peerwatch"] if pw else [])
-                    jobs[n, pw] = [
-                        subprocess.Popen(argv, env=dict(env, RANK=str(r)), stdin=subprocess.DEVNULL)
-                        for r in range(n)
-                    ]
-                    folders[n, pw] = folder
-                    for p in jobs[n, pw]:
-                        everything.add(p.pid)
-            notes = {}
+            for n, mode in variants:
+                folder = Path(d) / f"n{n}-{mode}"
+                (folder / "ready").mkdir(parents=True)
+                run_dir = Path(shm if mode == "tmpfs" else folder) / f"run-{n}"
+                env = clean_env(WORLD_SIZE=str(n), PEERWATCH_DIR=str(run_dir))
+                argv = [sys.executable, RANKS_PY, "idle", str(folder / "ready")]
+                if mode != "none":
+                    argv.append("--peerwatch")
+                jobs[n, mode] = [
+                    subprocess.Popen(argv, env=dict(env, RANK=str(r)), stdin=subprocess.DEVNULL) for r in range(n)
+                ]
+                folders[n, mode] = folder
+                for p in jobs[n, mode]:
+                    everything.add(p.pid)
             for key, folder in folders.items():
-                notes[key] = wait_files(folder / "ready", [f"rank-{r}" for r in range(key[0])], watch=jobs[key])
+                wait_files(folder / "ready", [f"rank-{r}" for r in range(key[0])], watch=jobs[key])
             time.sleep(IDLE_SETTLE_S)
             progress(f"idle: {sum(len(v) for v in jobs.values())} ranks running; measuring for {seconds:g} s")
             before = {key: [cpu_ns(p.pid) for p in procs] for key, procs in jobs.items()}
@@ -74,6 +93,7 @@ def idle_cpu(ns: List[int], seconds: float, progress: Callable[[str], None]) -> 
             for key, procs in jobs.items():
                 if any(p.poll() is not None for p in procs):
                     raise RuntimeError(f"a rank of the idle job {key} ended while measured")
+            where = {"peerwatch": _fs(d), "tmpfs": _fs(shm)}
         finally:
             everything.kill_all()
             everything.wait_all_gone(30)
@@ -81,16 +101,14 @@ def idle_cpu(ns: List[int], seconds: float, progress: Callable[[str], None]) -> 
             for procs in jobs.values():
                 for p in procs:
                     p.wait()
+    rates = {key: [((a or 0) - (b or 0)) / 1e9 / window * 3600 for a, b in zip(after[key], before[key])]
+             for key in jobs}
     out = []
-    for n in ns:
-        rates = {}
-        for pw in (False, True):
-            rates[pw] = [((a or 0) - (b or 0)) / 1e9 / window * 3600 for a, b in zip(after[n, pw], before[n, pw])]
-        infos = [json.loads(v) for v in notes[n, True].values()]
-        out.append(Idle(
-            n, window, statistics.mean(rates[True]), statistics.mean(rates[False]), max(rates[True]),
-            statistics.median(i["import_s"] for i in infos) * 1000, statistics.median(i["install_s"] for i in infos) * 1000,
-        ))
+    for n, mode in variants:
+        if mode == "none":
+            continue
+        base = statistics.mean(rates[n, "none"])
+        out.append(Idle(n, where[mode], window, statistics.mean(rates[n, mode]), base, max(rates[n, mode])))
     return out
 
 

@@ -306,7 +306,7 @@ def targets(points1: List[Point], idle: List[overhead.Idle], steps: List[overhea
         row("all gone < 0.5 s (survivors leave on SIGTERM), N = 8",
             f"median {fmt_ms(g8.median)} ms, p99 {fmt_ms(g8.p99)} ms", g8.p99 < 500)
     for i in idle:
-        row(f"idle CPU < 1 s per rank per hour, N = {i.n}", f"{i.watcher_s_per_h:.2f} s", i.watcher_s_per_h < 1)
+        row(f"idle CPU < 1 s per rank per hour, N = {i.n}, run directory on {i.where}", f"{i.watcher_s_per_h:.2f} s", i.watcher_s_per_h < 1)
     for s in steps:
         within = abs(s.diff_pct) < 1 or abs(s.diff_pct) <= s.ci95_pct
         row(f"step time within noise (< 1 %), {s.kind} loop",
@@ -335,6 +335,10 @@ def wait_quiet(minutes: float) -> None:
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     args = parse_args(argv)
+    # Measure peerwatch as installed, with its bytecode cached: PYTHONDONTWRITEBYTECODE=1
+    # (set on some machines) would make every rank compile peerwatch again at start.
+    os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+    sys.dont_write_bytecode = False
     become_subreaper()
     progress = log(args.verbose)
     out = Output()
@@ -381,9 +385,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         out("## 3. Overhead")
         out()
         out(table(
-            ["N ranks, sleeping", "window, s", "CPU s/rank/hour without", "with peerwatch (mean / max rank)",
-             "the watcher's share"],
-            [[str(i.n), f"{i.seconds:.0f}", f"{i.without_s_per_h:.3f}",
+            ["N ranks, sleeping", "run directory on", "window, s", "CPU s/rank/hour without",
+             "with peerwatch (mean / max rank)", "the watcher's share"],
+            [[str(i.n), i.where, f"{i.seconds:.0f}", f"{i.without_s_per_h:.3f}",
               f"{i.with_s_per_h:.3f} / {i.with_max_s_per_h:.3f}", f"**{i.watcher_s_per_h:.3f}**"] for i in idle]))
         out()
         for kind in ("torch", "python"):
@@ -407,7 +411,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         rows = [
             ["`python -c pass` (wall)", fmt_summary(summarize(st.python_ms))],
             ["`python -c 'import peerwatch'` (wall)", fmt_summary(summarize(st.python_import_ms))],
-            ["`import peerwatch` (inside)", fmt_summary(summarize(st.import_ms))],
+            ["`import peerwatch` (inside; bytecode cached, as installed)", fmt_summary(summarize(st.import_ms))],
             ["`peerwatch.install()` (inside, 1 rank)", fmt_summary(summarize(st.install_ms))],
         ]
         out(table([f"{args.import_runs} fresh interpreters each", "ms (median / p90 / p99 / max)"], rows))
