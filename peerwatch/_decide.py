@@ -36,6 +36,7 @@ from ._records import (
     EXIT,
     HANG,
     HANG_EXIT_CODE,
+    LOST,
     MISSING,
     SIGNAL,
     VANISHED,
@@ -224,7 +225,9 @@ def _from_failure(obs: Observed, f: Failure, policy: Policy) -> Verdict:
             message=f.message, traceback=f.traceback, laggards=(f.rank,),
             detail=f"hung: {f.message}" if f.message else "hung",
         )
-    if f.exception:
+    if f.cause == LOST and f.message:
+        detail = f.message
+    elif f.exception:
         detail = f"raised {f.exception}: {f.message}" if f.message else f"raised {f.exception}"
     else:
         detail = f"exited with code {f.exit_code}"

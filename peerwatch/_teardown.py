@@ -25,7 +25,10 @@ logger = logging.getLogger("peerwatch")
 _RTMIN = int(getattr(signal, "SIGRTMIN", 34))
 # Signals of our own, from the real-time range that training code does not use.
 INTERRUPT_SIGNAL = _RTMIN + 4  # raise PeerFailure in a rank's main thread
-STACKS_SIGNAL = _RTMIN + 5  # faulthandler dumps all stacks (works under a held GIL)
+# faulthandler dumps all stacks on it (works under a held GIL). SIGURG because its default
+# action is to do nothing: a process whose handler is gone (an interpreter shutting down
+# unregisters faulthandler) is not killed by a late dump request.
+STACKS_SIGNAL = int(signal.SIGURG)
 
 _PIDFD = hasattr(os, "pidfd_open") and hasattr(signal, "pidfd_send_signal")
 

@@ -535,6 +535,7 @@ class Watcher:
             self._poll(left)
         targets: List[_teardown.Target] = []
         peer_pids = {r.pid for r in self._registrations.values()}
+        finished = {r.rank for r in self._events.values() if isinstance(r, Success)}
         for peer in pending:
             reg = peer.reg
             target = _teardown.make_target(reg.pid, reg.start_ticks, reg.uid, f"rank {reg.rank}")
@@ -548,7 +549,8 @@ class Watcher:
                 )
                 target.close()
                 continue
-            _teardown.send(target, _teardown.STACKS_SIGNAL, "dump stacks")
+            if reg.rank not in finished:  # a finished rank is leaving: no dump to ask of it
+                _teardown.send(target, _teardown.STACKS_SIGNAL, "dump stacks")
             targets.append(target)
             for pid, start in _teardown.descendants(reg.pid, reg.uid, peer_pids):
                 child = _teardown.make_target(pid, start, reg.uid, f"pid {pid}, a descendant of rank {reg.rank}")
