@@ -19,6 +19,9 @@ one of them). Behaviours per rank, ``RANK=WHAT[@SECONDS]``:
     thread_raise     a thread dies of an uncaught exception (combine: thread_raise+succeed@1)
     gil              hold the GIL in C (ctypes sleep, signals blocked) for a long time
 
+More for the hardening tests (pg, fork:MODE, sub:MODE, loader:N, reexec, dataloader,
+noisy, and ``--child MODE``): see ``fault_behaviours.py``.
+
 Behaviours combine with ``+``: ``1=ignore_term+gil`` ignores SIGTERM, then holds the GIL.
 Each rank writes ``READY/rank-<i>`` (its pid) once it is watched (and, for gloo, in the
 group). With ``--api watch``/``both``, a rank whose ``watch()`` block ends in PeerFailure
@@ -39,6 +42,8 @@ import signal
 import subprocess
 import sys
 import time
+
+import fault_behaviours
 
 import peerwatch
 
@@ -92,6 +97,8 @@ def behave(args: argparse.Namespace, rank: int, action: str, delay: float) -> No
             worker = threading.Thread(target=fail, name="prefetcher")
             worker.start()
             worker.join()
+        if name in fault_behaviours.PARTS:
+            fault_behaviours.part(args, rank, name, arg, note)
     name, _, arg = parts[-1].partition(":")
     if name in ("gloo", "store_wait"):
         import datetime
@@ -109,6 +116,9 @@ def behave(args: argparse.Namespace, rank: int, action: str, delay: float) -> No
                 time.sleep(0.01)
         store = dist.distributed_c10d._get_default_store()
         store.wait(["never-set"], datetime.timedelta(seconds=300))
+        return
+    if name in fault_behaviours.ACTIONS:
+        fault_behaviours.act(args, rank, name, arg, delay, ready, wait_for_all)
         return
     ready(args, rank)
     if args.sync and delay:
@@ -144,7 +154,11 @@ def main() -> None:
     parser.add_argument("--behave", action="append", default=[])
     parser.add_argument("--ready", default="")
     parser.add_argument("--sync", action="store_true", help="count delays from when every rank is ready")
+    parser.add_argument("--child", default="", help="be a subprocess child of a rank (fault_behaviours.py)")
     args = parser.parse_args()
+    if args.child:
+        fault_behaviours.child_main(args, note)
+        return
     rank = int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")))
     if args.api in ("install", "both"):
         peerwatch.install()
@@ -169,7 +183,8 @@ def main() -> None:
     except BaseException:
         # Leaving by an exception, the Popen objects reap the children that have ended
         # (Popen.__del__ polls): say how those ended, as nobody else can learn it.
-        for child_rank, child in enumerate(children, start=1):
+        # (Unless KEEP_CHILDREN_VAR is set: see fault_behaviours.reaped_on_error.)
+        for child_rank, child in enumerate(fault_behaviours.reaped_on_error(children), start=1):
             if child.poll() is not None:
                 note(args, f"exit-{child_rank}", str(child.returncode))
         raise

@@ -1,0 +1,279 @@
+"""Behaviours of ``rank_program.py`` for the hardening tests (fault matrix, fork and exec,
+false positives). rank_program imports this module; nothing here imports torch until a
+behaviour needs it.
+
+Parts (combine with ``+`` like rank_program's own; they run in order, before READY):
+
+    pg               join the gloo process group (MASTER_ADDR/MASTER_PORT), then wait until
+                     every ``gloo`` rank of the job is about to enter its all_reduce
+                     (READY/collective-<r>): the failure that follows finds them blocked in it
+    fork:MODE        os.fork() a child that runs the child scenario MODE and ends through the
+                     interpreter's normal exit paths; wait for it; note READY/fork-<rank>
+                     (JSON: pid, returncode)
+    sub:MODE         the same with a ``subprocess`` child (a fresh interpreter running this
+                     program with ``--child MODE``): it inherits PEERWATCH_DIR and RANK;
+                     note READY/sub-<rank>
+    orphan_fork:MODE / orphan_sub:MODE
+                     the child first waits until this rank is gone, then runs MODE; not
+                     waited for (note READY/fork-<rank> / sub-<rank> with its pid only)
+    loader:N         iterate N items of a torch DataLoader (2 workers, fork start method)
+                     whose workers call install(), beat() and watch(); shut it down; note
+                     READY/loader-<rank> (JSON: worker pids, whether install() returned None
+                     in each)
+    reexec           os.execv() this very program once (same pid; it installs again);
+                     note READY/preexec-<rank>, then (new image) READY/execed-<rank>
+
+Actions (the last part; ``SECONDS`` as in rank_program):
+
+    dataloader       iterate for ever over a torch DataLoader (num_workers=2, fork start
+                     method); READY once the first batch arrived (the workers exist)
+    noisy            finish cleanly after SECONDS of work: random sleeps and CPU bursts,
+                     beat() every step (scheduling noise for the false-positive runs)
+
+Child scenarios (MODE): ``exit0`` (sys.exit(0)), ``raise`` (uncaught RuntimeError),
+``exit3`` (sys.exit(3)), ``segv`` (segfault), ``install`` (install(), beat(), a watch()
+block; notes READY/child-<rank>-<mode> with what they returned, then sys.exit(3)).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import random
+import select
+import sys
+import time
+from typing import Any, Callable, Dict, List, Tuple
+
+import peerwatch
+
+KEEP_CHILDREN_VAR = "RANK_PROGRAM_KEEP_CHILDREN"
+
+
+def reaped_on_error(children: List[Any]) -> List[Any]:
+    """The children Lightning-style rank 0 reaps as it leaves by an exception: all, unless
+    ``RANK_PROGRAM_KEEP_CHILDREN=1``. Reaping in the except clause (before the excepthook)
+    races with rank 0's watcher reading a dead child's exit status (waitid WNOWAIT): when
+    a child is killed, rank 0's gloo collective fails at the same moment, and whichever
+    comes first decides whether peerwatch learns the signal. Lightning itself leaves its
+    Popen objects alone until the interpreter shuts down (after the excepthook), so the
+    fault matrix sets the variable."""
+    return [] if os.environ.get(KEEP_CHILDREN_VAR) == "1" else children
+
+
+PARTS = frozenset({"pg", "fork", "sub", "orphan_fork", "orphan_sub", "loader", "reexec"})
+ACTIONS = frozenset({"dataloader", "noisy"})
+EXECED_VAR = "PEERWATCH_TEST_EXECED"  # set in the environment of the re-executed image
+
+Note = Callable[[argparse.Namespace, str, str], None]
+
+
+def _behaviours(items: List[str]) -> Dict[int, str]:
+    out = {}
+    for item in items:
+        rank, _, what = item.partition("=")
+        out[int(rank)] = what.partition("@")[0]
+    return out
+
+
+def rank_of_environment() -> int:
+    return int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")))
+
+
+def _wait_files(folder: str, names: List[str], timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not set(names) <= set(os.listdir(folder)):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"not written within {timeout}s: {sorted(set(names) - set(os.listdir(folder)))}")
+        time.sleep(0.01)
+
+
+def _wait_gone(pid: int, timeout: float = 120.0) -> None:
+    """Wait until process ``pid`` has ended (its pidfd polls readable)."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
+    try:
+        ready, _, _ = select.select([fd], [], [], timeout)
+        if not ready:
+            raise RuntimeError(f"pid {pid} still alive after {timeout}s")
+    finally:
+        os.close(fd)
+
+
+# -- parts ------------------------------------------------------------------------------
+
+
+def part(args: argparse.Namespace, rank: int, name: str, arg: str, note: Note) -> None:
+    if name == "pg":
+        _join_process_group(args, rank)
+    elif name in ("fork", "orphan_fork"):
+        _fork_child(args, rank, arg, orphan=name == "orphan_fork", note=note)
+    elif name in ("sub", "orphan_sub"):
+        _sub_child(args, rank, arg, orphan=name == "orphan_sub", note=note)
+    elif name == "loader":
+        _loader(args, rank, int(arg or 4), note)
+    elif name == "reexec":
+        _reexec(args, rank, note)
+
+
+def _join_process_group(args: argparse.Namespace, rank: int) -> None:
+    import datetime
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", rank=rank, world_size=args.world, timeout=datetime.timedelta(seconds=120))
+    blocked = [r for r, what in _behaviours(args.behave).items() if what.split("+")[-1] == "gloo" and r != rank]
+    if args.ready and blocked:
+        _wait_files(args.ready, [f"collective-{r}" for r in blocked])
+
+
+def _fork_child(args: argparse.Namespace, rank: int, mode: str, orphan: bool, note: Note) -> None:
+    parent = os.getpid()
+    pid = os.fork()
+    if pid == 0:
+        if orphan:
+            _wait_gone(parent)
+        child_scenario(args, rank, mode, note)  # leaves by an exception, sys.exit or a crash
+        os._exit(99)  # never reached: the child must never go on as the rank
+    if orphan:
+        note(args, f"fork-{rank}", json.dumps({"pid": pid}))
+        return
+    _, status = os.waitpid(pid, 0)
+    note(args, f"fork-{rank}", json.dumps({"pid": pid, "returncode": os.waitstatus_to_exitcode(status)}))
+
+
+def _sub_child(args: argparse.Namespace, rank: int, mode: str, orphan: bool, note: Note) -> None:
+    import subprocess
+
+    argv = [sys.executable, os.path.abspath(sys.argv[0]), "--world", str(args.world), "--ready", args.ready,
+            "--child", ("orphan_" if orphan else "") + mode]
+    child = subprocess.Popen(argv)  # inherits the environment: PEERWATCH_DIR, RANK, ...
+    if orphan:
+        note(args, f"sub-{rank}", json.dumps({"pid": child.pid}))
+        return
+    note(args, f"sub-{rank}", json.dumps({"pid": child.pid, "returncode": child.wait()}))
+
+
+def child_main(args: argparse.Namespace, note: Note) -> None:
+    """``rank_program.py --child MODE``: a subprocess child of a rank (see ``sub:MODE``)."""
+    mode = args.child
+    if mode.startswith("orphan_"):
+        mode = mode[len("orphan_"):]
+        _wait_gone(os.getppid())  # the rank that started us
+    child_scenario(args, rank_of_environment(), mode, note)
+
+
+def child_scenario(args: argparse.Namespace, rank: int, mode: str, note: Note) -> None:
+    """What a child of rank ``rank`` does; ends by an exception, sys.exit or a crash."""
+    if mode == "exit0":
+        sys.exit(0)
+    if mode == "raise":
+        raise RuntimeError(f"a child of rank {rank} failed on purpose")
+    if mode == "exit3":
+        sys.exit(3)
+    if mode == "segv":
+        ctypes.string_at(0)
+    if mode == "install":
+        got: Dict[str, Any] = {"pid": os.getpid()}
+        try:
+            got["install"] = None if peerwatch.install() is None else "a watcher"
+        except Exception as e:  # noqa: BLE001 - noted for the test to judge
+            got["install"] = f"raised {type(e).__name__}: {e}"
+        peerwatch.beat(7)
+        with peerwatch.watch() as w:
+            got["watch"] = None if w is None else "a watcher"
+        got["verdict"] = repr(peerwatch._api.current_verdict())
+        note(args, f"child-{rank}-{mode}", json.dumps(got))
+        sys.exit(3)
+    raise SystemExit(f"unknown child scenario {mode!r}")
+
+
+class _Probe:
+    """A map-style dataset whose items are computed in DataLoader workers that try to act as the rank."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> Tuple[int, bool, bool]:
+        installed = peerwatch.install()
+        peerwatch.beat(i)
+        with peerwatch.watch() as w:
+            pass
+        time.sleep(0.02)  # let both workers take items
+        return os.getpid(), installed is None, w is None
+
+
+def _loader(args: argparse.Namespace, rank: int, n: int, note: Note) -> None:
+    import psutil
+    from torch.utils.data import DataLoader
+
+    loader = DataLoader(_Probe(n), batch_size=1, num_workers=2, multiprocessing_context="fork",
+                        collate_fn=lambda batch: batch[0])
+    items = list(loader)  # exhausted: the workers are shut down and joined
+    pids = sorted({pid for pid, _, _ in items})
+    for pid in pids:
+        try:
+            psutil.Process(pid).wait(30)
+        except psutil.NoSuchProcess:
+            pass
+    note(args, f"loader-{rank}", json.dumps({
+        "workers": pids, "install_none": all(i for _, i, _ in items), "watch_none": all(w for _, _, w in items),
+    }))
+
+
+def _reexec(args: argparse.Namespace, rank: int, note: Note) -> None:
+    if os.environ.get(EXECED_VAR):
+        note(args, f"execed-{rank}", str(os.getpid()))
+        return
+    note(args, f"preexec-{rank}", str(os.getpid()))
+    os.environ[EXECED_VAR] = str(os.getpid())
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(sys.executable, [sys.executable, *sys.argv])
+
+
+# -- actions ------------------------------------------------------------------------------
+
+
+class _Forever:
+    def __len__(self) -> int:
+        return 1 << 30
+
+    def __getitem__(self, i: int) -> int:
+        time.sleep(0.002)
+        return i
+
+
+def act(args: argparse.Namespace, rank: int, name: str, arg: str, delay: float,
+        ready: Callable[[argparse.Namespace, int], None], wait_for_all: Callable[[argparse.Namespace], None]) -> None:
+    if name == "dataloader":
+        from torch.utils.data import DataLoader
+
+        loader = DataLoader(_Forever(), batch_size=4, num_workers=2, multiprocessing_context="fork")
+        batches = iter(loader)
+        next(batches)  # the workers run
+        ready(args, rank)
+        for _ in batches:
+            peerwatch.beat()
+            time.sleep(0.01)
+    elif name == "noisy":
+        ready(args, rank)
+        if args.sync and delay:
+            wait_for_all(args)
+        rng = random.Random(os.getpid() ^ time.time_ns())
+        end = time.monotonic() + delay
+        while time.monotonic() < end:
+            if rng.random() < 0.5:
+                time.sleep(rng.uniform(0.0, 0.05))
+            else:
+                burn_until = time.monotonic() + rng.uniform(0.0, 0.03)
+                while time.monotonic() < burn_until:
+                    pass
+            peerwatch.beat()
