@@ -133,7 +133,9 @@ def _open_stack_file(rd: RunDir, rank: int) -> Optional[IO[str]]:
         if not faulthandler.is_enabled():
             # A rank that segfaults leaves its last words here, where its peers read
             # which signal ended it (only its parent could learn that otherwise).
+            global _faulthandler_ours
             faulthandler.enable(file=stack_file, all_threads=True)
+            _faulthandler_ours = True
         return stack_file
     except (OSError, RuntimeError, ValueError) as e:
         logger.warning("peerwatch: rank %d cannot arm stack dumps: %s", rank, e)
@@ -425,10 +427,22 @@ def _at_exit() -> None:
     w.stop(timeout=1.0)
 
 
+_faulthandler_ours = False  # we enabled faulthandler into the rank's stack file
+
+
 def _after_fork_in_child() -> None:
-    global _watcher
-    # The watcher thread does not exist in the child; the parent's records are not ours.
+    global _watcher, _faulthandler_ours
+    # The watcher thread does not exist in the child; the parent's records are not ours,
+    # nor is its stack file: a forked worker that crashes must not leave its last words
+    # there (its rank's peers would take them for the rank's own).
     _watcher = None
+    if _faulthandler_ours:
+        _faulthandler_ours = False
+        try:
+            faulthandler.enable()  # back to stderr, as the child would have it without us
+            faulthandler.unregister(_teardown.STACKS_SIGNAL)
+        except (OSError, RuntimeError, ValueError):
+            pass
 
 
 __all__ = ["beat", "current_verdict", "install", "paused", "watch"]

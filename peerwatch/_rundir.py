@@ -28,7 +28,7 @@ import stat
 import sys
 import threading
 import time
-from typing import Dict, Iterator, Mapping, Optional, Set, Tuple, Type, TypeVar
+from typing import Callable, Dict, Iterator, Mapping, Optional, Set, Tuple, Type, TypeVar
 
 from . import _identity
 from ._errors import RunDirError
@@ -236,6 +236,15 @@ class RunDir:
                     f"rank {reg.rank} is already registered by live pid {mine.pid}: two jobs share "
                     "this run directory; give each its own PEERWATCH_DIR",
                 )
+            others_alive = [r.rank for r in self.registrations().values() if r.rank != reg.rank and self._alive(r)]
+            if others_alive:
+                # The run lives on: this is not rank reg.rank of a new run but a process
+                # (a child that outlived its rank?) claiming a dead rank's slot.
+                raise RunDirError(
+                    self.path,
+                    f"rank {reg.rank}'s process (pid {mine.pid}) is gone but ranks {others_alive} of its run "
+                    "still live: this process is not a new rank of this run",
+                )
             stale_reason = f"rank {reg.rank} was registered by pid {mine.pid}, which is gone"
         verdict = self.read(EVENTS, VERDICT_FILE, Verdict)
         if stale_reason is None and verdict is not None and verdict.detected_at_ns < process_start_ns:
@@ -255,9 +264,15 @@ class RunDir:
 
     # -- writing -------------------------------------------------------------------
 
-    def write(self, sub: str, name: str, data: bytes, *, replace: bool = False) -> bool:
+    def write(
+        self, sub: str, name: str, data: bytes, *, replace: bool = False,
+        valid: Optional[Callable[[bytes], bool]] = None,
+    ) -> bool:
         """Write ``data`` to ``sub/name`` atomically. Without ``replace`` the first writer wins:
-        returns False if the file was already there. Raises OSError (ENOSPC, ...) to the caller.
+        returns False if the file was already there, unless ``valid`` says the file there is
+        not a valid record (garbage must not block the real one): it is then replaced, and
+        the caller wins if what is there afterwards is its own data.
+        Raises OSError (ENOSPC, ...) to the caller.
         """
         tmp = self.join(TMP, f"{name}.{os.getpid()}.{threading.get_ident()}.{time.monotonic_ns()}")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
@@ -276,7 +291,14 @@ class RunDir:
                 os.link(tmp, target)
                 return True
             except FileExistsError:
+                if valid is None:
+                    return False
+            existing = self.read_bytes(sub, name)
+            if existing is not None and valid(existing):
                 return False
+            self.warn_once(target, "is not a valid record; replaced by this rank's")
+            os.replace(tmp, target)
+            return self.read_bytes(sub, name) == data
         finally:
             try:
                 os.unlink(tmp)

@@ -28,6 +28,7 @@ from ._records import (
     Registration,
     Success,
     Verdict,
+    decode,
     encode,
 )
 from ._rundir import EVENTS, HEARTBEATS, RANKS, VERDICT_FILE, RunDir, rank_file
@@ -418,8 +419,11 @@ class Watcher:
         return 0 if now is None else max(0, now - self._oom_kills_at_start)
 
     def _write_event(self, name: str, record: object) -> bool:
+        cls = type(record)
         try:
-            return self.run_dir.write(EVENTS, name, encode(record))
+            return self.run_dir.write(
+                EVENTS, name, encode(record), valid=lambda data: decode(cls, data) is not None
+            )
         except OSError as e:
             logger.error("peerwatch: rank %d could not write %s: %s", self.rank, name, e)
             return False

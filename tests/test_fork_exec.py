@@ -143,11 +143,6 @@ def test_rank_killed_after_its_forked_child_failed_is_judged_by_its_own_death(ma
     _assert_torn_down(job, 1, killed_ns, code=1, cause="vanished")
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "peerwatch bug: a forked child that segfaults writes faulthandler's 'Fatal Python error: "
-    "Segmentation fault' into the rank's stack file (the child inherits faulthandler and the "
-    "file); when the rank later dies without a marker, its peers read that and judge the rank "
-    "killed by SIGSEGV (exit code 139) instead of vanished (1)"))
 def test_rank_killed_after_its_forked_child_segfaulted_is_judged_by_its_own_death(make_job) -> None:
     job = make_job(world=WORLD, behave=["1=fork:segv"], grace=GRACE_S, env=ENV).start()
     job.wait_ready()
@@ -204,12 +199,6 @@ def test_install_in_a_child_of_a_live_rank_is_harmless(make_job, how: str) -> No
     _assert_clean_end(job, pids)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "peerwatch bug: RunDir.prepare() judges the directory stale as soon as this rank's slot is "
-    "held by a dead process, without asking whether the other registered ranks still live: the "
-    "child's install() moves the live run directory aside (run.stale-<ns>), creates a new one at "
-    "the same path and returns a watcher; the child's sys.exit(3) then writes failure-00001.json "
-    "there, and ranks 0 and 2 go on writing into the new directory"))
 @pytest.mark.parametrize("how", ["orphan_fork", "orphan_sub"])
 def test_install_in_a_child_that_outlived_its_rank_does_not_take_over_the_run(make_job, how: str) -> None:
     """Rank 1 finishes cleanly first; its child (forked, or a subprocess inheriting
