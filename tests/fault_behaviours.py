@@ -29,6 +29,7 @@ Actions (the last part; ``SECONDS`` as in rank_program):
                      method); READY once the first batch arrived (the workers exist)
     noisy            finish cleanly after SECONDS of work: random sleeps and CPU bursts,
                      beat() every step (scheduling noise for the false-positive runs)
+    await:NAME       finish cleanly once READY/NAME exists (another process wrote it)
 
 Child scenarios (MODE): ``exit0`` (sys.exit(0)), ``raise`` (uncaught RuntimeError),
 ``exit3`` (sys.exit(3)), ``segv`` (segfault), ``install`` (install(), beat(), a watch()
@@ -64,7 +65,7 @@ def reaped_on_error(children: List[Any]) -> List[Any]:
 
 
 PARTS = frozenset({"pg", "fork", "sub", "orphan_fork", "orphan_sub", "loader", "reexec"})
-ACTIONS = frozenset({"dataloader", "noisy"})
+ACTIONS = frozenset({"dataloader", "noisy", "await"})
 EXECED_VAR = "PEERWATCH_TEST_EXECED"  # set in the environment of the re-executed image
 
 Note = Callable[[argparse.Namespace, str, str], None]
@@ -263,6 +264,9 @@ def act(args: argparse.Namespace, rank: int, name: str, arg: str, delay: float,
         for _ in batches:
             peerwatch.beat()
             time.sleep(0.01)
+    elif name == "await":
+        ready(args, rank)
+        _wait_files(args.ready, [arg], timeout=120.0)
     elif name == "noisy":
         ready(args, rank)
         if args.sync and delay:

@@ -263,13 +263,13 @@ def test_garbage_in_a_live_run_directory(make_job, tmp_path: Path) -> None:
             assert "Traceback" not in log and NOT_PROTECTED not in log, f"rank {rank}:\n{log}"
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "peerwatch bug: a bad events/verdict.json blocks the real one (link(2) fails with EEXIST): "
-    "every watcher then acts on a verdict of its own (they may disagree), nobody logs the summary, "
-    "and report.json says outcome 'running', verdict null, the torn-down ranks 'running'"))
 def test_garbage_in_place_of_the_verdict(make_job) -> None:
     """A bad events/verdict.json (truncated) before anything failed: no teardown; when a
-    rank is then killed the job is torn down, and the report names the real failure."""
+    rank is then killed the job is torn down, and the report names the real failure.
+
+    (Regression: the garbage used to block the real verdict, link(2) failing with EEXIST;
+    every watcher then acted on a verdict of its own, nobody logged the summary, and
+    report.json said outcome "running", verdict null.)"""
     job = make_job(world=WORLD, grace=GRACE_S, env=ENV).start()
     pids = job.wait_ready()
     verdict = Verdict(rank=0, cause="exception", exit_code=7, failed_at_ns=time.time_ns(), detected_by=2,
@@ -288,13 +288,12 @@ def test_garbage_in_place_of_the_verdict(make_job) -> None:
     _kill_and_check_teardown(job, pids)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "peerwatch bug: a bad events/success-00001.json blocks rank 1's real marker (link(2) fails "
-    "with EEXIST, silently: no log line); rank 1 then exits 0 without a valid marker and its peers "
-    "tear the clean job down (exit code 1, cause vanished)"))
 def test_garbage_in_place_of_a_success_marker(make_job) -> None:
     """A bad events/success-00001.json (binary) before rank 1 finishes: every rank still
-    finishes cleanly, and nobody is torn down (the garbage is "ignored", docs/security.md)."""
+    finishes cleanly, and nobody is torn down (the garbage is "ignored", docs/security.md).
+
+    (Regression: the garbage used to block rank 1's real marker, silently; its peers then
+    tore the clean job down.)"""
     job = make_job(world=WORLD, behave=["0=succeed@1.5", "1=succeed@0.5", "2=succeed@2.0"], grace=GRACE_S, env=ENV).start()
     job.wait_ready()
     path = job.run_dir / "events" / "success-00001.json"

@@ -204,8 +204,12 @@ def test_install_in_a_child_that_outlived_its_rank_does_not_take_over_the_run(ma
     """Rank 1 finishes cleanly first; its child (forked, or a subprocess inheriting
     PEERWATCH_DIR and RANK) then calls install() while ranks 0 and 2 still run. The child
     must not take rank 1's slot nor set the live run directory aside: ranks 0 and 2 finish
-    cleanly, in the same run directory, with no teardown."""
-    behave = ["0=succeed@4.0", f"1={how}:install+succeed@0.2", "2=succeed@4.5"]
+    cleanly, in the same run directory, with no teardown.
+
+    (Regression: the child's install() used to move the live run directory aside as "from
+    an earlier run", create a new one at the same path and return a watcher.)"""
+    # Ranks 0 and 2 finish once the child has noted what install() did: it ran while they lived.
+    behave = ["0=await:child-1-install", f"1={how}:install+succeed@0.2", "2=await:child-1-install"]
     job = make_job(world=WORLD, behave=behave, grace=GRACE_S, env=ENV).start()
     pids = job.wait_ready()
     try:
