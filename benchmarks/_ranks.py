@@ -165,7 +165,7 @@ def lightning_rank0(ready: str, world: int) -> None:
         argv = [sys.executable, "-S", os.path.join(HERE, "_ranks.py"), "sleeper", ready, "lightning"]
         procs.append(subprocess.Popen(argv, env=env))
     note(ready, "rank-0", str(os.getpid()))
-    at_path = os.path.join(ready, "observer-at")
+    at_path = os.path.join(ready, "observer-at")  # written atomically by the benchmark
     while not os.path.exists(at_path):
         time.sleep(0.005)
     with open(at_path) as f:

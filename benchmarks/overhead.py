@@ -38,6 +38,8 @@ class Idle:
     with_s_per_h: float  # CPU seconds per rank per hour, mean over the ranks
     without_s_per_h: float
     with_max_s_per_h: float
+    polling: int  # ranks that got no inotify instance (the per-user limit): they poll every 0.1 s
+    inotify_s_per_h: float  # mean over the ranks that have their inotify instance
 
     @property
     def watcher_s_per_h(self) -> float:
@@ -54,61 +56,81 @@ def _fs(path: str) -> str:
     return kind
 
 
+def _has_inotify(pid: int) -> bool:
+    try:
+        return any(os.readlink(f"/proc/{pid}/fd/{fd}") == "anon_inode:inotify" for fd in os.listdir(f"/proc/{pid}/fd"))
+    except OSError:
+        return False
+
+
+def _idle_phase(variants: List[tuple], seconds: float, tmp: str, shm: str,
+                progress: Callable[[str], None]) -> Dict[tuple, tuple]:
+    """(n, mode) -> (CPU s/hour of each rank, whether each has an inotify instance), side by side."""
+    jobs: Dict[tuple, List[subprocess.Popen]] = {}
+    folders: Dict[tuple, Path] = {}
+    everything = Pidfds([])
+    try:
+        for n, mode in variants:
+            folder = Path(tmp) / f"n{n}-{mode}"
+            (folder / "ready").mkdir(parents=True)
+            run_dir = Path(shm if mode == "tmpfs" else folder) / f"run-{n}"
+            env = clean_env(WORLD_SIZE=str(n), PEERWATCH_DIR=str(run_dir))
+            argv = [sys.executable, RANKS_PY, "idle", str(folder / "ready")]
+            if mode != "none":
+                argv.append("--peerwatch")
+            jobs[n, mode] = [
+                subprocess.Popen(argv, env=dict(env, RANK=str(r)), stdin=subprocess.DEVNULL) for r in range(n)
+            ]
+            folders[n, mode] = folder
+            for p in jobs[n, mode]:
+                everything.add(p.pid)
+        for key, folder in folders.items():
+            wait_files(folder / "ready", [f"rank-{r}" for r in range(key[0])], watch=jobs[key])
+        time.sleep(IDLE_SETTLE_S)
+        progress(f"idle: {sum(len(v) for v in jobs.values())} ranks running; measuring for {seconds:g} s")
+        before = {key: [cpu_ns(p.pid) for p in procs] for key, procs in jobs.items()}
+        t0 = time.monotonic()
+        time.sleep(seconds)
+        after = {key: [cpu_ns(p.pid) for p in procs] for key, procs in jobs.items()}
+        window = time.monotonic() - t0
+        inotify = {key: [_has_inotify(p.pid) for p in procs] for key, procs in jobs.items()}
+        for key, procs in jobs.items():
+            if any(p.poll() is not None for p in procs):
+                raise RuntimeError(f"a rank of the idle job {key} ended while measured")
+    finally:
+        everything.kill_all()
+        everything.wait_all_gone(30)
+        everything.close()
+        for procs in jobs.values():
+            for p in procs:
+                p.wait()
+    return {
+        key: ([((a or 0) - (b or 0)) / 1e9 / window * 3600 for a, b in zip(after[key], before[key])], inotify[key])
+        for key in jobs
+    }
+
+
 def idle_cpu(ns: List[int], seconds: float, progress: Callable[[str], None]) -> List[Idle]:
-    """Every job at once: what is measured is each process's own CPU time, not wall time.
+    """For each N, a job with peerwatch and one without, side by side: what is measured is
+    each process's own CPU time, not wall time. One N at a time: every peerwatch rank takes
+    an inotify instance, and the per-user limit (often 128) would make the extra ones poll.
 
     For the smallest N, one more job keeps its run directory on tmpfs (where
     $XDG_RUNTIME_DIR usually is), to show what the filesystem costs the heartbeats.
     """
+    out = []
     with tempfile.TemporaryDirectory(prefix="pw-bench-") as d, \
             tempfile.TemporaryDirectory(prefix="pw-bench-", dir=TMPFS if os.path.isdir(TMPFS) else None) as shm:
-        variants = [(n, mode) for n in ns for mode in ("none", "peerwatch")] + [(min(ns), "tmpfs")]
-        jobs: Dict[tuple, List[subprocess.Popen]] = {}
-        folders: Dict[tuple, Path] = {}
-        everything = Pidfds([])
-        try:
-            for n, mode in variants:
-                folder = Path(d) / f"n{n}-{mode}"
-                (folder / "ready").mkdir(parents=True)
-                run_dir = Path(shm if mode == "tmpfs" else folder) / f"run-{n}"
-                env = clean_env(WORLD_SIZE=str(n), PEERWATCH_DIR=str(run_dir))
-                argv = [sys.executable, RANKS_PY, "idle", str(folder / "ready")]
-                if mode != "none":
-                    argv.append("--peerwatch")
-                jobs[n, mode] = [
-                    subprocess.Popen(argv, env=dict(env, RANK=str(r)), stdin=subprocess.DEVNULL) for r in range(n)
-                ]
-                folders[n, mode] = folder
-                for p in jobs[n, mode]:
-                    everything.add(p.pid)
-            for key, folder in folders.items():
-                wait_files(folder / "ready", [f"rank-{r}" for r in range(key[0])], watch=jobs[key])
-            time.sleep(IDLE_SETTLE_S)
-            progress(f"idle: {sum(len(v) for v in jobs.values())} ranks running; measuring for {seconds:g} s")
-            before = {key: [cpu_ns(p.pid) for p in procs] for key, procs in jobs.items()}
-            t0 = time.monotonic()
-            time.sleep(seconds)
-            after = {key: [cpu_ns(p.pid) for p in procs] for key, procs in jobs.items()}
-            window = time.monotonic() - t0
-            for key, procs in jobs.items():
-                if any(p.poll() is not None for p in procs):
-                    raise RuntimeError(f"a rank of the idle job {key} ended while measured")
-            where = {"peerwatch": _fs(d), "tmpfs": _fs(shm)}
-        finally:
-            everything.kill_all()
-            everything.wait_all_gone(30)
-            everything.close()
-            for procs in jobs.values():
-                for p in procs:
-                    p.wait()
-    rates = {key: [((a or 0) - (b or 0)) / 1e9 / window * 3600 for a, b in zip(after[key], before[key])]
-             for key in jobs}
-    out = []
-    for n, mode in variants:
-        if mode == "none":
-            continue
-        base = statistics.mean(rates[n, "none"])
-        out.append(Idle(n, where[mode], window, statistics.mean(rates[n, mode]), base, max(rates[n, mode])))
+        where = {"peerwatch": _fs(d), "tmpfs": _fs(shm)}
+        for n in ns:
+            variants = [(n, "none"), (n, "peerwatch")] + ([(n, "tmpfs")] if n == min(ns) else [])
+            result = _idle_phase(variants, seconds, d, shm, progress)
+            base = statistics.mean(result[n, "none"][0])
+            for _, mode in variants[1:]:
+                rates, inotify = result[n, mode]
+                watched = [r for r, ok in zip(rates, inotify) if ok] or [float("nan")]
+                out.append(Idle(n, where[mode], seconds, statistics.mean(rates), base, max(rates),
+                                inotify.count(False), statistics.mean(watched) - base))
     return out
 
 

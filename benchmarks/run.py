@@ -54,7 +54,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--gloo-ranks", default="2,8", help="N for torch (gloo) ranks (default 2,8)")
     p.add_argument("--cap", type=float, default=5.0,
                    help="seconds: the gloo timeout without a watcher, and how long to wait for orphans (default 5)")
-    p.add_argument("--idle-seconds", type=float, default=45.0, help="idle CPU window (default 45)")
+    p.add_argument("--idle-seconds", type=float, default=40.0, help="idle CPU window, per N (default 40)")
     p.add_argument("--idle-ranks", default="8,128")
     p.add_argument("--ab-pairs", type=int, default=10, help="A/B pairs of step-time blocks (default 10)")
     p.add_argument("--ab-seconds", type=float, default=2.0, help="about how long one block runs (default 2)")
@@ -386,9 +386,11 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         out()
         out(table(
             ["N ranks, sleeping", "run directory on", "window, s", "CPU s/rank/hour without",
-             "with peerwatch (mean / max rank)", "the watcher's share"],
+             "with peerwatch (mean / max rank)", "the watcher's share",
+             "ranks polling (no inotify instance left)", "share of the ranks with inotify"],
             [[str(i.n), i.where, f"{i.seconds:.0f}", f"{i.without_s_per_h:.3f}",
-              f"{i.with_s_per_h:.3f} / {i.with_max_s_per_h:.3f}", f"**{i.watcher_s_per_h:.3f}**"] for i in idle]))
+              f"{i.with_s_per_h:.3f} / {i.with_max_s_per_h:.3f}", f"**{i.watcher_s_per_h:.3f}**",
+              f"{i.polling} of {i.n}", f"{i.inotify_s_per_h:.3f}"] for i in idle]))
         out()
         for kind in ("torch", "python"):
             t = time.monotonic()
