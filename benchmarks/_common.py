@@ -157,7 +157,7 @@ class Pidfds:
     def kill_all(self) -> int:
         """SIGKILL every one still alive (through its pidfd: a reused pid is never hit)."""
         killed = 0
-        for pid, fd in self.fds.items():
+        for fd in self.fds.values():
             with contextlib.suppress(ProcessLookupError, OSError):
                 signal.pidfd_send_signal(fd, signal.SIGKILL)
                 killed += 1

@@ -100,7 +100,7 @@ def train(kind: str, use_peerwatch: bool) -> None:
 
     ``torch``: a small MLP under DistributedDataParallel (gloo, one thread), SGD.
     ``python``: a Python-heavy step (no torch). Replies one JSON line a block:
-    ``{"mean_ms": ...}`` for the block's steps.
+    ``{"mean_ms": ..., "cpu_ms": ...}``: wall time and process CPU time per step of the block.
     """
     if use_peerwatch:
         import peerwatch
@@ -139,11 +139,12 @@ def train(kind: str, use_peerwatch: bool) -> None:
             break
         steps = int(cmd[1])
         step()  # not timed: the first step after a pause warms the caches again
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         for _ in range(steps):
             step()
         mean_ms = (time.perf_counter() - t0) * 1000 / steps
-        print(json.dumps({"mean_ms": mean_ms}), flush=True)
+        cpu_ms = (time.process_time() - c0) * 1000 / steps  # every thread: the watcher's too
+        print(json.dumps({"mean_ms": mean_ms, "cpu_ms": cpu_ms}), flush=True)
 
 
 # -- forked from a template ------------------------------------------------------------

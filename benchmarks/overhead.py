@@ -134,36 +134,41 @@ def idle_cpu(ns: List[int], seconds: float, progress: Callable[[str], None]) -> 
     return out
 
 
+def _t95(n: int) -> float:
+    return {2: 12.71, 3: 4.30, 4: 3.18, 5: 2.78, 6: 2.57, 7: 2.45, 8: 2.36, 9: 2.31, 10: 2.26, 11: 2.23, 12: 2.20,
+            13: 2.18, 14: 2.16, 15: 2.14, 16: 2.13, 17: 2.12, 18: 2.11, 19: 2.10, 20: 2.09}.get(n, 2.0)
+
+
 @dataclasses.dataclass
 class Steps:
     kind: str
     pairs: int
     steps: int
-    without_ms: List[float]  # mean step time of each block (both ranks averaged)
+    without_ms: List[float]  # wall time per step of each block (both ranks averaged)
     with_ms: List[float]
+    without_cpu_ms: List[float]  # process CPU time per step (every thread: the watcher's too)
+    with_cpu_ms: List[float]
 
-    @property
-    def diffs_pct(self) -> List[float]:
-        return [(b - a) / a * 100 for a, b in zip(self.without_ms, self.with_ms)]
+    @staticmethod
+    def _diffs(a: List[float], b: List[float]) -> List[float]:
+        return [(y - x) / x * 100 for x, y in zip(a, b)]
 
-    @property
-    def diff_pct(self) -> float:
-        return statistics.mean(self.diffs_pct)
+    def diff_pct(self, cpu: bool = False) -> float:
+        return statistics.mean(self._diffs(*self._pair(cpu)))
 
-    @property
-    def ci95_pct(self) -> float:
-        """Half-width of the 95% interval of the mean difference (t distribution)."""
-        if len(self.diffs_pct) < 2:
-            return float("nan")
-        t95 = {2: 12.71, 3: 4.30, 4: 3.18, 5: 2.78, 6: 2.57, 7: 2.45, 8: 2.36, 9: 2.31, 10: 2.26}.get(self.pairs, 2.0)
-        return t95 * statistics.stdev(self.diffs_pct) / len(self.diffs_pct) ** 0.5
+    def ci95_pct(self, cpu: bool = False) -> float:
+        """Half-width of the 95% interval of the mean difference (t distribution over the pairs)."""
+        d = self._diffs(*self._pair(cpu))
+        return float("nan") if len(d) < 2 else _t95(len(d)) * statistics.stdev(d) / len(d) ** 0.5
 
-    @property
     def noise_pct(self) -> float:
-        """Block-to-block spread without peerwatch (coefficient of variation)."""
+        """Block-to-block spread of the wall time without peerwatch (coefficient of variation)."""
         if len(self.without_ms) < 2:
             return float("nan")
         return statistics.stdev(self.without_ms) / statistics.mean(self.without_ms) * 100
+
+    def _pair(self, cpu: bool) -> tuple:
+        return (self.without_cpu_ms, self.with_cpu_ms) if cpu else (self.without_ms, self.with_ms)
 
 
 class _TrainJob:
@@ -187,12 +192,14 @@ class _TrainJob:
             raise RuntimeError(f"a training rank ended with {p.wait()}")
         return dict(json.loads(line))
 
-    def block(self, steps: int) -> float:
+    def block(self, steps: int) -> tuple:
+        """(wall ms, CPU ms) per step, averaged over the ranks."""
         for p in self.procs:
             assert p.stdin is not None
             p.stdin.write(f"run {steps}\n")
             p.stdin.flush()
-        return statistics.mean(self._read(p)["mean_ms"] for p in self.procs)
+        replies = [self._read(p) for p in self.procs]
+        return statistics.mean(r["mean_ms"] for r in replies), statistics.mean(r["cpu_ms"] for r in replies)
 
     def close(self) -> None:
         for p in self.procs:
@@ -217,19 +224,20 @@ def step_time(kind: str, pairs: int, block_s: float, progress: Callable[[str], N
         try:
             for pw in (False, True):
                 jobs[pw] = _TrainJob(kind, pw, Path(d) / ("pw" if pw else "none"))
-            warm = {pw: jobs[pw].block(20) for pw in (False, True)}  # warm-up, and the step time
+            warm = {pw: jobs[pw].block(20)[0] for pw in (False, True)}  # warm-up, and the step time
             steps = max(20, int(block_s * 1000 / statistics.mean(warm.values())))
-            results: Dict[bool, List[float]] = {False: [], True: []}
+            results: Dict[bool, List[tuple]] = {False: [], True: []}
             for i in range(pairs):
                 order = [False, True] if random.random() < 0.5 else [True, False]
                 for pw in order:
                     results[pw].append(jobs[pw].block(steps))
-                progress(f"step time {kind}: pair {i + 1}/{pairs}: without {results[False][-1]:.3f} ms, "
-                         f"with {results[True][-1]:.3f} ms")
+                progress(f"step time {kind}: pair {i + 1}/{pairs}: without {results[False][-1]}, "
+                         f"with {results[True][-1]}")
         finally:
             for job in jobs.values():
                 job.close()
-    return Steps(kind, pairs, steps, results[False], results[True])
+    return Steps(kind, pairs, steps, [w for w, _ in results[False]], [w for w, _ in results[True]],
+                 [c for _, c in results[False]], [c for _, c in results[True]])
 
 
 __all__ = ["Idle", "Steps", "idle_cpu", "step_time"]

@@ -18,14 +18,13 @@ See docs/performance.md for what each figure means and the results on the refere
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import math
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -41,24 +40,35 @@ TEMPLATE_MODULES = ["_ranks", "lightning.fabric.strategies.launchers.subprocess_
 QUIET_LOAD = 1.5  # 1-minute load average under which the machine counts as quiet
 
 
+FULL = {  # the defaults; --quick changes those not given on the command line
+    "trials": 30, "large_trials": 5, "fixed_trials": 3, "ranks": "2,8,32,128", "torchrun_ranks": "8",
+    "gloo_ranks": "2,8", "idle_seconds": 40.0, "idle_ranks": "8,128", "ab_pairs": 10, "ab_seconds": 2.0,
+    "import_runs": 30,
+}
+QUICK = {
+    "trials": 3, "large_trials": 2, "fixed_trials": 1, "ranks": "2,8", "torchrun_ranks": "2", "gloo_ranks": "2",
+    "idle_seconds": 5.0, "idle_ranks": "8", "ab_pairs": 2, "ab_seconds": 0.5, "import_runs": 5,
+}
+
+
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="a smoke run: few trials, small N (about 2 minutes)")
-    p.add_argument("--trials", type=int, default=30, help="trials per point (default 30)")
-    p.add_argument("--large-trials", type=int, default=5,
-                   help="trials per point of peerwatch with N >= 64 (default 5: each takes about 30 s here)")
-    p.add_argument("--fixed-trials", type=int, default=3,
+    p.add_argument("--trials", type=int, help="trials per point (default 30)")
+    p.add_argument("--large-trials", type=int,
+                   help="trials per point of peerwatch with N >= 64 (default 5: each takes 20-30 s here)")
+    p.add_argument("--fixed-trials", type=int,
                    help="trials of points whose outcome nobody acts on: never, or the timeout (default 3)")
-    p.add_argument("--ranks", default="2,8,32,128", help="N for Python ranks (peerwatch, Lightning's observer)")
-    p.add_argument("--torchrun-ranks", default="8", help="N for torchrun (default 8)")
-    p.add_argument("--gloo-ranks", default="2,8", help="N for torch (gloo) ranks (default 2,8)")
+    p.add_argument("--ranks", help="N for Python ranks: peerwatch, Lightning's observer (default 2,8,32,128)")
+    p.add_argument("--torchrun-ranks", help="N for torchrun (default 8)")
+    p.add_argument("--gloo-ranks", help="N for torch (gloo) ranks (default 2,8)")
     p.add_argument("--cap", type=float, default=5.0,
                    help="seconds: the gloo timeout without a watcher, and how long to wait for orphans (default 5)")
-    p.add_argument("--idle-seconds", type=float, default=40.0, help="idle CPU window, per N (default 40)")
-    p.add_argument("--idle-ranks", default="8,128")
-    p.add_argument("--ab-pairs", type=int, default=10, help="A/B pairs of step-time blocks (default 10)")
-    p.add_argument("--ab-seconds", type=float, default=2.0, help="about how long one block runs (default 2)")
-    p.add_argument("--import-runs", type=int, default=30)
+    p.add_argument("--idle-seconds", type=float, help="idle CPU window, per N (default 40)")
+    p.add_argument("--idle-ranks", help="N for idle CPU (default 8,128)")
+    p.add_argument("--ab-pairs", type=int, help="A/B pairs of step-time blocks (default 10)")
+    p.add_argument("--ab-seconds", type=float, help="about how long one block runs (default 2)")
+    p.add_argument("--import-runs", type=int, help="fresh interpreters for the startup figures (default 30)")
     p.add_argument("--only", default="latency,rank0,overhead,startup",
                    help="sections to run, comma-separated: latency, rank0, overhead, startup")
     p.add_argument("--plot", default=str(ROOT / "docs" / "performance.png"), help="PNG to write ('' for none)")
@@ -67,11 +77,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help=f"minutes to wait for the 1-minute load average to fall under {QUIET_LOAD} (default 0)")
     p.add_argument("-v", "--verbose", action="store_true", help="print each trial")
     args = p.parse_args(argv)
-    if args.quick:
-        args.trials, args.large_trials, args.fixed_trials = 3, 2, 1
-        args.ranks, args.torchrun_ranks, args.gloo_ranks = "2,8", "2", "2"
-        args.idle_seconds, args.idle_ranks = 5.0, "8"
-        args.ab_pairs, args.ab_seconds, args.import_runs = 2, 0.5, 5
+    for key, value in (QUICK if args.quick else FULL).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
     args.ranks = [int(n) for n in args.ranks.split(",") if n]
     args.torchrun_ranks = [int(n) for n in args.torchrun_ranks.split(",") if n]
     args.gloo_ranks = [int(n) for n in args.gloo_ranks.split(",") if n]
@@ -112,63 +120,60 @@ def run_latency(args: argparse.Namespace, template: Template, rank0: bool,
     gloo = "torch, gloo all_reduce"
     store = "torch, blocked in store.wait"
 
-    def timed(label: str, f: Callable[[], List[Trial]]) -> List[Trial]:
+    def timed(label: str, f: Callable[..., List[Trial]], *f_args: object) -> List[Trial]:
         t = time.monotonic()
-        trials = f()
+        trials = f(*f_args, progress)
         print(f"  {label}: {len(trials)} trials in {time.monotonic() - t:.0f} s", file=sys.stderr, flush=True)
         return trials
 
     def large(n: int) -> int:
         return args.trials if n < 64 else args.large_trials
 
+    def torchrun_name(pw: bool) -> str:
+        return "torchrun + peerwatch" if pw else "torchrun agent"
+
+    def gloo_name(pw: bool) -> str:
+        return "peerwatch" if pw else "no watcher"
+
     if not rank0:
         for n in args.ranks:
             pts.append(Point("peerwatch", light, f"rank {n // 2}", n, timed(
-                f"peerwatch N={n}", lambda: latency.peerwatch_light(n, n // 2, large(n), progress))))
+                f"peerwatch N={n}", latency.peerwatch_light, n, n // 2, large(n))))
         for n in args.ranks:
             pts.append(Point("Lightning _ChildProcessObserver", light, f"rank {n // 2}", n, timed(
-                f"lightning N={n}",
-                lambda: latency.lightning_observer(template, n, False, args.trials, latency.TEARDOWN_TIMEOUT_S,
-                                                   progress))))
+                f"lightning N={n}", latency.lightning_observer, template, n, False, args.trials,
+                latency.TEARDOWN_TIMEOUT_S)))
         for n in args.torchrun_ranks:
             for pw in (False, True):
-                pts.append(Point("torchrun + peerwatch" if pw else "torchrun agent", light, f"worker {n // 2}", n,
-                                 timed(f"torchrun N={n} pw={pw}",
-                                       lambda: latency.torchrun_worker_deaths(n, pw, args.trials, progress)),
-                                 note="restarts"))
+                pts.append(Point(torchrun_name(pw), light, f"worker {n // 2}", n, timed(
+                    f"torchrun N={n} pw={pw}", latency.torchrun_worker_deaths, n, pw, args.trials), note="restarts"))
         for n in args.gloo_ranks:
             for pw in (False, True):
-                pts.append(Point("peerwatch" if pw else "no watcher", gloo, f"rank {n // 2}", n, timed(
-                    f"gloo N={n} pw={pw}",
-                    lambda: latency.gloo_job(template, n, n // 2, pw, "allreduce", args.trials, cap, progress)),
+                pts.append(Point(gloo_name(pw), gloo, f"rank {n // 2}", n, timed(
+                    f"gloo N={n} pw={pw}", latency.gloo_job, template, n, n // 2, pw, "allreduce", args.trials, cap),
                     cap_s=None if pw else cap))
         n = max(args.gloo_ranks)
         for pw in (False, True):
-            pts.append(Point("peerwatch" if pw else "no watcher", store, f"rank {n // 2}", n, timed(
-                f"store N={n} pw={pw}",
-                lambda: latency.gloo_job(template, n, n // 2, pw, "store", args.trials if pw else args.fixed_trials,
-                                         cap, progress)),
-                cap_s=None if pw else cap))
+            pts.append(Point(gloo_name(pw), store, f"rank {n // 2}", n, timed(
+                f"store N={n} pw={pw}", latency.gloo_job, template, n, n // 2, pw, "store",
+                args.trials if pw else args.fixed_trials, cap), cap_s=None if pw else cap))
     else:
         for n in args.ranks:
             pts.append(Point("peerwatch", light, "rank 0 (parent)", n, timed(
-                f"peerwatch rank 0 N={n}", lambda: latency.peerwatch_light(n, 0, large(n), progress))))
+                f"peerwatch rank 0 N={n}", latency.peerwatch_light, n, 0, large(n))))
         for n in args.ranks:
             pts.append(Point("Lightning _ChildProcessObserver", light, "rank 0 (parent)", n, timed(
-                f"lightning rank 0 N={n}",
-                lambda: latency.lightning_observer(template, n, True, args.fixed_trials, cap, progress)), cap_s=cap))
+                f"lightning rank 0 N={n}", latency.lightning_observer, template, n, True, args.fixed_trials, cap),
+                cap_s=cap))
         for n in args.torchrun_ranks:
             for pw in (False, True):
-                pts.append(Point("torchrun + peerwatch" if pw else "torchrun agent", light, "the agent", n, timed(
-                    f"torchrun agent N={n} pw={pw}",
-                    lambda: latency.torchrun_agent_death(n, pw, args.trials if pw else args.fixed_trials, cap,
-                                                         progress)),
-                    cap_s=None if pw else cap))
+                pts.append(Point(torchrun_name(pw), light, "the agent", n, timed(
+                    f"torchrun agent N={n} pw={pw}", latency.torchrun_agent_death, n, pw,
+                    args.trials if pw else args.fixed_trials, cap), cap_s=None if pw else cap))
         for n in args.gloo_ranks:
             for pw in (False, True):
-                pts.append(Point("peerwatch" if pw else "no watcher", gloo, "rank 0 (store host)", n, timed(
-                    f"gloo rank 0 N={n} pw={pw}",
-                    lambda: latency.gloo_job(template, n, 0, pw, "allreduce", args.trials, cap, progress)),
+                pts.append(Point(gloo_name(pw), gloo, "rank 0 (store host)", n, timed(
+                    f"gloo rank 0 N={n} pw={pw}", latency.gloo_job, template, n, 0, pw, "allreduce", args.trials, cap),
                     cap_s=None if pw else cap))
     return pts
 
@@ -293,8 +298,9 @@ def targets(points1: List[Point], idle: List[overhead.Idle], steps: List[overhea
             st: Optional[startup.Startup]) -> str:
     rows = []
 
-    def row(what: str, value: str, met: Optional[bool]) -> None:
-        rows.append([what, value, "-" if met is None else ("met" if met else "**not met**")])
+    def row(what: str, value: str, met: Optional[bool], info: bool = False) -> None:
+        verdict = "inconclusive (noise)" if met is None else ("met" if met else "**not met**")
+        rows.append([what, value, "(for reference)" if info else verdict])
 
     p8 = find(points1, "peerwatch", "Python, sleeping", 8)
     s8 = summarize([t.detected_ms for t in p8.trials if t.detected_ms is not None]) if p8 else None
@@ -308,9 +314,11 @@ def targets(points1: List[Point], idle: List[overhead.Idle], steps: List[overhea
     for i in idle:
         row(f"idle CPU < 1 s per rank per hour, N = {i.n}, run directory on {i.where}", f"{i.watcher_s_per_h:.2f} s", i.watcher_s_per_h < 1)
     for s in steps:
-        within = abs(s.diff_pct) < 1 or abs(s.diff_pct) <= s.ci95_pct
-        row(f"step time within noise (< 1 %), {s.kind} loop",
-            f"{s.diff_pct:+.2f} % ± {s.ci95_pct:.2f} % (95 %)", abs(s.diff_pct) < 1 and within)
+        d, ci = s.diff_pct(), s.ci95_pct()
+        row(f"step time difference < 1 %, {s.kind} loop", f"{d:+.2f} % ± {ci:.2f} % (95 %)",
+            None if ci >= 1 and abs(d) < ci else abs(d) < 1)
+        d, ci = s.diff_pct(cpu=True), s.ci95_pct(cpu=True)
+        row(f"CPU time per step, {s.kind} loop", f"{d:+.2f} % ± {ci:.2f} % (95 %)", None, info=True)
     if st:
         med = summarize(st.import_ms)
         assert med is not None
@@ -398,11 +406,15 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             print(f"  steps {kind}: {time.monotonic() - t:.0f} s", file=sys.stderr, flush=True)
         out(table(
             ["loop", "pairs x steps", "step ms without (mean)", "with peerwatch", "difference (mean of pairs)",
-             "95 % interval", "block-to-block noise without"],
+             "block-to-block noise without", "CPU ms/step without", "with", "CPU difference"],
             [[{"torch": "torch MLP, DDP gloo, 2 ranks", "python": "Python-heavy, 2 ranks"}[s.kind],
-              f"{s.pairs} x {s.steps}", f"{sum(s.without_ms) / len(s.without_ms):.3f}",
-              f"{sum(s.with_ms) / len(s.with_ms):.3f}", f"{s.diff_pct:+.2f} %", f"± {s.ci95_pct:.2f} %",
-              f"{s.noise_pct:.2f} %"] for s in steps]))
+              f"{s.pairs} x {s.steps}", f"{statistics.mean(s.without_ms):.3f}", f"{statistics.mean(s.with_ms):.3f}",
+              f"**{s.diff_pct():+.2f} % ± {s.ci95_pct():.2f} %**", f"{s.noise_pct():.2f} %",
+              f"{statistics.mean(s.without_cpu_ms):.3f}", f"{statistics.mean(s.with_cpu_ms):.3f}",
+              f"{s.diff_pct(cpu=True):+.2f} % ± {s.ci95_pct(cpu=True):.2f} %"] for s in steps]))
+        out()
+        out("Differences: mean over the pairs of (with - without) / without, ± the half-width of its 95 % "
+            "interval. CPU: process CPU time per step, every thread (the watcher's too).")
         out()
 
     st: Optional[startup.Startup] = None
