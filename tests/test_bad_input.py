@@ -88,6 +88,36 @@ def _heartbeat_ns(job: Job, rank: int) -> int:
         return 0
 
 
+def _heartbeat(job: Job, rank: int) -> Optional[dict]:
+    try:
+        return json.loads((job.run_dir / "heartbeats" / f"rank-{rank:05d}.json").read_bytes())
+    except (OSError, ValueError):
+        return None
+
+
+def _wait_watchers_know_everyone(job: Job) -> None:
+    """Wait until every watcher has rescanned ranks/ since every rank registered: a
+    heartbeat written after that (the loop began after the registrations were there),
+    then the next one (that loop's rescan is done)."""
+    registered_ns = time.time_ns()  # every rank is READY: each registered before
+    first: Dict[int, int] = {}
+
+    def done() -> bool:
+        for rank in range(WORLD):
+            beat = _heartbeat(job, rank)
+            if beat is None:
+                return False
+            if rank not in first:
+                if beat["time_ns"] <= registered_ns:
+                    return False
+                first[rank] = beat["seq"]
+            if beat["seq"] <= first[rank]:
+                return False
+        return True
+
+    _wait_until("every watcher rescanned since every rank registered", done, DEADLINE_S, job)
+
+
 def _assert_alive_and_calm(job: Job, since_ns: int) -> None:
     """No teardown: every rank alive, no verdict; every watcher wrote a heartbeat after
     ``since_ns`` (it still loops); no traceback and no lost watcher in any log."""
@@ -315,6 +345,9 @@ def test_run_directory_deleted_mid_run(make_job) -> None:
     watch: a rank killed afterwards still takes the job down, with the usual exit codes."""
     job = make_job(world=WORLD, grace=GRACE_S, env={**ENV, "PEERWATCH_HEARTBEAT": "0.2"}).start()
     job.wait_ready()
+    # The pidfds watch the peers a watcher already knows: deleted before a watcher read
+    # a late peer's registration, that peer is never watched (by design: nothing left to read).
+    _wait_watchers_know_everyone(job)
     shutil.rmtree(job.run_dir)
     warnings = [f"peerwatch: {job.run_dir / 'heartbeats'} heartbeat cannot be written",
                 f"peerwatch: {job.run_dir / 'ranks'} cannot be listed", f"peerwatch: {job.run_dir / 'events'} cannot be listed"]
