@@ -10,7 +10,11 @@ Rules, in order:
 4. A peer seen gone whose parent is a live peer is held back for ``parent_wait``: only
    the parent can read the exit status, and it usually writes it within a millisecond.
 5. Of several failures, the earliest (then the lowest rank) is the root cause; we wait
-   while a held-back failure might still turn out to be the earliest.
+   while a held-back failure might still turn out to be the earliest. But an exception
+   never outranks a death without a record (signal, vanished, an exit status) seen
+   within ``CONSEQUENCE_WINDOW_NS`` (1 s) of it: such deaths are never consequences,
+   while the collectives of the dead rank's peers fail with exceptions within
+   milliseconds, possibly stamped before the death is seen.
 6. Hang (only with ``hang_timeout``): when no live rank has made progress (``beat()``) for
    ``hang_timeout``, and none is in a ``paused()`` phase, the job is hung. The laggard is,
    in this order of preference: a frozen rank (state T or D); a rank whose watcher has
@@ -33,6 +37,7 @@ import dataclasses
 from typing import AbstractSet, List, Mapping, Optional, Tuple
 
 from ._records import (
+    EXCEPTION,
     EXIT,
     HANG,
     HANG_EXIT_CODE,
@@ -47,6 +52,14 @@ from ._records import (
     returncode_exit_code,
     signal_name,
 )
+
+# A rank that dies without a word (SIGKILL, segfault, OOM, os._exit) is never the
+# consequence of another rank's exception, but the exceptions of its peers' collectives
+# ("Connection closed by peer") are consequences of its death, and can be stamped before
+# its death is seen: the socket closes a moment before the pidfd fires, and a watcher may
+# see both in one wake-up. Within this window the death is the root cause.
+CONSEQUENCE_WINDOW_NS = 1_000_000_000
+_DEATHS = (SIGNAL, VANISHED, EXIT)
 
 FROZEN_STATES = {"T": "stopped (SIGSTOP)", "t": "stopped by a debugger", "D": "in uninterruptible sleep (I/O)"}
 
@@ -113,8 +126,10 @@ def decide(obs: Observed, policy: Policy) -> Decision:
             held.append((seen_ns, until_ns))
             continue
         found.append(_vanished(obs, rank, seen_ns, policy))
-    first = min(found, key=lambda v: (v.failed_at_ns, v.rank), default=None)
-    waiting = [until for seen, until in held if first is None or seen <= first.failed_at_ns]
+    first = min(found, key=lambda v: _order(v, found), default=None)
+    # A death held back for its parent may still turn out to be the root cause.
+    horizon = None if first is None else first.failed_at_ns + (CONSEQUENCE_WINDOW_NS if first.cause == EXCEPTION else 0)
+    waiting = [until for seen, until in held if horizon is None or seen <= horizon]
     if waiting:
         return Decision(None, recheck_at_ns=min(waiting))
     if first is None and obs.missing:
@@ -127,6 +142,16 @@ def decide(obs: Observed, policy: Policy) -> Decision:
             detail=f"{first.detail}; likely killed by the OOM killer ({obs.oom_kills} OOM kill(s) during the run)",
         )
     return Decision(first)
+
+
+def _order(v: Verdict, found: List[Verdict]) -> Tuple[int, int, int]:
+    """Earliest first, except that an exception never outranks a death seen within
+    CONSEQUENCE_WINDOW_NS of it (see the rule 5 note in the module docstring)."""
+    if v.cause == EXCEPTION and any(
+        d.cause in _DEATHS and d.failed_at_ns <= v.failed_at_ns + CONSEQUENCE_WINDOW_NS for d in found
+    ):
+        return (1, v.failed_at_ns, v.rank)
+    return (0, v.failed_at_ns, v.rank)
 
 
 def _missing(obs: Observed, policy: Policy) -> Verdict:

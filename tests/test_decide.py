@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from peerwatch._decide import Decision, Observed, Policy, decide, exit_code_for
+from peerwatch._decide import CONSEQUENCE_WINDOW_NS, Decision, Observed, Policy, decide, exit_code_for
 from peerwatch._records import (
     EXCEPTION,
     EXIT,
@@ -249,8 +249,25 @@ def test_parent_pid_in_another_boot_or_namespace_is_not_the_parent(field):
 
 
 def test_earliest_failure_wins():
-    obs = observed(failures=[failure(1, t=300), failure(3, t=100)], statuses=[status(2, 200, 1)])
+    obs = observed(failures=[failure(1, t=300), failure(3, t=100)])
     assert decide(obs, POLICY).verdict.rank == 3
+    far = CONSEQUENCE_WINDOW_NS
+    obs = observed(failures=[failure(1, t=3 * far), failure(3, t=far)], statuses=[status(2, 2 * far + 1, 1)])
+    assert decide(obs, POLICY).verdict.rank == 3
+
+
+@pytest.mark.parametrize("death", ["status", "gone"])
+def test_a_death_outranks_an_exception_just_before_it(death):
+    # Rank 2 is SIGKILLed; rank 1's all_reduce fails with "Connection closed by peer" and
+    # its record is stamped before a watcher sees rank 2 gone: rank 2 is the root cause.
+    kw = {"statuses": [status(2, 1_000_500, -9)]} if death == "status" else {"gone": {2: 1_000_500}}
+    obs = observed(failures=[failure(1, t=1_000_000)], now=10**12, **kw)
+    assert decide(obs, POLICY).verdict.rank == 2
+    # ... but not one seen more than the window later.
+    late = 1_000_000 + CONSEQUENCE_WINDOW_NS + 1
+    kw = {"statuses": [status(2, late, -9)]} if death == "status" else {"gone": {2: late}}
+    obs = observed(failures=[failure(1, t=1_000_000)], now=10**12, **kw)
+    assert decide(obs, POLICY).verdict.rank == 1
 
 
 def test_earliest_wins_across_kinds():
@@ -281,8 +298,9 @@ def test_held_back_failure_at_the_same_time_as_a_found_one_makes_decide_wait():
 
 
 def test_held_back_failure_later_than_a_found_one_does_not_delay_the_verdict():
-    obs = observed(self_rank=3, registrations=lightning_regs(), gone={2: 2000},
-                   failures=[failure(1, t=1500)], now=2001)
+    far = CONSEQUENCE_WINDOW_NS
+    obs = observed(self_rank=3, registrations=lightning_regs(), gone={2: 3 * far},
+                   failures=[failure(1, t=far)], now=3 * far + 1)
     d = decide(obs, POLICY)
     assert d.recheck_at_ns is None
     assert d.verdict.rank == 1
@@ -395,8 +413,17 @@ def test_a_verdict_once_all_parent_waits_are_over(sc):
     assert v is not None
     assert v.rank in sc.failing
     assert 1 <= v.exit_code <= 255
-    # The root cause is the earliest failure, ties to the lowest rank.
-    assert (v.failed_at_ns, v.rank) == min((sc.failed_at(r), r) for r in sc.failing)
+    # The root cause is the earliest failure, ties to the lowest rank; but an exception
+    # never outranks a death (no record) seen within the consequence window.
+    o = sc.obs
+    deaths = [sc.failed_at(r) for r in sc.failing if r not in o.failures]
+
+    def key(r: int) -> tuple:
+        t = sc.failed_at(r)
+        consequence = r in o.failures and any(d <= t + CONSEQUENCE_WINDOW_NS for d in deaths)
+        return (consequence, t, r)
+
+    assert v.rank == min(sc.failing, key=key)
 
 
 @settings(max_examples=100, deadline=None)
