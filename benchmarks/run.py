@@ -37,6 +37,7 @@ from latency import Point, Trial  # noqa: E402
 
 TEMPLATE_MODULES = ["_ranks", "lightning.fabric.strategies.launchers.subprocess_script", "torch.distributed",
                     "peerwatch"]
+PLOT = ROOT / "docs" / "performance.png"
 QUIET_LOAD = 1.5  # 1-minute load average under which the machine counts as quiet
 
 
@@ -71,12 +72,15 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--import-runs", type=int, help="fresh interpreters for the startup figures (default 30)")
     p.add_argument("--only", default="latency,rank0,overhead,startup",
                    help="sections to run, comma-separated: latency, rank0, overhead, startup")
-    p.add_argument("--plot", default=str(ROOT / "docs" / "performance.png"), help="PNG to write ('' for none)")
+    p.add_argument("--plot", help="PNG to write ('' for none; default docs/performance.png, "
+                   "and benchmarks/results/quick.png with --quick)")
     p.add_argument("--markdown", default="", help="also write the tables to this file")
     p.add_argument("--wait-quiet", type=float, default=0.0,
                    help=f"minutes to wait for the 1-minute load average to fall under {QUIET_LOAD} (default 0)")
     p.add_argument("-v", "--verbose", action="store_true", help="print each trial")
     args = p.parse_args(argv)
+    if args.plot is None:
+        args.plot = str(ROOT / "benchmarks" / "results" / "quick.png") if args.quick else str(PLOT)
     for key, value in (QUICK if args.quick else FULL).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -326,7 +330,7 @@ def targets(points1: List[Point], idle: List[overhead.Idle], steps: List[overhea
     p128 = find(points1, "peerwatch", "Python, sleeping", 128)
     g128 = summarize([t.gone_ms for t in p128.trials if t.gone_ms is not None]) if p128 else None
     if g128:
-        row("teardown of N = 128 < 2 s", f"median {fmt_ms(g128.median)} ms, max {fmt_ms(g128.max)} ms",
+        row("teardown of N = 128 < 2 s", f"median {g128.median / 1000:.1f} s, max {g128.max / 1000:.1f} s",
             g128.median < 2000)
     return table(["target", "measured", ""], rows)
 
