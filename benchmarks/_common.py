@@ -233,7 +233,20 @@ def machine() -> Dict[str, str]:
         "kernel": platform.release(),
         "python": platform.python_version(),
         **versions,
+        "commit": peerwatch_commit(),
     }
+
+
+def peerwatch_commit() -> str:
+    """The commit of the peerwatch being measured, and whether peerwatch/ has local changes."""
+    try:
+        head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--", "peerwatch"],
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + (" (peerwatch/ has uncommitted changes)" if dirty else "")
 
 
 def load1() -> float:
@@ -242,6 +255,6 @@ def load1() -> float:
 
 __all__ = [
     "FOREIGN_ENV", "HERE", "ROOT", "TORCHRUN", "Pidfds", "Summary", "become_subreaper", "clean_env", "cpu_model",
-    "cpu_ns", "fmt_ms", "fmt_summary", "free_port", "load1", "machine", "quantile", "reap", "summarize", "table",
+    "cpu_ns", "fmt_ms", "fmt_summary", "free_port", "load1", "machine", "peerwatch_commit", "quantile", "reap", "summarize", "table",
     "tree", "wait_files",
 ]
