@@ -20,6 +20,7 @@ DEFAULT_EXIT_CODE = 1  # exit code of torn-down ranks when the failing rank's co
 STARTUP_TIMEOUT_S = 0.0  # 0: off
 HANG_TIMEOUT_S = 0.0  # 0: off. No rank made progress (beat()) for this long: the job is hung
 GIL_TIMEOUT_S = 0.0  # 0: off. The watcher could not run for this long: faulthandler ends the rank
+PEER_TIMEOUT_S = 30.0  # another host (or the store) silent for this long: it is lost
 
 # Environment variables that carry the rank, in order of preference.
 _RANK_VARS = ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
@@ -55,6 +56,11 @@ class Config:
     gil_timeout: float = GIL_TIMEOUT_S
     strict: bool = False
     use_pidfd: bool = True
+    # Beyond one host (docs/multi-node.md).
+    store: Any = None  # "host:port", a torch.distributed Store, "off"; None: the job's own (MASTER_ADDR/PORT)
+    run_id: Optional[str] = None  # names the job on every host; None: from the launcher's environment
+    peer_timeout: float = PEER_TIMEOUT_S
+    shared_fs: str = "auto"  # "on"/"off": is the run directory shared by the hosts? auto: the mount table says
     sources: Tuple[Tuple[str, str], ...] = ()
 
     @property
@@ -137,6 +143,11 @@ class Config:
                 "rank", self.rank, self.source_of("rank"),
                 f"rank must be below world_size={self.world_size} ({self.source_of('world_size')})",
             )
+        if self.peer_timeout < 2 * self.heartbeat_interval:
+            raise ConfigError(
+                "peer_timeout", self.peer_timeout, self.source_of("peer_timeout"),
+                f"must be at least twice heartbeat_interval ({self.heartbeat_interval:g}s)",
+            )
         if self.world_size == 0:
             raise ConfigError("world_size", 0, self.source_of("world_size"), "must be at least 1")
 
@@ -193,6 +204,37 @@ def _thread_exceptions(raw: Any) -> str:
     return text
 
 
+def _store(raw: Any) -> Any:
+    if not isinstance(raw, str):
+        if not all(hasattr(raw, m) for m in ("set", "get", "compare_set")):
+            raise ValueError("expected 'host:port', 'off', or a torch.distributed Store")
+        return raw
+    text = raw.strip()
+    if text.lower() in ("off", "0", "no", "false", "none"):
+        return "off"
+    host, colon, port = text.rpartition(":")
+    if not colon or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError("expected 'host:port' (e.g. node0:29500) or 'off'")
+    return f"{host.strip('[]')}:{int(port)}"
+
+
+def _run_id(raw: Any) -> str:
+    text = str(raw).strip()
+    if not text or len(text) > 200:
+        raise ValueError("must be 1 to 200 characters")
+    return text
+
+
+def _shared_fs(raw: Any) -> str:
+    text = str(raw).strip().lower()
+    if text in ("auto",):
+        return "auto"
+    try:
+        return "on" if _flag(text) else "off"
+    except ValueError:
+        raise ValueError("expected auto, on or off") from None
+
+
 def _path(raw: Any) -> str:
     text = os.fspath(raw)
     if not text:
@@ -219,6 +261,10 @@ _OPTIONS: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "gil_timeout": ("PEERWATCH_GIL_TIMEOUT", _seconds),
     "strict": ("PEERWATCH_STRICT", _flag),
     "use_pidfd": ("PEERWATCH_PIDFD", _flag),
+    "store": ("PEERWATCH_STORE", _store),
+    "run_id": ("PEERWATCH_RUN_ID", _run_id),
+    "peer_timeout": ("PEERWATCH_PEER_TIMEOUT", _seconds),
+    "shared_fs": ("PEERWATCH_SHARED_FS", _shared_fs),
 }
 _OPTION_NAMES = frozenset(_OPTIONS)
 
