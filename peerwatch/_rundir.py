@@ -174,8 +174,11 @@ def _make_dir(path: str) -> None:
 class RunDir:
     """One run directory on this host. Reads are tolerant; writes are atomic."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, shared: Optional[str] = None) -> None:
         self.path = path
+        # Why several hosts share this directory (shared-filesystem mode; see _sharedfs),
+        # or None: it belongs to this host.
+        self.shared = shared
         self._warned: Set[Tuple[str, str]] = set()
         self._warn_lock = threading.Lock()
 
@@ -223,11 +226,20 @@ class RunDir:
         mine = self.read(RANKS, rank_file("rank", reg.rank), Registration)
         if mine is not None and (mine.host, mine.pidns) != (reg.host, reg.pidns):
             # Another host's (or container's) record is never judged stale: we cannot see
-            # its processes. A run directory belongs to one host.
+            # its processes. Without shared mode a run directory belongs to one host; with
+            # it, a rank's slot held by another host means a directory of an earlier job.
+            if self.shared is not None:
+                raise RunDirError(
+                    self.path,
+                    f"rank {reg.rank} is registered here by host {mine.host} ({mine.pidns}), whose processes "
+                    "this host cannot see: the directory is shared by the hosts (" + self.shared + "), so "
+                    "give each job a new PEERWATCH_DIR (e.g. with the job id in it)",
+                )
             raise RunDirError(
                 self.path,
                 f"rank {reg.rank} is registered here by host {mine.host} ({mine.pidns}): a run directory "
-                "belongs to one host; on a shared filesystem give each host its own PEERWATCH_DIR",
+                "belongs to one host; on a shared filesystem give each host its own PEERWATCH_DIR, "
+                "or set shared_fs=on",
             )
         if mine is not None and (mine.pid, mine.start_ticks) != (reg.pid, reg.start_ticks):
             if _identity.is_same_process(mine.pid, mine.start_ticks, mine.uid) and mine.boot_id == reg.boot_id:

@@ -16,7 +16,7 @@ import threading
 import time
 from typing import IO, Dict, List, Optional, Set, Tuple
 
-from . import _decide, _identity, _launchers, _report, _rundir, _teardown
+from . import _decide, _identity, _launchers, _report, _rundir, _sharedfs, _teardown
 from ._config import Config
 from ._records import (
     HANG,
@@ -76,7 +76,11 @@ class Watcher:
         self._policy = _decide.Policy(
             parent_wait_ns=int(config.parent_wait * 1e9), default_exit_code=config.exit_code,
             hang_timeout_ns=int(config.hang_timeout * 1e9),
+            peer_timeout_ns=int(config.peer_timeout * 1e9) if run_dir.shared else 0,
         )
+        # Shared-filesystem mode (_sharedfs): the judges' view of the other hosts' heartbeats.
+        self._remote: Optional[_sharedfs.RemoteBeats] = _sharedfs.RemoteBeats() if run_dir.shared else None
+        self._next_remote_read = 0.0
         self._heartbeat_lock = threading.Lock()
         self._wake_r, self._wake_w = os.pipe()
         for fd in (self._wake_r, self._wake_w):
@@ -167,9 +171,14 @@ class Watcher:
     def _run(self) -> None:
         rd = self.run_dir
         self._folders = FolderWatch(
-            [rd.join(EVENTS), rd.join(RANKS)], self.wake, name=f"peerwatch-inotify-rank{self.rank}"
+            [rd.join(EVENTS), rd.join(RANKS)], self.wake, name=f"peerwatch-inotify-rank{self.rank}",
+            disabled=self._remote is not None and _sharedfs.inotify_disabled(),
         )
         fallback = not (self._folders.active and self._use_pidfd)
+        if self._remote is not None and self._use_pidfd:
+            # Shared filesystem: inotify is blind to other hosts anyway; the judges poll
+            # (below) and every rank rescans once a heartbeat, with or without inotify.
+            fallback = False
         if not self._use_pidfd:
             logger.info("peerwatch: pidfd is unavailable; rank %d checks its peers every %gs", self.rank, POLL_FALLBACK_S)
         recheck_ns: Optional[int] = None
@@ -178,6 +187,7 @@ class Watcher:
         # and nothing would wake us until the first heartbeat.
         first_look = True
         startup_deadline = time.monotonic() + self.config.startup_timeout if self.config.startup_timeout else None
+        judge_remote = False  # shared filesystem: this rank polls for the other hosts' records
         while not self.stopped.is_set():
             now = time.monotonic()
             judge_hang = False
@@ -186,7 +196,10 @@ class Watcher:
                 self._arm_gil_watchdog()
                 next_beat = now + self.config.heartbeat_interval
                 judge_hang = self._is_hang_judge()
+                judge_remote = self._remote is not None and self._is_local_judge()
             timeout = next_beat - now
+            if judge_remote:
+                timeout = min(timeout, _sharedfs.POLL_S)
             if recheck_ns is not None:
                 timeout = min(timeout, (recheck_ns - time.time_ns()) / 1e9)
             if fallback:
@@ -203,7 +216,14 @@ class Watcher:
             if startup_deadline is not None and time.monotonic() >= startup_deadline:
                 startup_deadline = None
                 missing = self._missing_ranks()
+            if judge_remote:
+                self._read_remote_beats()
             decision = _decide.decide(self._observed(judge_hang, missing), self._policy)
+            if decision.lost:
+                # Shared filesystem: say on the lost ranks' behalf that they are lost (first
+                # record wins), then decide again from what is written.
+                self._record_lost(decision.lost)
+                decision = _decide.decide(self._observed(judge_hang, missing), self._policy)
             recheck_ns = decision.recheck_at_ns
             if decision.verdict is not None:
                 self._act(decision.verdict)
@@ -361,6 +381,54 @@ class Watcher:
         )
         return self.rank in live[:HANG_JUDGES]
 
+    # -- shared filesystem (_sharedfs) ------------------------------------------------
+
+    def _is_local_judge(self) -> bool:
+        """One of the two lowest live local ranks not yet finished: they poll for the other
+        hosts' records and judge their heartbeats (O(hosts) readers per host, not O(ranks))."""
+        finished = {r.rank for r in self._events.values() if isinstance(r, Success)}
+        live = sorted(
+            r for r in self._registrations
+            if r not in self._gone and r not in finished and (r == self.rank or r in self._peers)
+        )
+        return self.rank in live[:HANG_JUDGES]
+
+    def _read_remote_beats(self) -> None:
+        """Every remote_read_interval: note each remote rank's heartbeat (pid, seq) against
+        our monotonic clock. Ranks with a record of how they ended are not read any more."""
+        now = time.monotonic()
+        if self._remote is None or now < self._next_remote_read:
+            return
+        self._next_remote_read = now + _sharedfs.remote_read_interval(
+            self.config.heartbeat_interval, self.config.peer_timeout
+        )
+        ended = {getattr(r, "rank", None) for r in self._events.values() if not isinstance(r, (Verdict, Ack))}
+        now_ns = time.monotonic_ns()
+        for rank, reg in list(self._registrations.items()):
+            if is_local(reg):
+                continue
+            if rank in ended:
+                self._remote.forget([rank])
+                continue
+            beat = self.run_dir.read(HEARTBEATS, rank_file("rank", rank), Heartbeat)
+            self._remote.observe(rank, (beat.pid, beat.seq) if beat is not None and beat.pid == reg.pid else None, now_ns)
+
+    def _record_lost(self, lost: Tuple[Failure, ...]) -> None:
+        for failure in lost:
+            name = rank_file("failure", failure.rank)
+            if self._write_event(name, failure):
+                logger.error("peerwatch: rank %d declares rank %d lost: %s", self.rank, failure.rank, failure.message)
+                self._events.setdefault(name, failure)
+            else:
+                existing = self.run_dir.read(EVENTS, name, Failure)
+                if existing is not None:
+                    self._events[name] = existing
+
+    def _remote_silence(self) -> Dict[int, int]:
+        return dict(self._remote.silence(time.monotonic_ns())) if self._remote is not None else {}
+
+    # -----------------------------------------------------------------------------------
+
     def _progress(self) -> Dict[int, _decide.Progress]:
         """Every live local rank's last progress, from its heartbeat (ours from memory)."""
         where, waiting = main_thread_position()
@@ -410,6 +478,7 @@ class Watcher:
             successes=successes, failures=failures, exit_statuses=statuses, gone=self._gone,
             verdict=verdict, oom_kills=self._oom_kills_since_start(),
             progress=self._progress() if with_progress else {}, now_mono_ns=time.monotonic_ns(), missing=missing,
+            remote_silence=self._remote_silence(),
         )
 
     def _oom_kills_since_start(self) -> int:
@@ -448,7 +517,14 @@ class Watcher:
             where=where, in_collective=waiting,
         )
         try:
-            self.run_dir.write(HEARTBEATS, rank_file("rank", self.rank), encode(beat), replace=True)
+            if self._remote is not None:
+                # Shared filesystem: keep temp file + close + rename, whatever the local
+                # path does. Other hosts read it through NFS close-to-open consistency: a
+                # reader that opens it after the rename sees the whole new record; an
+                # in-place write could be seen torn or stale by another client.
+                self.run_dir.write(HEARTBEATS, rank_file("rank", self.rank), encode(beat), replace=True)
+            else:
+                self.run_dir.write(HEARTBEATS, rank_file("rank", self.rank), encode(beat), replace=True)
         except OSError as e:
             self.run_dir.warn_once(self.run_dir.join(HEARTBEATS), f"heartbeat cannot be written ({e.strerror})")
 
