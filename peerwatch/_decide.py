@@ -171,27 +171,30 @@ def _order(v: Verdict, found: List[Verdict]) -> Tuple[int, int, int]:
 
 
 def _lost(obs: Observed, policy: Policy) -> Tuple[Failure, ...]:
-    """Failure records for the remote ranks silent for peer_timeout (rule 7), one message
-    per host naming all its silent ranks."""
+    """Failure records for the remote ranks silent for peer_timeout (rule 7). The message
+    names the host and each of its ranks silent for half of peer_timeout or more (a frozen
+    host's last heartbeats land at slightly different times)."""
     if not policy.peer_timeout_ns:
         return ()
     ended = set(obs.successes) | set(obs.failures) | set(obs.exit_statuses) | set(obs.gone)
-    by_host: Dict[Tuple[str, str], List[int]] = {}
+    silent: Dict[Tuple[str, str], List[int]] = {}
     for rank, silent_ns in sorted(obs.remote_silence.items()):
         reg = obs.registrations.get(rank)
-        if silent_ns >= policy.peer_timeout_ns and rank not in ended and reg is not None:
-            by_host.setdefault((reg.host, reg.pidns), []).append(rank)
+        if silent_ns >= policy.peer_timeout_ns // 2 and rank not in ended and reg is not None:
+            silent.setdefault((reg.host, reg.pidns), []).append(rank)
     me = obs.registrations.get(obs.self_rank)
     judge = f"host {me.host}" if me is not None else "this host"
     found = []
-    for (host, _), ranks in by_host.items():
-        longest = max(obs.remote_silence[r] for r in ranks)
+    for (host, _), ranks in silent.items():
+        lost = [r for r in ranks if obs.remote_silence[r] >= policy.peer_timeout_ns]
+        if not lost:
+            continue
+        quiet = ", ".join(f"rank {r} for {obs.remote_silence[r] / 1e9:.1f}s" for r in ranks)
         message = (
-            f"host {host} lost: the heartbeat of rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} "
-            f"did not move for {longest / 1e9:.1f}s (peer_timeout {policy.peer_timeout_ns / 1e9:g}s, "
+            f"host {host} lost: no heartbeat of {quiet} (peer_timeout {policy.peer_timeout_ns / 1e9:g}s, "
             f"by the clock of {judge}): the host is down, cut off, or its ranks are frozen"
         )
-        for rank in ranks:
+        for rank in lost:
             found.append(Failure(
                 rank=rank, pid=obs.registrations[rank].pid, time_ns=obs.now_ns - obs.remote_silence[rank],
                 cause=LOST, exit_code=policy.default_exit_code, message=message,
