@@ -16,8 +16,9 @@ What changes in the watcher in shared mode (see ``Watcher._run``):
   hosts are found by listing the folders: the *judges* of each host (its two lowest live
   ranks) list them every :data:`POLL_S`; every rank still rescans once per heartbeat, and
   local writes (an ack, a verdict made here) still wake the local ranks through inotify;
-- the judges read the heartbeats of the remote ranks every :func:`remote_read_interval`
-  and feed their silence to :func:`peerwatch._decide.decide`, which declares a rank whose
+- the judges look at the heartbeats of the remote ranks every :func:`remote_read_interval`
+  (one listing of ``heartbeats/``; a file is read only when its inode did not change,
+  see :class:`RemoteBeats`) and feed their silence to :func:`peerwatch._decide.decide`, which declares a rank whose
   heartbeat has not moved for ``peer_timeout`` lost;
 - heartbeats are always written to a temp file, closed, then renamed into place: NFS
   gives close-to-open consistency, so a reader on another host that opens the file after
@@ -145,29 +146,63 @@ def remote_read_interval(heartbeat_interval: float, peer_timeout: float) -> floa
     return max(heartbeat_interval, peer_timeout / REMOTE_READS_PER_TIMEOUT)
 
 
+_UNKNOWN = object()  # a heartbeat known to have changed, not yet read
+
+
+@dataclasses.dataclass
+class _Beat:
+    inode: Optional[int]
+    value: object
+    since_ns: int
+
+
 class RemoteBeats:
     """When each remote rank's heartbeat last changed, by this host's monotonic clock.
 
-    ``observe(rank, value, now)`` with what its heartbeat says now (``(pid, seq)``; ``None``
-    if there is none yet): the clock of a rank starts when it is first observed, and
-    restarts whenever the value differs from the last one.
+    A judge lists ``heartbeats/`` once per read (one directory listing, not one open per
+    rank) and calls :meth:`listed` with each remote rank's inode number there: every
+    heartbeat is a new file renamed into place, so a new inode means a new heartbeat and
+    the file need not be read. Only when the inode looks unchanged (a frozen rank; a
+    freed inode number reused; a listing served from a client's cache) is the file read
+    and its ``(pid, seq)`` passed to :meth:`observe`, which has the last word. A rank's
+    clock starts when it is first listed, and restarts on every change seen.
     """
 
     def __init__(self) -> None:
-        self._last: Dict[int, Tuple[Hashable, int]] = {}
+        self._beats: Dict[int, _Beat] = {}
+
+    def listed(self, rank: int, inode: Optional[int], now_mono_ns: int) -> bool:
+        """Note the inode of rank's heartbeat file (``None``: not listed). Returns True if
+        the file must be read (then pass what it says to :meth:`observe`)."""
+        beat = self._beats.get(rank)
+        if beat is None:
+            self._beats[rank] = _Beat(inode, _UNKNOWN, now_mono_ns)
+            return True
+        if inode is not None and beat.inode is not None and inode != beat.inode:
+            beat.inode, beat.value, beat.since_ns = inode, _UNKNOWN, now_mono_ns
+            return False
+        if inode is not None:
+            beat.inode = inode
+        return True
 
     def observe(self, rank: int, value: Hashable, now_mono_ns: int) -> None:
-        last = self._last.get(rank)
-        if last is None or last[0] != value:
-            self._last[rank] = (value, now_mono_ns)
+        """What rank's heartbeat says now (``(pid, seq)``; ``None`` if there is none)."""
+        beat = self._beats.get(rank)
+        if beat is None:
+            self._beats[rank] = _Beat(None, value, now_mono_ns)
+            return
+        if beat.value is not _UNKNOWN and beat.value != value:
+            beat.since_ns = now_mono_ns
+        # After an inode change the value was unknown: its change is already counted.
+        beat.value = value
 
     def forget(self, ranks: Iterable[int]) -> None:
         for rank in ranks:
-            self._last.pop(rank, None)
+            self._beats.pop(rank, None)
 
     def silence(self, now_mono_ns: int) -> Mapping[int, int]:
-        """rank -> nanoseconds since its heartbeat last changed (or since first observed)."""
-        return {rank: max(0, now_mono_ns - since) for rank, (_, since) in self._last.items()}
+        """rank -> nanoseconds since its heartbeat last changed (or since first listed)."""
+        return {rank: max(0, now_mono_ns - b.since_ns) for rank, b in self._beats.items()}
 
 
 __all__ = [

@@ -394,8 +394,9 @@ class Watcher:
         return self.rank in live[:HANG_JUDGES]
 
     def _read_remote_beats(self) -> None:
-        """Every remote_read_interval: note each remote rank's heartbeat (pid, seq) against
-        our monotonic clock. Ranks with a record of how they ended are not read any more."""
+        """Every remote_read_interval: note whether each remote rank's heartbeat changed,
+        against our monotonic clock (one listing of heartbeats/; a file is read only when
+        its inode did not change). Ranks with a record of how they ended are dropped."""
         now = time.monotonic()
         if self._remote is None or now < self._next_remote_read:
             return
@@ -403,6 +404,12 @@ class Watcher:
             self.config.heartbeat_interval, self.config.peer_timeout
         )
         ended = {getattr(r, "rank", None) for r in self._events.values() if not isinstance(r, (Verdict, Ack))}
+        inodes: Dict[str, int] = {}
+        try:
+            with os.scandir(self.run_dir.join(HEARTBEATS)) as it:
+                inodes = {entry.name: entry.inode() for entry in it}
+        except OSError as e:
+            self.run_dir.warn_once(self.run_dir.join(HEARTBEATS), f"cannot be listed ({e.strerror})")
         now_ns = time.monotonic_ns()
         for rank, reg in list(self._registrations.items()):
             if is_local(reg):
@@ -410,8 +417,11 @@ class Watcher:
             if rank in ended:
                 self._remote.forget([rank])
                 continue
-            beat = self.run_dir.read(HEARTBEATS, rank_file("rank", rank), Heartbeat)
-            self._remote.observe(rank, (beat.pid, beat.seq) if beat is not None and beat.pid == reg.pid else None, now_ns)
+            name = rank_file("rank", rank)
+            if self._remote.listed(rank, inodes.get(name), now_ns):
+                beat = self.run_dir.read(HEARTBEATS, name, Heartbeat)
+                value = (beat.pid, beat.seq) if beat is not None and beat.pid == reg.pid else None
+                self._remote.observe(rank, value, now_ns)
 
     def _record_lost(self, lost: Tuple[Failure, ...]) -> None:
         for failure in lost:
