@@ -64,10 +64,12 @@ def rank_pids(procs: List[subprocess.Popen]) -> Dict[int, int]:
     return found
 
 
-def strace_counts(pid: int, seconds: float, out: Path) -> Dict[str, int]:
-    tracer = subprocess.Popen(["strace", "-f", "-c", "-o", str(out), "-e", "trace=getdents64,openat,rename",
-                               "-p", str(pid)], stderr=subprocess.DEVNULL)
-    time.sleep(seconds)  # the measurement window itself, not a wait for an event
+def start_strace(pid: int, out: Path) -> subprocess.Popen:
+    return subprocess.Popen(["strace", "-f", "-c", "-o", str(out), "-e", "trace=getdents64,openat,rename",
+                             "-p", str(pid)], stderr=subprocess.DEVNULL)
+
+
+def stop_strace(tracer: subprocess.Popen, out: Path) -> Dict[str, int]:
     tracer.send_signal(signal.SIGINT)
     tracer.wait(10)
     counts = {}
@@ -88,22 +90,10 @@ def measure(hosts: int, ranks: int, seconds: float, shared: str) -> None:
         traced = {"judge (rank 0)": 0}
         if ranks > 2:
             traced[f"non-judge (rank {ranks - 1})"] = ranks - 1
-        counts = {}
-        tracers = []
-        for label, rank in traced.items():
-            out = tmp / f"strace-{rank}.txt"
-            tracers.append((label, rank, out))
-        # Trace both at once, over the same window.
-        import threading
-
-        results: Dict[str, Dict[str, int]] = {}
-        threads = [threading.Thread(target=lambda l=l, r=r, o=o: results.__setitem__(l, strace_counts(pids[r], seconds, o)))
-                   for l, r, o in tracers]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        counts = results
+        tracers = {label: (start_strace(pids[rank], tmp / f"strace-{rank}.txt"), tmp / f"strace-{rank}.txt")
+                   for label, rank in traced.items()}
+        time.sleep(seconds)  # the measurement window itself, not a wait for an event
+        counts = {label: stop_strace(tracer, out) for label, (tracer, out) in tracers.items()}
         cpu1 = {r: sum(psutil.Process(p).cpu_times()[:2]) for r, p in pids.items()}
         cpu_ms = {r: 1000 * (cpu1[r] - cpu0[r]) / seconds for r in pids}
         print(f"\nshared_fs={shared}: {hosts} hosts x {ranks} ranks, idle, heartbeat 1 s, {seconds:g} s window")

@@ -32,7 +32,7 @@ import dataclasses
 import logging
 import os
 import re
-from typing import Dict, Hashable, Iterable, List, Mapping, Optional, Tuple
+from typing import Dict, Hashable, Iterable, List, Mapping, Optional
 
 logger = logging.getLogger("peerwatch")
 

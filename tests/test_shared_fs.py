@@ -19,7 +19,6 @@ import contextlib
 import json
 import os
 import re
-import select
 import shutil
 import signal
 import subprocess
@@ -90,16 +89,22 @@ def test_mount_of_longest_prefix(path: str, fstype: str) -> None:
 
 def test_mount_of_last_mount_on_a_point_wins() -> None:
     # /mnt/nfs is mounted twice (NFS, then tmpfs over it): the later one hides the first.
-    assert _sharedfs.mount_of("/mnt/nfs/run", _sharedfs.parse_mountinfo(MOUNTINFO)).fstype == "tmpfs"
+    assert _sharedfs.mount_of("/mnt/nfs/run", _sharedfs.parse_mountinfo(MOUNTINFO)) == _sharedfs.Mount(
+        "/mnt/nfs", "tmpfs", "tmpfs"
+    )
     text = "\n".join(ln for ln in MOUNTINFO.splitlines() if not ln.startswith("47 "))
-    assert _sharedfs.mount_of("/mnt/nfs/run", _sharedfs.parse_mountinfo(text)).fstype == "nfs4"
+    assert _sharedfs.mount_of("/mnt/nfs/run", _sharedfs.parse_mountinfo(text)) == _sharedfs.Mount(
+        "/mnt/nfs", "nfs4", "filer:/export"
+    )
 
 
 def test_detect() -> None:
     text = "\n".join(ln for ln in MOUNTINFO.splitlines() if not ln.startswith("47 "))
     why = _sharedfs.detect("auto", "default", "/mnt/nfs/jobs/7/run", mountinfo=text)
     assert why == "the run directory is on nfs4 (filer:/export mounted at /mnt/nfs)"
-    assert _sharedfs.detect("auto", "default", "/scratch/x", mountinfo=text).startswith("the run directory is on lustre")
+    assert _sharedfs.detect("auto", "default", "/scratch/x", mountinfo=text) == (
+        "the run directory is on lustre (10.0.0.1@o2ib:/scratch mounted at /scratch)"
+    )
     assert _sharedfs.detect("auto", "default", "/home/u/run", mountinfo=text) is None
     assert _sharedfs.detect("off", "keyword argument", "/scratch/x", mountinfo=text) is None
     assert _sharedfs.detect("on", "environment variable PEERWATCH_SHARED_FS", "/home/u", mountinfo=text) == (
@@ -186,9 +191,9 @@ def test_remote_ranks_silent_for_peer_timeout_are_lost() -> None:
 def test_lost_message_names_the_hosts_other_silent_ranks() -> None:
     d = _decide.decide(_obs({2: 31 * S, 3: 16 * S}), POLICY)
     assert [f.rank for f in d.lost] == [2]  # rank 3 is named, not (yet) declared lost
-    assert d.lost[0].message.startswith("host b lost: no heartbeat of rank 2 for 31.0s, rank 3 for 16.0s (")
+    assert str(d.lost[0].message).startswith("host b lost: no heartbeat of rank 2 for 31.0s, rank 3 for 16.0s (")
     d = _decide.decide(_obs({2: 31 * S, 3: 14 * S}), POLICY)
-    assert d.lost[0].message.startswith("host b lost: no heartbeat of rank 2 for 31.0s (")
+    assert str(d.lost[0].message).startswith("host b lost: no heartbeat of rank 2 for 31.0s (")
 
 
 def test_lost_needs_silence_no_end_record_and_a_timeout() -> None:
