@@ -32,7 +32,14 @@ import dataclasses
 import logging
 import os
 import re
-from typing import Dict, Hashable, Iterable, List, Mapping, Optional
+import time
+from typing import TYPE_CHECKING, AbstractSet, Dict, Hashable, Iterable, List, Mapping, Optional
+
+from ._records import Heartbeat, Registration
+from ._sources import is_local
+
+if TYPE_CHECKING:
+    from ._rundir import RunDir
 
 logger = logging.getLogger("peerwatch")
 
@@ -205,7 +212,51 @@ class RemoteBeats:
         return {rank: max(0, now_mono_ns - b.since_ns) for rank, b in self._beats.items()}
 
 
+class RemoteWatch:
+    """A judge's source for the other hosts' ranks: reads their heartbeats (through
+    :class:`RemoteBeats`) at most every :func:`remote_read_interval`."""
+
+    def __init__(self, run_dir: RunDir, heartbeat_interval: float, peer_timeout: float) -> None:
+        self.run_dir = run_dir
+        self.beats = RemoteBeats()
+        self.interval_s = remote_read_interval(heartbeat_interval, peer_timeout)
+        self._next_read = 0.0
+
+    def read(self, registrations: Mapping[int, Registration], ended: AbstractSet[int]) -> None:
+        """If due: one listing of ``heartbeats/``, then a read of each remote rank's
+        heartbeat whose inode did not change. Ranks in ``ended`` (a record says how they
+        ended) are dropped."""
+        from ._rundir import HEARTBEATS, rank_file
+
+        now = time.monotonic()
+        if now < self._next_read:
+            return
+        self._next_read = now + self.interval_s
+        inodes: Dict[str, int] = {}
+        folder = self.run_dir.join(HEARTBEATS)
+        try:
+            with os.scandir(folder) as it:
+                inodes = {entry.name: entry.inode() for entry in it}
+        except OSError as e:
+            self.run_dir.warn_once(folder, f"cannot be listed ({e.strerror})")
+        now_ns = time.monotonic_ns()
+        for rank, reg in list(registrations.items()):
+            if is_local(reg):
+                continue
+            if rank in ended:
+                self.beats.forget([rank])
+                continue
+            name = rank_file("rank", rank)
+            if self.beats.listed(rank, inodes.get(name), now_ns):
+                beat = self.run_dir.read(HEARTBEATS, name, Heartbeat)
+                self.beats.observe(rank, (beat.pid, beat.seq) if beat is not None and beat.pid == reg.pid else None, now_ns)
+
+    def silence(self) -> Dict[int, int]:
+        """rank -> ns its heartbeat has not changed, by this host's monotonic clock."""
+        return dict(self.beats.silence(time.monotonic_ns()))
+
+
 __all__ = [
-    "MOUNTINFO", "NETWORK_FS_TYPES", "NO_INOTIFY_VAR", "POLL_S", "Mount", "RemoteBeats", "detect",
+    "MOUNTINFO", "NETWORK_FS_TYPES", "NO_INOTIFY_VAR", "POLL_S", "Mount", "RemoteBeats", "RemoteWatch", "detect",
     "inotify_disabled", "is_network_fs", "mount_of", "parse_mountinfo", "remote_read_interval",
 ]

@@ -79,8 +79,9 @@ class Watcher:
             peer_timeout_ns=int(config.peer_timeout * 1e9) if run_dir.shared else 0,
         )
         # Shared-filesystem mode (_sharedfs): the judges' view of the other hosts' heartbeats.
-        self._remote: Optional[_sharedfs.RemoteBeats] = _sharedfs.RemoteBeats() if run_dir.shared else None
-        self._next_remote_read = 0.0
+        self._remote: Optional[_sharedfs.RemoteWatch] = (
+            _sharedfs.RemoteWatch(run_dir, config.heartbeat_interval, config.peer_timeout) if run_dir.shared else None
+        )
         self._heartbeat_lock = threading.Lock()
         self._wake_r, self._wake_w = os.pipe()
         for fd in (self._wake_r, self._wake_w):
@@ -216,8 +217,8 @@ class Watcher:
             if startup_deadline is not None and time.monotonic() >= startup_deadline:
                 startup_deadline = None
                 missing = self._missing_ranks()
-            if judge_remote:
-                self._read_remote_beats()
+            if judge_remote and self._remote is not None:
+                self._remote.read(self._registrations, self._ended_ranks())
             decision = _decide.decide(self._observed(judge_hang, missing), self._policy)
             if decision.lost:
                 # Shared filesystem: say on the lost ranks' behalf that they are lost (first
@@ -393,35 +394,9 @@ class Watcher:
         )
         return self.rank in live[:HANG_JUDGES]
 
-    def _read_remote_beats(self) -> None:
-        """Every remote_read_interval: note whether each remote rank's heartbeat changed,
-        against our monotonic clock (one listing of heartbeats/; a file is read only when
-        its inode did not change). Ranks with a record of how they ended are dropped."""
-        now = time.monotonic()
-        if self._remote is None or now < self._next_remote_read:
-            return
-        self._next_remote_read = now + _sharedfs.remote_read_interval(
-            self.config.heartbeat_interval, self.config.peer_timeout
-        )
-        ended = {getattr(r, "rank", None) for r in self._events.values() if not isinstance(r, (Verdict, Ack))}
-        inodes: Dict[str, int] = {}
-        try:
-            with os.scandir(self.run_dir.join(HEARTBEATS)) as it:
-                inodes = {entry.name: entry.inode() for entry in it}
-        except OSError as e:
-            self.run_dir.warn_once(self.run_dir.join(HEARTBEATS), f"cannot be listed ({e.strerror})")
-        now_ns = time.monotonic_ns()
-        for rank, reg in list(self._registrations.items()):
-            if is_local(reg):
-                continue
-            if rank in ended:
-                self._remote.forget([rank])
-                continue
-            name = rank_file("rank", rank)
-            if self._remote.listed(rank, inodes.get(name), now_ns):
-                beat = self.run_dir.read(HEARTBEATS, name, Heartbeat)
-                value = (beat.pid, beat.seq) if beat is not None and beat.pid == reg.pid else None
-                self._remote.observe(rank, value, now_ns)
+    def _ended_ranks(self) -> Set[int]:
+        """Ranks with a record of how they ended (success, failure, exit status)."""
+        return {r.rank for r in self._events.values() if isinstance(r, (Success, Failure, ExitStatus))}
 
     def _record_lost(self, lost: Tuple[Failure, ...]) -> None:
         for failure in lost:
@@ -435,7 +410,7 @@ class Watcher:
                     self._events[name] = existing
 
     def _remote_silence(self) -> Dict[int, int]:
-        return dict(self._remote.silence(time.monotonic_ns())) if self._remote is not None else {}
+        return self._remote.silence() if self._remote is not None else {}
 
     # -----------------------------------------------------------------------------------
 
