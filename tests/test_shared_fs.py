@@ -242,9 +242,22 @@ def test_rundir_slot_held_by_another_host(tmp_path: Path) -> None:
 
 # -- end to end: two hosts, one run directory --------------------------------------------
 
+UNSHARE = ["unshare", "--pid", "--fork", "--mount-proc", "--uts"]
+
+
+def _unshare_works() -> bool:
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        return False
+    try:
+        return subprocess.run([*UNSHARE, "true"], capture_output=True, timeout=10).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
 needs_unshare = pytest.mark.skipif(
-    os.geteuid() != 0 or shutil.which("unshare") is None,
-    reason="simulated hosts need `unshare --pid --uts` (root) to get their own PID namespace and hostname",
+    not _unshare_works(),
+    reason="simulated hosts need `unshare --pid --fork --mount-proc --uts` (root, and a kernel and container "
+    "that allow new PID and UTS namespaces) to get their own PID namespace and hostname",
 )
 
 
@@ -268,7 +281,7 @@ class Host:
             PYTHONUNBUFFERED="1",
         )
         self.env.update(env or {})
-        self.argv = ["unshare", "--pid", "--fork", "--mount-proc", "--uts", sys.executable, str(HOST_PROGRAM),
+        self.argv = [*UNSHARE, sys.executable, str(HOST_PROGRAM),
                      "--host", name, "--ranks", ",".join(map(str, ranks)), "--world", str(world),
                      "--ready", str(self.ready)]
         for item in behave:
