@@ -386,7 +386,7 @@ class Watcher:
 
     def _is_local_judge(self) -> bool:
         """One of the two lowest live local ranks not yet finished: they poll for the other
-        hosts' records and judge their heartbeats (O(hosts) readers per host, not O(ranks))."""
+        hosts' records and judge their heartbeats (two readers per host, whatever its size)."""
         finished = {r.rank for r in self._events.values() if isinstance(r, Success)}
         live = sorted(
             r for r in self._registrations

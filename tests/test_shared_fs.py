@@ -240,6 +240,21 @@ def test_rundir_slot_held_by_another_host(tmp_path: Path) -> None:
             rd.prepare(reg, 0)
 
 
+@pytest.mark.parametrize("shared_fs, expected", [
+    ("on", "rank 0: shared-filesystem mode, as shared_fs=on (environment variable PEERWATCH_SHARED_FS): "
+           "other hosts' records are found by polling, their ranks judged lost after peer_timeout=30s of silence"),
+    ("auto", None),  # the test's temporary directory is on a local filesystem
+])
+def test_shared_mode_is_logged_once_with_its_reason(tmp_path: Path, shared_fs: str, expected: Optional[str]) -> None:
+    code = "import logging; logging.basicConfig(level=logging.INFO); import peerwatch; peerwatch.install()"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(PEERWATCH_DIR=str(tmp_path / "run"), PEERWATCH_SHARED_FS=shared_fs)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    lines = [ln for ln in out.stderr.splitlines() if "shared-filesystem mode" in ln]
+    assert lines == ([f"INFO:peerwatch:peerwatch: {expected}"] if expected else []), out.stderr
+
+
 # -- end to end: two hosts, one run directory --------------------------------------------
 
 UNSHARE = ["unshare", "--pid", "--fork", "--mount-proc", "--uts"]
