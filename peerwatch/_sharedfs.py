@@ -5,10 +5,11 @@ A source, in the sense of the data flow (sources -> decide -> teardown -> report
 - :func:`detect` says whether the run directory is shared, and why: ``shared_fs=on``, or
   ``auto`` and the mount table (``/proc/self/mountinfo``, parsed by the pure
   :func:`parse_mountinfo` / :func:`mount_of`) puts it on a network or cluster filesystem.
-- :class:`RemoteBeats` turns the heartbeats of ranks on *other* hosts into "silent for so
-  long", measured only on this host's ``CLOCK_MONOTONIC``: a remote heartbeat counts as
-  alive when its ``(pid, seq)`` changed since we last read it, never by comparing its wall
-  clock time stamp with ours (the hosts' clocks may disagree).
+- :class:`RemoteWatch` and :class:`RemoteBeats` turn the heartbeats of ranks on *other*
+  hosts into "silent for so long", measured only on this host's ``CLOCK_MONOTONIC``: a
+  remote heartbeat counts as alive when its file is new (inode) or its ``(pid, seq)``
+  changed since we last read it, never by comparing its wall clock time stamp with ours
+  (the hosts' clocks may disagree).
 
 What changes in the watcher in shared mode (see ``Watcher._run``):
 
@@ -17,9 +18,9 @@ What changes in the watcher in shared mode (see ``Watcher._run``):
   ranks) list them every :data:`POLL_S`; every rank still rescans once per heartbeat, and
   local writes (an ack, a verdict made here) still wake the local ranks through inotify;
 - the judges look at the heartbeats of the remote ranks every :func:`remote_read_interval`
-  (one listing of ``heartbeats/``; a file is read only when its inode did not change,
-  see :class:`RemoteBeats`) and feed their silence to :func:`peerwatch._decide.decide`, which declares a rank whose
-  heartbeat has not moved for ``peer_timeout`` lost;
+  (one listing of ``heartbeats/``; a file is read only when its inode did not change)
+  and feed their silence to :func:`peerwatch._decide.decide`, which declares a rank
+  whose heartbeat has not moved for ``peer_timeout`` lost (its rule 7);
 - heartbeats are always written to a temp file, closed, then renamed into place: NFS
   gives close-to-open consistency, so a reader on another host that opens the file after
   the rename sees the whole new record, never a torn in-place write;
