@@ -47,6 +47,7 @@ logger = logging.getLogger("peerwatch")
 
 POLL_FALLBACK_S = 0.1  # where pidfds or inotify are missing: how often we look instead
 CHILDREN_SCAN_EVERY = 10  # heartbeats between snapshots of our own descendants (costs a /proc walk)
+SAFETY_LOOK_EVERY = 10  # heartbeats between full looks at the run directory that nothing asked for
 HANG_JUDGES = 2  # the lowest live local ranks judge hangs: O(N) heartbeat reads per host, not N^2
 
 _EVENT_TYPES = {"success": Success, "failure": Failure, "exit": ExitStatus, "ack": Ack}
@@ -78,6 +79,7 @@ class Watcher:
             hang_timeout_ns=int(config.hang_timeout * 1e9),
         )
         self._heartbeat_lock = threading.Lock()
+        self._beat_file = _rundir.InPlace(run_dir, HEARTBEATS, rank_file("rank", me.rank))
         self._wake_r, self._wake_w = os.pipe()
         for fd in (self._wake_r, self._wake_w):
             os.set_blocking(fd, False)
@@ -174,46 +176,58 @@ class Watcher:
             logger.info("peerwatch: pidfd is unavailable; rank %d checks its peers every %gs", self.rank, POLL_FALLBACK_S)
         recheck_ns: Optional[int] = None
         next_beat = 0.0
+        beats = 0
         # Look at once: every peer may have registered before our inotify watch began,
         # and nothing would wake us until the first heartbeat.
         first_look = True
         startup_deadline = time.monotonic() + self.config.startup_timeout if self.config.startup_timeout else None
         while not self.stopped.is_set():
             now = time.monotonic()
-            judge_hang = False
+            judge_hang = full_look = False
             if now >= next_beat:
                 self._heartbeat()
                 self._arm_gil_watchdog()
                 next_beat = now + self.config.heartbeat_interval
                 judge_hang = self._is_hang_judge()
+                beats += 1
+                # inotify and pidfds wake us for every change; this look is the safety net.
+                full_look = beats % SAFETY_LOOK_EVERY == 0
+            full_look = full_look or fallback
             timeout = next_beat - now
             if recheck_ns is not None:
                 timeout = min(timeout, (recheck_ns - time.time_ns()) / 1e9)
             if fallback:
                 timeout = min(timeout, POLL_FALLBACK_S)
             if first_look:
-                timeout, first_look = 0.0, False
+                timeout, first_look, full_look = 0.0, False, True
             with self._cond:
                 requested = self._settle_requested
-            self._poll(timeout)
+            woken = self._poll(timeout)
             if self.stopped.is_set():
                 break
-            self._scan()
+            if woken or full_look:
+                self._scan()
             missing: Tuple[int, ...] = ()
             if startup_deadline is not None and time.monotonic() >= startup_deadline:
                 startup_deadline = None
                 missing = self._missing_ranks()
-            decision = _decide.decide(self._observed(judge_hang, missing), self._policy)
-            recheck_ns = decision.recheck_at_ns
-            if decision.verdict is not None:
-                self._act(decision.verdict)
-                return
+            due = recheck_ns is not None and time.time_ns() >= recheck_ns
+            if woken or full_look or judge_hang or missing or due:
+                # Nothing else changes what decide() answers: it is pure, and tells us when
+                # the mere passing of time could change its answer (recheck_at_ns).
+                decision = _decide.decide(self._observed(judge_hang, missing), self._policy)
+                recheck_ns = decision.recheck_at_ns
+                if decision.verdict is not None:
+                    self._act(decision.verdict)
+                    return
             with self._cond:
                 self._settled = max(self._settled, requested)
                 self._cond.notify_all()
 
-    def _poll(self, timeout: float) -> None:
-        for fd, _ in self._poller.poll(max(0, int(timeout * 1000) + 1)):
+    def _poll(self, timeout: float) -> bool:
+        """Sleep until a source fires or ``timeout``; True if something woke us."""
+        events = self._poller.poll(max(0, int(timeout * 1000) + 1))
+        for fd, _ in events:
             if fd == self._wake_r:
                 try:
                     while os.read(self._wake_r, 4096):
@@ -222,6 +236,7 @@ class Watcher:
                     pass
             elif fd in self._fd_rank:
                 self._peer_gone(self._fd_rank[fd])
+        return bool(events)
 
     def _peer_gone(self, rank: int) -> None:
         peer = self._peers.get(rank)
@@ -448,7 +463,7 @@ class Watcher:
             where=where, in_collective=waiting,
         )
         try:
-            self.run_dir.write(HEARTBEATS, rank_file("rank", self.rank), encode(beat), replace=True)
+            self._beat_file.write(encode(beat))
         except OSError as e:
             self.run_dir.warn_once(self.run_dir.join(HEARTBEATS), f"heartbeat cannot be written ({e.strerror})")
 
