@@ -7,7 +7,6 @@ watcher that wrote it, and any watcher may rewrite it as it learns more.
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import os
 import time
 from typing import Any, Dict, List, Optional
@@ -139,10 +138,14 @@ def _non_empty(path: str) -> bool:
 
 
 def _iso(ns: int) -> str:
+    import datetime
+
     return datetime.datetime.fromtimestamp(ns / 1e9, tz=datetime.timezone.utc).isoformat(timespec="microseconds")
 
 
 def _clock(ns: Optional[int]) -> str:
+    import datetime
+
     if ns is None:
         return "-"
     return datetime.datetime.fromtimestamp(ns / 1e9).strftime("%H:%M:%S.%f")[:-3]

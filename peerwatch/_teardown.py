@@ -7,7 +7,6 @@ OS has them, so a pid reused in between cannot be hit.
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import logging
 import os
@@ -266,6 +265,8 @@ def raise_in_main_thread(exc_type: type, use_signal: bool) -> None:
     if use_signal:
         signal.pthread_kill(main, INTERRUPT_SIGNAL)
         return
+    import ctypes
+
     ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(main), ctypes.py_object(exc_type))
 
 
