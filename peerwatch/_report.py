@@ -1,7 +1,7 @@
 """The report: ``report.json`` (schema version 1) and one readable summary.
 
 Built from the records alone, so ``peerwatch report DIR`` gives the same answer as the
-watcher that wrote it, and any watcher may rewrite it as it learns more.
+watcher that wrote it; the verdict's maker and the enforcers rewrite it as they learn more.
 """
 
 from __future__ import annotations
