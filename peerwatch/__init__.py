@@ -13,11 +13,29 @@ Importing peerwatch is cheap and never imports torch.
 
 from __future__ import annotations
 
-from ._api import beat, install, paused, watch
-from ._config import Config
+from typing import TYPE_CHECKING, Any
+
 from ._errors import ConfigError, PeerFailure, PeerwatchError, RunDirError
 
+if TYPE_CHECKING:
+    from ._api import beat, install, paused, watch
+    from ._config import Config
+
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    """The API is imported on first use (PEP 562): ``import peerwatch`` alone stays cheap,
+    e.g. in every DataLoader worker that re-imports the training script."""
+    if name in ("install", "watch", "beat", "paused"):
+        from . import _api as module
+    elif name == "Config":
+        from . import _config as module  # type: ignore[no-redef]
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(module, name)
+    globals()[name] = value
+    return value
 
 __all__ = [
     "Config",
