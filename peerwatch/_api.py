@@ -319,7 +319,7 @@ def _install_hooks(w: Watcher) -> None:
     threading.excepthook = threading_excepthook
     sys.exit = _exit  # type: ignore[assignment]
     atexit.register(_at_exit)
-    os.register_at_fork(after_in_child=_after_fork_in_child)
+    os.register_at_fork(after_in_child=_after_fork_in_child, after_in_parent=_after_fork_in_parent)
 
 
 def _exit(status: Any = None) -> None:
@@ -434,6 +434,14 @@ def _at_exit() -> None:
 
 
 _faulthandler_ours = False  # we enabled faulthandler into the rank's stack file
+
+
+def _after_fork_in_parent() -> None:
+    """A new child (a DataLoader worker, forked): the heartbeat lists it now, not at the next
+    10-heartbeat snapshot, so that if this rank dies its peers can end it."""
+    w = _active()
+    if w is not None:
+        w.children_changed()
 
 
 def _after_fork_in_child() -> None:

@@ -105,6 +105,7 @@ class Watcher:
         self._oom_kills_at_start = oom_kill_count()
         self._heartbeat_seq = 0
         self._children: tuple = ()
+        self._children_dirty = False  # set from the forking thread: list our children again now
         self._folders: Optional[FolderWatch] = None
         # settle(): the training thread asks for one full look before it judges an exception.
         self._cond = threading.Condition()
@@ -122,6 +123,12 @@ class Watcher:
             os.write(self._wake_w, b"\0")
         except (BlockingIOError, OSError):
             pass  # the pipe is full: the watcher will wake anyway
+
+    def children_changed(self) -> None:
+        """This process forked (called right after, in the parent): refresh the heartbeat's
+        child list now. Cheap: a flag and a byte down the wake pipe."""
+        self._children_dirty = True
+        self.wake()
 
     def settle(self, timeout: float) -> None:
         """Wait until the watcher has taken one full look at its sources (or has a verdict).
@@ -225,6 +232,8 @@ class Watcher:
             woken = self._poll(timeout)
             if self.stopped.is_set():
                 break
+            if self._children_dirty:
+                self._heartbeat()
             if woken or full_look:
                 self._scan()
             missing: Tuple[int, ...] = ()
@@ -513,7 +522,8 @@ class Watcher:
 
     def _write_heartbeat(self) -> None:
         self._heartbeat_seq += 1
-        if self._heartbeat_seq % CHILDREN_SCAN_EVERY == 1:
+        if self._children_dirty or self._heartbeat_seq % CHILDREN_SCAN_EVERY == 1:
+            self._children_dirty = False
             exclude = {r.pid for r in self._registrations.values() if is_local(r)}
             self._children = tuple(_teardown.descendants(os.getpid(), os.geteuid(), exclude))
         where, waiting = main_thread_position() if self.config.hang_timeout else ("", False)
