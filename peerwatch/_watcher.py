@@ -16,7 +16,7 @@ import threading
 import time
 from typing import IO, Dict, List, Optional, Set, Tuple
 
-from . import _decide, _identity, _launchers, _report, _rundir, _teardown
+from . import _bridge, _decide, _identity, _launchers, _report, _rundir, _teardown
 from ._config import Config
 from ._records import (
     HANG,
@@ -99,6 +99,7 @@ class Watcher:
         self._settle_requested = 0
         self._settled = 0
         self.thread = threading.Thread(target=self._main, name=f"peerwatch-rank{self.rank}", daemon=True)
+        self.bridge = _bridge.Bridge.for_config(config, run_dir, me)  # other hosts, through the store
 
     # -- control from other threads ------------------------------------------------
 
@@ -146,6 +147,8 @@ class Watcher:
         """Stop watching (this rank is done). Safe to call from any thread, more than once."""
         self.stopped.set()
         self.wake()
+        if self.bridge is not None:
+            self.bridge.stop()
         if self.config.gil_timeout and not self.verdict_seen.is_set():
             faulthandler.cancel_dump_traceback_later()
         if self._folders is not None:
@@ -184,6 +187,8 @@ class Watcher:
             if now >= next_beat:
                 self._heartbeat()
                 self._arm_gil_watchdog()
+                if self.bridge is not None:
+                    self.bridge.tick()
                 next_beat = now + self.config.heartbeat_interval
                 judge_hang = self._is_hang_judge()
             timeout = next_beat - now
@@ -465,6 +470,8 @@ class Watcher:
         self.verdict_seen.set()
         with self._cond:
             self._cond.notify_all()
+        if self.bridge is not None:
+            self.bridge.on_verdict(verdict)  # other hosts tear down too (at most ~1 s)
         started = time.monotonic()
         self._arm_last_resort()
         mine = verdict.rank == self.rank
@@ -637,6 +644,8 @@ class Watcher:
             return
         self.succeeded = True
         self._write_event(rank_file("success", self.rank), Success(rank=self.rank, pid=os.getpid(), time_ns=time.time_ns()))
+        if self.bridge is not None:
+            self.bridge.on_success()  # the job is ending: other hosts going quiet is no failure
 
 
 _COLLECTIVE_PATHS = (os.sep + os.path.join("torch", "distributed") + os.sep,)
