@@ -352,22 +352,21 @@ class Bridge:
     # -- the beat thread ---------------------------------------------------------------
 
     def _beat_loop(self) -> None:
+        """Supervises the store I/O, which runs in a worker thread: torch's client does not
+        honour its timeout on a silent peer (a partition: no RST, no answer), so a store
+        request can block forever. A worker that overruns its deadline is abandoned with
+        its connection, and the store counts as unreachable."""
         interval = self.config.heartbeat_interval
+        deadline_s = min(2 * self._op_timeout, self.config.peer_timeout / 2)
         backoff = interval
         last_ok: Optional[float] = None
-        ever = False
+        worker: Optional[_Worker] = None
         while not self.stopped.is_set():
             started = time.monotonic()
+            if worker is None:
+                worker = _Worker(f"peerwatch-bridge-io-rank{self.me.rank}")
             try:
-                if self._client is None:
-                    self._client = self._connect(self._op_timeout)
-                    if self.index is None:
-                        self._register()
-                    if not ever:
-                        logger.info("peerwatch: rank %d bridges host %s (index %d) to the store at %s (run %s)",
-                                    self.me.rank, _identity.hostname(), self.index, self.address, self.run_id)
-                    ever = True
-                self._interval()
+                worker.run(self._io, deadline_s + (self._op_timeout if self._client is None else 0.0))
                 last_ok = time.monotonic()
                 backoff = interval
             except ImportError as e:
@@ -375,26 +374,42 @@ class Bridge:
                 level = logging.WARNING if self.config.store is not None else logging.INFO
                 logger.log(level, "peerwatch: no store bridge (torch.distributed cannot be imported: %s); "
                            "failures on other hosts will not reach this one", e)
+                worker.stop()
                 return
             except Exception as e:  # noqa: BLE001 - the store's errors are many (DistError, OSError, ...)
-                logger.debug("peerwatch: store %s: %s", self.address, e)
-                self._client = None if isinstance(self.endpoint, str) else self._client
+                logger.debug("peerwatch: store %s: %r", self.address, e)
+                if isinstance(e, _Overrun):
+                    worker = None  # blocked in the store for good: leave it (a daemon) with its connection
+                if isinstance(self.endpoint, str):
+                    self._client = None
                 self._write_state(connected=False)
                 now = time.monotonic()
-                if ever and last_ok is not None and now - last_ok >= self.config.peer_timeout:
+                if last_ok is not None and now - last_ok >= self.config.peer_timeout:
                     self._store_lost(now - last_ok)
                 if self.stopped.wait(backoff):
-                    return
+                    break
                 backoff = min(backoff * 2, CONNECT_BACKOFF_MAX_S, max(interval, self.config.peer_timeout / 4))
                 continue
             self.stopped.wait(max(0.0, interval - (time.monotonic() - started)))
+        if worker is not None:
+            worker.stop()
+
+    def _io(self) -> None:
+        """One interval's store work (in the worker): connect if need be, beat, look."""
+        if self._client is None:
+            self._client = self._connect(self._op_timeout)
+            if self.index is None:
+                self._register()
+                logger.info("peerwatch: rank %d bridges host %s (index %d) to the store at %s (run %s)",
+                            self.me.rank, _identity.hostname(), self.index, self.address, self.run_id)
+        self._interval()
 
     def _register(self) -> None:
         c = self._client
         self.index = int(c.add(self.prefix + "hosts", 1)) - 1
         self._send_beat()
         self._publish_host(force=True)
-        self.requests += 2
+        self.requests += 1
 
     def _publish_host(self, force: bool = False) -> None:
         """(Re)write host/<i> when the set of local ranks changed."""
@@ -562,8 +577,8 @@ class Bridge:
         self._state = state
         try:
             self.run_dir.write("", STATE_FILE, json.dumps(state).encode(), replace=True)
-        except OSError:
-            pass
+        except OSError as e:
+            logger.debug("peerwatch: cannot write %s: %s", STATE_FILE, e)  # for people only: no harm
 
     def _guarded(self, target: Callable[[], None]) -> Callable[[], None]:
         def run() -> None:
@@ -573,6 +588,50 @@ class Bridge:
                 logger.exception("peerwatch: the store bridge of rank %d failed; failures on other hosts may "
                                  "not reach this one", self.me.rank)
         return run
+
+
+class _Overrun(Exception):
+    """The store did not answer within the deadline."""
+
+
+class _Worker:
+    """One thread that runs the bridge's store I/O, so that its caller can give up on it."""
+
+    def __init__(self, name: str) -> None:
+        self._job: Optional[Callable[[], None]] = None
+        self._error: Optional[BaseException] = None
+        self._go = threading.Event()
+        self._done = threading.Event()
+        self._quit = False
+        self._thread = threading.Thread(target=self._main, name=name, daemon=True)
+        self._thread.start()
+
+    def run(self, job: Callable[[], None], timeout: float) -> None:
+        """Run ``job`` in the worker; re-raise its exception; raise _Overrun after ``timeout``."""
+        self._job, self._error = job, None
+        self._done.clear()
+        self._go.set()
+        if not self._done.wait(timeout):
+            raise _Overrun(f"no answer within {timeout:.2f}s")
+        if self._error is not None:
+            raise self._error
+
+    def stop(self) -> None:
+        self._quit = True
+        self._go.set()
+
+    def _main(self) -> None:
+        while True:
+            self._go.wait()
+            self._go.clear()
+            if self._quit:
+                return
+            try:
+                assert self._job is not None
+                self._job()
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                self._error = e
+            self._done.set()
 
 
 def _bounded(fn: Callable[[], None], budget_s: float, what: str) -> None:
