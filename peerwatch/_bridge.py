@@ -28,6 +28,7 @@ import dataclasses
 import datetime
 import errno
 import fcntl
+import hashlib
 import json
 import logging
 import os
@@ -110,6 +111,7 @@ class HostInfo:
     boot_id: str = ""
     pidns: str = ""
     ranks: Tuple[int, ...] = ()
+    ident: str = ""  # boot id, PID namespace and run directory, hashed: the same for a successor bridge
 
     def to_json(self) -> bytes:
         return json.dumps(dataclasses.asdict(self), separators=(",", ":")).encode()
@@ -120,7 +122,7 @@ class HostInfo:
             body = json.loads(data.decode("utf-8"))
             ranks = tuple(sorted(int(r) for r in body.get("ranks", ()) if not isinstance(r, bool)))
             return cls(index, str(body.get("hostname", f"host {index}")), str(body.get("boot_id", "")),
-                       str(body.get("pidns", "")), ranks)
+                       str(body.get("pidns", "")), ranks, str(body.get("ident", "")))
         except (UnicodeDecodeError, ValueError, TypeError, AttributeError):
             return cls(index, f"host {index}")
 
@@ -246,6 +248,10 @@ class Bridge:
         self.liveness = Liveness(int(config.peer_timeout * 1e9))
         self._threads: List[threading.Thread] = []
         self._waiter_missing = False  # the user's store cannot clone(): the beat thread polls the verdict
+        self._register_lock = threading.Lock()
+        self.ident = hashlib.sha1(
+            f"{_identity.boot_id()}|{_identity.pid_namespace()}|{run_dir.path}".encode()
+        ).hexdigest()[:16]
 
     @classmethod
     def for_config(cls, config: Config, run_dir: RunDir, me: Registration, env: Optional[Mapping[str, str]] = None) -> Optional[Bridge]:
@@ -359,6 +365,16 @@ class Bridge:
         interval = self.config.heartbeat_interval
         deadline_s = min(2 * self._op_timeout, self.config.peer_timeout / 2)
         backoff = interval
+        try:
+            # Here, not in the worker: importing torch takes seconds on a busy host, and
+            # is no sign of an unreachable store.
+            import torch.distributed  # noqa: F401
+        except ImportError as e:
+            self._disabled = True
+            level = logging.WARNING if self.config.store is not None else logging.INFO
+            logger.log(level, "peerwatch: no store bridge (torch.distributed cannot be imported: %s); "
+                       "failures on other hosts will not reach this one", e)
+            return
         last_ok: Optional[float] = None
         worker: Optional[_Worker] = None
         while not self.stopped.is_set():
@@ -366,16 +382,9 @@ class Bridge:
             if worker is None:
                 worker = _Worker(f"peerwatch-bridge-io-rank{self.me.rank}")
             try:
-                worker.run(self._io, deadline_s + (self._op_timeout if self._client is None else 0.0))
+                worker.run(self._io, deadline_s + (2 * self._op_timeout if self._client is None else 0.0))
                 last_ok = time.monotonic()
                 backoff = interval
-            except ImportError as e:
-                self._disabled = True
-                level = logging.WARNING if self.config.store is not None else logging.INFO
-                logger.log(level, "peerwatch: no store bridge (torch.distributed cannot be imported: %s); "
-                           "failures on other hosts will not reach this one", e)
-                worker.stop()
-                return
             except Exception as e:  # noqa: BLE001 - the store's errors are many (DistError, OSError, ...)
                 logger.debug("peerwatch: store %s: %r", self.address, e)
                 if isinstance(e, _Overrun):
@@ -398,15 +407,30 @@ class Bridge:
         """One interval's store work (in the worker): connect if need be, beat, look."""
         if self._client is None:
             self._client = self._connect(self._op_timeout)
-            if self.index is None:
-                self._register()
-                logger.info("peerwatch: rank %d bridges host %s (index %d) to the store at %s (run %s)",
-                            self.me.rank, _identity.hostname(), self.index, self.address, self.run_id)
+        if self.index is None:
+            self._register()
+            logger.info("peerwatch: rank %d bridges host %s (index %s) to the store at %s (run %s)",
+                        self.me.rank, _identity.hostname(), self.index, self.address, self.run_id)
         self._interval()
 
     def _register(self) -> None:
+        """Take this host's index; a successor (the holder's rank exited) takes the same one,
+        or the old index would go silent and be judged lost."""
         c = self._client
-        self.index = int(c.add(self.prefix + "hosts", 1)) - 1
+        # An abandoned worker (the store was slow) may still be registering: one at a time.
+        if not self._register_lock.acquire(timeout=self._op_timeout):
+            raise _Overrun("another registration is still under way")
+        try:
+            if self.index is not None:
+                return
+            key = self.prefix + f"index/{self.ident}"
+            index = int(c.get(key)) if c.check([key]) else None
+            if index is None:
+                index = int(c.add(self.prefix + "hosts", 1)) - 1
+                c.set(key, str(index))
+            self.index = index
+        finally:
+            self._register_lock.release()
         self._send_beat()
         self._publish_host(force=True)
         self.requests += 1
@@ -431,7 +455,7 @@ class Bridge:
 
     def _me_info(self) -> HostInfo:
         return HostInfo(self.index if self.index is not None else -1, _identity.hostname(), _identity.boot_id(),
-                        _identity.pid_namespace(), self._ranks)
+                        _identity.pid_namespace(), self._ranks, self.ident)
 
     def _send_beat(self) -> None:
         with self._client_lock:
@@ -456,7 +480,8 @@ class Bridge:
                     if c.check([self.prefix + f"host/{j}"]):
                         self.hosts[j] = HostInfo.from_json(j, c.get(self.prefix + f"host/{j}"))
                     self.requests += 1
-        others = sorted(j for j in self.hosts if j != self.index)
+        # Never judge ourselves: an index of our own (a registration that raced) is no peer.
+        others = sorted(j for j, h in self.hosts.items() if j != self.index and h.ident != self.ident)
         if others:
             values = c.multi_get([self.prefix + f"beat/{j}" for j in others])
             self.requests += 1
@@ -474,8 +499,15 @@ class Bridge:
         self._write_state(connected=True)
 
     def _expected_hosts(self) -> Optional[int]:
+        """How many hosts the job has, when the launcher says: then we stop looking for more."""
         w, lw = self.config.world_size, self.config.local_world_size
-        return -(-w // lw) if w and lw else None
+        if w and lw:
+            return -(-w // lw)
+        for var in ("SLURM_NNODES", "SLURM_JOB_NUM_NODES", "GROUP_WORLD_SIZE"):
+            value = os.environ.get(var, "")
+            if value.isdigit() and int(value) > 0:
+                return int(value)
+        return None
 
     def _local_success(self) -> bool:
         try:
@@ -542,8 +574,8 @@ class Bridge:
         if self._client is not None:
             try:  # its ranks may have registered after we first read host/<j>
                 info = HostInfo.from_json(j, self._client.get(self.prefix + f"host/{j}"))
-            except Exception:  # noqa: BLE001
-                pass
+            except Exception as e:  # noqa: BLE001
+                logger.debug("peerwatch: host/%d cannot be read again (%s); naming the ranks known", j, e)
         self._write_failure(lost_host_failure(info, silent_s, self.config, time.time_ns()))
 
     def _verdict_known(self) -> bool:

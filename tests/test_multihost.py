@@ -159,7 +159,7 @@ def test_a_lost_store_is_blamed_on_the_host_of_rank_0() -> None:
 # -- simulated hosts -------------------------------------------------------------------------
 
 _NEEDS = "simulated hosts need root (unshare --pid --uts, ip netns) and util-linux's unshare"
-_can_simulate = os.geteuid() == 0 and shutil.which("unshare") is not None
+_can_simulate = os.geteuid() == 0 and shutil.which("unshare") is not None and shutil.which("ip") is not None
 multihost = pytest.mark.skipif(not _can_simulate, reason=_NEEDS)
 
 
@@ -278,33 +278,45 @@ class Cluster:
         self.isolated = isolated
         self._veth = ""
         self.outer = self.inner = ""
-        if isolated is not None:
-            self._make_netns(self.hosts[isolated])
+        self.netns: List[str] = []
+        self._make_netns(isolated)
 
-    def _make_netns(self, host: Host) -> None:
+    def _make_netns(self, isolated: Optional[str]) -> None:
+        """Every host runs in network namespaces made here, never in the machine's: no
+        packet leaves (torch's client asks DNS for the name of each peer address it
+        connects to; without a route, that fails at once rather than timing out)."""
         tag = self.run_id[:6]
-        host.netns, self._veth = f"pw-{tag}", f"pw{tag}a"
-        subnet = int(self.run_id[6:8], 16)  # 10.213.<x>.0/30: private, only between our two ends
-        self.outer, self.inner = f"10.213.{subnet}.1", f"10.213.{subnet}.2"
-        steps = [
-            ["ip", "netns", "add", host.netns],
-            ["ip", "link", "add", self._veth, "type", "veth", "peer", "name", f"pw{tag}b"],
-            ["ip", "link", "set", f"pw{tag}b", "netns", host.netns],
-            ["ip", "addr", "add", f"{self.outer}/30", "dev", self._veth],
-            ["ip", "link", "set", self._veth, "up"],
-            ["ip", "netns", "exec", host.netns, "ip", "addr", "add", f"{self.inner}/30", "dev", f"pw{tag}b"],
-            ["ip", "netns", "exec", host.netns, "ip", "link", "set", f"pw{tag}b", "up"],
-            ["ip", "netns", "exec", host.netns, "ip", "link", "set", "lo", "up"],
-        ]
+        cluster = f"pwc-{tag}"
+        steps = [["ip", "netns", "add", cluster], ["ip", "-n", cluster, "link", "set", "lo", "up"]]
+        self.netns.append(cluster)
+        for host in self.hosts.values():
+            host.netns = cluster
+        if isolated is not None:
+            # The isolated host: its own namespace, a veth pair to the cluster's, a private /30.
+            alone, self._veth = f"pwp-{tag}", f"pw{tag}a"
+            self.hosts[isolated].netns = alone
+            self.netns.append(alone)
+            subnet = int(self.run_id[6:8], 16)
+            self.outer, self.inner = f"10.213.{subnet}.1", f"10.213.{subnet}.2"
+            steps += [
+                ["ip", "netns", "add", alone],
+                ["ip", "-n", cluster, "link", "add", self._veth, "type", "veth", "peer", "name", f"pw{tag}b",
+                 "netns", alone],
+                ["ip", "-n", cluster, "addr", "add", f"{self.outer}/30", "dev", self._veth],
+                ["ip", "-n", cluster, "link", "set", self._veth, "up"],
+                ["ip", "-n", alone, "addr", "add", f"{self.inner}/30", "dev", f"pw{tag}b"],
+                ["ip", "-n", alone, "link", "set", f"pw{tag}b", "up"],
+                ["ip", "-n", alone, "link", "set", "lo", "up"],
+            ]
         for step in steps:
             out = subprocess.run(step, capture_output=True, text=True, timeout=10)
             if out.returncode != 0:
                 self.close()
-                pytest.skip(f"cannot build a network namespace ({' '.join(step)}: {out.stderr.strip()})")
+                pytest.skip(f"cannot build network namespaces ({' '.join(step)}: {out.stderr.strip()})")
 
     def partition(self) -> None:
-        """Cut the isolated host off: its link goes down, its packets go nowhere."""
-        subprocess.run(["ip", "link", "set", self._veth, "down"], check=True, timeout=10)
+        """Cut the isolated host off: the cluster's end of its link goes down."""
+        subprocess.run(["ip", "-n", self.netns[0], "link", "set", self._veth, "down"], check=True, timeout=10)
 
     def start(self, behave: Sequence[str] = ()) -> Cluster:
         base = {k: v for k, v in os.environ.items() if k not in _FOREIGN_ENV}
@@ -381,14 +393,12 @@ class Cluster:
         return "\n".join(h.logs() for h in self.hosts.values())
 
     def close(self) -> None:
+        """Never kills: a host still alive is a leak for ``no_leaks`` to report. The
+        namespaces lose their names here and vanish with their last process."""
         for h in self.hosts.values():
-            if h.netns and h.living():
-                with contextlib.suppress(Exception):
-                    h.signal("init", signal.SIGKILL)
             h.close()
-        for h in self.hosts.values():
-            if h.netns:
-                subprocess.run(["ip", "netns", "del", h.netns], capture_output=True, timeout=10)
+        for name in self.netns:
+            subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=10)
 
 
 @pytest.fixture
@@ -491,8 +501,6 @@ def test_a_frozen_host_is_lost_after_peer_timeout(cluster) -> None:  # type: ign
 @multihost
 @pytest.mark.timeout(60)
 def test_a_partitioned_host_ends_in_a_verdict_everywhere(cluster) -> None:  # type: ignore[no-untyped-def]
-    if shutil.which("ip") is None:
-        pytest.skip("iproute2's ip is needed for a network namespace")
     c = cluster(isolated="c").start()
     c.wait_connected()
     c.partition()
