@@ -218,14 +218,19 @@ class Bridge:
     heartbeat, :meth:`on_verdict` when it acts on a verdict, :meth:`on_success` when its
     rank finished cleanly."""
 
-    def __init__(self, config: Config, run_dir: RunDir, me: Registration, endpoint: Any, run_id: str) -> None:
+    def __init__(
+        self, config: Config, run_dir: RunDir, me: Registration, endpoint: Any = None, run_id: Optional[str] = None
+    ) -> None:
         self.config = config
         self.run_dir = run_dir
         self.me = me
-        self.endpoint = endpoint
-        self.address = endpoint if isinstance(endpoint, str) else type(endpoint).__name__
-        self.run_id = run_id
-        self.prefix = key_prefix(run_id)
+        self.endpoint: Any = None
+        self.address = ""
+        self.run_id = ""
+        self.prefix = ""
+        self._created = time.monotonic()
+        self._unresolved_warned = False
+        self._set_target(endpoint, run_id)
         self.stopped = threading.Event()
         self.running = False
         self.index: Optional[int] = None
@@ -255,19 +260,36 @@ class Bridge:
 
     @classmethod
     def for_config(cls, config: Config, run_dir: RunDir, me: Registration, env: Optional[Mapping[str, str]] = None) -> Optional[Bridge]:
+        """A bridge if the job spans hosts (or a store is set); its store and run id may
+        still be unknown (resolved again at each heartbeat). None: no bridge needed."""
         env = os.environ if env is None else env
-        endpoint, why = resolve_store(config, env)
-        if endpoint is None:
-            if spans_hosts(config, env) and config.store != "off":
-                logger.warning("peerwatch: rank %d: no store bridge: %s; a failure on another host will not "
-                               "reach this one", me.rank, why)
+        if config.store == "off" or (config.store is None and not spans_hosts(config, env)):
             return None
-        run_id = resolve_run_id(config, env)
-        if run_id is None:
-            logger.warning("peerwatch: rank %d: a store is set (%s) but nothing names the job on every host; "
-                           "set PEERWATCH_RUN_ID (or run_id=); no store bridge", me.rank, why)
-            return None
-        return cls(config, run_dir, me, endpoint, run_id)
+        endpoint, _ = resolve_store(config, env)
+        return cls(config, run_dir, me, endpoint, resolve_run_id(config, env))
+
+    def _set_target(self, endpoint: Any, run_id: Optional[str]) -> None:
+        if endpoint is not None and run_id:
+            self.endpoint, self.run_id, self.prefix = endpoint, run_id, key_prefix(run_id)
+            self.address = endpoint if isinstance(endpoint, str) else type(endpoint).__name__
+
+    def _resolve_late(self) -> bool:
+        """Where the launcher sets MASTER_ADDR/MASTER_PORT after install() (Lightning under
+        Slurm does, in the training script), look again each heartbeat; warn once if the
+        store stays unknown for peer_timeout."""
+        if self.endpoint is not None:
+            return True
+        endpoint, why = resolve_store(self.config, os.environ)
+        run_id = resolve_run_id(self.config, os.environ)
+        self._set_target(endpoint, run_id)
+        if self.endpoint is None and not self._unresolved_warned and (
+            time.monotonic() - self._created >= self.config.peer_timeout
+        ):
+            self._unresolved_warned = True
+            reason = why if endpoint is None else "nothing names the job on every host (set PEERWATCH_RUN_ID)"
+            logger.warning("peerwatch: rank %d: no store bridge yet: %s; a failure on another host will not "
+                           "reach this one", self.me.rank, reason)
+        return self.endpoint is not None
 
     # -- called by the watcher ------------------------------------------------------------
 
@@ -275,7 +297,7 @@ class Bridge:
         """Once per heartbeat: become this host's bridge if nobody is (the holder exited)."""
         if self.running or self._disabled or self.stopped.is_set():
             return
-        if not self._take_lock():
+        if not self._resolve_late() or not self._take_lock():
             return
         self.running = True
         for target, name in ((self._beat_loop, "beat"), (self._wait_loop, "wait")):
@@ -294,7 +316,7 @@ class Bridge:
         if not self.running:
             # The holder may be the rank that just died: if the lock is free, we are the
             # bridge now, for as long as it takes to publish (torch must be loaded already).
-            if self._disabled or "torch" not in sys.modules or not self._take_lock():
+            if self._disabled or "torch" not in sys.modules or not self._resolve_late() or not self._take_lock():
                 return
         _bounded(lambda: self._publish(data), PUBLISH_BUDGET_S, "publish the verdict")
 

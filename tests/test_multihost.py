@@ -30,6 +30,7 @@ from harness import _FOREIGN_ENV, free_port
 
 from peerwatch._bridge import (
     DONE,
+    Bridge,
     HostInfo,
     Liveness,
     key_prefix,
@@ -42,7 +43,8 @@ from peerwatch._bridge import (
 )
 from peerwatch._config import Config
 from peerwatch._decide import Observed, Policy, decide
-from peerwatch._records import LOST, Failure, decode, encode
+from peerwatch._records import LOST, Failure, Registration, decode, encode
+from peerwatch._rundir import RunDir
 
 PROGRAM = Path(__file__).with_name("multihost_program.py")
 HEARTBEAT_S = 0.5
@@ -55,6 +57,9 @@ CROSS_S = 4.0
 # A host (or the store) silent -> the others gone: peer_timeout, a heartbeat to notice,
 # the teardown.
 LOST_S = PEER_TIMEOUT_S + 2 * HEARTBEAT_S + CROSS_S
+# How a torn-down rank ends: with the verdict's exit code, or, if its own watcher was too
+# slow to acknowledge the verdict (2 loaded cores), SIGTERMed by a peer after the ack window.
+TORN_DOWN = {1, -signal.SIGTERM}
 
 
 # -- pure parts ----------------------------------------------------------------------------
@@ -120,6 +125,21 @@ def test_store_and_run_id_resolution() -> None:
     assert resolve_run_id(_config(run_id="mine"), env) == "mine"
     assert resolve_run_id(two_hosts, {}) is None
     assert key_prefix("mine") == "peerwatch/mine/"
+
+
+def test_a_bridge_finds_its_store_late(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Lightning under Slurm sets MASTER_ADDR/MASTER_PORT after install(): looked up again."""
+    for var in ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "PEERWATCH_STORE"):
+        monkeypatch.delenv(var, raising=False)
+    me = Registration(rank=0, pid=1, ppid=0, start_ticks=0, uid=0, host="h", boot_id="b", pidns="p", time_ns=0)
+    rd = RunDir(str(tmp_path))
+    assert Bridge.for_config(_config(world_size=4, local_world_size=4), rd, me, env={}) is None
+    assert Bridge.for_config(_config(world_size=8, local_world_size=4, store="off"), rd, me, env={}) is None
+    b = Bridge.for_config(_config(world_size=8, local_world_size=4), rd, me, env={})
+    assert b is not None and not b._resolve_late()
+    monkeypatch.setenv("MASTER_ADDR", "node0")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    assert b._resolve_late() and b.address == "node0:29500" and b.prefix == "peerwatch/master-node0:29500/"
 
 
 def test_host_info_round_trip_and_garbage() -> None:
@@ -437,14 +457,21 @@ def test_a_rank_killed_on_host_b_tears_down_hosts_a_and_c(cluster) -> None:  # t
         assert v is not None, h.logs()
         assert (v["rank"], v["host"], v["cause"]) == (victim, "hostb", "vanished"), v
         codes = h.exit_codes()
-        assert codes == {r: 1 for r in h.ranks}, (codes, h.logs())
+        assert set(codes.values()) <= TORN_DOWN, (codes, h.logs())
         report = json.loads((h.run / "report.json").read_text())
         assert report["verdict"]["rank"] == victim and report["verdict"]["host"] == "hostb"
-    assert b.exit_codes()[holder] == 1 and b.exit_codes()[victim] == -signal.SIGKILL
-    made = b.verdict_written_ns()
-    crossed = {h.name: (h.verdict_written_ns() - made) / 1e6 for h in (a, hc)}
+    assert b.exit_codes()[holder] in TORN_DOWN and b.exit_codes()[victim] == -signal.SIGKILL
+    # One clock (this machine's): B's verdict was made at detected_at_ns; a rank acting
+    # on a verdict writes its ack record at once; the test sees the processes go.
+    made = b.verdict()["detected_at_ns"]  # type: ignore[index]
+    seen = {h.name: (min(_ack_times(h)) - made) / 1e6 for h in (a, hc)}
     torn = {h.name: (h.gone_ns - made) / 1e6 for h in (a, hc)}  # type: ignore[operator]
-    print(f"\ncross-host: verdict on hostb -> verdict.json on {crossed} ms; -> every process gone {torn} ms")
+    print(f"\ncross-host: verdict made on hostb -> first rank acting on it {seen} ms; "
+          f"-> every process gone {torn} ms")
+
+
+def _ack_times(h: Host) -> List[int]:
+    return [json.loads(p.read_text())["time_ns"] for p in (h.run / "events").glob("ack-*.json")]
 
 
 @multihost
@@ -474,7 +501,7 @@ def test_the_store_host_dies(cluster) -> None:  # type: ignore[no-untyped-def]
         detail = _lost_detail(h)
         assert f"the store at 127.0.0.1:{c.port} has been unreachable" in detail, detail
         assert h.verdict()["rank"] == 0 and h.verdict()["host"] == "hosta"  # type: ignore[index]
-        assert h.exit_codes() == {r: 1 for r in h.ranks}, h.logs()
+        assert set(h.exit_codes().values()) <= TORN_DOWN, h.logs()
     print(f"\nstore host killed -> hosts b and c gone in {took:.2f}s (peer_timeout {PEER_TIMEOUT_S}s)")
 
 
@@ -511,7 +538,7 @@ def test_a_partitioned_host_ends_in_a_verdict_everywhere(cluster) -> None:  # ty
     assert "unreachable" in _lost_detail(c.hosts["c"])  # the cut-off side ends on its own
     for h in c.hosts.values():
         assert (h.verdict_written_ns() - cut_ns) / 1e9 >= PEER_TIMEOUT_S - HEARTBEAT_S
-        assert set(h.exit_codes().values()) == {1}, h.logs()
+        assert set(h.exit_codes().values()) <= TORN_DOWN, h.logs()
 
 
 @multihost
