@@ -238,6 +238,7 @@ class Bridge:
         self.job_ending = False
         self.from_store: Optional[bytes] = None  # the verdict we took from the store
         self.published = False
+        self.reachable = False  # the last interval's store requests all succeeded
         self.requests = 0  # store requests made by the beat thread (for the load test)
         self._lock_fd: Optional[int] = None
         self._client: Any = None
@@ -313,6 +314,9 @@ class Bridge:
         if verdict.detected_by not in local:
             return  # made on another host: it came through the store
         data = encode(verdict)
+        if self.running and not self.reachable:
+            logger.info("peerwatch: the store at %s is unreachable: the verdict stays on this host", self.address)
+            return
         if not self.running:
             # The holder may be the rank that just died: if the lock is free, we are the
             # bridge now, for as long as it takes to publish (torch must be loaded already).
@@ -405,10 +409,12 @@ class Bridge:
                 worker = _Worker(f"peerwatch-bridge-io-rank{self.me.rank}")
             try:
                 worker.run(self._io, deadline_s + (2 * self._op_timeout if self._client is None else 0.0))
+                self.reachable = True
                 last_ok = time.monotonic()
                 backoff = interval
             except Exception as e:  # noqa: BLE001 - the store's errors are many (DistError, OSError, ...)
                 logger.debug("peerwatch: store %s: %r", self.address, e)
+                self.reachable = False
                 if isinstance(e, _Overrun):
                     worker = None  # blocked in the store for good: leave it (a daemon) with its connection
                 if isinstance(self.endpoint, str):
@@ -697,7 +703,11 @@ def _bounded(fn: Callable[[], None], budget_s: float, what: str) -> None:
         except Exception as e:  # noqa: BLE001
             logger.warning("peerwatch: could not %s through the store: %s", what, e)
     t = threading.Thread(target=run, name="peerwatch-bridge-publish", daemon=True)
-    t.start()
+    try:
+        t.start()
+    except RuntimeError:  # at interpreter shutdown (atexit, Python 3.12+): no new threads
+        run()
+        return
     t.join(budget_s)
     if t.is_alive():
         logger.warning("peerwatch: could not %s through the store within %gs", what, budget_s)

@@ -470,8 +470,6 @@ class Watcher:
         self.verdict_seen.set()
         with self._cond:
             self._cond.notify_all()
-        if self.bridge is not None:
-            self.bridge.on_verdict(verdict)  # other hosts tear down too (at most ~1 s)
         started = time.monotonic()
         self._arm_last_resort()
         mine = verdict.rank == self.rank
@@ -485,6 +483,8 @@ class Watcher:
             rank_file("ack", self.rank),
             Ack(rank=self.rank, pid=os.getpid(), time_ns=time.time_ns(), deadline_ns=int(deadline * 1e9)),
         )
+        if self.bridge is not None:
+            self.bridge.on_verdict(verdict)  # other hosts tear down too (at most ~1 s; after our ack)
         if not mine:
             logger.error(
                 "peerwatch: rank %d%s %s; cause: %s. Tearing down rank %d (pid %d), exit code %d.",
