@@ -11,8 +11,9 @@ it is init here), notes each rank's returncode in ``READY/exit-<rank>``, and exi
 they are all gone. Killing it kills the whole simulated host.
 
 ``rank`` installs peerwatch, notes ``READY/rank-<rank>`` (JSON: pid in its namespace,
-host), then behaves: ``sleep`` (the default: beat until torn down) or
-``succeed_on:NAME`` (finish cleanly once ``READY/NAME`` exists).
+host), then behaves: ``sleep`` (the default: beat until torn down),
+``succeed_on:NAME`` (finish cleanly once ``READY/NAME`` exists), or ``torch`` (import
+torch.distributed, note ``READY/torch-<rank>``, then sleep).
 """
 
 from __future__ import annotations
@@ -76,6 +77,9 @@ def rank_main(args: argparse.Namespace) -> None:
     action = behaviours.get(str(rank), "sleep")
     note(args.ready, f"rank-{rank}", json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))
     name, _, arg = action.partition(":")
+    if name == "torch":
+        import torch.distributed  # noqa: F401 - as a training script has it: the bridge can use it at once
+        note(args.ready, f"torch-{rank}", "")
     while True:
         if name == "succeed_on" and os.path.exists(os.path.join(args.ready, arg)):
             return
