@@ -176,6 +176,74 @@ def test_a_lost_store_is_blamed_on_the_host_of_rank_0() -> None:
     assert lost_store_failure("x:1", {1: me}, me, 30.0, config, 1).rank == 0
 
 
+# -- two bridges in this process, through a Store object (no root needed) --------------------
+
+
+def _in_process_host(tmp: Path, name: str, ranks: Sequence[int], store: object, **options: object) -> Bridge:
+    """A bridge for a 'host' whose ranks are registered in its own run directory."""
+    from peerwatch import _identity
+    from peerwatch._rundir import _SUBDIRS, RANKS, rank_file
+
+    rd = RunDir(str(tmp / name))
+    os.makedirs(rd.path)
+    for sub in _SUBDIRS:
+        os.mkdir(rd.join(sub))
+    me = _identity.self_info()
+    regs = [
+        Registration(rank=r, pid=me.pid, ppid=me.ppid, start_ticks=me.start_ticks, uid=me.uid, host=name,
+                     boot_id=_identity.boot_id(), pidns=_identity.pid_namespace(), time_ns=time.time_ns())
+        for r in ranks
+    ]
+    for reg in regs:
+        rd.write(RANKS, rank_file("rank", reg.rank), encode(reg), replace=True)
+    config = _config(store=store, run_id="inproc", heartbeat_interval=0.2, peer_timeout=1.0, **options)
+    bridge = Bridge.for_config(config, rd, regs[0], env={})
+    assert bridge is not None
+    bridge.tick()
+    return bridge
+
+
+def _wait_for(cond, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"not {what} within {timeout}s"
+        time.sleep(0.02)  # a deadline-bounded look at files
+
+
+def test_bridges_through_a_store_object(tmp_path: Path) -> None:
+    """install(store=obj): a verdict crosses; a host that stops beating is lost; one that
+    said done is not. Real bridges, real threads, a torch HashStore shared in-process."""
+    dist = pytest.importorskip("torch.distributed")
+    store = dist.HashStore()
+    a = _in_process_host(tmp_path, "hosta", [0, 1], store)
+    b = _in_process_host(tmp_path, "hostb", [2, 3], store)
+    c = _in_process_host(tmp_path, "hostc", [4, 5], store)
+    try:
+        _wait_for(lambda: all(len(x.hosts) == 3 for x in (a, b, c)), 10.0, "every host seen")
+        # b goes quiet without a word: lost after peer_timeout, named by its lowest rank.
+        b.stop()
+        failure_b = a.run_dir.join("events", "failure-00002.json")
+        _wait_for(lambda: os.path.exists(failure_b), 5.0, "host b judged lost by host a")
+        f = decode(Failure, Path(failure_b).read_bytes())
+        assert f is not None and (f.rank, f.cause) == (2, LOST) and "ranks 2-3) lost" in (f.message or "")
+        # c finishes cleanly: its beat says done, and the job is ending for everyone.
+        c.on_success()
+        c.stop()
+        _wait_for(lambda: a.job_ending and c.index in a.liveness.done, 5.0, "host c seen done by host a")
+        assert c.index not in a.liveness.lost(time.monotonic_ns() + 10**12)  # never lost, however long
+        # A verdict published by a reaches the waiters of the others' store (first writer wins).
+        from peerwatch._records import Verdict
+
+        v = Verdict(rank=0, cause="exception", exit_code=1, failed_at_ns=1, detected_by=1, detected_at_ns=2,
+                    host="hosta", detail="raised RuntimeError")
+        a.on_verdict(v)
+        assert store.get("peerwatch/inproc/verdict") == encode(v)
+        _wait_for(lambda: a.from_store is not None, 5.0, "the verdict back through a's waiter")
+    finally:
+        for x in (a, b, c):
+            x.stop()
+
+
 # -- simulated hosts -------------------------------------------------------------------------
 
 _NEEDS = "simulated hosts need root (unshare --pid --uts, ip netns) and util-linux's unshare"
