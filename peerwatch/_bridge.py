@@ -40,7 +40,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Set, Tuple
 
 from . import _identity
 from ._config import Config
-from ._records import LOST, Failure, Registration, Verdict, decode, encode
+from ._records import EXCEPTION, EXIT, LOST, Failure, Registration, Verdict, decode, encode
 from ._rundir import EVENTS, RANKS, VERDICT_FILE, RunDir, rank_file
 from ._sources import is_local
 
@@ -52,6 +52,11 @@ KEY_ROOT = "peerwatch"
 CONNECT_BACKOFF_MAX_S = 5.0  # between connection attempts, doubling from heartbeat_interval
 WAIT_CHUNK_S = 3600.0  # the verdict waiter's blocking wait, renewed (a timeout logs in torch's C++)
 PUBLISH_BUDGET_S = 1.0  # the teardown never waits longer than this for the store
+# A local exception may be the echo of a failure on another host (a collective that lost
+# its peer raises within milliseconds): that host's verdict, already on its way through the
+# store (one round trip: ~5-30 ms), gets this long to arrive before ours is made.
+REMOTE_SETTLE_S = 0.25
+SETTLE_POLL_S = 0.005
 DONE = b"done:"
 
 
@@ -255,6 +260,7 @@ class Bridge:
         self._threads: List[threading.Thread] = []
         self._waiter_missing = False  # the user's store cannot clone(): the beat thread polls the verdict
         self._register_lock = threading.Lock()
+        self._torch_imported = threading.Event()  # the waiter imports nothing before the beat thread did
         self.ident = hashlib.sha1(
             f"{_identity.boot_id()}|{_identity.pid_namespace()}|{run_dir.path}".encode()
         ).hexdigest()[:16]
@@ -320,9 +326,31 @@ class Bridge:
         if not self.running:
             # The holder may be the rank that just died: if the lock is free, we are the
             # bridge now, for as long as it takes to publish (torch must be loaded already).
-            if self._disabled or "torch" not in sys.modules or not self._resolve_late() or not self._take_lock():
+            if self._disabled or not _torch_loaded() or not self._resolve_late() or not self._take_lock():
                 return
         _bounded(lambda: self._publish(data), PUBLISH_BUDGET_S, "publish the verdict")
+
+    def before_verdict(self, verdict: Verdict) -> None:
+        """The watcher is about to make ``verdict`` on this host. If it blames an exception
+        (or an exit) while this host is connected to the others, wait up to
+        ``REMOTE_SETTLE_S`` for a verdict from another host to land in the run directory:
+        the watcher then follows that one (first writer wins)."""
+        if verdict.cause not in (EXCEPTION, EXIT) or not self._connected():
+            return
+        path = self.run_dir.join(EVENTS, VERDICT_FILE)
+        deadline = time.monotonic() + REMOTE_SETTLE_S
+        while not os.path.lexists(path) and time.monotonic() < deadline:
+            time.sleep(SETTLE_POLL_S)  # rare path (a failure), bounded; the waiter writes the file
+
+    def _connected(self) -> bool:
+        """Is this host's bridge (run by any local rank) connected to the store?"""
+        if self.running:
+            return self.reachable
+        try:
+            with open(self.run_dir.join(STATE_FILE), "rb") as f:
+                return json.loads(f.read(1 << 16)).get("connected") is True
+        except (OSError, ValueError, AttributeError):
+            return False
 
     def on_success(self) -> None:
         """This rank finished cleanly: the job is ending; tell the other hosts (bounded)."""
@@ -394,13 +422,15 @@ class Bridge:
         try:
             # Here, not in the worker: importing torch takes seconds on a busy host, and
             # is no sign of an unreachable store.
-            import torch.distributed  # noqa: F401
+            _import_torch()
         except ImportError as e:
             self._disabled = True
             level = logging.WARNING if self.config.store is not None else logging.INFO
             logger.log(level, "peerwatch: no store bridge (torch.distributed cannot be imported: %s); "
                        "failures on other hosts will not reach this one", e)
             return
+        finally:
+            self._torch_imported.set()
         last_ok: Optional[float] = None
         worker: Optional[_Worker] = None
         while not self.stopped.is_set():
@@ -549,6 +579,11 @@ class Bridge:
         key = self.prefix + "verdict"
         backoff = self.config.heartbeat_interval
         client = None
+        while not self._torch_imported.wait(1.0):
+            if self.stopped.is_set():
+                return
+        if self._disabled:
+            return
         while not self.stopped.is_set() and self.from_store is None:
             try:
                 if client is None:
@@ -648,6 +683,27 @@ class Bridge:
                 logger.exception("peerwatch: the store bridge of rank %d failed; failures on other hosts may "
                                  "not reach this one", self.me.rank)
         return run
+
+
+def _torch_loaded() -> bool:
+    """torch and torch.distributed are imported, completely (not under way in another thread)."""
+    for name in ("torch", "torch.distributed"):
+        module = sys.modules.get(name)
+        if module is None or getattr(getattr(module, "__spec__", None), "_initializing", False):
+            return False
+    return True
+
+
+def _import_torch() -> None:
+    """Import torch.distributed from a bridge thread without breaking the application's own
+    import of torch. ``import torch.distributed`` would take the submodule's import lock
+    and then wait for ``torch``'s: if the main thread is importing torch at that moment,
+    torch's own __init__ needs the submodule (torch._jit_internal imports
+    torch.distributed.rpc), Python sees a deadlock and hands out half-initialised modules
+    ("'torch._C' is not a package"). ``import torch`` alone holds nothing while it waits
+    for another thread's import to finish; torch.distributed is then already there."""
+    import torch  # noqa: F401
+    import torch.distributed  # noqa: F401
 
 
 class _Overrun(Exception):

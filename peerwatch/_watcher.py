@@ -462,6 +462,8 @@ class Watcher:
     def _act(self, verdict: Verdict) -> None:
         made = False
         if not isinstance(self._events.get(VERDICT_FILE), Verdict):
+            if self.bridge is not None:
+                self.bridge.before_verdict(verdict)  # another host's verdict may be on its way
             made = self._write_event(VERDICT_FILE, verdict)
             if not made:
                 existing = self.run_dir.read(EVENTS, VERDICT_FILE, Verdict)

@@ -12,8 +12,9 @@ they are all gone. Killing it kills the whole simulated host.
 
 ``rank`` installs peerwatch, notes ``READY/rank-<rank>`` (JSON: pid in its namespace,
 host), then behaves: ``sleep`` (the default: beat until torn down),
-``succeed_on:NAME`` (finish cleanly once ``READY/NAME`` exists), or ``torch`` (import
-torch.distributed, note ``READY/torch-<rank>``, then sleep).
+``succeed_on:NAME`` (finish cleanly once ``READY/NAME`` exists), ``torch`` (import
+torch.distributed, note ``READY/torch-<rank>``, then sleep), or ``gloo`` (join a gloo
+process group of every rank, note ``READY/pg-<rank>``, all_reduce in a loop).
 """
 
 from __future__ import annotations
@@ -77,6 +78,22 @@ def rank_main(args: argparse.Namespace) -> None:
     action = behaviours.get(str(rank), "sleep")
     note(args.ready, f"rank-{rank}", json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))
     name, _, arg = action.partition(":")
+    if name == "gloo":
+        # A real process group across the hosts: rank 0 serves the job's TCPStore at
+        # MASTER_ADDR:MASTER_PORT (the store the bridges use by default).
+        import datetime
+
+        import torch
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo", rank=rank, world_size=int(os.environ["WORLD_SIZE"]),
+                                timeout=datetime.timedelta(seconds=60))
+        note(args.ready, f"pg-{rank}", "")
+        t = torch.ones(1)
+        while True:
+            dist.all_reduce(t)  # fails within milliseconds when a peer on any host dies
+            peerwatch.beat()
+            time.sleep(0.01)
     if name == "torch":
         import torch.distributed  # noqa: F401 - as a training script has it: the bridge can use it at once
         note(args.ready, f"torch-{rank}", "")

@@ -406,12 +406,12 @@ class Cluster:
         """Cut the isolated host off: the cluster's end of its link goes down."""
         subprocess.run(["ip", "-n", self.netns[0], "link", "set", self._veth, "down"], check=True, timeout=10)
 
-    def start(self, behave: Sequence[str] = ()) -> Cluster:
+    def start(self, behave: Sequence[str] = (), serve: bool = True) -> Cluster:
         base = {k: v for k, v in os.environ.items() if k not in _FOREIGN_ENV}
         base.update(
             PEERWATCH_HEARTBEAT=str(HEARTBEAT_S), PEERWATCH_PEER_TIMEOUT=str(PEER_TIMEOUT_S),
             PEERWATCH_GRACE=str(GRACE_S), PEERWATCH_RUN_ID=self.run_id, PYTHONUNBUFFERED="1",
-            MASTER_PORT=str(self.port),
+            MASTER_PORT=str(self.port), GLOO_SOCKET_IFNAME="lo",
         )
         first = next(iter(self.hosts.values()))
         for key, host in self.hosts.items():
@@ -421,7 +421,7 @@ class Cluster:
                     "--ranks", ",".join(map(str, host.ranks)), "--ready", str(host.ready)]
             for item in behave:
                 argv += ["--behave", item]
-            if host is first:
+            if host is first and serve:
                 argv += ["--serve", str(self.port)]
             host.start(argv, env)
         return self
@@ -540,6 +540,27 @@ def test_a_rank_killed_on_host_b_tears_down_hosts_a_and_c(cluster) -> None:  # t
 
 def _ack_times(h: Host) -> List[int]:
     return [json.loads(p.read_text())["time_ns"] for p in (h.run / "events").glob("ack-*.json")]
+
+
+@multihost
+@pytest.mark.timeout(60)
+def test_a_gloo_job_names_the_dead_rank_not_the_collectives_that_lost_it(cluster) -> None:  # type: ignore[no-untyped-def]
+    """A real gloo process group across the hosts, its store served by rank 0 (the default
+    store of the bridges). A rank SIGKILLed on host B makes the all_reduce of every other
+    rank raise within milliseconds, on every host: those exceptions are echoes; every host's
+    verdict must name the dead rank on host B."""
+    c = cluster().start(behave=[f"{r}=gloo" for r in range(6)], serve=False)
+    c.wait_connected()
+    c._wait(lambda: all((h.ready / f"pg-{r}").exists() for h in c.hosts.values() for r in h.ranks),
+            START_S, "every rank in the process group")
+    b = c.hosts["b"]
+    victim = next(r for r in b.ranks if r != b.bridge_state()["rank"])
+    b.signal(f"rank {victim}", signal.SIGKILL)
+    c.wait_gone(["a", "b", "c"], within=CROSS_S + 2 * GRACE_S)
+    for h in c.hosts.values():
+        v = h.verdict()
+        assert v is not None, h.logs()
+        assert (v["rank"], v["host"], v["cause"]) == (victim, "hostb", "vanished"), (v, h.logs())
 
 
 @multihost
