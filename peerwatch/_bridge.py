@@ -446,7 +446,8 @@ class Bridge:
                 logger.debug("peerwatch: store %s: %r", self.address, e)
                 self.reachable = False
                 if isinstance(e, _Overrun):
-                    worker = None  # blocked in the store for good: leave it (a daemon) with its connection
+                    worker.stop()  # it ends when (if ever) the store answers: a daemon meanwhile
+                    worker = None
                 if isinstance(self.endpoint, str):
                     self._client = None
                 self._write_state(connected=False)
@@ -477,7 +478,7 @@ class Bridge:
         c = self._client
         # An abandoned worker (the store was slow) may still be registering: one at a time.
         if not self._register_lock.acquire(timeout=self._op_timeout):
-            raise _Overrun("another registration is still under way")
+            raise TimeoutError("another registration is still under way")
         try:
             if self.index is not None:
                 return
