@@ -210,11 +210,26 @@ def _wait_for(cond, timeout: float, what: str) -> None:  # type: ignore[no-untyp
         time.sleep(0.02)  # a deadline-bounded look at files
 
 
-def test_bridges_through_a_store_object(tmp_path: Path) -> None:
+class _NoClone:
+    """A store without clone(): the bridge cannot block in a wait, so it polls the verdict."""
+
+    def __init__(self, store: object) -> None:
+        self._store = store
+
+    def __getattr__(self, name: str) -> object:
+        if name in ("set", "get", "add", "check", "multi_get", "compare_set"):
+            return getattr(self._store, name)
+        raise AttributeError(name)
+
+
+@pytest.mark.parametrize("clone", [True, False], ids=["waits", "polls"])
+def test_bridges_through_a_store_object(tmp_path: Path, clone: bool) -> None:
     """install(store=obj): a verdict crosses; a host that stops beating is lost; one that
-    said done is not. Real bridges, real threads, a torch HashStore shared in-process."""
+    said done is not. Real bridges, real threads, a torch HashStore shared in-process
+    (with clone(): the verdict arrives by a blocking wait; without: by a check per beat)."""
     dist = pytest.importorskip("torch.distributed")
-    store = dist.HashStore()
+    hash_store = dist.HashStore()
+    store = hash_store if clone else _NoClone(hash_store)
     a = _in_process_host(tmp_path, "hosta", [0, 1], store)
     b = _in_process_host(tmp_path, "hostb", [2, 3], store)
     c = _in_process_host(tmp_path, "hostc", [4, 5], store)
@@ -237,7 +252,7 @@ def test_bridges_through_a_store_object(tmp_path: Path) -> None:
         v = Verdict(rank=0, cause="exception", exit_code=1, failed_at_ns=1, detected_by=1, detected_at_ns=2,
                     host="hosta", detail="raised RuntimeError")
         a.on_verdict(v)
-        assert store.get("peerwatch/inproc/verdict") == encode(v)
+        assert hash_store.get("peerwatch/inproc/verdict") == encode(v)
         _wait_for(lambda: a.from_store is not None, 5.0, "the verdict back through a's waiter")
     finally:
         for x in (a, b, c):
