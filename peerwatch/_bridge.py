@@ -54,9 +54,9 @@ WAIT_CHUNK_S = 3600.0  # the verdict waiter's blocking wait, renewed (a timeout 
 PUBLISH_BUDGET_S = 1.0  # the teardown never waits longer than this for the store
 # A local exception may be the echo of a failure on another host (a collective that lost
 # its peer raises within milliseconds): that host's verdict, already on its way through the
-# store (one round trip: ~5-30 ms), gets this long to arrive before ours is made.
-REMOTE_SETTLE_S = 0.25
-SETTLE_POLL_S = 0.005
+# store (one round trip: ~5-30 ms, much more on loaded hosts), gets this long to arrive
+# before ours is made. The same 1 s as the one-host rule (_decide.CONSEQUENCE_WINDOW_NS).
+REMOTE_SETTLE_S = 1.0
 DONE = b"done:"
 
 
@@ -330,17 +330,16 @@ class Bridge:
                 return
         _bounded(lambda: self._publish(data), PUBLISH_BUDGET_S, "publish the verdict")
 
-    def before_verdict(self, verdict: Verdict) -> None:
-        """The watcher is about to make ``verdict`` on this host. If it blames an exception
-        (or an exit) while this host is connected to the others, wait up to
-        ``REMOTE_SETTLE_S`` for a verdict from another host to land in the run directory:
-        the watcher then follows that one (first writer wins)."""
-        if verdict.cause not in (EXCEPTION, EXIT) or not self._connected():
-            return
-        path = self.run_dir.join(EVENTS, VERDICT_FILE)
-        deadline = time.monotonic() + REMOTE_SETTLE_S
-        while not os.path.lexists(path) and time.monotonic() < deadline:
-            time.sleep(SETTLE_POLL_S)  # rare path (a failure), bounded; the waiter writes the file
+    def hold_until_ns(self, verdict: Verdict) -> Optional[int]:
+        """Until when (``time.time_ns()``) the watcher should hold ``verdict`` back, deciding
+        again meanwhile; None: act now. An exception (or an exit) on this host, while it is
+        connected to the others, may be the echo of a death on another host (a collective
+        that lost its peer raises within milliseconds), or of a local one whose pidfd has not
+        fired yet: for ``REMOTE_SETTLE_S`` after it, a verdict from another host (one store
+        round trip away) or a death seen meanwhile comes first."""
+        if verdict.cause not in (EXCEPTION, EXIT) or verdict.detected_by != self.me.rank or not self._connected():
+            return None
+        return verdict.failed_at_ns + int(REMOTE_SETTLE_S * 1e9)
 
     def _connected(self) -> bool:
         """Is this host's bridge (run by any local rank) connected to the store?"""

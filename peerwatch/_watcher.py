@@ -210,7 +210,12 @@ class Watcher:
                 missing = self._missing_ranks()
             decision = _decide.decide(self._observed(judge_hang, missing), self._policy)
             recheck_ns = decision.recheck_at_ns
-            if decision.verdict is not None:
+            # Across hosts, an exception may be the echo of a death elsewhere: hold it back
+            # a moment (deciding again meanwhile) for that host's verdict through the store.
+            hold_ns = self.bridge.hold_until_ns(decision.verdict) if self.bridge and decision.verdict else None
+            if hold_ns is not None and time.time_ns() < hold_ns:
+                recheck_ns = hold_ns if recheck_ns is None else min(recheck_ns, hold_ns)
+            elif decision.verdict is not None:
                 self._act(decision.verdict)
                 return
             with self._cond:
@@ -462,8 +467,6 @@ class Watcher:
     def _act(self, verdict: Verdict) -> None:
         made = False
         if not isinstance(self._events.get(VERDICT_FILE), Verdict):
-            if self.bridge is not None:
-                self.bridge.before_verdict(verdict)  # another host's verdict may be on its way
             made = self._write_event(VERDICT_FILE, verdict)
             if not made:
                 existing = self.run_dir.read(EVENTS, VERDICT_FILE, Verdict)
