@@ -330,6 +330,8 @@ class Bridge:
                 return
         _bounded(lambda: self._publish(data), PUBLISH_BUDGET_S, "publish the verdict")
 
+    hold_s = REMOTE_SETTLE_S  # the longest hold_until_ns() gives, in seconds
+
     def hold_until_ns(self, verdict: Verdict) -> Optional[int]:
         """Until when (``time.time_ns()``) the watcher should hold ``verdict`` back, deciding
         again meanwhile; None: act now. An exception (or an exit) on this host, while it is

@@ -12,7 +12,8 @@ they are all gone. Killing it kills the whole simulated host.
 
 ``rank`` installs peerwatch, notes ``READY/rank-<rank>`` (JSON: pid in its namespace,
 host), then behaves: ``sleep`` (the default: beat until torn down),
-``succeed_on:NAME`` (finish cleanly once ``READY/NAME`` exists), ``torch`` (import
+``succeed_on:NAME`` (finish cleanly once ``READY/NAME`` exists), ``raise_on:NAME``
+(raise RuntimeError once it exists), ``torch`` (import
 torch.distributed, note ``READY/torch-<rank>``, then sleep), or ``gloo`` (join a gloo
 process group of every rank, note ``READY/pg-<rank>``, all_reduce in a loop).
 """
@@ -100,6 +101,8 @@ def rank_main(args: argparse.Namespace) -> None:
     while True:
         if name == "succeed_on" and os.path.exists(os.path.join(args.ready, arg)):
             return
+        if name == "raise_on" and os.path.exists(os.path.join(args.ready, arg)):
+            raise RuntimeError(f"rank {rank} failed on purpose")
         peerwatch.beat()
         time.sleep(0.02)
 

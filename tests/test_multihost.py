@@ -30,6 +30,7 @@ from harness import _FOREIGN_ENV, free_port
 
 from peerwatch._bridge import (
     DONE,
+    REMOTE_SETTLE_S,
     Bridge,
     HostInfo,
     Liveness,
@@ -555,6 +556,23 @@ def test_a_rank_killed_on_host_b_tears_down_hosts_a_and_c(cluster) -> None:  # t
 
 def _ack_times(h: Host) -> List[int]:
     return [json.loads(p.read_text())["time_ns"] for p in (h.run / "events").glob("ack-*.json")]
+
+
+@multihost
+@pytest.mark.timeout(60)
+def test_an_exception_on_host_b_tears_down_every_host(cluster) -> None:  # type: ignore[no-untyped-def]
+    """A genuine exception: held back 1 s (it might have been an echo), then every host's
+    verdict names it, and every rank exits with code 1."""
+    c = cluster().start(behave=["3=raise_on:go"])
+    c.wait_connected()
+    b = c.hosts["b"]
+    (b.ready / "go").write_text("")
+    c.wait_gone(["a", "b", "c"], within=REMOTE_SETTLE_S + CROSS_S + 2 * GRACE_S)
+    for h in c.hosts.values():
+        v = h.verdict()
+        assert v is not None and (v["rank"], v["host"], v["cause"]) == (3, "hostb", "exception"), (v, h.logs())
+        assert "RuntimeError" in v["detail"]
+    assert set(c.hosts["a"].exit_codes().values()) <= TORN_DOWN and b.exit_codes()[3] == 1
 
 
 @multihost
