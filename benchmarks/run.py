@@ -57,7 +57,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="a smoke run: few trials, small N (about 2 minutes)")
     p.add_argument("--trials", type=int, help="trials per point (default 30)")
     p.add_argument("--large-trials", type=int,
-                   help="trials per point of peerwatch with N >= 64 (default 5: each takes 20-30 s here)")
+                   help="trials per point of peerwatch with N >= 64 (default 5: each takes about 25 s here, mostly 128 interpreters starting)")
     p.add_argument("--fixed-trials", type=int,
                    help="trials of points whose outcome nobody acts on: never, or the timeout (default 3)")
     p.add_argument("--ranks", help="N for Python ranks: peerwatch, Lightning's observer (default 2,8,32,128)")

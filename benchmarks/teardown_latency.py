@@ -74,7 +74,7 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=20)
     parser.add_argument("--styles", default="sibling,lightning")
     args = parser.parse_args()
-    print(f"| style | victim | N | trials | verdict ms (median / p90 / max) | all gone ms (median / p90 / max) | exit codes |")
+    print("| style | victim | N | trials | verdict ms (median / p90 / max) | all gone ms (median / p90 / max) | exit codes |")
     print("|---|---|---|---|---|---|---|")
     for style in args.styles.split(","):
         for victim in (0, args.ranks // 2, args.ranks - 1):

@@ -19,7 +19,7 @@ import traceback
 from types import TracebackType
 from typing import IO, Any, Callable, Optional, Type
 
-from . import _identity, _launchers, _rundir, _teardown
+from . import _identity, _launchers, _rundir, _sharedfs, _teardown
 from ._config import Config
 from ._errors import PeerFailure, RunDirError
 from ._records import EXCEPTION, EXIT, MAX_TRACEBACK_CHARS, Failure, Registration, Verdict
@@ -88,7 +88,13 @@ def _start(config: Config) -> Watcher:
     me = _identity.self_info()
     rank = config.effective_rank
     path, how = _rundir.resolve(config.run_dir, os.environ)
-    rd = RunDir(path)
+    shared = _sharedfs.detect(config.shared_fs, config.source_of("shared_fs"), path)
+    if shared is not None:
+        logger.info(
+            "peerwatch: rank %d: shared-filesystem mode, as %s: other hosts' records are found by "
+            "polling, their ranks judged lost after peer_timeout=%gs of silence", rank, shared, config.peer_timeout,
+        )
+    rd = RunDir(path, shared=shared)
     reg = Registration(
         rank=rank, pid=me.pid, ppid=me.ppid, start_ticks=me.start_ticks, uid=me.uid,
         host=_identity.hostname(), boot_id=_identity.boot_id(), pidns=_identity.pid_namespace(),

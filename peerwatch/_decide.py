@@ -21,6 +21,11 @@ Rules, in order:
    gone silent (the GIL held in C code); a rank whose main thread is *not* waiting inside
    torch.distributed while others are (they wait for it); the rank with the lowest step;
    the one silent longest.
+7. Lost (shared-filesystem mode): a rank on another host whose heartbeat has not changed
+   for ``peer_timeout``, by this host's monotonic clock, and that has no success marker
+   nor any other record of how it ended, is lost (its host died, is cut off, or is
+   frozen). The watcher writes a failure record (cause ``lost``) on its behalf, naming the
+   host and its silent ranks, so that every host and the report see the same cause.
 
 Why rule 6 does not fire on a slow rank: in a synchronous job every rank waits for the
 slowest in each collective, so the job as a whole moves exactly as fast as its slowest
@@ -34,7 +39,7 @@ Entering and leaving ``paused()`` count as progress, so a pause cannot age into 
 from __future__ import annotations
 
 import dataclasses
-from typing import AbstractSet, List, Mapping, Optional, Tuple
+from typing import AbstractSet, Dict, List, Mapping, Optional, Tuple
 
 from ._records import (
     EXCEPTION,
@@ -92,6 +97,9 @@ class Observed:
     progress: Mapping[int, Progress] = dataclasses.field(default_factory=dict)
     now_mono_ns: int = 0
     missing: Tuple[int, ...] = ()  # ranks that never registered by startup_timeout (to fail on)
+    # Ranks on other hosts (shared-filesystem mode) -> how long their heartbeat has not
+    # changed, in ns of this host's monotonic clock. Only the ranks this watcher judges.
+    remote_silence: Mapping[int, int] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,12 +107,16 @@ class Policy:
     parent_wait_ns: int
     default_exit_code: int
     hang_timeout_ns: int = 0  # 0: no hang detection
+    peer_timeout_ns: int = 0  # 0: remote ranks are never judged lost
 
 
 @dataclasses.dataclass(frozen=True)
 class Decision:
     verdict: Optional[Verdict]
     recheck_at_ns: Optional[int] = None  # decide again by then, even if nothing happens
+    # Failure records (cause lost) the watcher must write on the lost ranks' behalf
+    # before acting on the verdict, which is made from the first of them.
+    lost: Tuple[Failure, ...] = ()
 
 
 def decide(obs: Observed, policy: Policy) -> Decision:
@@ -118,6 +130,8 @@ def decide(obs: Observed, policy: Policy) -> Decision:
     for rank, status in obs.exit_statuses.items():
         if rank not in obs.successes and rank not in obs.failures:
             found.append(_from_status(obs, status, policy))
+    lost = _lost(obs, policy)
+    found.extend(_from_failure(obs, f, policy) for f in lost)
     for rank, seen_ns in obs.gone.items():
         if rank in obs.successes or rank in obs.failures or rank in obs.exit_statuses:
             continue
@@ -141,6 +155,8 @@ def decide(obs: Observed, policy: Policy) -> Decision:
             first, oom_suspected=True,
             detail=f"{first.detail}; likely killed by the OOM killer ({obs.oom_kills} OOM kill(s) during the run)",
         )
+    if first.cause == LOST and any(f.rank == first.rank for f in lost):
+        return Decision(first, lost=lost)
     return Decision(first)
 
 
@@ -152,6 +168,38 @@ def _order(v: Verdict, found: List[Verdict]) -> Tuple[int, int, int]:
     ):
         return (1, v.failed_at_ns, v.rank)
     return (0, v.failed_at_ns, v.rank)
+
+
+def _lost(obs: Observed, policy: Policy) -> Tuple[Failure, ...]:
+    """Failure records for the remote ranks silent for peer_timeout (rule 7). The message
+    names the host and each of its ranks silent for half of peer_timeout or more (a frozen
+    host's last heartbeats land at slightly different times)."""
+    if not policy.peer_timeout_ns:
+        return ()
+    ended = set(obs.successes) | set(obs.failures) | set(obs.exit_statuses) | set(obs.gone)
+    silent: Dict[Tuple[str, str], List[int]] = {}
+    for rank, silent_ns in sorted(obs.remote_silence.items()):
+        reg = obs.registrations.get(rank)
+        if silent_ns >= policy.peer_timeout_ns // 2 and rank not in ended and reg is not None:
+            silent.setdefault((reg.host, reg.pidns), []).append(rank)
+    me = obs.registrations.get(obs.self_rank)
+    judge = f"host {me.host}" if me is not None else "this host"
+    found = []
+    for (host, _), ranks in silent.items():
+        lost = [r for r in ranks if obs.remote_silence[r] >= policy.peer_timeout_ns]
+        if not lost:
+            continue
+        quiet = ", ".join(f"rank {r} for {obs.remote_silence[r] / 1e9:.1f}s" for r in ranks)
+        message = (
+            f"host {host} lost: no heartbeat of {quiet} (peer_timeout {policy.peer_timeout_ns / 1e9:g}s, "
+            f"by the clock of {judge}): the host is down, cut off, or its ranks are frozen"
+        )
+        for rank in lost:
+            found.append(Failure(
+                rank=rank, pid=obs.registrations[rank].pid, time_ns=obs.now_ns - obs.remote_silence[rank],
+                cause=LOST, exit_code=policy.default_exit_code, message=message,
+            ))
+    return tuple(found)
 
 
 def _missing(obs: Observed, policy: Policy) -> Verdict:

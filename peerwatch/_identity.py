@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-import socket
 from typing import Optional
 
 
@@ -54,7 +53,7 @@ def pid_namespace() -> str:
 
 @functools.lru_cache(maxsize=None)
 def hostname() -> str:
-    return socket.gethostname()
+    return os.uname().nodename  # what socket.gethostname() returns, without importing socket
 
 
 def probe(pid: int) -> Optional[ProcessInfo]:

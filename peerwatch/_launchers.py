@@ -36,7 +36,6 @@ The watcher calls in here at three fixed points; nothing here imports torch or L
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import logging
 import os
@@ -126,6 +125,8 @@ def _drop_sigint_on_parent_death() -> None:
     had finished, or not at all if its main thread is blocked in C (a collective). Since
     peerwatch watches the parent, the parent's death becomes a failure instead."""
     try:
+        import ctypes  # not at import time: import peerwatch stays cheap
+
         libc = ctypes.CDLL(None, use_errno=True)
         current = ctypes.c_int(0)
         if libc.prctl(_PR_GET_PDEATHSIG, ctypes.byref(current), 0, 0, 0) != 0:

@@ -1,13 +1,12 @@
 """The report: ``report.json`` (schema version 1) and one readable summary.
 
 Built from the records alone, so ``peerwatch report DIR`` gives the same answer as the
-watcher that wrote it, and any watcher may rewrite it as it learns more.
+watcher that wrote it; the verdict's maker and the enforcers rewrite it as they learn more.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import os
 import time
 from typing import Any, Dict, List, Optional
@@ -139,10 +138,14 @@ def _non_empty(path: str) -> bool:
 
 
 def _iso(ns: int) -> str:
+    import datetime
+
     return datetime.datetime.fromtimestamp(ns / 1e9, tz=datetime.timezone.utc).isoformat(timespec="microseconds")
 
 
 def _clock(ns: Optional[int]) -> str:
+    import datetime
+
     if ns is None:
         return "-"
     return datetime.datetime.fromtimestamp(ns / 1e9).strftime("%H:%M:%S.%f")[:-3]

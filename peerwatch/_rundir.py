@@ -8,13 +8,14 @@ Layout (per host)::
     RUN/events/exit-00003.json      exit status seen by parent | created by link(2), so
     RUN/events/ack-00003.json       "I saw the verdict"        | they appear complete
     RUN/events/verdict.json         the verdict (first wins)  /
-    RUN/heartbeats/rank-00003.json  liveness and progress (replaced in place by rename)
+    RUN/heartbeats/rank-00003.json  liveness and progress (rewritten in place, see InPlace)
     RUN/stacks/rank-00003.txt       Python stacks dumped at teardown
     RUN/report.json                 the report
     RUN/tmp/                        temp files; records are written here first
 
-Records are written to ``tmp/`` and then linked (write-once records) or renamed
-(heartbeats) into place: a reader never sees half a record. Records in ``events/`` are
+Records are written to ``tmp/`` and then linked (write-once records) or renamed into
+place: a reader never sees half a record. The heartbeat, rewritten every second, is the
+exception (:class:`InPlace`): readers re-read one they catch half written. Records in ``events/`` are
 linked rather than renamed because watchdog holds back rename events for half a second
 to pair them.
 """
@@ -174,8 +175,11 @@ def _make_dir(path: str) -> None:
 class RunDir:
     """One run directory on this host. Reads are tolerant; writes are atomic."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, shared: Optional[str] = None) -> None:
         self.path = path
+        # Why several hosts share this directory (shared-filesystem mode; see _sharedfs),
+        # or None: it belongs to this host.
+        self.shared = shared
         self._warned: Set[Tuple[str, str]] = set()
         self._warn_lock = threading.Lock()
 
@@ -223,11 +227,20 @@ class RunDir:
         mine = self.read(RANKS, rank_file("rank", reg.rank), Registration)
         if mine is not None and (mine.host, mine.pidns) != (reg.host, reg.pidns):
             # Another host's (or container's) record is never judged stale: we cannot see
-            # its processes. A run directory belongs to one host.
+            # its processes. Without shared mode a run directory belongs to one host; with
+            # it, a rank's slot held by another host means a directory of an earlier job.
+            if self.shared is not None:
+                raise RunDirError(
+                    self.path,
+                    f"rank {reg.rank} is registered here by host {mine.host} ({mine.pidns}), whose processes "
+                    "this host cannot see: the directory is shared by the hosts (" + self.shared + "), so "
+                    "give each job a new PEERWATCH_DIR (e.g. with the job id in it)",
+                )
             raise RunDirError(
                 self.path,
                 f"rank {reg.rank} is registered here by host {mine.host} ({mine.pidns}): a run directory "
-                "belongs to one host; on a shared filesystem give each host its own PEERWATCH_DIR",
+                "belongs to one host; on a shared filesystem give each host its own PEERWATCH_DIR, "
+                "or set shared_fs=on",
             )
         if mine is not None and (mine.pid, mine.start_ticks) != (reg.pid, reg.start_ticks):
             if _identity.is_same_process(mine.pid, mine.start_ticks, mine.uid) and mine.boot_id == reg.boot_id:
@@ -349,6 +362,10 @@ class RunDir:
         if data is None:
             return None
         record = decode(cls, data)
+        if record is None and data and sub == HEARTBEATS:
+            # Rewritten in place: we may have caught a write half done. Once more.
+            data = self.read_bytes(sub, name)
+            record = decode(cls, data) if data else None
         if record is None and data:
             self.warn_once(self.join(sub, name), "is not a valid peerwatch record; ignored")
         return record
@@ -385,7 +402,72 @@ class RunDir:
         logger.warning("peerwatch: %s %s", path, reason)
 
 
+class InPlace:
+    """A record rewritten in place, for the heartbeat: one ``pwrite(2)`` per update.
+
+    The atomic way (a temp file, a rename, an unlink attempt) costs a journal commit on
+    ext4 and was most of an idle rank's CPU (docs/performance.md). A shorter record is
+    padded with spaces (JSON ignores them), so the file never holds a stale tail; a
+    reader that catches a write half done sees invalid JSON and re-reads
+    (:meth:`RunDir.read`). If the file is deleted or replaced, a new one is started
+    within ``CHECK_EVERY`` writes. Not for a run directory shared by hosts: other clients may not see in-place
+    writes until the file is closed (NFS close-to-open).
+    """
+
+    def __init__(self, run_dir: RunDir, sub: str, name: str) -> None:
+        self.run_dir = run_dir
+        self.sub = sub
+        self.name = name
+        self._fd: Optional[int] = None
+        self._size = 0
+        self._writes = 0
+
+    CHECK_EVERY = 10  # writes between checks that the file is still the one at our path
+
+    def write(self, data: bytes) -> None:
+        """Raises OSError (ENOSPC, ...) to the caller."""
+        self._writes += 1
+        if self._fd is not None and self._writes % self.CHECK_EVERY == 0 and not self._current():
+            self.close()
+        if self._fd is None:
+            self.run_dir.write(self.sub, self.name, data, replace=True)
+            self._open(len(data))
+            return
+        padded = data + b" " * (self._size - len(data))
+        if os.pwrite(self._fd, padded, 0) != len(padded):
+            raise OSError(errno.EIO, "short write")
+        self._size = len(padded)
+
+    def _current(self) -> bool:
+        """The fd still is the file at our path (not deleted, not replaced)."""
+        try:
+            here = os.stat(self.run_dir.join(self.sub, self.name), follow_symlinks=False)
+            mine = os.fstat(self._fd)  # type: ignore[arg-type]
+        except OSError:
+            return False
+        return (here.st_dev, here.st_ino) == (mine.st_dev, mine.st_ino)
+
+    def _open(self, size: int) -> None:
+        try:
+            fd = os.open(self.run_dir.join(self.sub, self.name), os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            return  # written atomically this time; next time we try again
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+            os.close(fd)
+            return
+        self._fd, self._size = fd, size
+
+    def close(self) -> None:
+        if self._fd is not None:
+            try:
+                os.close(self._fd)
+            except OSError:
+                pass
+            self._fd = None
+
+
 __all__ = [
-    "EVENTS", "HEARTBEATS", "NEW_RUN", "OWNER_VAR", "RANKS", "REPORT_FILE", "STACKS", "TMP", "VERDICT_FILE",
+    "InPlace", "EVENTS", "HEARTBEATS", "NEW_RUN", "OWNER_VAR", "RANKS", "REPORT_FILE", "STACKS", "TMP", "VERDICT_FILE",
     "RunDir", "base_dir", "check_trusted", "parse_rank_file", "is_multiprocessing_child", "process_key", "rank_file", "resolve", "safe_name",
 ]

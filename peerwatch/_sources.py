@@ -158,9 +158,11 @@ class FolderWatch:
     If inotify cannot be used, :attr:`active` is False and the watcher rescans on a timer.
     """
 
-    def __init__(self, folders: List[str], on_change: Callable[[], None], name: str) -> None:
+    def __init__(self, folders: List[str], on_change: Callable[[], None], name: str, disabled: bool = False) -> None:
         self.active = False
         self._observer = None
+        if disabled:
+            return
         try:
             from watchdog.events import FileCreatedEvent, FileMovedEvent, FileSystemEventHandler
             from watchdog.observers.inotify import InotifyObserver

@@ -7,7 +7,6 @@ OS has them, so a pid reused in between cannot be hit.
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import logging
 import os
@@ -16,7 +15,7 @@ import signal
 import sys
 import threading
 import time
-from typing import Any, Iterable, List, Optional, Sequence, Set, Tuple
+from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 from . import _identity
 
@@ -98,36 +97,65 @@ def inherited_run(pid: int, run_dir: str) -> bool:
     return f"PEERWATCH_DIR={run_dir}".encode() in env.split(b"\0")
 
 
-def descendants(pid: int, uid: int, exclude: Set[int]) -> List[Tuple[int, int]]:
-    """(pid, start_ticks) of pid's live descendants owned by uid, minus ``exclude`` (peers)."""
+def process_tree() -> Dict[int, List[int]]:
+    """parent pid -> child pids, for every process visible in /proc (one walk)."""
+    tree: Dict[int, List[int]] = {}
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return tree
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                data = f.read()
+        except OSError:
+            continue  # gone meanwhile
+        fields = data.rpartition(b")")[2].split()
+        if len(fields) > 1:
+            tree.setdefault(int(fields[1]), []).append(int(name))
+    return tree
+
+
+def descendants(
+    pid: int, uid: int, exclude: Set[int], tree: Optional[Dict[int, List[int]]] = None,
+) -> List[Tuple[int, int]]:
+    """(pid, start_ticks) of pid's live descendants owned by uid, minus ``exclude`` (peers).
+
+    ``tree``: a :func:`process_tree` snapshot, to share one /proc walk between calls.
+    """
     if pid == os.getpid() and not _has_children():
         return []  # the common case, told without walking /proc
-    import psutil
-
-    try:
-        children = psutil.Process(pid).children(recursive=True)
-    except psutil.Error:
-        return []
+    if tree is None:
+        tree = process_tree()
     found = []
-    for child in children:
-        if child.pid in exclude or _ends_by_itself(child):
+    todo, seen = list(tree.get(pid, ())), {pid}
+    while todo:
+        child = todo.pop()
+        if child in seen:
             continue
-        info = _identity.probe(child.pid)
+        seen.add(child)
+        todo.extend(tree.get(child, ()))
+        if child in exclude or _ends_by_itself(child):
+            continue
+        info = _identity.probe(child)
         if info is not None and not info.dead and info.uid == uid:
-            found.append((child.pid, info.start_ticks))
+            found.append((child, info.start_ticks))
     return found
 
 
 _RESOURCE_TRACKER = "from multiprocessing.resource_tracker import main"
 
 
-def _ends_by_itself(child: Any) -> bool:
+def _ends_by_itself(pid: int) -> bool:
     """multiprocessing's resource tracker ignores SIGTERM and ends once the processes that
     hold its pipe are gone; it must outlive them, to unlink the shared memory they leaked.
     Signalling it would only hold the teardown up for the grace period, then SIGKILL it."""
     try:
-        cmd = child.cmdline()
-    except Exception:  # noqa: BLE001 - psutil.Error: gone, or not ours to read
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmd = f.read(1 << 16).decode("utf-8", "replace").split("\0")
+    except OSError:
         return False
     return any(arg == "-c" and nxt.startswith(_RESOURCE_TRACKER) for arg, nxt in zip(cmd, cmd[1:]))
 
@@ -237,6 +265,8 @@ def raise_in_main_thread(exc_type: type, use_signal: bool) -> None:
     if use_signal:
         signal.pthread_kill(main, INTERRUPT_SIGNAL)
         return
+    import ctypes
+
     ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(main), ctypes.py_object(exc_type))
 
 
@@ -246,6 +276,6 @@ def close_all(targets: Iterable[Target]) -> None:
 
 
 __all__ = [
-    "INTERRUPT_SIGNAL", "STACKS_SIGNAL", "Target", "alive", "close_all", "descendants", "holds_file", "inherited_run",
+    "INTERRUPT_SIGNAL", "STACKS_SIGNAL", "Target", "alive", "close_all", "descendants", "process_tree", "holds_file", "inherited_run",
     "flush_and_exit", "make_target", "raise_in_main_thread", "send", "terminate", "wait_gone",
 ]

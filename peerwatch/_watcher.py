@@ -16,7 +16,7 @@ import threading
 import time
 from typing import IO, Dict, List, Optional, Set, Tuple
 
-from . import _bridge, _decide, _identity, _launchers, _report, _rundir, _teardown
+from . import _bridge, _decide, _identity, _launchers, _report, _rundir, _sharedfs, _teardown
 from ._config import Config
 from ._records import (
     HANG,
@@ -47,7 +47,13 @@ logger = logging.getLogger("peerwatch")
 
 POLL_FALLBACK_S = 0.1  # where pidfds or inotify are missing: how often we look instead
 CHILDREN_SCAN_EVERY = 10  # heartbeats between snapshots of our own descendants (costs a /proc walk)
+SAFETY_LOOK_EVERY = 10  # heartbeats between full looks at the run directory that nothing asked for
 HANG_JUDGES = 2  # the lowest live local ranks judge hangs: O(N) heartbeat reads per host, not N^2
+# After a verdict, the lowest live local ranks (not the failed one) enforce it: signal the
+# peers that did not acknowledge, and rewrite the report. Every rank doing so made the
+# teardown O(N^2) (N=128: 11-14 s of CPU on 2 cores); three keep it O(N) with spares for a
+# frozen enforcer.
+ENFORCERS = 3
 
 _EVENT_TYPES = {"success": Success, "failure": Failure, "exit": ExitStatus, "ack": Ack}
 
@@ -76,8 +82,14 @@ class Watcher:
         self._policy = _decide.Policy(
             parent_wait_ns=int(config.parent_wait * 1e9), default_exit_code=config.exit_code,
             hang_timeout_ns=int(config.hang_timeout * 1e9),
+            peer_timeout_ns=int(config.peer_timeout * 1e9) if run_dir.shared else 0,
+        )
+        # Shared-filesystem mode (_sharedfs): the judges' view of the other hosts' heartbeats.
+        self._remote: Optional[_sharedfs.RemoteWatch] = (
+            _sharedfs.RemoteWatch(run_dir, config.heartbeat_interval, config.peer_timeout) if run_dir.shared else None
         )
         self._heartbeat_lock = threading.Lock()
+        self._beat_file = _rundir.InPlace(run_dir, HEARTBEATS, rank_file("rank", me.rank))
         self._wake_r, self._wake_w = os.pipe()
         for fd in (self._wake_r, self._wake_w):
             os.set_blocking(fd, False)
@@ -170,20 +182,27 @@ class Watcher:
     def _run(self) -> None:
         rd = self.run_dir
         self._folders = FolderWatch(
-            [rd.join(EVENTS), rd.join(RANKS)], self.wake, name=f"peerwatch-inotify-rank{self.rank}"
+            [rd.join(EVENTS), rd.join(RANKS)], self.wake, name=f"peerwatch-inotify-rank{self.rank}",
+            disabled=self._remote is not None and _sharedfs.inotify_disabled(),
         )
         fallback = not (self._folders.active and self._use_pidfd)
+        if self._remote is not None and self._use_pidfd:
+            # Shared filesystem: inotify is blind to other hosts anyway; the judges poll
+            # (below) and every rank rescans once a heartbeat, with or without inotify.
+            fallback = False
         if not self._use_pidfd:
             logger.info("peerwatch: pidfd is unavailable; rank %d checks its peers every %gs", self.rank, POLL_FALLBACK_S)
         recheck_ns: Optional[int] = None
         next_beat = 0.0
+        beats = 0
         # Look at once: every peer may have registered before our inotify watch began,
         # and nothing would wake us until the first heartbeat.
         first_look = True
         startup_deadline = time.monotonic() + self.config.startup_timeout if self.config.startup_timeout else None
+        judge_remote = False  # shared filesystem: this rank polls for the other hosts' records
         while not self.stopped.is_set():
             now = time.monotonic()
-            judge_hang = False
+            judge_hang = full_look = False
             if now >= next_beat:
                 self._heartbeat()
                 self._arm_gil_watchdog()
@@ -191,39 +210,62 @@ class Watcher:
                     self.bridge.tick()
                 next_beat = now + self.config.heartbeat_interval
                 judge_hang = self._is_hang_judge()
+                judge_remote = self._remote is not None and self._is_local_judge()
+                beats += 1
+                # inotify and pidfds wake us for every change; this look is the safety net.
+                # On a shared filesystem inotify is blind to the other hosts: every beat.
+                full_look = self._remote is not None or beats % SAFETY_LOOK_EVERY == 0
+            full_look = full_look or fallback or judge_remote
             timeout = next_beat - now
+            if judge_remote:
+                timeout = min(timeout, _sharedfs.POLL_S)
             if recheck_ns is not None:
                 timeout = min(timeout, (recheck_ns - time.time_ns()) / 1e9)
             if fallback:
                 timeout = min(timeout, POLL_FALLBACK_S)
             if first_look:
-                timeout, first_look = 0.0, False
+                timeout, first_look, full_look = 0.0, False, True
             with self._cond:
                 requested = self._settle_requested
-            self._poll(timeout)
+            woken = self._poll(timeout)
             if self.stopped.is_set():
                 break
-            self._scan()
+            if woken or full_look:
+                self._scan()
             missing: Tuple[int, ...] = ()
             if startup_deadline is not None and time.monotonic() >= startup_deadline:
                 startup_deadline = None
                 missing = self._missing_ranks()
-            decision = _decide.decide(self._observed(judge_hang, missing), self._policy)
-            recheck_ns = decision.recheck_at_ns
-            # Across hosts, an exception may be the echo of a death elsewhere: hold it back
-            # a moment (deciding again meanwhile) for that host's verdict through the store.
-            hold_ns = self.bridge.hold_until_ns(decision.verdict) if self.bridge and decision.verdict else None
-            if hold_ns is not None and time.time_ns() < hold_ns:
-                recheck_ns = hold_ns if recheck_ns is None else min(recheck_ns, hold_ns)
-            elif decision.verdict is not None:
-                self._act(decision.verdict)
-                return
+            if judge_remote and self._remote is not None:
+                self._remote.read(self._registrations, self._ended_ranks())
+            due = recheck_ns is not None and time.time_ns() >= recheck_ns
+            if woken or full_look or judge_hang or missing or due:
+                # Nothing else changes what decide() answers: it is pure, and tells us when
+                # the mere passing of time could change its answer (recheck_at_ns).
+                decision = _decide.decide(self._observed(judge_hang, missing), self._policy)
+                if decision.lost:
+                    # Shared filesystem: say on the lost ranks' behalf that they are lost
+                    # (first record wins), then decide again from what is written.
+                    self._record_lost(decision.lost)
+                    decision = _decide.decide(self._observed(judge_hang, missing), self._policy)
+                recheck_ns = decision.recheck_at_ns
+                # Across hosts, an exception may be the echo of a death elsewhere: hold it back
+                # a moment (deciding again meanwhile) for that host's verdict through the store.
+                verdict = decision.verdict
+                hold_ns = self.bridge.hold_until_ns(verdict) if self.bridge is not None and verdict else None
+                if hold_ns is not None and time.time_ns() < hold_ns:
+                    recheck_ns = hold_ns if recheck_ns is None else min(recheck_ns, hold_ns)
+                elif verdict is not None:
+                    self._act(verdict)
+                    return
             with self._cond:
                 self._settled = max(self._settled, requested)
                 self._cond.notify_all()
 
-    def _poll(self, timeout: float) -> None:
-        for fd, _ in self._poller.poll(max(0, int(timeout * 1000) + 1)):
+    def _poll(self, timeout: float) -> bool:
+        """Sleep until a source fires or ``timeout``; True if something woke us."""
+        events = self._poller.poll(max(0, int(timeout * 1000) + 1))
+        for fd, _ in events:
             if fd == self._wake_r:
                 try:
                     while os.read(self._wake_r, 4096):
@@ -232,6 +274,7 @@ class Watcher:
                     pass
             elif fd in self._fd_rank:
                 self._peer_gone(self._fd_rank[fd])
+        return bool(events)
 
     def _peer_gone(self, rank: int) -> None:
         peer = self._peers.get(rank)
@@ -371,6 +414,38 @@ class Watcher:
         )
         return self.rank in live[:HANG_JUDGES]
 
+    # -- shared filesystem (_sharedfs) ------------------------------------------------
+
+    def _is_local_judge(self) -> bool:
+        """One of the two lowest live local ranks not yet finished: they poll for the other
+        hosts' records and judge their heartbeats (two readers per host, whatever its size)."""
+        finished = {r.rank for r in self._events.values() if isinstance(r, Success)}
+        live = sorted(
+            r for r in self._registrations
+            if r not in self._gone and r not in finished and (r == self.rank or r in self._peers)
+        )
+        return self.rank in live[:HANG_JUDGES]
+
+    def _ended_ranks(self) -> Set[int]:
+        """Ranks with a record of how they ended (success, failure, exit status)."""
+        return {r.rank for r in self._events.values() if isinstance(r, (Success, Failure, ExitStatus))}
+
+    def _record_lost(self, lost: Tuple[Failure, ...]) -> None:
+        for failure in lost:
+            name = rank_file("failure", failure.rank)
+            if self._write_event(name, failure):
+                logger.error("peerwatch: rank %d declares rank %d lost: %s", self.rank, failure.rank, failure.message)
+                self._events.setdefault(name, failure)
+            else:
+                existing = self.run_dir.read(EVENTS, name, Failure)
+                if existing is not None:
+                    self._events[name] = existing
+
+    def _remote_silence(self) -> Dict[int, int]:
+        return self._remote.silence() if self._remote is not None else {}
+
+    # -----------------------------------------------------------------------------------
+
     def _progress(self) -> Dict[int, _decide.Progress]:
         """Every live local rank's last progress, from its heartbeat (ours from memory)."""
         where, waiting = main_thread_position()
@@ -420,6 +495,7 @@ class Watcher:
             successes=successes, failures=failures, exit_statuses=statuses, gone=self._gone,
             verdict=verdict, oom_kills=self._oom_kills_since_start(),
             progress=self._progress() if with_progress else {}, now_mono_ns=time.monotonic_ns(), missing=missing,
+            remote_silence=self._remote_silence(),
         )
 
     def _oom_kills_since_start(self) -> int:
@@ -449,7 +525,7 @@ class Watcher:
     def _write_heartbeat(self) -> None:
         self._heartbeat_seq += 1
         if self._heartbeat_seq % CHILDREN_SCAN_EVERY == 1:
-            exclude = {r.pid for r in self._registrations.values()}
+            exclude = {r.pid for r in self._registrations.values() if is_local(r)}
             self._children = tuple(_teardown.descendants(os.getpid(), os.geteuid(), exclude))
         where, waiting = main_thread_position() if self.config.hang_timeout else ("", False)
         beat = Heartbeat(
@@ -458,7 +534,13 @@ class Watcher:
             where=where, in_collective=waiting,
         )
         try:
-            self.run_dir.write(HEARTBEATS, rank_file("rank", self.rank), encode(beat), replace=True)
+            if self._remote is not None:
+                # Shared filesystem: temp file + close + rename. Other hosts read it through
+                # NFS close-to-open consistency: a reader that opens it after the rename sees
+                # the whole new record; an in-place write could be seen torn or stale.
+                self.run_dir.write(HEARTBEATS, rank_file("rank", self.rank), encode(beat), replace=True)
+            else:
+                self._beat_file.write(encode(beat))
         except OSError as e:
             self.run_dir.warn_once(self.run_dir.join(HEARTBEATS), f"heartbeat cannot be written ({e.strerror})")
 
@@ -500,10 +582,13 @@ class Watcher:
         self._dump_own_stacks()
         if in_watch:
             _teardown.raise_in_main_thread(_peer_failure_type(), self.interrupt_installed)
-        self._tear_down_peers(verdict)
+        enforcer = self._is_enforcer(verdict)
+        if enforcer:
+            self._tear_down_peers(verdict)
         if not stay:
             self._tear_down_own_children()
-        self._finish(verdict, made)
+        if enforcer or made:
+            self._finish(verdict, made)
         if stay:
             # The main thread is leaving by itself (PeerFailure, or its own exception);
             # at exit it sets `stopped` and waits for us. If it is stuck, we end it.
@@ -536,22 +621,46 @@ class Watcher:
         except (OSError, ValueError):
             pass
 
+    def _is_enforcer(self, verdict: Verdict) -> bool:
+        """One of the lowest live local ranks; the failing rank (it may be stuck, or about
+        to go) only when too few others are left."""
+        finished = {r.rank for r in self._events.values() if isinstance(r, Success)}
+        live = sorted(
+            r for r in self._registrations
+            if r not in self._gone and r not in finished and (r == self.rank or r in self._peers)
+        )
+        ordered = [r for r in live if r != verdict.rank] + [r for r in live if r == verdict.rank]
+        return self.rank in ordered[:ENFORCERS]
+
     def _tear_down_peers(self, verdict: Verdict) -> None:
-        """Give live peers ``ack_window`` to say they are leaving; signal those that do not."""
-        deadline = time.monotonic() + self.config.ack_window
+        """Give live peers ``ack_window`` to say they are leaving; signal those that do not.
+
+        While acknowledgements keep coming in, the machine is busy rather than the peers
+        stuck (128 ranks on 2 cores take a while to all be scheduled): the window is
+        stretched, ``ack_window / 4`` after the latest one, up to 4 x ``ack_window``.
+        """
+        start = time.monotonic()
+        window = self.config.ack_window
+        deadline, latest = start + window, start + 4 * window
+        acks_seen = -1
         while True:
             self._scan()
             acked = {r.rank for r in self._events.values() if isinstance(r, Ack)}
             pending = [
                 p for r, p in self._peers.items() if r not in self._gone and r not in acked and r != self.rank
             ]
-            left = deadline - time.monotonic()
+            now = time.monotonic()
+            if len(acked) > acks_seen >= 0:
+                deadline = max(deadline, min(latest, now + window / 4))
+            acks_seen = len(acked)
+            left = deadline - now
             if not pending or left <= 0:
                 break
             self._poll(left)
         targets: List[_teardown.Target] = []
-        peer_pids = {r.pid for r in self._registrations.values()}
+        peer_pids = {r.pid for r in self._registrations.values() if is_local(r)}
         finished = {r.rank for r in self._events.values() if isinstance(r, Success)}
+        tree = _teardown.process_tree() if pending else {}
         for peer in pending:
             reg = peer.reg
             target = _teardown.make_target(reg.pid, reg.start_ticks, reg.uid, f"rank {reg.rank}")
@@ -568,8 +677,8 @@ class Watcher:
             if reg.rank not in finished:  # a finished rank is leaving: no dump to ask of it
                 _teardown.send(target, _teardown.STACKS_SIGNAL, "dump stacks")
             targets.append(target)
-            for pid, start in _teardown.descendants(reg.pid, reg.uid, peer_pids):
-                child = _teardown.make_target(pid, start, reg.uid, f"pid {pid}, a descendant of rank {reg.rank}")
+            for pid, started in _teardown.descendants(reg.pid, reg.uid, peer_pids, tree):
+                child = _teardown.make_target(pid, started, reg.uid, f"pid {pid}, a descendant of rank {reg.rank}")
                 if child is not None:
                     targets.append(child)
         targets.extend(self._orphans_of(verdict, peer_pids))
@@ -607,7 +716,7 @@ class Watcher:
         return self.run_dir.join(_rundir.STACKS, rank_file("rank", rank, ".txt"))
 
     def _tear_down_own_children(self) -> None:
-        peer_pids = {r.pid for r in self._registrations.values()}
+        peer_pids = {r.pid for r in self._registrations.values() if is_local(r)}
         targets = [
             t for t in (
                 _teardown.make_target(pid, start, os.geteuid(), f"pid {pid}, a descendant of rank {self.rank}")

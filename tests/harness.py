@@ -71,7 +71,7 @@ def exit_code(returncode: Optional[int]) -> Optional[int]:
     return 128 - returncode if returncode < 0 else returncode
 
 
-class _Proc:
+class Proc:
     """One process of the job, held by a pidfd so a reused pid is never mistaken for it."""
 
     def __init__(self, pid: int, label: str, popen: Optional[subprocess.Popen] = None) -> None:
@@ -150,9 +150,9 @@ class Job:
         self.sync = sync  # behaviours' delays count from when every rank is ready
         self.run_dir = self.tmp / "run"
         self.ready_dir = self.tmp / "ready"
-        self.started: Dict[int, _Proc] = {}  # rank -> process the test started
-        self.ranks: Dict[int, _Proc] = {}  # rank -> process, once READY
-        self.others: Dict[int, _Proc] = {}  # pid -> a descendant of a rank (not a rank)
+        self.started: Dict[int, Proc] = {}  # rank -> process the test started
+        self.ranks: Dict[int, Proc] = {}  # rank -> process, once READY
+        self.others: Dict[int, Proc] = {}  # pid -> a descendant of a rank (not a rank)
         self.killed_at: Optional[float] = None  # time.monotonic() of the last kill()
         self.gone_at: Optional[float] = None  # time.monotonic() when the last process went
         self.gone_at_ns: Optional[int] = None  # the same, as time.time_ns()
@@ -203,7 +203,7 @@ class Job:
                     self._argv(), env=rank_env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                     cwd=str(self.tmp),
                 )
-            self.started[rank] = _Proc(popen.pid, f"rank {rank} (pid {popen.pid}, started by the test)", popen)
+            self.started[rank] = Proc(popen.pid, f"rank {rank} (pid {popen.pid}, started by the test)", popen)
         return self
 
     def log_path(self, rank: int) -> Path:
@@ -261,7 +261,7 @@ class Job:
         if started is not None and started.pid == pid:
             self.ranks[rank] = started
             return
-        self.ranks[rank] = _Proc(pid, f"rank {rank} (pid {pid})")
+        self.ranks[rank] = Proc(pid, f"rank {rank} (pid {pid})")
 
     def wait_noted(self, names: Sequence[str], timeout: float = 10.0) -> None:
         """Wait until a rank wrote each of ``names`` in the READY folder (see rank_program)."""
@@ -307,7 +307,7 @@ class Job:
         for proc in psutil.process_iter(["cmdline"]):
             if proc.pid in rank_pids or proc.pid in self.others or marker not in (proc.info["cmdline"] or ()):
                 continue
-            self.others[proc.pid] = _Proc(proc.pid, f"pid {proc.pid}, a rank of this job not ready yet")
+            self.others[proc.pid] = Proc(proc.pid, f"pid {proc.pid}, a rank of this job not ready yet")
         for proc in list(self.ranks.values()):
             try:
                 children = psutil.Process(proc.pid).children(recursive=True)
@@ -316,9 +316,9 @@ class Job:
             for child in children:
                 if child.pid in rank_pids or child.pid in self.others:
                     continue
-                self.others[child.pid] = _Proc(child.pid, f"pid {child.pid}, a descendant of {proc.label}")
+                self.others[child.pid] = Proc(child.pid, f"pid {child.pid}, a descendant of {proc.label}")
 
-    def all_procs(self) -> List[_Proc]:
+    def all_procs(self) -> List[Proc]:
         procs = {id(p): p for p in [*self.started.values(), *self.ranks.values(), *self.others.values()]}
         return list(procs.values())
 

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Sequence
 
 import psutil
-from harness import exit_code, free_port  # shared with the core's end-to-end tests
+from harness import Proc, exit_code, free_port  # shared with the core's end-to-end tests
 
 PROGRAM = Path(__file__).with_name("launcher_program.py")
 READY_POLL_S = 0.02  # how often the READY folder is read while we wait on the launcher's pidfd
@@ -37,45 +37,6 @@ FOREIGN_ENV = (
     "SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID",
     "PEERWATCH_DIR", "PEERWATCH_DIR_OWNER", "PEERWATCH_RANK", "PEERWATCH_WORLD_SIZE",
 )
-
-
-class Proc:
-    """One process of the job, held by a pidfd."""
-
-    def __init__(self, pid: int, label: str, popen: Optional[subprocess.Popen] = None) -> None:
-        self.pid = pid
-        self.label = label
-        self.popen = popen
-        self.returncode: Optional[int] = None
-        self.gone_at: Optional[float] = None
-        self.pidfd: Optional[int] = None
-        with contextlib.suppress(ProcessLookupError):
-            self.pidfd = os.pidfd_open(pid)
-
-    def gone(self) -> bool:
-        return self.pidfd is None or bool(select.select([self.pidfd], [], [], 0)[0])
-
-    def reap(self) -> Optional[int]:
-        """The returncode if this is our child (or an orphan we inherited as subreaper)."""
-        if self.returncode is not None:
-            return self.returncode
-        if self.popen is not None:
-            self.returncode = self.popen.poll()
-            return self.returncode
-        if self.pidfd is None:
-            return None
-        try:
-            result = os.waitid(os.P_PIDFD, self.pidfd, os.WEXITED | os.WNOHANG)
-        except ChildProcessError:
-            return None  # its own parent reaps it
-        if result is not None:
-            self.returncode = result.si_status if result.si_code == os.CLD_EXITED else -result.si_status
-        return self.returncode
-
-    def close(self) -> None:
-        if self.pidfd is not None:
-            os.close(self.pidfd)
-            self.pidfd = None
 
 
 class LauncherJob:

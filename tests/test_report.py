@@ -14,7 +14,6 @@ from pathlib import Path
 
 import jsonschema
 import pytest
-
 from harness import by_rank
 
 SCHEMA = json.loads((Path(__file__).parents[1] / "peerwatch" / "schemas" / "report-v1.schema.json").read_text())

@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from peerwatch import RunDirError, _identity
-from peerwatch._records import MAX_RECORD_BYTES, Registration, Success, Verdict, encode
+from peerwatch._records import MAX_RECORD_BYTES, Heartbeat, Registration, Success, Verdict, encode
 from peerwatch._rundir import (
     EVENTS,
     HEARTBEATS,
@@ -26,6 +26,7 @@ from peerwatch._rundir import (
     STACKS,
     TMP,
     VERDICT_FILE,
+    InPlace,
     RunDir,
     base_dir,
     check_trusted,
@@ -152,6 +153,62 @@ def test_replace_overwrites(rd):
     assert rd.write(HEARTBEATS, "rank-00000.json", b"new", replace=True) is True
     assert rd.read_bytes(HEARTBEATS, "rank-00000.json") == b"new"
     assert os.listdir(rd.join(TMP)) == []
+
+
+def _beat(seq: int, where: str = "") -> bytes:
+    return encode(Heartbeat(rank=0, pid=1, time_ns=seq, seq=seq, where=where))
+
+
+def test_in_place_rewrites_one_inode_and_a_shorter_record_reads_back(rd):
+    beat = InPlace(rd, HEARTBEATS, "rank-00000.json")
+    beat.write(_beat(1, where="x" * 300))
+    inode = os.stat(rd.join(HEARTBEATS, "rank-00000.json")).st_ino
+    beat.write(_beat(2))  # shorter: padded, no stale tail
+    assert os.stat(rd.join(HEARTBEATS, "rank-00000.json")).st_ino == inode
+    assert rd.read(HEARTBEATS, "rank-00000.json", Heartbeat) == Heartbeat(rank=0, pid=1, time_ns=2, seq=2)
+    assert os.listdir(rd.join(TMP)) == []
+    beat.close()
+
+
+def test_in_place_starts_a_new_file_when_its_own_is_deleted(rd):
+    beat = InPlace(rd, HEARTBEATS, "rank-00000.json")
+    beat.write(_beat(1))
+    os.unlink(rd.join(HEARTBEATS, "rank-00000.json"))
+    for seq in range(2, 2 + InPlace.CHECK_EVERY):
+        beat.write(_beat(seq))
+    got = rd.read(HEARTBEATS, "rank-00000.json", Heartbeat)
+    assert got is not None and got.seq == 1 + InPlace.CHECK_EVERY
+    beat.close()
+
+
+def test_in_place_reader_never_sees_a_torn_record(rd):
+    """A writer rewriting as fast as it can, a reader reading as fast as it can: every
+    read parses (a torn one is re-read), and seq never goes backwards."""
+    beat = InPlace(rd, HEARTBEATS, "rank-00000.json")
+    beat.write(_beat(0, where="y" * 200))
+    stop = threading.Event()
+
+    def writer() -> None:
+        seq = 1
+        while not stop.is_set():
+            beat.write(_beat(seq, where="y" * (seq % 200)))
+            seq += 1
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    try:
+        last, reads = -1, 0
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline:
+            got = rd.read(HEARTBEATS, "rank-00000.json", Heartbeat)
+            assert got is not None
+            assert got.seq >= last
+            last, reads = got.seq, reads + 1
+        assert last > 0 and reads > 100
+    finally:
+        stop.set()
+        thread.join()
+        beat.close()
 
 
 def test_concurrent_writers_exactly_one_wins(rd):
