@@ -418,7 +418,8 @@ def _at_exit() -> None:
         # This rank failed. Its peers may be unable to leave by themselves (the GIL held
         # in C code), and its watcher may be the only one left to end them: stay until
         # the verdict is made and our share of the teardown is done.
-        w.verdict_seen.wait(w.config.parent_wait + w.config.ack_window + SETTLE_S)
+        held = w.bridge.hold_s if w.bridge is not None else 0.0  # multi-host: an exception is held back
+        w.verdict_seen.wait(w.config.parent_wait + w.config.ack_window + SETTLE_S + held)
     if w.verdict is not None:
         # Being torn down: the watcher is the one to end the process, with the verdict's
         # exit code, once its share of the teardown is done. Tell it we are leaving.

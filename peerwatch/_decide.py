@@ -306,8 +306,10 @@ def _from_failure(obs: Observed, f: Failure, policy: Policy) -> Verdict:
         detail = f"exited with code {f.exit_code}"
     if f.thread and f.thread != "MainThread":
         detail += f" (in thread {f.thread})"
+    base = _base(obs, f.rank)
+    base["host"] = base["host"] or f.host  # a rank of another host has no registration here
     return Verdict(
-        **_base(obs, f.rank),
+        **base,
         cause=f.cause,
         exit_code=exit_code_for(f.exit_code, policy),
         failed_at_ns=f.time_ns,

@@ -72,6 +72,7 @@ class Failure:
     message: Optional[str] = None
     traceback: Optional[str] = None
     thread: Optional[str] = None
+    host: Optional[str] = None  # the failed rank's host, when it is not this one (written by the store bridge)
 
 
 @dataclasses.dataclass(frozen=True)

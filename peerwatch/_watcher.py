@@ -16,7 +16,7 @@ import threading
 import time
 from typing import IO, Dict, List, Optional, Set, Tuple
 
-from . import _decide, _identity, _launchers, _report, _rundir, _sharedfs, _teardown
+from . import _bridge, _decide, _identity, _launchers, _report, _rundir, _sharedfs, _teardown
 from ._config import Config
 from ._records import (
     HANG,
@@ -112,6 +112,7 @@ class Watcher:
         self._settle_requested = 0
         self._settled = 0
         self.thread = threading.Thread(target=self._main, name=f"peerwatch-rank{self.rank}", daemon=True)
+        self.bridge = _bridge.Bridge.for_config(config, run_dir, me)  # other hosts, through the store
 
     # -- control from other threads ------------------------------------------------
 
@@ -165,6 +166,8 @@ class Watcher:
         """Stop watching (this rank is done). Safe to call from any thread, more than once."""
         self.stopped.set()
         self.wake()
+        if self.bridge is not None:
+            self.bridge.stop()
         if self.config.gil_timeout and not self.verdict_seen.is_set():
             faulthandler.cancel_dump_traceback_later()
         if self._folders is not None:
@@ -210,6 +213,8 @@ class Watcher:
             if now >= next_beat:
                 self._heartbeat()
                 self._arm_gil_watchdog()
+                if self.bridge is not None:
+                    self.bridge.tick()
                 next_beat = now + self.config.heartbeat_interval
                 judge_hang = self._is_hang_judge()
                 judge_remote = self._remote is not None and self._is_local_judge()
@@ -253,8 +258,14 @@ class Watcher:
                     self._record_lost(decision.lost)
                     decision = _decide.decide(self._observed(judge_hang, missing), self._policy)
                 recheck_ns = decision.recheck_at_ns
-                if decision.verdict is not None:
-                    self._act(decision.verdict)
+                # Across hosts, an exception may be the echo of a death elsewhere: hold it back
+                # a moment (deciding again meanwhile) for that host's verdict through the store.
+                verdict = decision.verdict
+                hold_ns = self.bridge.hold_until_ns(verdict) if self.bridge is not None and verdict else None
+                if hold_ns is not None and time.time_ns() < hold_ns:
+                    recheck_ns = hold_ns if recheck_ns is None else min(recheck_ns, hold_ns)
+                elif verdict is not None:
+                    self._act(verdict)
                     return
             with self._cond:
                 self._settled = max(self._settled, requested)
@@ -569,6 +580,8 @@ class Watcher:
             rank_file("ack", self.rank),
             Ack(rank=self.rank, pid=os.getpid(), time_ns=time.time_ns(), deadline_ns=int(deadline * 1e9)),
         )
+        if self.bridge is not None:
+            self.bridge.on_verdict(verdict)  # other hosts tear down too (at most ~1 s; after our ack)
         if not mine:
             logger.error(
                 "peerwatch: rank %d%s %s; cause: %s. Tearing down rank %d (pid %d), exit code %d.",
@@ -755,6 +768,8 @@ class Watcher:
             return
         self.succeeded = True
         self._write_event(rank_file("success", self.rank), Success(rank=self.rank, pid=os.getpid(), time_ns=time.time_ns()))
+        if self.bridge is not None:
+            self.bridge.on_success()  # the job is ending: other hosts going quiet is no failure
 
 
 _COLLECTIVE_PATHS = (os.sep + os.path.join("torch", "distributed") + os.sep,)

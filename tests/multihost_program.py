@@ -1,0 +1,127 @@
+"""A simulated host of a multi-host job, and its ranks. Started by tests/test_multihost.py.
+
+    unshare --pid --fork --mount-proc --uts python multihost_program.py host --name hostb \\
+        --ranks 2,3 --world 6 --ready DIR [--serve PORT] [--behave 3=succeed_on:go-b]
+
+``host`` runs as PID 1 of its own PID namespace (its own UTS namespace gives it its own
+hostname), like a node's agent: it optionally serves the job's TCPStore (as torchrun's
+agent, or rank 0 under init_process_group, does on the first node), starts its ranks as
+children with RANK/WORLD_SIZE/LOCAL_RANK/LOCAL_WORLD_SIZE, reaps them (and any orphan:
+it is init here), notes each rank's returncode in ``READY/exit-<rank>``, and exits when
+they are all gone. Killing it kills the whole simulated host.
+
+``rank`` installs peerwatch, notes ``READY/rank-<rank>`` (JSON: pid in its namespace,
+host), then behaves: ``sleep`` (the default: beat until torn down),
+``succeed_on:NAME`` (finish cleanly once ``READY/NAME`` exists), ``raise_on:NAME``
+(raise RuntimeError once it exists), ``torch`` (import
+torch.distributed, note ``READY/torch-<rank>``, then sleep), or ``gloo`` (join a gloo
+process group of every rank, note ``READY/pg-<rank>``, all_reduce in a loop).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+
+def note(ready: str, name: str, text: str) -> None:
+    path = os.path.join(ready, name)
+    with open(path + ".tmp", "w") as f:
+        f.write(text)
+    os.replace(path + ".tmp", path)
+
+
+def host_main(args: argparse.Namespace) -> None:
+    if args.name:
+        socket.sethostname(args.name)
+    store = None
+    if args.serve:
+        import datetime
+
+        import torch.distributed as dist
+
+        store = dist.TCPStore("0.0.0.0", args.serve, is_master=True, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=60))
+        note(args.ready, f"store-{args.name}", str(store.port))
+    ranks = [int(r) for r in args.ranks.split(",")]
+    children = {}
+    for local, rank in enumerate(ranks):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(args.world), LOCAL_RANK=str(local),
+                   LOCAL_WORLD_SIZE=str(len(ranks)), MULTIHOST_RANK=str(rank))
+        argv = [sys.executable, os.path.abspath(__file__), "rank", "--ready", args.ready]
+        for item in args.behave:
+            argv += ["--behave", item]
+        with open(os.path.join(args.ready, f"log-{rank}"), "wb") as log:
+            child = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+        children[child.pid] = rank
+    while children:
+        try:
+            pid, status = os.wait()  # PID 1: orphans of this namespace come here too
+        except ChildProcessError:
+            break
+        rank = children.pop(pid, None)
+        if rank is not None:
+            note(args.ready, f"exit-{rank}", str(os.waitstatus_to_exitcode(status)))
+    del store
+
+
+def rank_main(args: argparse.Namespace) -> None:
+    import peerwatch
+
+    rank = int(os.environ["RANK"])
+    peerwatch.install()
+    behaviours = dict(item.split("=", 1) for item in args.behave)
+    action = behaviours.get(str(rank), "sleep")
+    note(args.ready, f"rank-{rank}", json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))
+    name, _, arg = action.partition(":")
+    if name == "gloo":
+        # A real process group across the hosts: rank 0 serves the job's TCPStore at
+        # MASTER_ADDR:MASTER_PORT (the store the bridges use by default).
+        import datetime
+
+        import torch
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo", rank=rank, world_size=int(os.environ["WORLD_SIZE"]),
+                                timeout=datetime.timedelta(seconds=60))
+        note(args.ready, f"pg-{rank}", "")
+        t = torch.ones(1)
+        while True:
+            dist.all_reduce(t)  # fails within milliseconds when a peer on any host dies
+            peerwatch.beat()
+            time.sleep(0.01)
+    if name == "torch":
+        import torch.distributed  # noqa: F401 - as a training script has it: the bridge can use it at once
+        note(args.ready, f"torch-{rank}", "")
+    while True:
+        if name == "succeed_on" and os.path.exists(os.path.join(args.ready, arg)):
+            return
+        if name == "raise_on" and os.path.exists(os.path.join(args.ready, arg)):
+            raise RuntimeError(f"rank {rank} failed on purpose")
+        peerwatch.beat()
+        time.sleep(0.02)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("mode", choices=["host", "rank"])
+    parser.add_argument("--name", default="")
+    parser.add_argument("--ranks", default="")
+    parser.add_argument("--world", type=int, default=0)
+    parser.add_argument("--ready", required=True)
+    parser.add_argument("--serve", type=int, default=0)
+    parser.add_argument("--behave", action="append", default=[])
+    args = parser.parse_args()
+    if args.mode == "host":
+        host_main(args)
+    else:
+        rank_main(args)
+
+
+if __name__ == "__main__":
+    main()
