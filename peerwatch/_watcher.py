@@ -104,6 +104,9 @@ class Watcher:
         self._events: Dict[str, object] = {}
         self._oom_kills_at_start = oom_kill_count()
         self._heartbeat_seq = 0
+        # Exit statuses learnt in the main loop, written after deciding: the parent of a dead
+        # rank is the one that can judge at once, and the write would only delay it.
+        self._unwritten: List[Tuple[str, ExitStatus]] = []
         self._children: tuple = ()
         self._children_dirty = False  # set from the forking thread: list our children again now
         self._folders: Optional[FolderWatch] = None
@@ -234,7 +237,7 @@ class Watcher:
                 timeout, first_look, full_look = 0.0, False, True
             with self._cond:
                 requested = self._settle_requested
-            woken = self._poll(timeout)
+            woken = self._poll(timeout, defer_writes=True)
             if self.stopped.is_set():
                 break
             if self._children_dirty:
@@ -267,11 +270,12 @@ class Watcher:
                 elif verdict is not None:
                     self._act(verdict)
                     return
+            self._write_unwritten()
             with self._cond:
                 self._settled = max(self._settled, requested)
                 self._cond.notify_all()
 
-    def _poll(self, timeout: float) -> bool:
+    def _poll(self, timeout: float, defer_writes: bool = False) -> bool:
         """Sleep until a source fires or ``timeout``; True if something woke us."""
         events = self._poller.poll(max(0, int(timeout * 1000) + 1))
         for fd, _ in events:
@@ -282,10 +286,10 @@ class Watcher:
                 except BlockingIOError:
                     pass
             elif fd in self._fd_rank:
-                self._peer_gone(self._fd_rank[fd])
+                self._peer_gone(self._fd_rank[fd], defer_writes)
         return bool(events)
 
-    def _peer_gone(self, rank: int) -> None:
+    def _peer_gone(self, rank: int, defer_writes: bool = False) -> None:
         peer = self._peers.get(rank)
         if peer is None or rank in self._gone:
             return
@@ -318,8 +322,15 @@ class Watcher:
             status = ExitStatus(
                 rank=rank, pid=peer.reg.pid, time_ns=self._gone[rank], returncode=returncode, observed_by=self.rank,
             )
-            self._write_event(rank_file("exit", rank), status)
             self._events.setdefault(rank_file("exit", rank), status)
+            self._unwritten.append((rank_file("exit", rank), status))
+            if not defer_writes:
+                self._write_unwritten()
+
+    def _write_unwritten(self) -> None:
+        while self._unwritten:
+            name, record = self._unwritten.pop(0)
+            self._write_event(name, record)
 
     def _scan(self) -> None:
         rd = self.run_dir
@@ -563,6 +574,7 @@ class Watcher:
             if not made:
                 existing = self.run_dir.read(EVENTS, VERDICT_FILE, Verdict)
                 verdict = existing if existing is not None else verdict
+        self._write_unwritten()  # how the dead rank ended, for its peers and the report
         self.verdict = verdict
         self.verdict_seen.set()
         with self._cond:
