@@ -424,27 +424,23 @@ class Watcher:
         )
         return missing if self.config.startup_action == "fail" else ()
 
-    def _is_hang_judge(self) -> bool:
-        if not self.config.hang_timeout:
-            return False
+    def _live_local_ranks(self) -> List[int]:
+        """This host's ranks (ours included) not gone and not finished, lowest first."""
         finished = {r.rank for r in self._events.values() if isinstance(r, Success)}
-        live = sorted(
+        return sorted(
             r for r in self._registrations
             if r not in self._gone and r not in finished and (r == self.rank or r in self._peers)
         )
-        return self.rank in live[:HANG_JUDGES]
+
+    def _is_hang_judge(self) -> bool:
+        return bool(self.config.hang_timeout) and self.rank in self._live_local_ranks()[:HANG_JUDGES]
 
     # -- shared filesystem (_sharedfs) ------------------------------------------------
 
     def _is_local_judge(self) -> bool:
         """One of the two lowest live local ranks not yet finished: they poll for the other
         hosts' records and judge their heartbeats (two readers per host, whatever its size)."""
-        finished = {r.rank for r in self._events.values() if isinstance(r, Success)}
-        live = sorted(
-            r for r in self._registrations
-            if r not in self._gone and r not in finished and (r == self.rank or r in self._peers)
-        )
-        return self.rank in live[:HANG_JUDGES]
+        return self.rank in self._live_local_ranks()[:HANG_JUDGES]
 
     def _ended_ranks(self) -> Set[int]:
         """Ranks with a record of how they ended (success, failure, exit status)."""
@@ -646,11 +642,7 @@ class Watcher:
     def _is_enforcer(self, verdict: Verdict) -> bool:
         """One of the lowest live local ranks; the failing rank (it may be stuck, or about
         to go) only when too few others are left."""
-        finished = {r.rank for r in self._events.values() if isinstance(r, Success)}
-        live = sorted(
-            r for r in self._registrations
-            if r not in self._gone and r not in finished and (r == self.rank or r in self._peers)
-        )
+        live = self._live_local_ranks()
         ordered = [r for r in live if r != verdict.rank] + [r for r in live if r == verdict.rank]
         return self.rank in ordered[:ENFORCERS]
 
