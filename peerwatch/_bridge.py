@@ -343,6 +343,11 @@ class Bridge:
             return None
         return verdict.failed_at_ns + int(REMOTE_SETTLE_S * 1e9)
 
+    def hold_until(self, verdict: Verdict) -> Optional[float]:
+        """:meth:`hold_until_ns` as a ``time.monotonic()`` deadline."""
+        until_ns = self.hold_until_ns(verdict)
+        return None if until_ns is None else time.monotonic() + (until_ns - time.time_ns()) / 1e9
+
     def _connected(self) -> bool:
         """Is this host's bridge (run by any local rank) connected to the store?"""
         if self.running:

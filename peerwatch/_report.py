@@ -13,17 +13,14 @@ from typing import Any, Dict, List, Optional
 
 from . import _identity
 from ._records import (
-    Ack,
-    ExitStatus,
+    EVENT_TYPES,
     Failure,
     Heartbeat,
-    Registration,
-    Success,
     Verdict,
     returncode_exit_code,
     signal_name,
 )
-from ._rundir import EVENTS, HEARTBEATS, REPORT_FILE, STACKS, VERDICT_FILE, RunDir, rank_file
+from ._rundir import EVENTS, HEARTBEATS, REPORT_FILE, VERDICT_FILE, RunDir, rank_file
 
 REPORT_VERSION = 1
 
@@ -38,11 +35,10 @@ ENDED = "ended"  # gone without a marker, not (yet) judged
 def build(rd: RunDir) -> Dict[str, Any]:
     """The report as a dict, from what the run directory holds now."""
     regs = rd.registrations()
-    events: Dict[str, Dict[int, Any]] = {k: {} for k in ("success", "failure", "exit", "ack", "thread")}
-    types = {"success": Success, "failure": Failure, "exit": ExitStatus, "ack": Ack, "thread": Failure}
+    events: Dict[str, Dict[int, Any]] = {k: {} for k in EVENT_TYPES}
     for prefix, rank, name in rd.entries(EVENTS):
-        if prefix in types:
-            record = rd.read(EVENTS, name, types[prefix])
+        if prefix in EVENT_TYPES:
+            record = rd.read(EVENTS, name, EVENT_TYPES[prefix])
             if record is not None and record.rank == rank:  # type: ignore[attr-defined]
                 events[prefix][rank] = record
     verdict = rd.read(EVENTS, VERDICT_FILE, Verdict)
@@ -50,7 +46,7 @@ def build(rd: RunDir) -> Dict[str, Any]:
     for rank in sorted(set(regs) | set(events["failure"]) | set(events["exit"])):
         reg = regs.get(rank)
         beat = rd.read(HEARTBEATS, rank_file("rank", rank), Heartbeat)
-        stack = rd.join(STACKS, rank_file("rank", rank, ".txt"))
+        stack = rd.stack_path(rank)
         status = events["exit"].get(rank)
         failure = events["failure"].get(rank)
         if verdict is not None and verdict.rank == rank:
@@ -61,7 +57,7 @@ def build(rd: RunDir) -> Dict[str, Any]:
             state = FAILED
         elif verdict is not None:
             state = TORN_DOWN
-        elif status is not None or (reg is not None and not _alive(reg)):
+        elif status is not None or (reg is not None and not _identity.seems_alive(reg)):
             state = ENDED
         else:
             state = RUNNING
@@ -102,7 +98,7 @@ def build(rd: RunDir) -> Dict[str, Any]:
         v = dataclasses.asdict(verdict)
         v["detected_at"] = _iso(verdict.detected_at_ns)
         v["failed_at"] = _iso(verdict.failed_at_ns)
-        stack = rd.join(STACKS, rank_file("rank", verdict.rank, ".txt"))
+        stack = rd.stack_path(verdict.rank)
         v["stack_file"] = stack if _non_empty(stack) else None
         report["verdict"] = v
     return report
@@ -121,13 +117,6 @@ def _thread_exception(f: Optional[Failure]) -> Optional[Dict[str, Any]]:
     if f is None:
         return None
     return {"thread": f.thread, "exception": f.exception, "message": f.message, "traceback": f.traceback}
-
-
-def _alive(reg: Registration) -> bool:
-    """As far as this host can tell: another host's rank is assumed alive."""
-    if reg.boot_id != _identity.boot_id() or reg.pidns != _identity.pid_namespace():
-        return True
-    return _identity.is_same_process(reg.pid, reg.start_ticks, reg.uid)
 
 
 def _non_empty(path: str) -> bool:
