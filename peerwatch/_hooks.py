@@ -58,6 +58,13 @@ class Registry:
     def forget(self) -> None:
         self._watcher = None
 
+    def on_interrupt(self, signum: int, frame: Any) -> None:
+        """The INTERRUPT_SIGNAL handler: PeerFailure in the main thread, inside watch()."""
+        w = self.active()
+        v = w.verdict if w is not None else None
+        if w is not None and v is not None and w.in_watch > 0 and v.rank != w.rank:
+            raise PeerFailure.from_verdict(v)
+
 
 # -- judging an exception -----------------------------------------------------------
 
@@ -268,18 +275,9 @@ def install_interrupt_handler(registry: Registry) -> bool:
     if threading.current_thread() is not threading.main_thread():
         return False
     try:
-        current = signal.getsignal(_teardown.INTERRUPT_SIGNAL)
-        if current not in (signal.SIG_DFL, None) and not getattr(current, "_peerwatch", False):
+        if signal.getsignal(_teardown.INTERRUPT_SIGNAL) not in (signal.SIG_DFL, None, registry.on_interrupt):
             return False
-
-        def on_interrupt(signum: int, frame: Any) -> None:
-            w = registry.active()
-            v = w.verdict if w is not None else None
-            if w is not None and v is not None and w.in_watch > 0 and v.rank != w.rank:
-                raise PeerFailure.from_verdict(v)
-
-        on_interrupt._peerwatch = True  # type: ignore[attr-defined]
-        signal.signal(_teardown.INTERRUPT_SIGNAL, on_interrupt)
+        signal.signal(_teardown.INTERRUPT_SIGNAL, registry.on_interrupt)
         return True
     except (OSError, ValueError):
         return False
