@@ -358,8 +358,7 @@ class Watcher:
         return verdict, wrote
 
     def _acknowledge(self, leave_by: float) -> None:
-        deadline_ns = time.time_ns() + int(max(0.0, leave_by - time.monotonic()) * 1e9)
-        ack = Ack(rank=self.rank, pid=os.getpid(), time_ns=time.time_ns(), deadline_ns=deadline_ns)
+        ack = Ack(rank=self.rank, pid=os.getpid(), time_ns=time.time_ns(), deadline_ns=int(leave_by * 1e9))
         self.observer.write_event(rank_file("ack", self.rank), ack)
 
     def _announce(self, verdict: Verdict, plan: _plan.Plan) -> None:
