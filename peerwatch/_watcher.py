@@ -264,8 +264,9 @@ class Watcher:
                 # Across hosts, an exception may be the echo of a death elsewhere: hold it back
                 # a moment (deciding again meanwhile) for that host's verdict through the store.
                 verdict = decision.verdict
-                hold_ns = self.bridge.hold_until_ns(verdict) if self.bridge is not None and verdict else None
-                if hold_ns is not None and time.time_ns() < hold_ns:
+                hold = self.bridge.hold_until(verdict) if self.bridge is not None and verdict else None
+                if hold is not None and time.monotonic() < hold:
+                    hold_ns = time.time_ns() + int((hold - time.monotonic()) * 1e9)  # recheck_ns: wall clock still
                     recheck_ns = hold_ns if recheck_ns is None else min(recheck_ns, hold_ns)
                 elif verdict is not None:
                     self._act(verdict)
