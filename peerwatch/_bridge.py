@@ -188,8 +188,8 @@ class Bridge:
 
     def _store_client(self) -> StoreClient:
         if self._client is None:
-            endpoint, timeout = self.facts.store, self._op_timeout
-            self._client = StoreClient(lambda: connect(endpoint, timeout), f"peerwatch-bridge-io-rank{self.me.rank}")
+            self._client = StoreClient(functools.partial(connect, self.facts.store), self._op_timeout,
+                                       f"peerwatch-bridge-io-rank{self.me.rank}")
         return self._client
 
     def on_verdict(self, verdict: Verdict) -> None:

@@ -17,6 +17,7 @@ caller after; ``StoreClient._owner``/``_owners`` are guarded by ``StoreClient._l
 from __future__ import annotations
 
 import datetime
+import functools
 import logging
 import queue
 import socket
@@ -50,7 +51,7 @@ class _Owner:
     """One thread, one connection: runs queued calls until it is retired."""
 
     def __init__(self, connect: Callable[[], Any], name: str) -> None:
-        self.connect = connect
+        self.connect = connect  # the owner's own: makes this thread's connection
         self.jobs: queue.SimpleQueue[Optional[_Call[Any]]] = queue.SimpleQueue()
         self.has_client = False  # written by the owner thread only; a hint for deadlines
         self.thread = threading.Thread(target=self._main, name=name, daemon=True)
@@ -73,10 +74,12 @@ class _Owner:
 
 
 class StoreClient:
-    """Calls into the store, each bounded; made by ``connect()`` in the owner thread."""
+    """Calls into the store, each bounded; the client is made by ``connect(timeout_s)``
+    in the owner thread, with ``connect_timeout`` (a request's timeout)."""
 
-    def __init__(self, connect: Callable[[], Any], name: str) -> None:
+    def __init__(self, connect: Callable[[float], Any], connect_timeout: float, name: str) -> None:
         self._connect = connect
+        self._connect_timeout = connect_timeout
         self._name = name
         self._lock = threading.Lock()
         self._owner: Optional[_Owner] = None
@@ -91,7 +94,7 @@ class StoreClient:
         call: _Call[T] = _Call(fn)
         owner = self._enqueue(call)
         if owner is None:  # no thread can be started (interpreter shutdown): the caller is the only user
-            return fn(self._connect())
+            return fn(self._connect(min(timeout, self._connect_timeout)))
         if not owner.has_client:
             timeout += connect_s
         try:
@@ -111,7 +114,7 @@ class StoreClient:
                 raise StoreOverrun("the store client is closed")
             owner = self._owner
             if owner is None:
-                owner = _Owner(self._connect, self._name)
+                owner = _Owner(functools.partial(self._connect, self._connect_timeout), self._name)
                 try:
                     owner.thread.start()
                 except RuntimeError:  # at interpreter shutdown (Python 3.12+): no new threads

@@ -35,7 +35,7 @@ class _Conn:
 
 def test_the_client_is_made_and_used_only_by_its_owner_thread() -> None:
     made: List[_Conn] = []
-    client = StoreClient(lambda: _Conn(made), "test-owner")
+    client = StoreClient(lambda t: _Conn(made), 1.0, "test-owner")
     results = []
 
     def caller(i: int) -> None:
@@ -53,9 +53,18 @@ def test_the_client_is_made_and_used_only_by_its_owner_thread() -> None:
     assert not made[0].made_by.is_alive()
 
 
+def test_the_connection_is_made_with_a_request_timeout() -> None:
+    timeouts: List[float] = []
+    client = StoreClient(lambda t: timeouts.append(t) or object(), 2.5, "test-owner")
+    client.call(lambda c: None, 5.0)
+    client.call(lambda c: None, 5.0)
+    assert timeouts == [2.5]  # once: the connection is kept
+    client.close(time.monotonic() + 5.0)
+
+
 def test_an_error_is_raised_to_the_caller_and_the_connection_is_made_again() -> None:
     made: List[_Conn] = []
-    client = StoreClient(lambda: _Conn(made), "test-owner")
+    client = StoreClient(lambda t: _Conn(made), 1.0, "test-owner")
 
     def fail(c: _Conn) -> None:
         raise ConnectionResetError("gone")
@@ -69,7 +78,7 @@ def test_an_error_is_raised_to_the_caller_and_the_connection_is_made_again() -> 
 
 def test_a_call_that_overruns_retires_its_owner_and_the_next_call_gets_a_new_one() -> None:
     made: List[_Conn] = []
-    client = StoreClient(lambda: _Conn(made), "test-owner")
+    client = StoreClient(lambda t: _Conn(made), 1.0, "test-owner")
     release = threading.Event()
     started = time.monotonic()
     with pytest.raises(StoreOverrun):
@@ -84,7 +93,7 @@ def test_a_call_that_overruns_retires_its_owner_and_the_next_call_gets_a_new_one
 
 
 def test_calls_queued_behind_a_hung_one_fail_when_it_is_given_up() -> None:
-    client = StoreClient(lambda: object(), "test-owner")
+    client = StoreClient(lambda t: object(), 1.0, "test-owner")
     release = threading.Event()
     behind: List[BaseException] = []
 
@@ -107,7 +116,7 @@ def test_calls_queued_behind_a_hung_one_fail_when_it_is_given_up() -> None:
 
 
 def test_connecting_gets_its_allowance_only_when_there_is_no_connection() -> None:
-    client = StoreClient(lambda: time.sleep(0.3) or object(), "test-owner")
+    client = StoreClient(lambda t: time.sleep(0.3) or object(), 1.0, "test-owner")
     assert client.call(lambda c: 1, 0.1, connect_s=2.0) == 1  # 0.3 s to connect: within the allowance
     with pytest.raises(StoreOverrun):
         client.call(lambda c: time.sleep(0.3), 0.1, connect_s=2.0)  # connected: no allowance
@@ -115,7 +124,7 @@ def test_connecting_gets_its_allowance_only_when_there_is_no_connection() -> Non
 
 
 def test_close_fails_waiting_callers_at_once_and_joins_idle_owners() -> None:
-    client = StoreClient(lambda: object(), "test-owner")
+    client = StoreClient(lambda t: object(), 1.0, "test-owner")
     release = threading.Event()
     errors: List[BaseException] = []
 
