@@ -18,8 +18,25 @@ from typing import TYPE_CHECKING, Any
 from ._errors import ConfigError, PeerFailure, PeerwatchError, RunDirError
 
 if TYPE_CHECKING:
-    from ._api import beat, install, paused, watch
+    from ._api import (
+        Handle,
+        add_verdict_listener,
+        beat,
+        current,
+        install,
+        mark_success,
+        paused,
+        record_exception,
+        remove_verdict_listener,
+        watch,
+    )
     from ._config import Config
+    from ._records import Verdict
+
+_API = frozenset({
+    "Handle", "add_verdict_listener", "beat", "current", "install", "mark_success", "paused", "record_exception",
+    "remove_verdict_listener", "watch",
+})
 
 __version__ = "0.1.0"
 
@@ -27,10 +44,12 @@ __version__ = "0.1.0"
 def __getattr__(name: str) -> Any:
     """The API is imported on first use (PEP 562): ``import peerwatch`` alone stays cheap,
     e.g. in every DataLoader worker that re-imports the training script."""
-    if name in ("install", "watch", "beat", "paused"):
+    if name in _API:
         from . import _api as module
     elif name == "Config":
         from . import _config as module  # type: ignore[no-redef]
+    elif name == "Verdict":
+        from . import _records as module  # type: ignore[no-redef]
     else:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     value = getattr(module, name)
@@ -40,12 +59,19 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "Config",
     "ConfigError",
+    "Handle",
     "PeerFailure",
     "PeerwatchError",
     "RunDirError",
+    "Verdict",
     "__version__",
+    "add_verdict_listener",
     "beat",
+    "current",
     "install",
+    "mark_success",
     "paused",
+    "record_exception",
+    "remove_verdict_listener",
     "watch",
 ]

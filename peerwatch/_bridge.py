@@ -232,6 +232,11 @@ class Bridge:
             self._settle[key] = settle_deadline(verdict.failed_at_ns, time.time_ns(), time.monotonic())
         return self._settle[key]
 
+    def hold_until(self, verdict: Verdict) -> Optional[float]:
+        """:meth:`hold_until_ns` as a ``time.monotonic()`` deadline."""
+        until_ns = self.hold_until_ns(verdict)
+        return None if until_ns is None else time.monotonic() + (until_ns - time.time_ns()) / 1e9
+
     def _connected(self) -> bool:
         """Is this host's bridge (run by any local rank) connected to the store?"""
         return self.reachable if self.running else connected_elsewhere(self.run_dir)

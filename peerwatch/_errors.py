@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Dict, Optional
 
 
 class PeerwatchError(Exception):
@@ -58,15 +58,12 @@ class PeerFailure(SystemExit):
         host: Optional[str] = None,
         detail: str = "",
     ) -> None:
-        if rank is None and cause is None and exit_code is None:
-            # Raised asynchronously into the main thread (no arguments can travel that
-            # way): take the fields from the verdict this process is acting on.
-            from . import _api
-
-            verdict = _api.current_verdict()
-            if verdict is not None:
-                rank, cause, exit_code = verdict.rank, verdict.cause, verdict.exit_code
-                pid, signal, host, detail = verdict.pid, verdict.signal, verdict.host, verdict.detail
+        fields = self._bound
+        if fields is not None and rank is None and cause is None and exit_code is None:
+            # Raised asynchronously into the main thread (no arguments travel that way):
+            # a class made by bound_to() carries the verdict's fields.
+            rank, cause, exit_code = fields["rank"], fields["cause"], fields["exit_code"]
+            pid, signal, host, detail = fields["pid"], fields["signal"], fields["host"], fields["detail"]
         code = 1 if exit_code is None else exit_code
         super().__init__(code)
         self.rank = rank
@@ -76,6 +73,23 @@ class PeerFailure(SystemExit):
         self.signal = signal
         self.host = host
         self.detail = detail
+
+    _bound: Optional[Dict[str, Any]] = None
+
+    @classmethod
+    def from_verdict(cls, verdict: Any) -> PeerFailure:
+        """The PeerFailure for a verdict (any object with its fields)."""
+        return cls(
+            verdict.rank, verdict.cause, verdict.exit_code, pid=verdict.pid, signal=verdict.signal,
+            host=verdict.host, detail=verdict.detail,
+        )
+
+    @classmethod
+    def bound_to(cls, verdict: Any) -> type:
+        """A subclass whose no-argument construction carries ``verdict``'s fields: what
+        ``PyThreadState_SetAsyncExc`` raises in the main thread (it takes a class)."""
+        fields = {k: getattr(verdict, k) for k in ("rank", "cause", "exit_code", "pid", "signal", "host", "detail")}
+        return type(cls.__name__, (cls,), {"_bound": fields, "__module__": cls.__module__, "__qualname__": cls.__qualname__})
 
     def __reduce__(self) -> Any:
         kwargs = {"pid": self.pid, "signal": self.signal, "host": self.host, "detail": self.detail}

@@ -12,6 +12,8 @@ import functools
 import os
 from typing import Optional
 
+from ._records import Registration
+
 
 @dataclasses.dataclass(frozen=True)
 class ProcessInfo:
@@ -108,6 +110,20 @@ def is_same_process(pid: int, start_ticks: int, uid: int) -> bool:
     return info is not None and not info.dead and info.start_ticks == start_ticks and info.uid == uid
 
 
+def is_local(reg: Registration) -> bool:
+    """The one answer to "is this process on this host": same boot id and PID namespace."""
+    return reg.boot_id == boot_id() and reg.pidns == pid_namespace()
+
+
+def seems_alive(reg: Registration) -> bool:
+    """As far as this host can tell. A local process is checked; one of this host from an
+    earlier boot (same host name, another boot id) is dead; another host's, or another PID
+    namespace's, is assumed alive: it is not ours to see."""
+    if is_local(reg):
+        return is_same_process(reg.pid, reg.start_ticks, reg.uid)
+    return not (reg.host == hostname() and reg.boot_id != boot_id())
+
+
 def self_info() -> ProcessInfo:
     info = probe(os.getpid())
     if info is None:
@@ -115,4 +131,7 @@ def self_info() -> ProcessInfo:
     return info
 
 
-__all__ = ["ProcessInfo", "boot_id", "hostname", "is_same_process", "pid_namespace", "probe", "self_info"]
+__all__ = [
+    "ProcessInfo", "boot_id", "hostname", "is_local", "is_same_process", "pid_namespace", "probe",
+    "seems_alive", "self_info",
+]

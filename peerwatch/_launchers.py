@@ -44,14 +44,16 @@ import signal
 import sys
 import threading
 import time
-from typing import TYPE_CHECKING, Callable, List, Mapping, Optional
+from typing import Callable, List, Mapping, Optional
 
 from . import _identity, _report, _rundir, _teardown
+from ._identity import is_local
 from ._records import LOST, Failure, Registration, Verdict
-from ._sources import is_local
 
-if TYPE_CHECKING:
-    from ._watcher import Watcher
+try:
+    from typing import Protocol
+except ImportError:  # pragma: no cover - Python < 3.8
+    Protocol = object  # type: ignore[assignment,misc]
 
 logger = logging.getLogger("peerwatch")
 
@@ -67,7 +69,20 @@ _OBSERVER_MODULES = (
     "lightning_fabric.strategies.launchers.subprocess_script",
 )
 
-VerdictListener = Callable[["Watcher", Verdict], None]
+VerdictListener = Callable[[Verdict], None]
+
+
+class RankLink(Protocol):
+    """What the launcher watch needs of this rank's watcher (no import of it: the watcher
+    imports this module)."""
+
+    me: Registration
+    done: threading.Event  # this rank is done: stop watching
+    verdict_seen: threading.Event
+
+    def is_over(self) -> bool: ...
+
+    def record_failure(self, failure: Failure) -> None: ...
 _listeners: List[VerdictListener] = []
 _listeners_lock = threading.Lock()
 
@@ -83,20 +98,81 @@ class Launcher:
 # -- after install -------------------------------------------------------------------
 
 
-def after_install(watcher: Watcher) -> None:
-    """Called by install() once the watcher runs. Never raises."""
+def after_install(link: RankLink, exit_code: int) -> Optional[LauncherWatch]:
+    """Called once the watcher runs: marks ``PEERWATCH_DIR`` as ours, and starts watching
+    the launcher, if this rank has one. Never raises."""
     try:
         os.environ[_rundir.OWNER_VAR] = _rundir.process_key(os.getpid())
-        launcher = launcher_of(watcher.me, os.environ)
-        if launcher is not None:
-            if launcher.kind == MP_PARENT:
-                _drop_sigint_on_parent_death()
-            threading.Thread(
-                target=_watch_launcher, args=(watcher, launcher), name=f"peerwatch-launcher-rank{watcher.rank}",
-                daemon=True,
-            ).start()
+        launcher = launcher_of(link.me, os.environ)
+        if launcher is None:
+            return None
+        if launcher.kind == MP_PARENT:
+            _drop_sigint_on_parent_death()
+        watch = LauncherWatch(link, launcher, exit_code)
+        watch.start()
+        return watch
     except Exception:  # noqa: BLE001 - training goes on; the rank is still watched by its peers
-        logger.exception("peerwatch: rank %d cannot watch its launcher", watcher.rank)
+        logger.exception("peerwatch: rank %d cannot watch its launcher", link.me.rank)
+        return None
+
+
+class LauncherWatch:
+    """A thread (``peerwatch-launcher-rank<N>``) that sleeps on the launcher's pidfd and a
+    stop pipe; when the launcher is gone, this rank fails (cause ``lost``)."""
+
+    def __init__(self, link: RankLink, launcher: Launcher, exit_code: int) -> None:
+        self.link = link
+        self.launcher = launcher
+        self.exit_code = exit_code
+        self._stop_r, self._stop_w = os.pipe()
+        self._stopped = False  # stop() was called (by the thread that stops the watcher)
+        self.thread = threading.Thread(target=self._main, name=f"peerwatch-launcher-rank{link.me.rank}", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self, timeout: float = 1.0) -> None:
+        """Stop watching and join the thread (from another thread; once)."""
+        if self._stopped:
+            return
+        self._stopped = True
+        os.write(self._stop_w, b"\0")
+        if self.thread is not threading.current_thread() and self.thread.is_alive():
+            self.thread.join(timeout)
+        if not self.thread.is_alive():
+            os.close(self._stop_r)
+            os.close(self._stop_w)
+
+    def _main(self) -> None:
+        try:
+            if self._wait_gone():
+                _launcher_gone(self.link, self.launcher, self.exit_code)
+        except Exception:  # noqa: BLE001 - the watcher must never die silently
+            logger.exception("peerwatch: rank %d stopped watching its launcher (pid %d)", self.link.me.rank,
+                             self.launcher.pid)
+
+    def _wait_gone(self) -> bool:
+        """Block until the launcher is gone (True) or we are told to stop (False)."""
+        launcher = self.launcher
+        pidfd = None
+        if hasattr(os, "pidfd_open"):
+            try:
+                pidfd = os.pidfd_open(launcher.pid)
+            except OSError:
+                pidfd = None
+        try:
+            # Verified after the pidfd is open: from now on it refers to that very process.
+            while _identity.is_same_process(launcher.pid, launcher.start_ticks, launcher.uid):
+                fds = [self._stop_r] if pidfd is None else [self._stop_r, pidfd]
+                ready, _, _ = select.select(fds, [], [], None if pidfd is not None else LAUNCHER_POLL_S)
+                if self._stop_r in ready or self.link.done.is_set():
+                    return False
+                if pidfd is not None and pidfd in ready:
+                    return True
+            return not self.link.done.is_set()
+        finally:
+            if pidfd is not None:
+                os.close(pidfd)
 
 
 def launcher_of(me: Registration, env: Mapping[str, str]) -> Optional[Launcher]:
@@ -138,70 +214,31 @@ def _drop_sigint_on_parent_death() -> None:
         pass  # not Linux: no PDEATHSIG to drop
 
 
-def _watch_launcher(w: Watcher, launcher: Launcher) -> None:
-    try:
-        if _wait_gone(w, launcher):
-            _launcher_gone(w, launcher)
-    except Exception:  # noqa: BLE001 - the watcher must never die silently
-        logger.exception("peerwatch: rank %d stopped watching its launcher (pid %d)", w.rank, launcher.pid)
-
-
-def _wait_gone(w: Watcher, launcher: Launcher) -> bool:
-    """Block until the launcher is gone (True) or this rank's watcher stops (False)."""
-    pidfd = None
-    if hasattr(os, "pidfd_open"):
-        try:
-            pidfd = os.pidfd_open(launcher.pid)
-        except OSError:
-            pidfd = None
-    try:
-        # Verified after the pidfd is open: from now on it refers to that very process.
-        if not _identity.is_same_process(launcher.pid, launcher.start_ticks, launcher.uid):
-            return True
-        while not w.stopped.is_set():
-            if pidfd is not None:
-                # No wake-up needed: a daemon thread, and a rank that is done ignores the news.
-                ready, _, _ = select.select([pidfd], [], [], None)
-                if ready:
-                    return True
-            elif w.stopped.wait(LAUNCHER_POLL_S) or not _identity.is_same_process(
-                launcher.pid, launcher.start_ticks, launcher.uid
-            ):
-                return not w.stopped.is_set()
-        return False
-    finally:
-        if pidfd is not None:
-            os.close(pidfd)
-
-
-def _launcher_gone(w: Watcher, launcher: Launcher) -> None:
-    if w.verdict is not None or w.succeeded or w.stopped.is_set():
+def _launcher_gone(w: RankLink, launcher: Launcher, exit_code: int) -> None:
+    if w.is_over():
         return  # being torn down already, or done: the launcher's end is no news
     message = (
         f"its launcher ({launcher.kind}, pid {launcher.pid}) is gone; nothing would restart, "
         "reap or report this rank"
     )
-    logger.error("peerwatch: rank %d (pid %d): %s. Failing this rank.", w.rank, os.getpid(), message)
+    rank = w.me.rank
+    logger.error("peerwatch: rank %d (pid %d): %s. Failing this rank.", rank, os.getpid(), message)
+    # The verdict on this failure ends the rank at once (rule 2 of the plan: its main
+    # thread is not leaving by itself).
     w.record_failure(Failure(
-        rank=w.rank, pid=os.getpid(), time_ns=time.time_ns(), cause=LOST, exit_code=w.config.exit_code,
+        rank=rank, pid=os.getpid(), time_ns=time.time_ns(), cause=LOST, exit_code=exit_code,
         exception=LAUNCHER_GONE, message=message,
     ))
     if not w.verdict_seen.wait(VERDICT_WAIT_S):
-        logger.error("peerwatch: rank %d has no verdict %gs after losing its launcher; exiting", w.rank, VERDICT_WAIT_S)
-        _teardown.flush_and_exit(w.config.exit_code)
-    verdict = w.verdict
-    if verdict is not None and verdict.rank == w.rank:
-        # The watcher waits for a failing rank's main thread to leave; this one is not
-        # leaving (it lost its launcher, it did not raise). Tell the watcher to go on.
-        w.stopped.set()
-        w.wake()
+        logger.error("peerwatch: rank %d has no verdict %gs after losing its launcher; exiting", rank, VERDICT_WAIT_S)
+        _teardown.flush_and_exit(exit_code)
 
 
 # -- on verdict ----------------------------------------------------------------------
 
 
 def add_verdict_listener(listener: VerdictListener) -> None:
-    """Call ``listener(watcher, verdict)`` in the watcher thread when a verdict is known,
+    """Call ``listener(verdict)`` in the watcher thread when a verdict is known,
     before the teardown. It must be quick; its exceptions are logged and ignored."""
     with _listeners_lock:
         if listener not in _listeners:
@@ -214,24 +251,24 @@ def remove_verdict_listener(listener: VerdictListener) -> None:
             _listeners.remove(listener)
 
 
-def on_verdict(watcher: Watcher, verdict: Verdict) -> None:
+def on_verdict(me: Registration, run_dir: _rundir.RunDir, verdict: Verdict) -> None:
     """Called by the watcher thread once it acts on a verdict. Never raises."""
     try:
         quiet_lightning_observer()
     except Exception:  # noqa: BLE001
         logger.exception("peerwatch: could not quiet Lightning's child process observer")
-    if verdict.rank != watcher.rank and launcher_of(watcher.me, os.environ) is not None:
+    if verdict.rank != me.rank and launcher_of(me, os.environ) is not None:
         # torchrun's agent and mp.spawn's main process SIGTERM the surviving workers as soon
         # as they have seen the failed one: the report cannot wait for our teardown's end.
         try:
-            _report.write(watcher.run_dir)
+            _report.write(run_dir)
         except Exception:  # noqa: BLE001
-            logger.exception("peerwatch: rank %d could not write the report", watcher.rank)
+            logger.exception("peerwatch: rank %d could not write the report", me.rank)
     with _listeners_lock:
         listeners = list(_listeners)
     for listener in listeners:
         try:
-            listener(watcher, verdict)
+            listener(verdict)
         except Exception:  # noqa: BLE001 - a listener must never stop the teardown
             logger.exception("peerwatch: verdict listener %r failed", listener)
 
@@ -259,34 +296,34 @@ def quiet_lightning_observer() -> int:
 # -- before exit ---------------------------------------------------------------------
 
 
-def before_exit(watcher: Watcher, verdict: Verdict) -> None:
+def before_exit(me: Registration, run_dir: _rundir.RunDir, verdict: Verdict) -> None:
     """Called by the watcher thread right before this rank exits. Never raises."""
     try:
-        _let_agent_see_first(watcher, verdict)
+        _let_agent_see_first(me, run_dir, verdict)
     except Exception:  # noqa: BLE001
-        logger.exception("peerwatch: rank %d could not wait for its agent", watcher.rank)
+        logger.exception("peerwatch: rank %d could not wait for its agent", me.rank)
 
 
-def _let_agent_see_first(w: Watcher, verdict: Verdict) -> None:
-    if verdict.rank == w.rank or launcher_of(w.me, os.environ) is None:
+def _let_agent_see_first(me: Registration, run_dir: _rundir.RunDir, verdict: Verdict) -> None:
+    if verdict.rank == me.rank or launcher_of(me, os.environ) is None:
         return
-    failed = w.run_dir.read(_rundir.RANKS, _rundir.rank_file("rank", verdict.rank), Registration)
-    if failed is None or not is_local(failed) or failed.ppid != w.me.ppid:
+    failed = run_dir.read(_rundir.RANKS, _rundir.rank_file("rank", verdict.rank), Registration)
+    if failed is None or not is_local(failed) or failed.ppid != me.ppid:
         return  # not a sibling: our launcher has nothing to see
-    agent = _identity.probe(w.me.ppid)
+    agent = _identity.probe(me.ppid)
     if agent is None or agent.dead:
         return
     deadline = time.monotonic() + AGENT_WAIT_S
     while time.monotonic() < deadline:
         info = _identity.probe(failed.pid)
         if info is None or info.start_ticks != failed.start_ticks:
-            logger.debug("peerwatch: rank %d: the agent reaped rank %d", w.rank, verdict.rank)
+            logger.debug("peerwatch: rank %d: the agent reaped rank %d", me.rank, verdict.rank)
             return  # reaped: the agent saw it and is stopping the workers now
         time.sleep(AGENT_POLL_S)
-    logger.debug("peerwatch: rank %d: the agent did not reap rank %d within %gs", w.rank, verdict.rank, AGENT_WAIT_S)
+    logger.debug("peerwatch: rank %d: the agent did not reap rank %d within %gs", me.rank, verdict.rank, AGENT_WAIT_S)
 
 
 __all__ = [
-    "AGENT_WAIT_S", "LAUNCHER_GONE", "Launcher", "add_verdict_listener", "after_install", "before_exit",
+    "AGENT_WAIT_S", "LAUNCHER_GONE", "Launcher", "LauncherWatch", "RankLink", "add_verdict_listener", "after_install", "before_exit",
     "launcher_of", "on_verdict", "quiet_lightning_observer", "remove_verdict_listener",
 ]

@@ -136,6 +136,11 @@ class Verdict:
     laggards: Tuple[int, ...] = ()  # for a hang: the ranks holding the job up, most likely first
 
 
+# The events folder's file name prefixes (``<prefix>-<rank>.json``) and their record types.
+# ``thread``: an uncaught exception in another thread of the rank (for the report).
+EVENT_TYPES: Dict[str, type] = {"success": Success, "failure": Failure, "exit": ExitStatus, "ack": Ack, "thread": Failure}
+
+
 R = TypeVar("R")
 
 
@@ -241,6 +246,6 @@ def signal_name(signum: int) -> str:
 
 __all__ = [
     "EXCEPTION", "EXIT", "HANG", "LOST", "MISSING", "SIGNAL", "VANISHED",
-    "Ack", "ExitStatus", "Failure", "Heartbeat", "Registration", "Success", "Verdict",
+    "EVENT_TYPES", "Ack", "ExitStatus", "Failure", "Heartbeat", "Registration", "Success", "Verdict",
     "HANG_EXIT_CODE", "MAX_RECORD_BYTES", "RECORD_VERSION", "decode", "encode", "returncode_exit_code", "signal_name",
 ]

@@ -9,21 +9,20 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Optional
 
 from . import _identity
 from ._records import (
-    Ack,
+    EVENT_TYPES,
     ExitStatus,
     Failure,
     Heartbeat,
     Registration,
-    Success,
     Verdict,
     returncode_exit_code,
     signal_name,
 )
-from ._rundir import EVENTS, HEARTBEATS, REPORT_FILE, STACKS, VERDICT_FILE, RunDir, rank_file
+from ._rundir import EVENTS, HEARTBEATS, REPORT_FILE, VERDICT_FILE, RunDir, rank_file
 
 REPORT_VERSION = 1
 
@@ -38,55 +37,12 @@ ENDED = "ended"  # gone without a marker, not (yet) judged
 def build(rd: RunDir) -> Dict[str, Any]:
     """The report as a dict, from what the run directory holds now."""
     regs = rd.registrations()
-    events: Dict[str, Dict[int, Any]] = {k: {} for k in ("success", "failure", "exit", "ack", "thread")}
-    types = {"success": Success, "failure": Failure, "exit": ExitStatus, "ack": Ack, "thread": Failure}
-    for prefix, rank, name in rd.entries(EVENTS):
-        if prefix in types:
-            record = rd.read(EVENTS, name, types[prefix])
-            if record is not None and record.rank == rank:  # type: ignore[attr-defined]
-                events[prefix][rank] = record
+    events = _events(rd)
     verdict = rd.read(EVENTS, VERDICT_FILE, Verdict)
-    ranks: List[Dict[str, Any]] = []
-    for rank in sorted(set(regs) | set(events["failure"]) | set(events["exit"])):
-        reg = regs.get(rank)
-        beat = rd.read(HEARTBEATS, rank_file("rank", rank), Heartbeat)
-        stack = rd.join(STACKS, rank_file("rank", rank, ".txt"))
-        status = events["exit"].get(rank)
-        failure = events["failure"].get(rank)
-        if verdict is not None and verdict.rank == rank:
-            state = FAILED
-        elif rank in events["success"]:
-            state = SUCCEEDED
-        elif failure is not None:
-            state = FAILED
-        elif verdict is not None:
-            state = TORN_DOWN
-        elif status is not None or (reg is not None and not _alive(reg)):
-            state = ENDED
-        else:
-            state = RUNNING
-        exit_code: Optional[int] = None
-        if status is not None:
-            exit_code = returncode_exit_code(status.returncode)
-        elif failure is not None and failure.exit_code is not None:
-            exit_code = failure.exit_code
-        elif state == TORN_DOWN and verdict is not None:
-            exit_code = verdict.exit_code
-        elif state == SUCCEEDED:
-            exit_code = 0
-        ranks.append({
-            "rank": rank,
-            "pid": reg.pid if reg else (status.pid if status else None),
-            "host": reg.host if reg else None,
-            "state": state,
-            "exit_code": exit_code,
-            "signal": signal_name(-status.returncode) if status is not None and status.returncode < 0 else None,
-            "stack_file": stack if _non_empty(stack) else None,
-            "last_heartbeat_ns": beat.time_ns if beat else None,
-            "step": beat.step if beat else None,
-            "acked_verdict": rank in events["ack"],
-            "thread_exception": _thread_exception(events["thread"].get(rank)),
-        })
+    ranks = [
+        _rank_entry(rd, rank, regs.get(rank), events, verdict)
+        for rank in sorted(set(regs) | set(events["failure"]) | set(events["exit"]))
+    ]
     outcome = "failed" if verdict is not None else (
         "succeeded" if ranks and all(r["state"] == SUCCEEDED for r in ranks) else "running"
     )
@@ -102,10 +58,67 @@ def build(rd: RunDir) -> Dict[str, Any]:
         v = dataclasses.asdict(verdict)
         v["detected_at"] = _iso(verdict.detected_at_ns)
         v["failed_at"] = _iso(verdict.failed_at_ns)
-        stack = rd.join(STACKS, rank_file("rank", verdict.rank, ".txt"))
+        stack = rd.stack_path(verdict.rank)
         v["stack_file"] = stack if _non_empty(stack) else None
         report["verdict"] = v
     return report
+
+
+def _events(rd: RunDir) -> Dict[str, Dict[int, Any]]:
+    """prefix -> rank -> record, for every record in ``events/`` that names its own rank."""
+    events: Dict[str, Dict[int, Any]] = {k: {} for k in EVENT_TYPES}
+    for prefix, rank, name in rd.entries(EVENTS):
+        if prefix in EVENT_TYPES:
+            record = rd.read(EVENTS, name, EVENT_TYPES[prefix])
+            if record is not None and record.rank == rank:  # type: ignore[attr-defined]
+                events[prefix][rank] = record
+    return events
+
+
+def _state(rank: int, reg: Optional[Registration], events: Dict[str, Dict[int, Any]], verdict: Optional[Verdict]) -> str:
+    if verdict is not None and verdict.rank == rank:
+        return FAILED
+    if rank in events["success"]:
+        return SUCCEEDED
+    if rank in events["failure"]:
+        return FAILED
+    if verdict is not None:
+        return TORN_DOWN
+    if rank in events["exit"] or (reg is not None and not _identity.seems_alive(reg)):
+        return ENDED
+    return RUNNING
+
+
+def _exit_code(state: str, status: Optional[ExitStatus], failure: Optional[Failure], verdict: Optional[Verdict]) -> Optional[int]:
+    if status is not None:
+        return returncode_exit_code(status.returncode)
+    if failure is not None and failure.exit_code is not None:
+        return failure.exit_code
+    if state == TORN_DOWN and verdict is not None:
+        return verdict.exit_code
+    return 0 if state == SUCCEEDED else None
+
+
+def _rank_entry(
+    rd: RunDir, rank: int, reg: Optional[Registration], events: Dict[str, Dict[int, Any]], verdict: Optional[Verdict],
+) -> Dict[str, Any]:
+    beat = rd.read(HEARTBEATS, rank_file("rank", rank), Heartbeat)
+    stack = rd.stack_path(rank)
+    status = events["exit"].get(rank)
+    state = _state(rank, reg, events, verdict)
+    return {
+        "rank": rank,
+        "pid": reg.pid if reg else (status.pid if status else None),
+        "host": reg.host if reg else None,
+        "state": state,
+        "exit_code": _exit_code(state, status, events["failure"].get(rank), verdict),
+        "signal": signal_name(-status.returncode) if status is not None and status.returncode < 0 else None,
+        "stack_file": stack if _non_empty(stack) else None,
+        "last_heartbeat_ns": beat.time_ns if beat else None,
+        "step": beat.step if beat else None,
+        "acked_verdict": rank in events["ack"],
+        "thread_exception": _thread_exception(events["thread"].get(rank)),
+    }
 
 
 def write(rd: RunDir) -> Dict[str, Any]:
@@ -121,13 +134,6 @@ def _thread_exception(f: Optional[Failure]) -> Optional[Dict[str, Any]]:
     if f is None:
         return None
     return {"thread": f.thread, "exception": f.exception, "message": f.message, "traceback": f.traceback}
-
-
-def _alive(reg: Registration) -> bool:
-    """As far as this host can tell: another host's rank is assumed alive."""
-    if reg.boot_id != _identity.boot_id() or reg.pidns != _identity.pid_namespace():
-        return True
-    return _identity.is_same_process(reg.pid, reg.start_ticks, reg.uid)
 
 
 def _non_empty(path: str) -> bool:

@@ -186,6 +186,10 @@ class RunDir:
     def join(self, *parts: str) -> str:
         return os.path.join(self.path, *parts)
 
+    def stack_path(self, rank: int) -> str:
+        """Where rank ``rank`` keeps its stack file (open for faulthandler as long as it runs)."""
+        return self.join(STACKS, rank_file("rank", rank, ".txt"))
+
     # -- creation and registration -------------------------------------------------
 
     def prepare(self, reg: Registration, process_start_ns: int) -> None:
@@ -249,7 +253,7 @@ class RunDir:
                     f"rank {reg.rank} is already registered by live pid {mine.pid}: two jobs share "
                     "this run directory; give each its own PEERWATCH_DIR",
                 )
-            others_alive = [r.rank for r in self.registrations().values() if r.rank != reg.rank and self._alive(r)]
+            others_alive = [r.rank for r in self.registrations().values() if r.rank != reg.rank and _identity.seems_alive(r)]
             if others_alive:
                 # The run lives on: this is not rank reg.rank of a new run but a process
                 # (a child that outlived its rank?) claiming a dead rank's slot.
@@ -261,19 +265,13 @@ class RunDir:
             stale_reason = f"rank {reg.rank} was registered by pid {mine.pid}, which is gone"
         verdict = self.read(EVENTS, VERDICT_FILE, Verdict)
         if stale_reason is None and verdict is not None and verdict.detected_at_ns < process_start_ns:
-            if not any(self._alive(r) for r in self.registrations().values()):
+            if not any(_identity.seems_alive(r) for r in self.registrations().values()):
                 stale_reason = "it holds a verdict from before this process started"
         if stale_reason is None:
             return
         aside = f"{self.path}.stale-{time.time_ns()}"
         logger.warning("peerwatch: %s is from an earlier run (%s); moved it to %s", self.path, stale_reason, aside)
         os.rename(self.path, aside)
-
-    @staticmethod
-    def _alive(reg: Registration) -> bool:
-        if reg.host != _identity.hostname() or reg.pidns != _identity.pid_namespace():
-            return True  # not ours to see: assume alive
-        return reg.boot_id == _identity.boot_id() and _identity.is_same_process(reg.pid, reg.start_ticks, reg.uid)
 
     # -- writing -------------------------------------------------------------------
 

@@ -24,7 +24,7 @@ What changes in the watcher in shared mode (see ``Watcher._run``):
 - heartbeats are always written to a temp file, closed, then renamed into place: NFS
   gives close-to-open consistency, so a reader on another host that opens the file after
   the rename sees the whole new record, never a torn in-place write;
-- only local processes are ever signalled (as everywhere: :func:`peerwatch._sources.is_local`).
+- only local processes are ever signalled (as everywhere: :func:`peerwatch._identity.is_local`).
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ import re
 import time
 from typing import TYPE_CHECKING, AbstractSet, Dict, Hashable, Iterable, List, Mapping, Optional
 
+from ._identity import is_local
 from ._records import Heartbeat, Registration
-from ._sources import is_local
 
 if TYPE_CHECKING:
     from ._rundir import RunDir

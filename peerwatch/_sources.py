@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import threading
 from typing import Callable, List, Optional
 
 from . import _identity
@@ -190,9 +191,14 @@ class FolderWatch:
         self._observer = observer
         self.active = True
 
-    def stop(self) -> None:
-        if self._observer is not None:
-            self._observer.stop()
+    def stop(self, timeout: float = 1.0) -> None:
+        """Stop watchdog's threads and join them (not from one of them)."""
+        observer, self._observer = self._observer, None
+        if observer is None:
+            return
+        observer.stop()
+        if threading.current_thread() is not observer and observer.is_alive():
+            observer.join(timeout)
 
 
 __all__ = [

@@ -39,3 +39,59 @@ def test_unknown_attribute_is_an_attribute_error() -> None:
         assert "no_such_thing" in str(e)
     else:
         raise AssertionError("no AttributeError")
+
+
+def _imports_of(path: "Path", package: str) -> set:
+    """Every peerwatch module that ``path`` imports anywhere: at the top, inside functions
+    (lazily) or under ``TYPE_CHECKING``."""
+    import ast
+
+    tree = ast.parse(path.read_text())
+    here = path.with_suffix("").relative_to(path.parents[len(path.relative_to(_ROOT).parts) - 1]).parts
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level > 0:
+            base = list(here[: len(here) - node.level]) if path.name != "__init__.py" else list(here[: len(here) - node.level + 1])
+            if node.module:
+                base += node.module.split(".")
+                found.add(".".join(base))
+            else:
+                found.update(".".join(base + [alias.name]) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == package:
+            found.add(node.module)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.split(".")[0] == package)
+    return found
+
+
+from pathlib import Path  # noqa: E402
+
+_ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_no_module_imports_a_module_that_imports_it() -> None:
+    """The stages form a layered graph: no cycle, lazy and TYPE_CHECKING imports included
+    (``peerwatch`` itself, which only re-exports, and the integrations, which use only the
+    package's public names, are left out as importers of everything)."""
+    modules = {}
+    for path in sorted((_ROOT / "peerwatch").rglob("*.py")):
+        name = ".".join(path.with_suffix("").relative_to(_ROOT).parts)
+        if name.endswith(".__init__"):
+            name = name[: -len(".__init__")]
+        modules[name] = path
+    graph = {
+        name: {m for m in _imports_of(path, "peerwatch") if m in modules and m != "peerwatch"}
+        for name, path in modules.items() if name != "peerwatch"
+    }
+    cycles = []
+    for start in graph:
+        stack = [(start, [start])]
+        while stack:
+            node, trail = stack.pop()
+            for nxt in graph.get(node, ()):
+                if nxt == start:
+                    cycles.append(" -> ".join(trail + [start]))
+                elif nxt not in trail:
+                    stack.append((nxt, trail + [nxt]))
+    assert not cycles, "\n".join(sorted(set(cycles))[:10])
+    assert graph["peerwatch._errors"] == set(), "_errors imports nothing else from peerwatch"

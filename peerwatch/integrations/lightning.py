@@ -47,11 +47,8 @@ except ImportError:  # the older package name
 
     _LIGHTNING_LOGGER = "pytorch_lightning"
 
-from .. import _api, _launchers, _rundir
-from .._config import Config
-from .._errors import PeerFailure
-from .._records import Verdict
-from .._watcher import Watcher
+import peerwatch
+
 from . import torch as _pw_torch
 
 log = logging.getLogger(_LIGHTNING_LOGGER)
@@ -66,10 +63,10 @@ class PeerWatch(Callback):  # type: ignore[misc]
 
     def __init__(self, *, mark_success: bool = True, **options: Any) -> None:
         super().__init__()
-        Config.resolve({k: v for k, v in options.items() if k not in ("rank", "world_size")})  # fail early on typos
+        peerwatch.Config.resolve({k: v for k, v in options.items() if k not in ("rank", "world_size")})  # fail early on typos
         self.mark_success = mark_success
         self.options = options
-        self.watcher: Optional[Watcher] = None
+        self.watcher: Optional[peerwatch.Handle] = None
 
     # Trainers are pickled into ddp_spawn's workers: a watcher holds threads and files.
     def __getstate__(self) -> dict:
@@ -78,40 +75,38 @@ class PeerWatch(Callback):  # type: ignore[misc]
         return state
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
-        self.watcher = _api._active() or self._install(trainer)
-        _launchers.add_verdict_listener(self._report_verdict)
+        self.watcher = peerwatch.current() or self._install(trainer)
+        peerwatch.add_verdict_listener(self._report_verdict)
 
-    def _install(self, trainer: Any) -> Optional[Watcher]:
+    def _install(self, trainer: Any) -> Optional[peerwatch.Handle]:
         options = {"rank": trainer.global_rank, "world_size": trainer.world_size, **self.options}
-        config = Config.resolve(options)
+        config = peerwatch.Config.resolve(options)
         if config.enabled and config.run_dir is None and trainer.world_size > 1:
             # Installed this late, rank 0 has started its children already: PEERWATCH_DIR did
             # not reach them, and rank 0's parent is not theirs. Agree through Lightning.
             key = trainer.strategy.broadcast(_pw_torch.run_key(), src=0)
             options["run_dir"] = _pw_torch.run_dir_for(key)
-        return _api.install(**options)
+        return peerwatch.install(**options)
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        _api.beat(trainer.global_step)
+        peerwatch.beat(trainer.global_step)
 
     def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
-        w = _api._active()
-        if self.mark_success and w is not None:
-            w.record_success()
+        if self.mark_success:
+            peerwatch.mark_success()
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
-        w = _api._active()
-        if w is None or isinstance(exception, PeerFailure) or w.verdict is not None:
-            return
-        if isinstance(exception, SystemExit) and exception.code in (None, 0):
-            return
-        if _api._consequence_of_peer_failure(w) is not None:
-            return  # e.g. gloo's "connection closed" after a peer died: not a cause
         # Recorded now, before Lightning's teardown (which may wait on the peers): the
         # peers learn it at once. The excepthook later finds the record already there.
-        _api._record_exception(w, exception, exception.__traceback__)
+        # A consequence of a peer's failure (gloo's "connection closed") is not recorded.
+        handle = peerwatch.current()
+        if handle is not None and handle.verdict is None:
+            peerwatch.record_exception(exception)
 
-    def _report_verdict(self, watcher: Watcher, verdict: Verdict) -> None:
+    def _report_verdict(self, verdict: peerwatch.Verdict) -> None:
+        watcher = peerwatch.current()
+        if watcher is None:
+            return
         if verdict.rank == watcher.rank:
             message = f"peerwatch: this rank failed first ({verdict.detail}); the other ranks are being torn down"
         else:
@@ -119,7 +114,7 @@ class PeerWatch(Callback):  # type: ignore[misc]
                 f"peerwatch: rank {verdict.rank} failed ({verdict.detail}); stopping this rank"
                 f" with exit code {verdict.exit_code}"
             )
-        log.error(rank_prefixed_message(f"{message}. Report: {watcher.run_dir.join(_rundir.REPORT_FILE)}", watcher.rank))
+        log.error(rank_prefixed_message(f"{message}. Report: {watcher.report_path}", watcher.rank))
 
 
 __all__ = ["PeerWatch"]

@@ -25,9 +25,9 @@ from typing import Any, Optional, Tuple
 
 import torch.distributed as dist
 
-from .. import _api, _identity, _rundir
-from .._config import Config
-from .._watcher import Watcher
+import peerwatch
+
+from .. import _identity, _rundir
 
 logger = logging.getLogger("peerwatch")
 
@@ -65,7 +65,7 @@ def options_from_process_group(options: Optional[dict] = None, group: Optional[A
     found = rank_and_world_size(group)
     if found is None:
         return out
-    config = Config.resolve(out)
+    config = peerwatch.Config.resolve(out)
     if config.rank is None:
         out["rank"] = found[0]
     if config.world_size is None:
@@ -73,7 +73,7 @@ def options_from_process_group(options: Optional[dict] = None, group: Optional[A
     return out
 
 
-def install(*, agree: Optional[bool] = None, group: Optional[Any] = None, **options: Any) -> Optional[Watcher]:
+def install(*, agree: Optional[bool] = None, group: Optional[Any] = None, **options: Any) -> Optional[peerwatch.Handle]:
     """:func:`peerwatch.install` for a rank that is already in a process group.
 
     Rank and world size come from the process group where neither ``options`` nor the
@@ -86,21 +86,21 @@ def install(*, agree: Optional[bool] = None, group: Optional[Any] = None, **opti
     never does. Agreeing is a collective: call this on every rank of ``group``, or on
     none.
 
-    Returns the watcher, or ``None`` as :func:`peerwatch.install` does. If peerwatch is
+    Returns the :class:`peerwatch.Handle`, or ``None`` as :func:`peerwatch.install` does. If peerwatch is
     already installed in this process, returns the running watcher and changes nothing.
     """
-    running = _api._active()
+    running = peerwatch.current()
     if running is not None:
         return running
     options = options_from_process_group(options, group)
-    config = Config.resolve(options)
+    config = peerwatch.Config.resolve(options)
     if config.enabled and config.run_dir is None and rank_and_world_size(group) is not None:
         if agree is None:
             _, how = _rundir.resolve(None, os.environ)
             agree = how == _rundir.NEW_RUN
         if agree:
             options["run_dir"] = run_dir_for(agreed_key(group))
-    return _api.install(**options)
+    return peerwatch.install(**options)
 
 
 def run_key() -> str:

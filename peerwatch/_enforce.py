@@ -1,0 +1,121 @@
+"""Carrying out a teardown plan (:mod:`peerwatch._plan`) with the OS (:mod:`peerwatch._teardown`).
+
+Runs in the watcher thread. An enforcer waits for its peers' acknowledgements, then
+signals the ones that gave none, with their process trees, and the children that the
+failed rank left behind. Every process signalled is verified first: the pid, start time
+and uid of its registration, and that it holds its rank's stack file open (the OS
+vouches that it is that rank), or, for a left-behind child, that it inherited the run
+directory or holds the stack file.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import AbstractSet, List
+
+from . import _plan, _teardown
+from ._identity import is_local
+from ._observer import Observer
+from ._records import Heartbeat, Registration, Verdict
+from ._rundir import HEARTBEATS, RANKS, rank_file
+
+logger = logging.getLogger("peerwatch")
+
+
+def tear_down_peers(obs: Observer, verdict: Verdict, ack_window_s: float, grace_s: float) -> None:
+    """Give live peers the ack window to say they are leaving; signal those that do not."""
+    pending = _await_acks(obs, ack_window_s)
+    peer_pids = obs.local_pids()
+    targets: List[_teardown.Target] = []
+    if pending:
+        tree = _teardown.process_tree()
+        finished = obs.finished()
+        for rank in pending:
+            targets.extend(_peer_and_tree(obs, obs.peers[rank].reg, finished, peer_pids, tree))
+    targets.extend(_orphans_of(obs, verdict, peer_pids))
+    if targets:
+        reason = f"rank {verdict.rank} failed ({verdict.cause}) and this process did not leave by itself"
+        _teardown.terminate(targets, grace_s, reason)
+        _teardown.close_all(targets)
+
+
+def _await_acks(obs: Observer, ack_window_s: float) -> List[int]:
+    """Rule 5 of the plan: wait for acknowledgements; the ranks that gave none."""
+    window = _plan.AckWindow.opened(time.monotonic(), ack_window_s)
+    while True:
+        obs.scan()
+        obs.flush()
+        acked = obs.acked()
+        pending = _plan.pending(obs.peers, obs.me.rank, set(obs.gone), acked)
+        now = time.monotonic()
+        window = window.seen(now, len(acked))
+        if not pending or window.left(now) <= 0:
+            return list(pending)
+        obs.wait(window.left(now))
+
+
+def _peer_and_tree(
+    obs: Observer, reg: Registration, finished: AbstractSet[int], peer_pids: AbstractSet[int], tree: dict,
+) -> List[_teardown.Target]:
+    target = _teardown.make_target(reg.pid, reg.start_ticks, reg.uid, f"rank {reg.rank}")
+    if target is None:
+        return []
+    if not _teardown.holds_file(reg.pid, obs.run_dir.stack_path(reg.rank)):
+        obs.run_dir.warn_once(
+            obs.run_dir.join(RANKS, rank_file("rank", reg.rank)),
+            f"names pid {reg.pid}, which does not hold rank {reg.rank}'s stack file: not a verified peer, not signalled",
+        )
+        target.close()
+        return []
+    if _plan.ask_for_stacks(reg.rank, finished):
+        _teardown.send(target, _teardown.STACKS_SIGNAL, "dump stacks")
+    found = [target]
+    for pid, started in _teardown.descendants(reg.pid, reg.uid, set(peer_pids), tree):
+        child = _teardown.make_target(pid, started, reg.uid, f"pid {pid}, a descendant of rank {reg.rank}")
+        if child is not None:
+            found.append(child)
+    return found
+
+
+def _orphans_of(obs: Observer, verdict: Verdict, peer_pids: AbstractSet[int]) -> List[_teardown.Target]:
+    """Descendants of the failed rank (from its last heartbeat) that outlived it."""
+    reg = obs.registrations.get(verdict.rank)
+    beat = obs.run_dir.read(HEARTBEATS, rank_file("rank", verdict.rank), Heartbeat)
+    if reg is None or beat is None or beat.pid != reg.pid or not is_local(reg):
+        return []
+    found = []
+    stack_path = obs.run_dir.stack_path(verdict.rank)
+    for pid, start in beat.children:
+        if pid in peer_pids:
+            continue
+        target = _teardown.make_target(pid, start, reg.uid, f"pid {pid}, left behind by rank {verdict.rank}")
+        if target is None:
+            continue
+        # Vouched for by the OS: it inherited the run directory from the rank (a child
+        # started after install()), or the rank's stack file (a forked worker).
+        if _teardown.inherited_run(pid, obs.run_dir.path) or _teardown.holds_file(pid, stack_path):
+            found.append(target)
+        else:
+            target.close()
+            logger.info("peerwatch: pid %d, named as a child of rank %d, is not vouched for; not signalled",
+                        pid, verdict.rank)
+    return found
+
+
+def tear_down_own_children(rank: int, peer_pids: AbstractSet[int], grace_s: float) -> None:
+    """This rank's own descendants (DataLoader workers...), but never a peer."""
+    uid = os.geteuid()
+    targets = [
+        t for t in (
+            _teardown.make_target(pid, start, uid, f"pid {pid}, a descendant of rank {rank}")
+            for pid, start in _teardown.descendants(os.getpid(), uid, set(peer_pids))
+        ) if t is not None
+    ]
+    if targets:
+        _teardown.terminate(targets, grace_s, f"rank {rank} is being torn down")
+        _teardown.close_all(targets)
+
+
+__all__ = ["tear_down_own_children", "tear_down_peers"]

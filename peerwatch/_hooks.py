@@ -1,0 +1,289 @@
+"""The process hooks: excepthook, threading.excepthook, sys.exit, atexit, at-fork, and the
+signal handler that raises :class:`PeerFailure` in the main thread.
+
+Installed once per process by :func:`install_hooks`; they act only through the
+:class:`Registry` given, which answers for the process that installed the watcher: a
+forked child (a DataLoader worker) never writes the rank's records.
+
+``sys.exit`` is replaced so that a non-zero exit of the main thread is recorded with
+where it came from; what that cannot see (``raise SystemExit(n)``, ``exit(n)``) is the
+subject of the exit-status work (issue 14).
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from types import TracebackType
+from typing import Any, Callable, Optional, Type
+
+from . import _stacks, _teardown
+from ._errors import PeerFailure
+from ._records import EXCEPTION, EXIT, MAX_TRACEBACK_CHARS, Failure, Verdict
+from ._watcher import Watcher
+
+logger = logging.getLogger("peerwatch")
+
+SETTLE_S = 0.25  # how long a failing rank waits for its watcher's look at the peers
+EXIT_JOIN_EXTRA_S = 2.0  # at exit during a teardown: beyond grace + ack_window, how long to wait for the watcher
+
+_original_sys_exit: Callable[..., Any] = sys.exit
+
+
+class Registry:
+    """The watcher of this process, and whether the user called install() (not only
+    watch()). Written under its lock by install(); cleared in a forked child."""
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self._watcher: Optional[Watcher] = None
+        self._owner_pid: Optional[int] = None
+        self.explicit = False
+        self.hooks_installed = False
+
+    def set(self, watcher: Watcher) -> None:
+        self._watcher, self._owner_pid = watcher, os.getpid()
+
+    def active(self) -> Optional[Watcher]:
+        """The watcher of this very process (not one inherited through fork)."""
+        w = self._watcher
+        return w if w is not None and self._owner_pid == os.getpid() else None
+
+    def forget(self) -> None:
+        self._watcher = None
+
+    def on_interrupt(self, signum: int, frame: Any) -> None:
+        """The INTERRUPT_SIGNAL handler: PeerFailure in the main thread, inside watch()."""
+        w = self.active()
+        v = w.verdict if w is not None else None
+        if w is not None and v is not None and w.in_watch > 0 and v.rank != w.rank:
+            raise PeerFailure.from_verdict(v)
+
+
+# -- judging an exception -----------------------------------------------------------
+
+
+def consequence_of_peer_failure(w: Watcher) -> Optional[Verdict]:
+    """If a peer failed before this rank's exception, the verdict on that peer; else None.
+
+    When a peer dies, the survivors' collectives fail within milliseconds ("Connection
+    reset by peer"): those exceptions are consequences, not root causes. The pidfd of the
+    dead peer has fired before the exception was raised, so one look by the watcher
+    settles which came first.
+    """
+    v = w.verdict
+    if v is not None:
+        return v if v.rank != w.rank else None
+    w.settle(SETTLE_S)
+    if not w.peer_failed():
+        return None
+    w.verdict_seen.wait(w.config.parent_wait + SETTLE_S)
+    v = w.verdict
+    return v if v is not None and v.rank != w.rank else None
+
+
+def exit_status(status: Any) -> int:
+    """The exit status the interpreter makes of ``sys.exit(status)``."""
+    if status is None:
+        return 0
+    if isinstance(status, int) and not isinstance(status, bool):
+        return status & 0xFF
+    return 1  # sys.exit("message") prints it and exits 1
+
+
+def record_exception(w: Watcher, exc: BaseException, tb: Optional[TracebackType]) -> None:
+    """Record ``exc`` as this rank's failure (unless a verdict on a peer is known already)."""
+    v = w.verdict
+    if v is not None and v.rank != w.rank:
+        return  # we are being torn down: what we raise now is a consequence, not a cause
+    if isinstance(exc, SystemExit):
+        code = exit_status(exc.code)
+        if code == 0:
+            return
+        cause, name, message = EXIT, None, f"SystemExit({exc.code!r})"
+    else:
+        code = 130 if isinstance(exc, KeyboardInterrupt) else 1
+        cause, name, message = EXCEPTION, qualified_name(type(exc)), str(exc)[:2000]
+    text = "".join(traceback.format_exception(type(exc), exc, tb))
+    w.record_failure(Failure(
+        rank=w.rank, pid=os.getpid(), time_ns=time.time_ns(), cause=cause, exit_code=code,
+        exception=name, message=message, traceback=text[-MAX_TRACEBACK_CHARS:],
+        thread=threading.current_thread().name,
+    ))
+
+
+def qualified_name(cls: type) -> str:
+    module = cls.__module__
+    return cls.__qualname__ if module in ("builtins", "__main__") else f"{module}.{cls.__qualname__}"
+
+
+# -- the hooks ----------------------------------------------------------------------
+
+
+class _StderrFallback(logging.Handler):
+    """Where peerwatch's warnings go when the application configured no logging.
+
+    Like logging's last resort, but bound to the process's real stderr: hooks up the
+    excepthook chain (torch.distributed's) swap ``sys.stderr`` for a buffer, and a line
+    written there is lost when the process ends in the meantime.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if logging.getLogger().handlers:
+            return  # the application configured logging: the record propagates there
+        try:
+            stream = sys.__stderr__
+            if stream is not None:
+                stream.write(self.format(record) + "\n")
+                stream.flush()
+        except Exception:  # noqa: BLE001
+            self.handleError(record)
+
+
+def install_hooks(registry: Registry) -> None:
+    """Install the process hooks once (under the registry's lock)."""
+    if registry.hooks_installed:
+        return
+    registry.hooks_installed = True
+    logger.addHandler(_StderrFallback())
+    sys.excepthook = _excepthook(registry, sys.excepthook)
+    threading.excepthook = _threading_excepthook(registry, threading.excepthook)
+    sys.exit = _sys_exit(registry)  # type: ignore[assignment]
+    atexit.register(_at_exit, registry)
+
+    def forked() -> None:
+        registry.forget()
+        _stacks.after_fork_in_child()
+
+    def forked_parent() -> None:
+        # A new child (a DataLoader worker, forked): the heartbeat lists it now, not at the
+        # next 10-heartbeat snapshot, so that if this rank dies its peers can end it.
+        w = registry.active()
+        if w is not None:
+            w.children_changed()
+
+    os.register_at_fork(after_in_child=forked, after_in_parent=forked_parent)
+
+
+def _excepthook(registry: Registry, previous: Callable[..., Any]) -> Callable[..., None]:
+    def excepthook(exc_type: Type[BaseException], exc: BaseException, tb: Optional[TracebackType]) -> None:
+        w = registry.active()
+        if w is None or isinstance(exc, PeerFailure):
+            previous(exc_type, exc, tb)
+            return
+        verdict = consequence_of_peer_failure(w)
+        if verdict is None:
+            record_exception(w, exc, tb)
+            previous(exc_type, exc, tb)
+            return
+        previous(exc_type, exc, tb)
+        # No exit from here: a hook up the chain (torch's) may have swapped sys.stderr and
+        # prints only when we return. The watcher ends the process with the verdict's code.
+        logger.error(
+            "peerwatch: the exception above in rank %d followed the failure of rank %d (%s); "
+            "exiting with code %d", w.rank, verdict.rank, verdict.detail, verdict.exit_code,
+        )
+
+    return excepthook
+
+
+def _threading_excepthook(registry: Registry, previous: Callable[[Any], Any]) -> Callable[[Any], None]:
+    def threading_excepthook(args: Any) -> None:
+        w = registry.active()
+        if w is not None and args.exc_value is not None and not isinstance(args.exc_value, SystemExit):
+            _record_thread_exception(w, args)
+        previous(args)
+
+    return threading_excepthook
+
+
+def _record_thread_exception(w: Watcher, args: Any) -> None:
+    """An uncaught exception in a thread other than the main one. The process goes on, so
+    by default it is recorded for the report (``events/thread-<rank>.json``, the first
+    one), not judged; ``thread_exceptions="fail"`` makes it this rank's failure."""
+    exc = args.exc_value
+    thread = args.thread.name if args.thread is not None else "?"
+    text = "".join(traceback.format_exception(type(exc), exc, args.exc_traceback))
+    failure = Failure(
+        rank=w.rank, pid=os.getpid(), time_ns=time.time_ns(), cause=EXCEPTION, exit_code=1,
+        exception=qualified_name(type(exc)), message=str(exc)[:2000], traceback=text[-MAX_TRACEBACK_CHARS:],
+        thread=thread,
+    )
+    if w.config.thread_exceptions == "fail" and w.verdict is None:
+        w.record_failure(failure)
+    else:
+        w.record_thread_exception(failure)
+
+
+def _sys_exit(registry: Registry) -> Callable[..., None]:
+    def exit(status: Any = None) -> None:
+        """``sys.exit`` that first records a non-zero exit of the main thread as this rank's failure."""
+        w = registry.active()
+        if w is not None and threading.current_thread() is threading.main_thread() and not w.in_watch:
+            code = exit_status(status)
+            # torch.multiprocessing.spawn turns a worker's exception into sys.exit(1): gloo's
+            # "connection reset" after a peer died is a consequence here too, not a cause.
+            if code != 0 and w.verdict is None and consequence_of_peer_failure(w) is None:
+                stack = "".join(traceback.format_stack()[:-1])
+                w.record_failure(Failure(
+                    rank=w.rank, pid=os.getpid(), time_ns=time.time_ns(), cause=EXIT, exit_code=code,
+                    message=f"sys.exit({status!r})", traceback=stack[-MAX_TRACEBACK_CHARS:],
+                    thread=threading.current_thread().name,
+                ))
+        _original_sys_exit(status)
+
+    return exit
+
+
+def _at_exit(registry: Registry) -> None:
+    """At a normal interpreter exit: the rank finished cleanly unless we know otherwise."""
+    w = registry.active()
+    if w is None:
+        return
+    c = w.config
+    if w.verdict is None and w.failed_code is not None:
+        # This rank failed. Its peers may be unable to leave by themselves (the GIL held
+        # in C code), and its watcher may be the only one left to end them: stay until
+        # the verdict is made and our share of the teardown is done.
+        held = w.bridge.hold_s if w.bridge is not None else 0.0  # multi-host: an exception is held back
+        w.verdict_seen.wait(c.parent_wait + c.ack_window + SETTLE_S + held)
+    if w.verdict is not None:
+        # Being torn down: the watcher is the one to end the process, with the verdict's
+        # exit code, once its share of the teardown is done. Tell it we are leaving.
+        w.leave(c.grace + c.ack_window + EXIT_JOIN_EXTRA_S)
+        _teardown.flush_and_exit(w.exit_code())
+        return
+    if w.failed_code is None and registry.explicit:
+        w.record_success()
+    w.stop(timeout=1.0)
+
+
+# -- PeerFailure in the main thread -------------------------------------------------
+
+
+def install_interrupt_handler(registry: Registry) -> bool:
+    """Our handler wakes the main thread out of sleep/select/wait to raise PeerFailure."""
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    try:
+        if signal.getsignal(_teardown.INTERRUPT_SIGNAL) not in (signal.SIG_DFL, None, registry.on_interrupt):
+            return False
+        signal.signal(_teardown.INTERRUPT_SIGNAL, registry.on_interrupt)
+        return True
+    except (OSError, ValueError):
+        return False
+
+
+__all__ = [
+    "Registry", "consequence_of_peer_failure", "exit_status", "install_hooks", "install_interrupt_handler",
+    "qualified_name", "record_exception",
+]

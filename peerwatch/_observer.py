@@ -1,0 +1,353 @@
+"""What one rank knows of its run, gathered from the sources, handed to decide() as
+:class:`peerwatch._decide.Observed`.
+
+The sources: pidfds of local peers (readable when the process ends), inotify on the
+``ranks/`` and ``events/`` folders (through :class:`peerwatch._sources.FolderWatch`, which
+writes to the wake pipe), the heartbeats of local peers (for the hang judges), other
+hosts' records on a shared filesystem, and post-mortems of a peer that ended: its exit
+status where we are its parent, else faulthandler's last words in its stack file.
+
+Threads: everything here is owned by the watcher thread, except :meth:`Observer.wake`,
+which any thread may call (one byte down a non-blocking pipe).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import select
+import time
+from typing import Dict, List, Optional, Set, Tuple
+
+from . import _decide, _identity, _rundir, _sharedfs
+from ._heartbeat import Progress, main_thread_position
+from ._records import (
+    EVENT_TYPES,
+    HANG,
+    MAX_TRACEBACK_CHARS,
+    Ack,
+    ExitStatus,
+    Failure,
+    Heartbeat,
+    Registration,
+    Success,
+    Verdict,
+    decode,
+    encode,
+)
+from ._rundir import EVENTS, HEARTBEATS, RANKS, VERDICT_FILE, RunDir, rank_file
+from ._sources import FolderWatch, Peer, child_returncode, fatal_signal_in, gil_timeout_in, oom_kill_count
+
+logger = logging.getLogger("peerwatch")
+
+_WATCHED_EVENTS = {k: v for k, v in EVENT_TYPES.items() if k != "thread"}  # thread records are for the report only
+STACK_DUMP_LIMIT = 1 << 20  # bytes of a dead peer's stack file read for its last words
+
+
+class Observer:
+    """The sources of one rank, and what they said so far."""
+
+    def __init__(self, run_dir: RunDir, me: Registration, use_pidfd: bool, remote: Optional[_sharedfs.RemoteWatch]):
+        self.run_dir = run_dir
+        self.me = me
+        self.use_pidfd = use_pidfd
+        self.remote = remote  # shared-filesystem mode: other hosts' heartbeats
+        self._wake_r, self._wake_w = os.pipe()
+        for fd in (self._wake_r, self._wake_w):
+            os.set_blocking(fd, False)
+            os.set_inheritable(fd, False)
+        self._poller = select.poll()
+        self._poller.register(self._wake_r, select.POLLIN)
+        self._fd_rank: Dict[int, int] = {}
+        self.peers: Dict[int, Peer] = {}  # local peers watched through the OS
+        self.gone: Dict[int, int] = {}  # rank -> when we saw its process gone (time_ns)
+        self.registrations: Dict[int, Registration] = {me.rank: me}
+        self.events: Dict[str, object] = {}  # file name in events/ -> record
+        self._seen: Dict[str, Dict[str, int]] = {RANKS: {}, EVENTS: {}}  # name -> inode
+        # Exit statuses learnt while deciding, written after: the parent of a dead rank is
+        # the one that can judge at once, and the write would only delay it.
+        self._unwritten: List[Tuple[str, ExitStatus]] = []
+        self._oom_kills_at_start = oom_kill_count()
+        self._folders: Optional[FolderWatch] = None
+
+    # -- waking and sleeping ---------------------------------------------------------
+
+    def start(self, thread_name: str) -> bool:
+        """Start inotify on the folders; False if it cannot be used (the caller polls)."""
+        rd = self.run_dir
+        self._folders = FolderWatch(
+            [rd.join(EVENTS), rd.join(RANKS)], self.wake, name=f"peerwatch-inotify-{thread_name}",
+            disabled=self.remote is not None and _sharedfs.inotify_disabled(),
+        )
+        return self._folders.active
+
+    def stop(self) -> None:
+        if self._folders is not None:
+            self._folders.stop()
+
+    def wake(self) -> None:
+        """Wake the watcher thread (any thread may call this)."""
+        try:
+            os.write(self._wake_w, b"\0")
+        except OSError:
+            pass  # the pipe is full (BlockingIOError): the watcher will wake anyway
+
+    def wait(self, timeout: float) -> bool:
+        """Sleep until a source fires or ``timeout`` s pass; True if something woke us."""
+        events = self._poller.poll(max(0, int(timeout * 1000) + 1))
+        for fd, _ in events:
+            if fd == self._wake_r:
+                self._drain()
+            elif fd in self._fd_rank:
+                self._peer_gone(self._fd_rank[fd])
+        return bool(events)
+
+    def _drain(self) -> None:
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except BlockingIOError:
+            pass
+
+    # -- looking at the run directory ------------------------------------------------
+
+    def scan(self) -> None:
+        """Read what is new in ``ranks/`` and ``events/``."""
+        for name in self._changed(RANKS):
+            parsed = _rundir.parse_rank_file(name)
+            if parsed is None or parsed[0] != "rank" or parsed[1] == self.me.rank:
+                continue
+            reg = self.run_dir.read(RANKS, name, Registration)
+            if reg is not None and reg.rank == parsed[1]:
+                self._add_peer(reg)
+        for name in self._changed(EVENTS):
+            record = self._read_event(name)
+            if record is not None:
+                self.events[name] = record
+        if not self.use_pidfd:
+            for rank, peer in self.peers.items():
+                if rank not in self.gone and not peer.check_alive():
+                    self._peer_gone(rank)
+
+    def _read_event(self, name: str) -> Optional[object]:
+        rd = self.run_dir
+        if name == VERDICT_FILE:
+            return rd.read(EVENTS, name, Verdict)
+        parsed = _rundir.parse_rank_file(name)
+        cls = _WATCHED_EVENTS.get(parsed[0]) if parsed else None
+        if parsed is None or cls is None:
+            return None
+        record = rd.read(EVENTS, name, cls)
+        if record is not None and getattr(record, "rank", None) != parsed[1]:
+            rd.warn_once(rd.join(EVENTS, name), "names another rank than its file name; ignored")
+            return None
+        return record
+
+    def _changed(self, sub: str) -> List[str]:
+        seen = self._seen[sub]
+        changed = []
+        try:
+            with os.scandir(self.run_dir.join(sub)) as it:
+                for entry in it:
+                    if seen.get(entry.name) != entry.inode():
+                        seen[entry.name] = entry.inode()
+                        changed.append(entry.name)
+        except OSError as e:
+            self.run_dir.warn_once(self.run_dir.join(sub), f"cannot be listed ({e.strerror})")
+        return changed
+
+    def _add_peer(self, reg: Registration) -> None:
+        old = self.registrations.get(reg.rank)
+        if old is not None and (old.pid, old.start_ticks) == (reg.pid, reg.start_ticks):
+            return
+        where = self.run_dir.join(RANKS, rank_file("rank", reg.rank))
+        if reg.rank in self.peers:
+            self.run_dir.warn_once(
+                where, f"re-registered rank {reg.rank} as pid {reg.pid}; keeping the first registration "
+                f"(pid {old.pid if old else '?'})",
+            )
+            return
+        self.registrations[reg.rank] = reg
+        if not _identity.is_local(reg):
+            return  # another host's rank: not ours to watch through the OS
+        if reg.uid != os.geteuid():
+            self.run_dir.warn_once(where, f"belongs to uid {reg.uid}; not watched")
+            return
+        peer = Peer(reg, self.use_pidfd)
+        self.peers[reg.rank] = peer
+        if not peer.alive:
+            self._peer_gone(reg.rank)
+        elif peer.pidfd is not None:
+            self._fd_rank[peer.pidfd] = reg.rank
+            self._poller.register(peer.pidfd, select.POLLIN)
+
+    # -- a peer ended: the post-mortem ---------------------------------------------------
+
+    def _peer_gone(self, rank: int) -> None:
+        peer = self.peers.get(rank)
+        if peer is None or rank in self.gone:
+            return
+        self.gone[rank] = time.time_ns()
+        if peer.pidfd is not None:
+            self._poller.unregister(peer.pidfd)
+            self._fd_rank.pop(peer.pidfd, None)
+        peer.alive = False
+        peer.close()
+        # Only a parent can learn how its child ended; failing that, faulthandler's last
+        # words in the rank's stack file name a fatal signal. Tell everyone.
+        returncode = child_returncode(peer.reg.pid) if peer.reg.ppid == os.getpid() else None
+        dump = b""
+        if returncode is None:
+            dump = self.run_dir.read_bytes(_rundir.STACKS, rank_file("rank", rank, ".txt"), limit=STACK_DUMP_LIMIT) or b""
+            signum = fatal_signal_in(dump)
+            returncode = -signum if signum else None
+        starved = gil_timeout_in(dump) if returncode is None else None
+        if starved is not None:
+            self._starved(peer.reg, starved, dump)
+        if returncode is not None:
+            status = ExitStatus(
+                rank=rank, pid=peer.reg.pid, time_ns=self.gone[rank], returncode=returncode,
+                observed_by=self.me.rank,
+            )
+            self.events.setdefault(rank_file("exit", rank), status)
+            self._unwritten.append((rank_file("exit", rank), status))
+
+    def _starved(self, reg: Registration, starved: str, dump: bytes) -> None:
+        """Its own GIL watchdog ended it: the rank was stuck with the GIL held."""
+        failure = Failure(
+            rank=reg.rank, pid=reg.pid, time_ns=self.gone[reg.rank], cause=HANG,
+            message=f"its watcher could not run for {starved} (the GIL was held, e.g. by C code); "
+            "faulthandler's gil_timeout watchdog ended it",
+            traceback=dump.decode("utf-8", "replace")[-MAX_TRACEBACK_CHARS:],
+        )
+        self.write_event(rank_file("failure", reg.rank), failure)
+        self.events.setdefault(rank_file("failure", reg.rank), failure)
+
+    def flush(self) -> None:
+        """Write the exit statuses learnt since the last flush."""
+        while self._unwritten:
+            name, record = self._unwritten.pop(0)
+            self.write_event(name, record)
+
+    def write_event(self, name: str, record: object) -> bool:
+        """Write a record into ``events/`` (first writer wins); False if it was not ours."""
+        cls = type(record)
+        try:
+            return self.run_dir.write(EVENTS, name, encode(record), valid=lambda data: decode(cls, data) is not None)
+        except OSError as e:
+            logger.error("peerwatch: rank %d could not write %s: %s", self.me.rank, name, e)
+            return False
+
+    def record_lost(self, lost: Tuple[Failure, ...]) -> None:
+        """Shared filesystem: say on the lost ranks' behalf that they are lost (first record wins)."""
+        for failure in lost:
+            name = rank_file("failure", failure.rank)
+            if self.write_event(name, failure):
+                logger.error("peerwatch: rank %d declares rank %d lost: %s", self.me.rank, failure.rank, failure.message)
+                self.events.setdefault(name, failure)
+            else:
+                existing = self.run_dir.read(EVENTS, name, Failure)
+                if existing is not None:
+                    self.events[name] = existing
+
+    # -- what is known -------------------------------------------------------------------
+
+    def of_kind(self, cls: type) -> Dict[int, object]:
+        """rank -> record, for the records of type ``cls`` seen in ``events/``."""
+        return {getattr(r, "rank"): r for r in self.events.values() if isinstance(r, cls)}  # noqa: B009
+
+    def finished(self) -> Set[int]:
+        return set(self.of_kind(Success))
+
+    def acked(self) -> Set[int]:
+        return set(self.of_kind(Ack))
+
+    def live_local_ranks(self) -> List[int]:
+        """This host's ranks (ours included) not gone and not finished, lowest first."""
+        finished = self.finished()
+        me = self.me.rank
+        return sorted(
+            r for r in self.registrations
+            if r not in self.gone and r not in finished and (r == me or r in self.peers)
+        )
+
+    def local_pids(self) -> Set[int]:
+        """The pids of this host's ranks, ours included (a rank's children list skips them)."""
+        return {r.pid for r in self.registrations.values() if _identity.is_local(r)}
+
+    def ended_ranks(self) -> Set[int]:
+        """Ranks with a record of how they ended (success, failure, exit status)."""
+        return {getattr(r, "rank") for r in self.events.values() if isinstance(r, (Success, Failure, ExitStatus))}  # noqa: B009
+
+    def peer_failed(self) -> bool:
+        """True if a peer has failed, judged or not yet."""
+        verdict = self.events.get(VERDICT_FILE)
+        if isinstance(verdict, Verdict):
+            return verdict.rank != self.me.rank
+        if self.gone:
+            return True
+        return any(isinstance(r, (Failure, ExitStatus)) and r.rank != self.me.rank for r in self.events.values())
+
+    def own_failure(self) -> Optional[Failure]:
+        record = self.events.get(rank_file("failure", self.me.rank))
+        return record if isinstance(record, Failure) else None
+
+    def read_remote(self) -> None:
+        """Shared filesystem, as a judge: read the other hosts' heartbeats."""
+        if self.remote is not None:
+            self.remote.read(self.registrations, self.ended_ranks())
+
+    def observed(
+        self, progress: Optional[Progress] = None, missing: Tuple[int, ...] = (), stale_after_s: float = 0.0,
+    ) -> _decide.Observed:
+        """Everything known now, for decide(). ``progress``: this rank's own (hang judges
+        only; the peers' is read from their heartbeats then)."""
+        verdict = self.events.get(VERDICT_FILE)
+        return _decide.Observed(
+            self_rank=self.me.rank, now_ns=time.time_ns(), registrations=self.registrations,
+            successes=self.finished(), failures=self.of_kind(Failure),  # type: ignore[arg-type]
+            exit_statuses=self.of_kind(ExitStatus),  # type: ignore[arg-type]
+            gone=self.gone, verdict=verdict if isinstance(verdict, Verdict) else None,
+            oom_kills=self._oom_kills_since_start(),
+            progress=self._progress(progress, stale_after_s) if progress is not None else {},
+            now_mono_ns=time.monotonic_ns(), missing=missing,
+            remote_silence=self.remote.silence() if self.remote is not None else {},
+        )
+
+    def _oom_kills_since_start(self) -> int:
+        if self._oom_kills_at_start is None or not (self.gone or self.events):
+            return 0
+        now = oom_kill_count()
+        return 0 if now is None else max(0, now - self._oom_kills_at_start)
+
+    def _progress(self, mine: Progress, stale_after_s: float) -> Dict[int, _decide.Progress]:
+        """Every live local rank's last progress, from its heartbeat (ours from memory)."""
+        where, waiting = main_thread_position()
+        found = {
+            self.me.rank: _decide.Progress(
+                mine.step, mine.progress_ns, mine.paused > 0, "R", in_collective=waiting, where=where
+            )
+        }
+        for rank, peer in self.peers.items():
+            if rank not in self.gone:
+                found[rank] = self._peer_progress(peer.reg, stale_after_s)
+        return found
+
+    def _peer_progress(self, reg: Registration, stale_after_s: float) -> _decide.Progress:
+        beat = self.run_dir.read(HEARTBEATS, rank_file("rank", reg.rank), Heartbeat)
+        info = _identity.probe(reg.pid)
+        state = info.state if info is not None and info.start_ticks == reg.start_ticks else "?"
+        if beat is None or beat.pid != reg.pid:
+            return _decide.Progress(None, None, False, state)
+        silent = time.time_ns() - beat.time_ns > stale_after_s * 1e9
+        return _decide.Progress(
+            beat.step, beat.progress_ns, beat.paused, state,
+            in_collective=beat.in_collective, watcher_silent=silent, where=beat.where,
+        )
+
+    def close(self) -> None:
+        for peer in self.peers.values():
+            peer.close()
+
+
+__all__ = ["Observer"]

@@ -1,0 +1,168 @@
+"""The teardown policy, as pure functions: who enforces a verdict, whom to signal and when,
+how long this rank may stay, and the code it exits with.
+
+Nothing here touches the OS or a clock; :mod:`peerwatch._teardown` executes what these
+functions answer. Rules (numbered as in the tests):
+
+1. **Exit code.** A torn-down rank exits with the verdict's code. The failed rank itself
+   exits with the code it recorded for its own failure, if it recorded one (a Python
+   exception: 1, ``sys.exit(n)``: n), else with the verdict's.
+2. **Who stays.** The main thread leaves by itself when the failure is its own exception
+   or exit (it is on its way out), or when it runs inside ``watch()`` and is told to
+   raise :class:`PeerFailure`; then it is given ``grace`` seconds. Everyone else (a
+   crashed peer's survivors outside ``watch()``, a rank blamed for a hang, a rank whose
+   launcher is gone) leaves at once.
+3. **Who enforces.** The lowest :data:`ENFORCERS` live local ranks other than the failed
+   one; the failed rank only when too few others are left (it may be stuck, or about to
+   go). Enforcers wait for acknowledgements, signal the peers that gave none, and rewrite
+   the report. Every rank doing it made teardown O(N^2) (N=128: 11-14 s of CPU on
+   2 cores); three keep it O(N) with spares for a frozen enforcer.
+4. **The report.** Enforcers and the rank that wrote the verdict write the report; only
+   the writer of the verdict prints its summary (one summary per job and host).
+5. **The ack window.** Peers get ``ack_window`` to acknowledge. While acknowledgements
+   keep arriving the machine is busy rather than the peers stuck (128 ranks on 2 cores
+   take a while to be scheduled): the window stretches to ``ack_window / 4`` after the
+   latest one, never beyond ``4 x ack_window``.
+6. **Whom to signal.** Live local peers that neither acknowledged nor are gone; a peer
+   that finished (wrote its success marker) is leaving: it is not asked for a stack dump.
+7. **The last resort.** Once teardown begins the process ends within
+   ``ack_window + 3 x grace + 2 s`` even if the watcher thread never runs again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import AbstractSet, Iterable, Optional, Sequence, Tuple
+
+from ._records import EXCEPTION, EXIT
+
+ENFORCERS = 3  # rule 3
+ACK_STRETCH_FRACTION = 4  # rule 5: the window stretches to ack_window / 4 after the latest ack
+ACK_STRETCH_MAX = 4  # rule 5: ... never beyond 4 x ack_window
+LAST_RESORT_GRACES = 3  # rule 7
+LAST_RESORT_EXTRA_S = 2.0  # rule 7
+_LEAVES_BY_ITSELF = (EXCEPTION, EXIT)  # rule 2: causes whose rank's main thread is already leaving
+
+
+@dataclasses.dataclass(frozen=True)
+class Situation:
+    """What a rank knows when it acts on a verdict."""
+
+    self_rank: int
+    failed_rank: int
+    cause: str
+    verdict_exit_code: int
+    own_exit_code: Optional[int]  # the code of this rank's own failure record, if it wrote one
+    in_watch: bool  # the main thread runs inside watch()
+    live_local_ranks: Tuple[int, ...]  # this host's ranks not gone and not finished (self included)
+    wrote_verdict: bool  # this rank's watcher wrote verdict.json (first writer)
+    grace_s: float
+    ack_window_s: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    exit_code: int
+    interrupt_main: bool  # raise PeerFailure in the main thread (it is inside watch())
+    stay_s: float  # how long the main thread may take to leave by itself (0: leave now)
+    enforcer: bool
+    write_report: bool
+    print_summary: bool
+    last_resort_s: float  # faulthandler ends the process after this, whatever happens
+
+    @property
+    def stay(self) -> bool:
+        return self.stay_s > 0
+
+
+def exit_code(self_rank: int, failed_rank: int, verdict_exit_code: int, own_exit_code: Optional[int]) -> int:
+    """Rule 1: the code this rank exits with once the verdict is known."""
+    if failed_rank == self_rank and own_exit_code:
+        return own_exit_code
+    return verdict_exit_code
+
+
+def enforcers(live_local_ranks: Sequence[int], failed_rank: int) -> Tuple[int, ...]:
+    """Rule 3: the ranks of this host that enforce the verdict, in order."""
+    live = sorted(live_local_ranks)
+    ordered = [r for r in live if r != failed_rank] + [r for r in live if r == failed_rank]
+    return tuple(ordered[:ENFORCERS])
+
+
+def plan(s: Situation) -> Plan:
+    """Rules 1-4 and 7 for one rank."""
+    mine = s.failed_rank == s.self_rank
+    interrupt = s.in_watch and not mine
+    stay = interrupt or (mine and s.cause in _LEAVES_BY_ITSELF)
+    enforcer = s.self_rank in enforcers(s.live_local_ranks, s.failed_rank)
+    return Plan(
+        exit_code=exit_code(s.self_rank, s.failed_rank, s.verdict_exit_code, s.own_exit_code),
+        interrupt_main=interrupt,
+        stay_s=s.grace_s if stay else 0.0,
+        enforcer=enforcer,
+        write_report=enforcer or s.wrote_verdict,
+        print_summary=s.wrote_verdict,
+        last_resort_s=s.ack_window_s + LAST_RESORT_GRACES * s.grace_s + LAST_RESORT_EXTRA_S,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class AckWindow:
+    """Rule 5, as a value: when the enforcer stops waiting for acknowledgements.
+
+    Times are seconds of one monotonic clock; ``acks`` is how many acknowledgements were
+    seen at the last look (-1 before the first).
+    """
+
+    deadline: float
+    latest: float
+    window: float
+    acks: int = -1
+
+    @classmethod
+    def opened(cls, now: float, window: float) -> AckWindow:
+        return cls(deadline=now + window, latest=now + ACK_STRETCH_MAX * window, window=window)
+
+    def seen(self, now: float, acks: int) -> AckWindow:
+        """The window after a look at ``now`` that found ``acks`` acknowledgements."""
+        deadline = self.deadline
+        if self.acks >= 0 and acks > self.acks:
+            deadline = max(deadline, min(self.latest, now + self.window / ACK_STRETCH_FRACTION))
+        return dataclasses.replace(self, deadline=deadline, acks=acks)
+
+    def left(self, now: float) -> float:
+        return self.deadline - now
+
+
+def pending(peers: Iterable[int], self_rank: int, gone: AbstractSet[int], acked: AbstractSet[int]) -> Tuple[int, ...]:
+    """Rule 6: the local peers still to hear from, lowest first."""
+    return tuple(sorted(r for r in peers if r != self_rank and r not in gone and r not in acked))
+
+
+def missing_ranks(
+    local_world_size: Optional[int], world_size: Optional[int], local: AbstractSet[int], registered: AbstractSet[int],
+) -> Tuple[Tuple[int, ...], str]:
+    """At ``startup_timeout``: the ranks to fail on for never registering, and what to
+    say (empty: all there). Expected on this host: ranks 0..local_world_size-1 when the
+    launcher says how many run here, else all of world_size (one host). When this host
+    runs only some of the ranks, which global ranks belong here is not known: say only."""
+    expected = local_world_size or world_size
+    if not expected:
+        return (), "startup_timeout is set but neither LOCAL_WORLD_SIZE nor WORLD_SIZE says how many ranks to expect;"
+    if len(local) >= expected:
+        return (), ""
+    if local_world_size and world_size and local_world_size < world_size:
+        return (), f"only {len(local)} of {expected} local ranks registered (registered: {sorted(local)})"
+    missing = tuple(r for r in range(expected) if r not in registered)
+    return missing, f"rank(s) {', '.join(map(str, missing))} did not register"
+
+
+def ask_for_stacks(rank: int, finished: AbstractSet[int]) -> bool:
+    """Rule 6: a peer that wrote its success marker is leaving: no dump to ask of it."""
+    return rank not in finished
+
+
+__all__ = [
+    "ENFORCERS", "AckWindow", "Plan", "Situation", "ask_for_stacks", "enforcers", "exit_code", "missing_ranks", "pending",
+    "plan",
+]

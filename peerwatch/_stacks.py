@@ -1,0 +1,100 @@
+"""This rank's stack file, and the faulthandler timers that write into it.
+
+Every rank holds its stack file open for as long as it runs: faulthandler dumps every
+thread's stack into it on :data:`STACKS_SIGNAL` (from its C signal handler, so it works
+while the main thread holds the GIL in C code), a crash leaves its last words there, and
+a peer checks that a pid holds it before signalling that pid.
+
+Threads: :meth:`StackFile.open` runs in the thread that calls ``install()``; the timers
+are armed and cancelled by the watcher thread (and cancelled by the thread that stops
+the watcher). ``_faulthandler_ours`` is written at install and in a forked child only.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import logging
+import os
+from typing import IO, Optional
+
+from ._rundir import RunDir
+from ._teardown import STACKS_SIGNAL
+
+logger = logging.getLogger("peerwatch")
+
+_faulthandler_ours = False  # we enabled faulthandler into the rank's stack file
+
+
+class StackFile:
+    """The open stack file of this rank (``file`` is None when it could not be opened)."""
+
+    def __init__(self, file: Optional[IO[str]]) -> None:
+        self.file = file
+
+    @classmethod
+    def open(cls, rd: RunDir, rank: int) -> StackFile:
+        """Open this rank's stack file and have faulthandler dump into it on STACKS_SIGNAL.
+        Never raises: a rank without a stack file is still watched (and logs why)."""
+        global _faulthandler_ours
+        try:
+            fd = os.open(
+                rd.stack_path(rank), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+            )
+            file = os.fdopen(fd, "w")
+            faulthandler.register(STACKS_SIGNAL, file=file, all_threads=True, chain=False)
+            if not faulthandler.is_enabled():
+                # A rank that segfaults leaves its last words here, where its peers read
+                # which signal ended it (only its parent could learn that otherwise).
+                faulthandler.enable(file=file, all_threads=True)
+                _faulthandler_ours = True
+            return cls(file)
+        except (OSError, RuntimeError, ValueError) as e:
+            logger.warning("peerwatch: rank %d cannot arm stack dumps: %s", rank, e)
+            return cls(None)
+
+    def dump(self) -> None:
+        """Every thread's stack, now (for the report)."""
+        if self.file is None:
+            return
+        try:
+            faulthandler.dump_traceback(self.file, all_threads=True)
+            self.file.flush()
+        except (OSError, ValueError):
+            pass
+
+    def arm_gil_watchdog(self, timeout_s: float) -> None:
+        """If the watcher cannot run for ``timeout_s`` (the GIL held by C code), faulthandler's
+        C thread dumps every stack here and ends the process. Re-armed every heartbeat."""
+        if self.file is not None:
+            faulthandler.dump_traceback_later(timeout_s, exit=True, file=self.file)
+
+    def arm_last_resort(self, budget_s: float) -> None:
+        """Once teardown has begun this process ends, even if the watcher thread never runs
+        again (the main thread holding the GIL in C): faulthandler's C thread needs no GIL."""
+        if self.file is None:
+            return
+        try:
+            faulthandler.dump_traceback_later(budget_s, exit=True, file=self.file)
+        except (OSError, ValueError, RuntimeError):
+            pass
+
+    @staticmethod
+    def cancel_timer() -> None:
+        faulthandler.cancel_dump_traceback_later()
+
+
+def after_fork_in_child() -> None:
+    """A forked child (a DataLoader worker) must not leave its last words in its rank's
+    stack file: the rank's peers would take them for the rank's own."""
+    global _faulthandler_ours
+    if not _faulthandler_ours:
+        return
+    _faulthandler_ours = False
+    try:
+        faulthandler.enable()  # back to stderr, as the child would have it without us
+        faulthandler.unregister(STACKS_SIGNAL)
+    except (OSError, RuntimeError, ValueError):
+        pass
+
+
+__all__ = ["StackFile", "after_fork_in_child"]

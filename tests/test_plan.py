@@ -1,0 +1,182 @@
+"""The teardown policy (peerwatch._plan): pure, so every rule is checked here, fast, without
+processes. The end-to-end tests (test_e2e_core, test_fault_matrix) check it is carried out."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from peerwatch import _plan
+from peerwatch._plan import AckWindow, Situation, plan
+from peerwatch._records import EXCEPTION, EXIT, HANG, LOST, MISSING, SIGNAL, VANISHED
+
+BASE = Situation(
+    self_rank=0, failed_rank=2, cause=SIGNAL, verdict_exit_code=137, own_exit_code=None, in_watch=False,
+    live_local_ranks=(0, 1, 3), wrote_verdict=False, grace_s=5.0, ack_window_s=1.0,
+)
+
+
+def situation(**changes: object) -> Situation:
+    return dataclasses.replace(BASE, **changes)  # type: ignore[arg-type]
+
+
+# -- rule 1: the exit code ------------------------------------------------------------
+
+
+def test_a_torn_down_rank_exits_with_the_verdicts_code_whatever_it_recorded() -> None:
+    assert plan(situation(own_exit_code=3)).exit_code == 137
+    assert _plan.exit_code(self_rank=0, failed_rank=2, verdict_exit_code=137, own_exit_code=3) == 137
+
+
+def test_the_failed_rank_exits_with_its_own_code_when_it_recorded_one() -> None:
+    assert plan(situation(self_rank=2, failed_rank=2, verdict_exit_code=1, own_exit_code=3)).exit_code == 3
+
+
+def test_the_failed_rank_without_a_record_of_its_own_exits_with_the_verdicts_code() -> None:
+    assert plan(situation(self_rank=2, failed_rank=2, verdict_exit_code=124, own_exit_code=None)).exit_code == 124
+    assert _plan.exit_code(2, 2, 124, 0) == 124  # 0 is no failure code
+
+
+# -- rule 2: who stays ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cause", [EXCEPTION, EXIT])
+def test_a_rank_whose_own_exception_or_exit_is_the_cause_is_given_grace_to_leave(cause: str) -> None:
+    p = plan(situation(self_rank=2, failed_rank=2, cause=cause))
+    assert p.stay and p.stay_s == 5.0
+    assert not p.interrupt_main
+
+
+@pytest.mark.parametrize("cause", [HANG, LOST, SIGNAL, VANISHED, MISSING])
+def test_a_rank_blamed_for_what_its_main_thread_did_not_raise_leaves_at_once(cause: str) -> None:
+    p = plan(situation(self_rank=2, failed_rank=2, cause=cause))
+    assert not p.stay and p.stay_s == 0.0
+
+
+def test_a_survivor_inside_watch_is_interrupted_and_given_grace() -> None:
+    p = plan(situation(in_watch=True))
+    assert p.interrupt_main and p.stay and p.stay_s == 5.0
+
+
+def test_a_survivor_outside_watch_leaves_at_once_without_interrupting() -> None:
+    p = plan(situation(in_watch=False))
+    assert not p.interrupt_main and not p.stay
+
+
+def test_the_failed_rank_inside_watch_is_not_interrupted() -> None:
+    p = plan(situation(self_rank=2, failed_rank=2, cause=HANG, in_watch=True))
+    assert not p.interrupt_main and not p.stay
+
+
+# -- rule 3: who enforces ---------------------------------------------------------------
+
+
+def test_the_three_lowest_live_ranks_other_than_the_failed_one_enforce() -> None:
+    assert _plan.enforcers((5, 0, 3, 1, 2), failed_rank=1) == (0, 2, 3)
+    assert _plan.ENFORCERS == 3
+    assert [r for r in range(6) if plan(situation(self_rank=r, failed_rank=1, live_local_ranks=(0, 1, 2, 3, 4, 5))).enforcer] == [0, 2, 3]
+
+
+def test_the_failed_rank_enforces_only_when_too_few_others_are_left() -> None:
+    assert _plan.enforcers((0, 1), failed_rank=1) == (0, 1)
+    assert _plan.enforcers((1, 4, 7, 9), failed_rank=1) == (4, 7, 9)
+    assert plan(situation(self_rank=1, failed_rank=1, live_local_ranks=(0, 1))).enforcer
+    assert not plan(situation(self_rank=1, failed_rank=1, live_local_ranks=(0, 1, 2, 3))).enforcer
+
+
+def test_a_rank_that_is_not_live_does_not_enforce() -> None:
+    assert not plan(situation(self_rank=9, live_local_ranks=(0, 1, 3))).enforcer
+
+
+# -- rule 4: the report -----------------------------------------------------------------
+
+
+def test_enforcers_and_the_verdicts_writer_write_the_report_only_the_writer_prints_it() -> None:
+    enforcer = plan(situation(self_rank=0))
+    assert enforcer.write_report and not enforcer.print_summary
+    bystander = plan(situation(self_rank=7, live_local_ranks=(0, 1, 3, 4, 7)))
+    assert not bystander.enforcer and not bystander.write_report and not bystander.print_summary
+    writer = plan(situation(self_rank=7, live_local_ranks=(0, 1, 3, 4, 7), wrote_verdict=True))
+    assert writer.write_report and writer.print_summary
+
+
+# -- rule 5: the ack window ----------------------------------------------------------------
+
+
+def test_the_ack_window_closes_after_ack_window_when_no_ack_comes() -> None:
+    w = AckWindow.opened(100.0, 2.0).seen(100.0, 0)
+    assert w.left(100.0) == 2.0
+    assert w.seen(101.9, 0).left(101.9) == pytest.approx(0.1)
+    assert w.seen(102.0, 0).left(102.0) == 0.0
+
+
+def test_the_first_look_never_stretches_the_window() -> None:
+    w = AckWindow.opened(100.0, 2.0).seen(101.9, 5)
+    assert w.deadline == 102.0
+
+
+def test_acks_arriving_stretch_the_window_to_a_quarter_after_the_latest() -> None:
+    w = AckWindow.opened(100.0, 2.0).seen(100.0, 0).seen(101.9, 1)
+    assert w.deadline == pytest.approx(102.4)
+    assert w.seen(101.95, 1).deadline == pytest.approx(102.4)  # no new ack: no stretch
+    assert w.seen(102.3, 2).deadline == pytest.approx(102.8)
+
+
+def test_a_stretch_never_shortens_the_window() -> None:
+    w = AckWindow.opened(100.0, 2.0).seen(100.0, 0).seen(100.1, 1)
+    assert w.deadline == 102.0
+
+
+def test_the_window_never_stretches_beyond_four_windows() -> None:
+    w = AckWindow.opened(100.0, 2.0).seen(100.0, 0)
+    for i in range(1, 40):
+        w = w.seen(100.0 + i * 0.25, i)
+    assert w.deadline == pytest.approx(108.0)
+    assert w.latest == 108.0
+
+
+# -- rule 6: whom to signal ---------------------------------------------------------------
+
+
+def test_pending_peers_are_the_live_ones_that_gave_no_ack_lowest_first() -> None:
+    assert _plan.pending([5, 0, 3, 1, 2, 4], self_rank=0, gone={1}, acked={3}) == (2, 4, 5)
+    assert _plan.pending([0], self_rank=0, gone=set(), acked=set()) == ()
+
+
+def test_a_finished_peer_is_not_asked_for_stacks() -> None:
+    assert _plan.ask_for_stacks(3, finished={1, 2})
+    assert not _plan.ask_for_stacks(2, finished={1, 2})
+
+
+# -- rule 7: the last resort ------------------------------------------------------------------
+
+
+def test_the_last_resort_fires_after_the_ack_window_three_graces_and_two_seconds() -> None:
+    assert plan(situation(grace_s=5.0, ack_window_s=1.0)).last_resort_s == 18.0
+    assert plan(situation(grace_s=0.5, ack_window_s=2.0)).last_resort_s == 5.5
+
+
+# -- startup: ranks that never came ---------------------------------------------------------
+
+
+def test_ranks_missing_at_startup_are_named_when_this_host_runs_them_all() -> None:
+    assert _plan.missing_ranks(None, 4, local={0, 2}, registered={0, 2}) == ((1, 3), "rank(s) 1, 3 did not register")
+    assert _plan.missing_ranks(3, 3, local={0}, registered={0, 1}) == ((2,), "rank(s) 2 did not register")
+
+
+def test_all_ranks_there_at_startup_is_no_news() -> None:
+    assert _plan.missing_ranks(2, 4, local={0, 1}, registered={0, 1}) == ((), "")
+    assert _plan.missing_ranks(None, 2, local={0, 1, 5}, registered={0, 1, 5}) == ((), "")
+
+
+def test_a_host_with_some_of_the_ranks_warns_without_naming_global_ranks() -> None:
+    missing, why = _plan.missing_ranks(2, 4, local={0}, registered={0, 3})
+    assert missing == ()
+    assert why == "only 1 of 2 local ranks registered (registered: [0])"
+
+
+def test_no_expected_count_is_said_not_guessed() -> None:
+    missing, why = _plan.missing_ranks(None, None, local={0}, registered={0})
+    assert missing == () and "neither LOCAL_WORLD_SIZE nor WORLD_SIZE" in why
+    assert _plan.missing_ranks(0, 0, local={0}, registered={0})[0] == ()
