@@ -67,7 +67,6 @@ from ._hosts import (
 )
 from ._records import Failure, Registration, Verdict, decode, encode
 from ._rundir import EVENTS, RANKS, VERDICT_FILE, RunDir, rank_file
-from ._sources import is_local
 from ._store_client import StoreClient, connect, import_torch, torch_loaded
 from ._store_protocol import VERDICT, Exchange, Seen, exchange, poll_verdict, publish_verdict, read_host, send_beat
 
@@ -196,7 +195,7 @@ class Bridge:
         """The watcher acts on ``verdict``: make sure the other hosts learn it (bounded)."""
         if self.from_store is not None or self.published:
             return
-        local = {r for r, reg in self.run_dir.registrations().items() if is_local(reg)}
+        local = {r for r, reg in self.run_dir.registrations().items() if _identity.is_local(reg)}
         if verdict.detected_by not in local:
             return  # made on another host: it came through the store
         if self.running and not self.reachable:
@@ -231,11 +230,6 @@ class Bridge:
         if key not in self._settle:
             self._settle[key] = settle_deadline(verdict.failed_at_ns, time.time_ns(), time.monotonic())
         return self._settle[key]
-
-    def hold_until(self, verdict: Verdict) -> Optional[float]:
-        """:meth:`hold_until_ns` as a ``time.monotonic()`` deadline."""
-        until_ns = self.hold_until_ns(verdict)
-        return None if until_ns is None else time.monotonic() + (until_ns - time.time_ns()) / 1e9
 
     def _connected(self) -> bool:
         """Is this host's bridge (run by any local rank) connected to the store?"""
@@ -337,7 +331,7 @@ class Bridge:
         if self.index is not None and mtime == self._ranks_mtime:
             return None
         self._ranks_mtime = mtime
-        ranks = tuple(sorted(r for r, reg in self.run_dir.registrations().items() if is_local(reg)))
+        ranks = tuple(sorted(r for r, reg in self.run_dir.registrations().items() if _identity.is_local(reg)))
         if self.index is not None and ranks == self._ranks:
             return None
         return dataclasses.replace(self._me_info(), ranks=ranks)

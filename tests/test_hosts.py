@@ -299,21 +299,25 @@ def test_a_lost_host_becomes_a_lost_verdict_naming_the_host() -> None:
 def test_a_lost_store_is_blamed_on_the_host_of_rank_0() -> None:
     config = _config(exit_code=4, peer_timeout=30)
     me = HostInfo(1, "node1", ranks=(2, 3))
-    hosts = {0: HostInfo(0, "node0", ranks=(0, 1)), 1: me, 2: HostInfo(2, "node2", ranks=(4, 5))}
+    # Rank 0 by name, whichever host comes first or holds the lowest other rank.
+    hosts = {2: HostInfo(2, "node2", ranks=(1, 4)), 0: HostInfo(0, "node0", ranks=(0, 5)), 1: me}
     f = lost_store_failure("node0:29500", hosts, me, 30.5, config, now_ns=7)
     assert (f.rank, f.host, f.cause, f.exit_code, f.pid, f.time_ns) == (0, "node0", LOST, 4, 0, 7)
     assert f.message == ("the store at node0:29500 has been unreachable for 30.5s (peer_timeout 30s); the store is "
-                         "served from host node0 (ranks 0-1): its host died, or host node1 (ranks 2-3) is cut off from it")
+                         "served from host node0 (ranks 0, 5): its host died, or host node1 (ranks 2-3) is cut off "
+                         "from it")
 
 
 def test_without_rank_0_the_lowest_remote_rank_is_blamed_never_ours() -> None:
     config = _config()
     me = HostInfo(1, "node1", ranks=(0, 1))  # we hold rank 0: still not ours to blame
-    hosts = {1: me, 3: HostInfo(3, "node3", ranks=(6, 7)), 2: HostInfo(2, "node2", ranks=(4, 5)),
+    hosts = {1: me, 3: HostInfo(3, "node3", ranks=(5, 6)), 2: HostInfo(2, "node2", ranks=(4, 9)),
              4: HostInfo(4, "node4")}
-    assert store_holder(hosts, me) == hosts[2]
+    assert store_holder(hosts, me) == hosts[2]  # by its lowest rank
     f = lost_store_failure("x:1", hosts, me, 30.0, config, 1)
     assert (f.rank, f.host) == (4, "node2") and "served from" not in (f.message or "")
+    one = {1: me, 2: HostInfo(2, "node2", ranks=(1, 4))}  # rank 1 is no store's host
+    assert "served from" not in (lost_store_failure("x:1", one, me, 30.0, config, 1).message or "")
     # Nothing known of the others: rank 0, no host.
     f = lost_store_failure("x:1", {1: me}, me, 30.0, config, 1)
     assert (f.rank, f.host) == (0, None) and store_holder({1: me}, me) is None
