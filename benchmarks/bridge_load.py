@@ -6,7 +6,7 @@
 One TCPStore server on 127.0.0.1 in a process of its own (as torchrun's agent or rank 0
 serves it). ``--hosts`` simulated hosts, grouped in ``--procs`` processes: each is a real
 :class:`peerwatch._bridge.Bridge` with its own run directory holding ``--ranks``
-registrations, running its real threads (beat + store I/O worker + verdict waiter, two
+registrations, running its real threads (beat + the store client's owner + verdict waiter, two
 connections to the store). After every host sees every other, the steady state is measured
 for ``--seconds``: store requests (counted by each bridge), CPU of the bridge processes and
 of the store server. Then one host publishes a verdict (the real ``on_verdict`` path) and
@@ -62,7 +62,7 @@ def worker(first: int, count: int, args: Dict[str, Any], port: int, base: str, c
 
     import peerwatch._bridge as bridge_mod
     from peerwatch import _identity
-    from peerwatch._config import Config
+    from peerwatch._config import Config, LauncherFacts
     from peerwatch._records import Registration, Verdict, encode
     from peerwatch._rundir import _SUBDIRS, RANKS, RunDir, rank_file
 
@@ -94,7 +94,7 @@ def worker(first: int, count: int, args: Dict[str, Any], port: int, base: str, c
             )
             rd.write(RANKS, rank_file("rank", reg.rank), encode(reg), replace=True)
             regs.append(reg)
-        b = Timed(config, rd, regs[0], config.store, args["run_id"])
+        b = Timed(config, rd, regs[0], LauncherFacts.resolve(config, {}))
         b.sim = h
         b.tick()
         bridges.append(b)

@@ -268,4 +268,111 @@ _OPTIONS: dict[str, tuple[str, Callable[[Any], Any]]] = {
 }
 _OPTION_NAMES = frozenset(_OPTIONS)
 
-__all__ = ["Config", "GRACE_S"]
+
+# -- launcher facts: beyond one host -------------------------------------------------------
+
+_NODE_COUNT_VARS = ("SLURM_NNODES", "SLURM_JOB_NUM_NODES", "GROUP_WORLD_SIZE")  # hosts, as the launcher says
+KEY_ROOT = "peerwatch"  # every store key of peerwatch lives under KEY_ROOT/<run_id>/
+
+
+@dataclasses.dataclass(frozen=True)
+class LauncherFacts:
+    """What the launcher's environment says about the job beyond this host, resolved once
+    (with the :class:`Config`) by :meth:`resolve`. Where the launcher sets
+    ``MASTER_ADDR``/``MASTER_PORT`` only after ``install()`` (Lightning under Slurm), the
+    store bridge resolves them again, into a new value, until ``store`` and ``run_id`` are known.
+    """
+
+    wants_store: bool = False  # a bridge is needed: the job spans hosts, or a store is set
+    spans_hosts: bool = False
+    store: Any = None  # "host:port", the user's Store object, or None (no bridge, or not known yet)
+    store_why: str = ""  # where ``store`` came from, or why there is none
+    run_id: Optional[str] = None  # names the job on every host; None: nothing does (yet)
+    expected_hosts: Optional[int] = None  # how many hosts the job has, when the launcher says
+
+    @classmethod
+    def resolve(cls, config: Config, env: Mapping[str, str] | None = None) -> LauncherFacts:
+        env = os.environ if env is None else env
+        spans = spans_hosts(config, env)
+        store, why = resolve_store(config, env)
+        return cls(
+            wants_store=config.store != "off" and (config.store is not None or spans), spans_hosts=spans,
+            store=store, store_why=why, run_id=resolve_run_id(config, env), expected_hosts=expected_hosts(config, env),
+        )
+
+    @property
+    def ready(self) -> bool:
+        """Store and run id known: a bridge can start."""
+        return self.store is not None and bool(self.run_id)
+
+    @property
+    def address(self) -> str:
+        """The store, for messages: ``host:port`` or the Store object's type."""
+        if self.store is None:
+            return ""
+        return self.store if isinstance(self.store, str) else type(self.store).__name__
+
+    @property
+    def key_prefix(self) -> str:
+        return key_prefix(self.run_id) if self.run_id else ""
+
+
+def spans_hosts(config: Config, env: Mapping[str, str]) -> bool:
+    """Does the job run on more than one host, as far as the launcher says?"""
+    if config.world_size and config.local_world_size and config.world_size > config.local_world_size:
+        return True
+    for var in _NODE_COUNT_VARS:
+        value = env.get(var, "")
+        if value.isdigit() and int(value) > 1:
+            return True
+    return False
+
+
+def expected_hosts(config: Config, env: Mapping[str, str]) -> Optional[int]:
+    """How many hosts the job has, when the launcher says: a bridge stops looking for more."""
+    w, lw = config.world_size, config.local_world_size
+    if w and lw:
+        return -(-w // lw)
+    for var in _NODE_COUNT_VARS:
+        value = env.get(var, "")
+        if value.isdigit() and int(value) > 0:
+            return int(value)
+    return None
+
+
+def resolve_store(config: Config, env: Mapping[str, str]) -> Tuple[Any, str]:
+    """``(endpoint, why)``: endpoint is ``"host:port"``, a Store object, or None (no bridge)."""
+    store = config.store
+    if store == "off":
+        return None, f"store=off ({config.source_of('store')})"
+    if store is not None:
+        return store, config.source_of("store")
+    if not spans_hosts(config, env):
+        return None, "the job runs on one host"
+    addr, port = env.get("MASTER_ADDR", ""), env.get("MASTER_PORT", "")
+    if not addr or not port.isdigit():
+        return None, "the job spans hosts but MASTER_ADDR/MASTER_PORT are not set (set PEERWATCH_STORE)"
+    return f"{addr.strip('[]')}:{int(port)}", "MASTER_ADDR/MASTER_PORT (the job spans hosts)"
+
+
+def resolve_run_id(config: Config, env: Mapping[str, str]) -> Optional[str]:
+    """The job's name, the same on every host. A torchrun restart is a new run: the agent's
+    store outlives it, so its keys must not be found by the next attempt."""
+    if config.run_id:
+        return config.run_id
+    if env.get("TORCHELASTIC_RUN_ID"):
+        return f"torchrun-{env['TORCHELASTIC_RUN_ID']}-r{env.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    if env.get("SLURM_JOB_ID"):
+        return f"slurm-{env['SLURM_JOB_ID']}.{env.get('SLURM_STEP_ID', 'batch')}"
+    if env.get("MASTER_ADDR") and env.get("MASTER_PORT"):
+        return f"master-{env['MASTER_ADDR']}:{env['MASTER_PORT']}"
+    return None
+
+
+def key_prefix(run_id: str) -> str:
+    return f"{KEY_ROOT}/{run_id}/"
+
+__all__ = [
+    "GRACE_S", "Config", "LauncherFacts", "expected_hosts", "key_prefix", "resolve_run_id", "resolve_store",
+    "spans_hosts",
+]

@@ -6,7 +6,7 @@ Each simulated host is ``tests/multihost_program.py host`` as PID 1 of its names
 hosts' pids mean nothing to each other, so only the store bridge can carry a failure from
 one to another. Needs root (namespaces); skipped otherwise.
 
-Unit tests of the bridge's pure parts come first.
+The bridge's pure parts are unit-tested in test_hosts.py and test_launcher_facts.py.
 """
 
 from __future__ import annotations
@@ -28,22 +28,9 @@ import psutil
 import pytest
 from harness import _FOREIGN_ENV, free_port
 
-from peerwatch._bridge import (
-    DONE,
-    REMOTE_SETTLE_S,
-    Bridge,
-    HostInfo,
-    Liveness,
-    key_prefix,
-    lost_host_failure,
-    lost_store_failure,
-    ranks_text,
-    resolve_run_id,
-    resolve_store,
-    spans_hosts,
-)
+from peerwatch._bridge import Bridge
 from peerwatch._config import Config
-from peerwatch._decide import Observed, Policy, decide
+from peerwatch._hosts import REMOTE_SETTLE_S
 from peerwatch._records import LOST, Failure, Registration, decode, encode
 from peerwatch._rundir import RunDir
 
@@ -63,69 +50,8 @@ LOST_S = PEER_TIMEOUT_S + 2 * HEARTBEAT_S + CROSS_S
 TORN_DOWN = {1, -signal.SIGTERM}
 
 
-# -- pure parts ----------------------------------------------------------------------------
-
-
-def test_liveness_judges_on_the_local_clock_only() -> None:
-    s = 1_000_000_000
-    live = Liveness(timeout_ns=3 * s)
-    live.observe(0, {1: b"1", 2: b"1"})
-    live.observe(1 * s, {1: b"2", 2: b"1"})
-    live.observe(2 * s, {1: b"3", 2: b"1"})
-    assert live.lost(2 * s) == []
-    live.observe(3 * s, {1: b"4", 2: b"1"})
-    assert live.lost(3 * s) == [2]
-    assert live.lost(3 * s, exclude={2}) == []
-    assert live.silent_s(2, 3 * s) == 3.0
-
-
-def test_liveness_forgives_a_gap_of_our_own() -> None:
-    """We were frozen (or starved) ourselves: nobody is lost for our gap."""
-    s = 1_000_000_000
-    live = Liveness(timeout_ns=3 * s)
-    live.observe(0, {1: b"1"})
-    live.observe(10 * s, {1: b"1"})  # we did not look for 10 s
-    assert live.lost(10 * s) == []
-    live.observe(11 * s, {1: b"1"})
-    live.observe(12 * s, {1: b"1"})
-    live.observe(13 * s, {1: b"1"})
-    assert live.lost(13 * s) == [1]
-
-
-def test_liveness_a_done_host_is_never_lost() -> None:
-    s = 1_000_000_000
-    live = Liveness(timeout_ns=2 * s)
-    live.observe(0, {1: b"5", 2: b"5"})
-    live.observe(1 * s, {1: DONE + b"6", 2: b"6"})
-    live.observe(2 * s, {1: DONE + b"6", 2: b"7"})
-    live.observe(3 * s, {1: DONE + b"6", 2: b"8"})
-    live.observe(4 * s, {1: DONE + b"6", 2: b"9"})
-    assert live.lost(4 * s) == [] and live.done == {1}
-    live.observe(5 * s, {1: None, 2: b"10"})  # unknown this time: no change
-    assert live.lost(5 * s) == []
-
-
 def _config(**kw: object) -> Config:
     return Config.resolve(kw, env={})
-
-
-def test_store_and_run_id_resolution() -> None:
-    env = {"MASTER_ADDR": "node0", "MASTER_PORT": "29500"}
-    one_host = _config(world_size=4, local_world_size=4)
-    two_hosts = _config(world_size=8, local_world_size=4)
-    assert not spans_hosts(one_host, env) and spans_hosts(two_hosts, env)
-    assert spans_hosts(_config(), {"SLURM_NNODES": "2"})
-    assert resolve_store(one_host, env)[0] is None
-    assert resolve_store(two_hosts, env)[0] == "node0:29500"
-    assert resolve_store(two_hosts, {})[0] is None  # spans hosts, but no address: warned, no bridge
-    assert resolve_store(_config(store="off", world_size=8, local_world_size=4), env)[0] is None
-    assert resolve_store(_config(store="10.0.0.1:1234"), {})[0] == "10.0.0.1:1234"
-    assert resolve_run_id(two_hosts, env) == "master-node0:29500"
-    assert resolve_run_id(two_hosts, {"TORCHELASTIC_RUN_ID": "job", "TORCHELASTIC_RESTART_COUNT": "2"}) == "torchrun-job-r2"
-    assert resolve_run_id(two_hosts, {"SLURM_JOB_ID": "77", "SLURM_STEP_ID": "0", **env}) == "slurm-77.0"
-    assert resolve_run_id(_config(run_id="mine"), env) == "mine"
-    assert resolve_run_id(two_hosts, {}) is None
-    assert key_prefix("mine") == "peerwatch/mine/"
 
 
 def test_a_bridge_finds_its_store_late(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -141,40 +67,6 @@ def test_a_bridge_finds_its_store_late(tmp_path: Path, monkeypatch: pytest.Monke
     monkeypatch.setenv("MASTER_ADDR", "node0")
     monkeypatch.setenv("MASTER_PORT", "29500")
     assert b._resolve_late() and b.address == "node0:29500" and b.prefix == "peerwatch/master-node0:29500/"
-
-
-def test_host_info_round_trip_and_garbage() -> None:
-    info = HostInfo(2, "node2", "boot", "pid:[1]", (8, 9, 10, 11))
-    assert HostInfo.from_json(2, info.to_json()) == info
-    assert HostInfo.from_json(3, b"\xff not json") == HostInfo(3, "host 3")
-    assert HostInfo.from_json(3, b'{"ranks": "x"}').ranks == ()
-    assert ranks_text((8, 9, 10, 11)) == "ranks 8-11"
-    assert ranks_text((1, 5)) == "ranks 1, 5"
-    assert ranks_text((3,)) == "rank 3"
-
-
-def test_a_lost_host_becomes_a_lost_verdict_naming_the_host() -> None:
-    config = _config(exit_code=3)
-    failure = lost_host_failure(HostInfo(1, "node1", ranks=(4, 5, 6, 7)), 31.0, config, now_ns=123)
-    assert decode(Failure, encode(failure)) == failure  # the new field round-trips
-    assert (failure.rank, failure.cause, failure.exit_code, failure.host) == (4, LOST, 3, "node1")
-    obs = Observed(self_rank=0, now_ns=200, registrations={}, successes=set(), failures={4: failure},
-                   exit_statuses={}, gone={})
-    verdict = decide(obs, Policy(parent_wait_ns=0, default_exit_code=1)).verdict
-    assert verdict is not None
-    assert (verdict.rank, verdict.cause, verdict.host, verdict.exit_code, verdict.pid) == (4, LOST, "node1", 3, None)
-    assert "host node1 (ranks 4-7) lost" in verdict.detail
-
-
-def test_a_lost_store_is_blamed_on_the_host_of_rank_0() -> None:
-    config = _config()
-    me = HostInfo(1, "node1", ranks=(2, 3))
-    hosts = {0: HostInfo(0, "node0", ranks=(0, 1)), 1: me, 2: HostInfo(2, "node2", ranks=(4, 5))}
-    f = lost_store_failure("node0:29500", hosts, me, 30.5, config, now_ns=1)
-    assert (f.rank, f.host) == (0, "node0")
-    assert "store at node0:29500" in (f.message or "") and "host node1 (ranks 2-3) is cut off" in (f.message or "")
-    # Nothing known of the others: rank 0 by default, never one of ours when we know better.
-    assert lost_store_failure("x:1", {1: me}, me, 30.0, config, 1).rank == 0
 
 
 # -- two bridges in this process, through a Store object (no root needed) --------------------

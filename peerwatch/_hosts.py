@@ -1,0 +1,246 @@
+"""What a store bridge knows of the other hosts, and the rules it judges them by. Pure.
+
+No I/O, no threads, no clock: every function takes the time it needs as an argument, so
+every rule here is unit-tested (``tests/test_hosts.py``) without a store or a process.
+
+Mutable state: a :class:`Liveness` is owned by the thread that calls it (the bridge's beat
+thread); everything else here is immutable.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from typing import AbstractSet, Dict, List, Mapping, Optional, Set, Tuple
+
+from ._config import Config
+from ._records import EXCEPTION, EXIT, LOST, Failure, Verdict
+
+DONE = b"done:"  # a beat that starts so: a rank of that host finished cleanly; the job is ending
+# A local exception may be the echo of a failure on another host (a collective that lost
+# its peer raises within milliseconds): that host's verdict, already on its way through the
+# store (one round trip: ~5-30 ms, much more on loaded hosts), gets this long to arrive
+# before ours is made. The same 1 s as the one-host rule (_decide.CONSEQUENCE_WINDOW_NS).
+REMOTE_SETTLE_S = 1.0
+CONNECT_BACKOFF_MAX_S = 5.0  # between connection attempts, doubling from heartbeat_interval
+OP_TIMEOUT_MIN_S = 0.5  # one store request's timeout: peer_timeout / 3, within these bounds
+OP_TIMEOUT_MAX_S = 10.0
+
+
+@dataclasses.dataclass(frozen=True)
+class HostInfo:
+    """What a host says of itself in ``host/<i>``."""
+
+    index: int
+    hostname: str
+    boot_id: str = ""
+    pidns: str = ""
+    ranks: Tuple[int, ...] = ()
+    ident: str = ""  # boot id, PID namespace and run directory, hashed: the same for a successor bridge
+
+    def to_json(self) -> bytes:
+        return json.dumps(dataclasses.asdict(self), separators=(",", ":")).encode()
+
+    @classmethod
+    def from_json(cls, index: int, data: bytes) -> HostInfo:
+        """The host's own account; garbage gives a host known only by its index."""
+        try:
+            body = json.loads(data.decode("utf-8"))
+            ranks = tuple(sorted(int(r) for r in body.get("ranks", ()) if not isinstance(r, bool)))
+            return cls(index, str(body.get("hostname", f"host {index}")), str(body.get("boot_id", "")),
+                       str(body.get("pidns", "")), ranks, str(body.get("ident", "")))
+        except (UnicodeDecodeError, ValueError, TypeError, AttributeError):
+            return cls(index, f"host {index}")
+
+    def describe(self) -> str:
+        return f"host {self.hostname} ({ranks_text(self.ranks)})"
+
+
+def host_ident(boot_id: str, pidns: str, run_dir: str) -> str:
+    """Names this host's bridge in the store, whichever local rank runs it."""
+    return hashlib.sha1(f"{boot_id}|{pidns}|{run_dir}".encode()).hexdigest()[:16]
+
+
+def ranks_text(ranks: Tuple[int, ...]) -> str:
+    if not ranks:
+        return "ranks unknown"
+    if len(ranks) > 1 and list(ranks) == list(range(ranks[0], ranks[-1] + 1)):
+        return f"ranks {ranks[0]}-{ranks[-1]}"
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
+
+def beat_value(seq: int, done: bool) -> bytes:
+    """What a host writes into ``beat/<i>``: a new value each time, ``done:`` once it ended well."""
+    return (DONE if done else b"") + str(seq).encode()
+
+
+class Liveness:
+    """Which hosts have stopped beating, judged on this host's monotonic clock only.
+
+    A host is lost when its beat value has not changed for ``timeout_ns`` of our own
+    observations. No clock is compared across hosts. If we ourselves were not running for
+    a while (frozen, starved: more than half the timeout between two looks), that gap is not
+    held against anyone: the clock restarts. Hosts whose beat says ``done`` are never lost
+    (the job is ending).
+    """
+
+    def __init__(self, timeout_ns: int) -> None:
+        self.timeout_ns = timeout_ns
+        self.values: Dict[int, bytes] = {}
+        self.changed_ns: Dict[int, int] = {}
+        self.done: Set[int] = set()
+        self._last_ns: Optional[int] = None
+
+    def observe(self, now_ns: int, beats: Mapping[int, Optional[bytes]]) -> None:
+        """One look at every host's beat (None: not known this time, no change)."""
+        if self._last_ns is not None and now_ns - self._last_ns > self.timeout_ns // 2:
+            for host in self.changed_ns:
+                self.changed_ns[host] = now_ns  # we were not looking: judge from now on
+        self._last_ns = now_ns
+        for host, value in beats.items():
+            if value is None:
+                continue
+            if value.startswith(DONE):
+                self.done.add(host)
+            if self.values.get(host) != value or host not in self.changed_ns:
+                self.values[host] = value
+                self.changed_ns[host] = now_ns
+
+    def lost(self, now_ns: int, exclude: AbstractSet[int] = frozenset()) -> List[int]:
+        return sorted(
+            h for h, t in self.changed_ns.items()
+            if h not in self.done and h not in exclude and now_ns - t >= self.timeout_ns
+        )
+
+    def silent_s(self, host: int, now_ns: int) -> float:
+        return (now_ns - self.changed_ns.get(host, now_ns)) / 1e9
+
+
+# -- which hosts to look at -------------------------------------------------------------
+
+
+def roster_incomplete(expected: Optional[int], known: int) -> bool:
+    """Look for more hosts (read the ``hosts`` counter)? Until as many as the launcher says."""
+    return expected is None or known < expected
+
+
+def hosts_to_read(count: int, known: AbstractSet[int], index: int) -> List[int]:
+    """Indices below the ``hosts`` counter whose ``host/<j>`` we have not read (nor are)."""
+    return [j for j in range(count) if j not in known and j != index]
+
+
+def peers_to_watch(hosts: Mapping[int, HostInfo], index: Optional[int], ident: str) -> List[int]:
+    """The hosts whose beats we judge: never ourselves, nor an index of our own (a
+    registration that raced) under another number."""
+    return sorted(j for j, h in hosts.items() if j != index and h.ident != ident)
+
+
+# -- when a silence is a failure --------------------------------------------------------
+
+
+def hosts_to_declare_lost(
+    liveness: Liveness, now_ns: int, reported: AbstractSet[int], job_ending: bool, verdict_known: bool
+) -> List[int]:
+    """Silent hosts to record as lost now: none once the job is ending or has a verdict."""
+    if job_ending or verdict_known:
+        return []
+    return liveness.lost(now_ns, exclude=reported)
+
+
+def store_silent_for(last_ok_s: Optional[float], now_s: float, peer_timeout: float) -> Optional[float]:
+    """How long the store has been unreachable if that makes it lost (None: not lost).
+    A store never reached is not lost: it may not exist yet (before init_process_group)."""
+    if last_ok_s is None or now_s - last_ok_s < peer_timeout:
+        return None
+    return now_s - last_ok_s
+
+
+def report_store_lost(already: bool, job_ending: bool, verdict_known: bool) -> bool:
+    return not (already or job_ending or verdict_known)
+
+
+# -- timing -------------------------------------------------------------------------------
+
+
+def op_timeout_s(peer_timeout: float) -> float:
+    """One store request's timeout: a third of peer_timeout, within [0.5 s, 10 s]."""
+    return max(OP_TIMEOUT_MIN_S, min(peer_timeout / 3, OP_TIMEOUT_MAX_S))
+
+
+def interval_deadline_s(peer_timeout: float) -> float:
+    """How long one interval's store work may take before the store counts as unreachable."""
+    return min(2 * op_timeout_s(peer_timeout), peer_timeout / 2)
+
+
+def connect_allowance_s(peer_timeout: float) -> float:
+    """What a deadline gains when a connection must be made first: two request timeouts."""
+    return 2 * op_timeout_s(peer_timeout)
+
+
+def next_backoff_s(backoff: float, interval: float, peer_timeout: float) -> float:
+    """The wait before the next attempt after a failed one: doubling, capped."""
+    return min(backoff * 2, CONNECT_BACKOFF_MAX_S, max(interval, peer_timeout / 4))
+
+
+# -- holding an exception back ----------------------------------------------------------
+
+
+def may_be_echo(verdict: Verdict, me: int, connected: bool) -> bool:
+    """Should ``verdict`` be held back (deciding again meanwhile)? Only an exception or an
+    exit this rank judged, while this host is connected to the store: it may be the echo
+    of a death on another host, whose verdict is one round trip away."""
+    return verdict.cause in (EXCEPTION, EXIT) and verdict.detected_by == me and connected
+
+
+def settle_deadline(failed_at_ns: int, now_ns: int, now_s: float) -> float:
+    """The ``time.monotonic()`` at which ``REMOTE_SETTLE_S`` after the failure has passed.
+    The failure's time is a record timestamp (wall clock): its age is read once, here,
+    within [0, REMOTE_SETTLE_S], and the deadline is monotonic from then on."""
+    age_s = min(max((now_ns - failed_at_ns) / 1e9, 0.0), REMOTE_SETTLE_S)
+    return now_s + REMOTE_SETTLE_S - age_s
+
+
+# -- the records a bridge writes ----------------------------------------------------------
+
+
+def lost_host_failure(info: HostInfo, silent_s: float, config: Config, now_ns: int) -> Failure:
+    """The record a bridge writes for a host that fell silent: on that host's lowest rank."""
+    return Failure(
+        rank=info.ranks[0] if info.ranks else 0, pid=0, time_ns=now_ns, cause=LOST, exit_code=config.exit_code,
+        message=f"{info.describe()} lost: its heartbeat in the store has not advanced for {silent_s:.1f}s "
+        f"(peer_timeout {config.peer_timeout:g}s): the host froze, crashed or was cut off",
+        host=info.hostname,
+    )
+
+
+def store_holder(hosts: Mapping[int, HostInfo], me: HostInfo) -> Optional[HostInfo]:
+    """The host a lost store is blamed on: rank 0's (whose node serves ``MASTER_ADDR``'s
+    store under init_process_group and torchrun), or the lowest remote rank known; never
+    ours, since the local ranks are alive and only being cut off."""
+    remote = [h for h in hosts.values() if h.index != me.index and h.ranks]
+    return next((h for h in remote if 0 in h.ranks), None) or min(remote, key=lambda h: h.ranks[0], default=None)
+
+
+def lost_store_failure(
+    store: str, hosts: Mapping[int, HostInfo], me: HostInfo, silent_s: float, config: Config, now_ns: int
+) -> Failure:
+    """The record a bridge writes when the store has been unreachable for peer_timeout."""
+    holder = store_holder(hosts, me)
+    rank = holder.ranks[0] if holder is not None else 0
+    where = f"; the store is served from {holder.describe()}" if holder is not None and 0 in holder.ranks else ""
+    return Failure(
+        rank=rank, pid=0, time_ns=now_ns, cause=LOST, exit_code=config.exit_code,
+        message=f"the store at {store} has been unreachable for {silent_s:.1f}s (peer_timeout "
+        f"{config.peer_timeout:g}s){where}: its host died, or {me.describe()} is cut off from it",
+        host=holder.hostname if holder is not None else None,
+    )
+
+
+__all__ = [
+    "CONNECT_BACKOFF_MAX_S", "DONE", "REMOTE_SETTLE_S", "HostInfo", "Liveness", "beat_value", "connect_allowance_s",
+    "host_ident",
+    "hosts_to_declare_lost", "hosts_to_read", "interval_deadline_s", "lost_host_failure", "lost_store_failure",
+    "may_be_echo", "next_backoff_s", "op_timeout_s", "peers_to_watch", "ranks_text", "report_store_lost",
+    "roster_incomplete", "settle_deadline", "store_holder", "store_silent_for",
+]

@@ -1,0 +1,324 @@
+"""The store bridge's rules about other hosts (``peerwatch/_hosts.py``): pure and fast.
+
+Every rule and every boundary has a case here (a flipped comparison, an off-by-one
+constant or a deleted statement in ``_hosts.py`` fails one of them).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from peerwatch._config import Config
+from peerwatch._decide import Observed, Policy, decide
+from peerwatch._hosts import (
+    CONNECT_BACKOFF_MAX_S,
+    DONE,
+    REMOTE_SETTLE_S,
+    HostInfo,
+    Liveness,
+    beat_value,
+    connect_allowance_s,
+    host_ident,
+    hosts_to_declare_lost,
+    hosts_to_read,
+    interval_deadline_s,
+    lost_host_failure,
+    lost_store_failure,
+    may_be_echo,
+    next_backoff_s,
+    op_timeout_s,
+    peers_to_watch,
+    ranks_text,
+    report_store_lost,
+    roster_incomplete,
+    settle_deadline,
+    store_holder,
+    store_silent_for,
+)
+from peerwatch._records import EXCEPTION, EXIT, LOST, SIGNAL, VANISHED, Failure, Verdict, decode, encode
+
+S = 1_000_000_000  # ns
+
+
+def _config(**kw: object) -> Config:
+    return Config.resolve(kw, env={})
+
+
+# -- host records -------------------------------------------------------------------------
+
+
+def test_host_info_round_trip_and_garbage() -> None:
+    info = HostInfo(2, "node2", "boot", "pid:[1]", (8, 9, 10, 11), "abc")
+    assert HostInfo.from_json(2, info.to_json()) == info
+    assert HostInfo.from_json(3, b"\xff not json") == HostInfo(3, "host 3")
+    assert HostInfo.from_json(3, b"[1, 2]") == HostInfo(3, "host 3")  # not an object
+    assert HostInfo.from_json(3, b'{"ranks": "x"}').ranks == ()
+    assert HostInfo.from_json(3, b"{}") == HostInfo(3, "host 3")
+    # Ranks are sorted; booleans are not ranks; the index is the reader's, not the writer's.
+    body = json.dumps({"index": 9, "hostname": "n", "ranks": [5, True, 4]}).encode()
+    assert HostInfo.from_json(1, body) == HostInfo(1, "n", ranks=(4, 5))
+
+
+def test_host_info_describes_host_and_ranks() -> None:
+    assert HostInfo(0, "node0", ranks=(0, 1)).describe() == "host node0 (ranks 0-1)"
+    assert HostInfo(0, "node0").describe() == "host node0 (ranks unknown)"
+
+
+def test_ranks_text() -> None:
+    assert ranks_text(()) == "ranks unknown"
+    assert ranks_text((3,)) == "rank 3"
+    assert ranks_text((1, 2)) == "ranks 1-2"
+    assert ranks_text((8, 9, 10, 11)) == "ranks 8-11"
+    assert ranks_text((1, 5)) == "ranks 1, 5"
+    assert ranks_text((1, 2, 4)) == "ranks 1, 2, 4"
+
+
+def test_host_ident_names_boot_pidns_and_run_dir() -> None:
+    ident = host_ident("boot", "pid:[1]", "/run/a")
+    assert len(ident) == 16 and int(ident, 16) >= 0
+    assert ident == host_ident("boot", "pid:[1]", "/run/a")
+    others = {host_ident("boot2", "pid:[1]", "/run/a"), host_ident("boot", "pid:[2]", "/run/a"),
+              host_ident("boot", "pid:[1]", "/run/b")}
+    assert ident not in others and len(others) == 3
+
+
+def test_beat_values() -> None:
+    assert beat_value(7, done=False) == b"7"
+    assert beat_value(7, done=True) == DONE + b"7" == b"done:7"
+
+
+# -- liveness -----------------------------------------------------------------------------
+
+
+def test_liveness_judges_on_the_local_clock_only() -> None:
+    live = Liveness(timeout_ns=3 * S)
+    live.observe(0, {1: b"1", 2: b"1"})
+    live.observe(1 * S, {1: b"2", 2: b"1"})
+    live.observe(2 * S, {1: b"3", 2: b"1"})
+    assert live.lost(2 * S) == []
+    live.observe(3 * S, {1: b"4", 2: b"1"})
+    assert live.lost(3 * S) == [2]
+    assert live.lost(3 * S, exclude={2}) == []
+    assert live.silent_s(2, 3 * S) == 3.0
+    assert live.silent_s(1, 3 * S) == 0.0
+
+
+def test_liveness_lost_at_exactly_the_timeout_not_before() -> None:
+    live = Liveness(timeout_ns=4)
+    live.observe(0, {1: b"a", 2: b"a"})
+    live.observe(2, {1: b"a", 2: b"a"})
+    assert live.lost(3) == []
+    assert live.lost(4) == [1, 2]  # sorted
+
+
+def test_liveness_forgives_a_gap_of_our_own() -> None:
+    """We were frozen (or starved) ourselves: nobody is lost for our gap."""
+    live = Liveness(timeout_ns=3 * S)
+    live.observe(0, {1: b"1"})
+    live.observe(10 * S, {1: b"1"})  # we did not look for 10 s
+    assert live.lost(10 * S) == [] and live.silent_s(1, 10 * S) == 0.0
+    live.observe(11 * S, {1: b"1"})
+    live.observe(12 * S, {1: b"1"})
+    assert live.lost(12 * S) == []
+    live.observe(13 * S, {1: b"1"})
+    assert live.lost(13 * S) == [1]
+
+
+def test_liveness_a_gap_of_half_the_timeout_is_not_forgiven_one_ns_more_is() -> None:
+    live = Liveness(timeout_ns=10)
+    live.observe(0, {1: b"x"})
+    live.observe(5, {1: b"x"})  # exactly half: we were looking
+    live.observe(10, {1: b"x"})
+    assert live.lost(10) == [1]
+    live = Liveness(timeout_ns=10)
+    live.observe(0, {1: b"x"})
+    live.observe(6, {1: b"x"})  # one more: our gap, the clock restarts
+    assert live.lost(10) == [] and live.silent_s(1, 10) == 4 / 1e9
+
+
+def test_liveness_a_gap_restarts_every_host_and_the_last_look_counts() -> None:
+    live = Liveness(timeout_ns=10)
+    live.observe(0, {1: b"x", 2: b"x"})
+    live.observe(4, {1: b"x"})
+    live.observe(8, {1: b"x"})  # gaps of 4: no restart, host 2 unseen since 0
+    live.observe(14, {1: b"x"})  # a gap of 6: both restart
+    assert live.lost(23) == [] and live.lost(24) == [1, 2]
+
+
+def test_liveness_a_done_host_is_never_lost() -> None:
+    live = Liveness(timeout_ns=2 * S)
+    live.observe(0, {1: b"5", 2: b"5"})
+    live.observe(1 * S, {1: DONE + b"6", 2: b"6"})
+    live.observe(2 * S, {1: DONE + b"6", 2: b"7"})
+    live.observe(3 * S, {1: DONE + b"6", 2: b"8"})
+    live.observe(4 * S, {1: DONE + b"6", 2: b"9"})
+    assert live.lost(4 * S) == [] and live.done == {1}
+    live.observe(5 * S, {1: None, 2: b"10"})  # unknown this time: no change
+    assert live.lost(5 * S) == [] and live.values[1] == DONE + b"6"
+
+
+def test_liveness_an_unknown_beat_is_no_sign_of_life() -> None:
+    live = Liveness(timeout_ns=4)
+    live.observe(0, {1: b"a"})
+    live.observe(2, {1: None, 3: None})
+    assert 3 not in live.changed_ns and 3 not in live.values
+    assert live.lost(4) == [1]
+
+
+def test_liveness_a_new_value_restarts_the_clock_of_that_host_only() -> None:
+    live = Liveness(timeout_ns=4)
+    live.observe(0, {1: b"a", 2: b"a"})
+    live.observe(2, {1: b"b", 2: b"a"})
+    assert live.changed_ns == {1: 2, 2: 0} and live.values == {1: b"b", 2: b"a"}
+    assert live.lost(4) == [2] and live.lost(6) == [1, 2]
+
+
+# -- which hosts to look at --------------------------------------------------------------
+
+
+def test_roster_incomplete_until_the_expected_count() -> None:
+    assert roster_incomplete(None, 5)
+    assert roster_incomplete(3, 2)
+    assert not roster_incomplete(3, 3)
+    assert not roster_incomplete(3, 4)
+
+
+def test_hosts_to_read_skips_known_and_ourselves() -> None:
+    assert hosts_to_read(5, {0, 2}, 3) == [1, 4]
+    assert hosts_to_read(0, set(), 0) == []
+    assert hosts_to_read(2, {0, 1}, 5) == []
+
+
+def test_peers_to_watch_never_ourselves() -> None:
+    hosts = {2: HostInfo(2, "b", ident="B"), 0: HostInfo(0, "me", ident="ME"), 1: HostInfo(1, "a", ident="A"),
+             3: HostInfo(3, "me again", ident="ME")}  # a registration of ours that raced
+    assert peers_to_watch(hosts, 0, "ME") == [1, 2]
+    assert peers_to_watch(hosts, None, "X") == [0, 1, 2, 3]
+    assert peers_to_watch(hosts, 1, "X") == [0, 2, 3]
+
+
+# -- when a silence is a failure -----------------------------------------------------------
+
+
+def test_silent_hosts_are_lost_unless_the_job_is_ending_or_judged() -> None:
+    live = Liveness(timeout_ns=4)
+    live.observe(0, {1: b"a", 2: b"a"})
+    assert hosts_to_declare_lost(live, 4, set(), job_ending=False, verdict_known=False) == [1, 2]
+    assert hosts_to_declare_lost(live, 4, {1}, job_ending=False, verdict_known=False) == [2]
+    assert hosts_to_declare_lost(live, 4, set(), job_ending=True, verdict_known=False) == []
+    assert hosts_to_declare_lost(live, 4, set(), job_ending=False, verdict_known=True) == []
+    assert hosts_to_declare_lost(live, 3, set(), job_ending=False, verdict_known=False) == []
+
+
+def test_the_store_is_lost_after_peer_timeout_of_silence_once_it_answered() -> None:
+    assert store_silent_for(None, 100.0, 30.0) is None  # never reached: it may not exist yet
+    assert store_silent_for(70.5, 100.0, 30.0) is None
+    assert store_silent_for(70.0, 100.0, 30.0) == 30.0
+    assert store_silent_for(60.0, 100.0, 30.0) == 40.0
+
+
+@pytest.mark.parametrize("already", [False, True])
+@pytest.mark.parametrize("ending", [False, True])
+@pytest.mark.parametrize("known", [False, True])
+def test_a_lost_store_is_reported_once_and_only_if_nothing_else_explains_it(
+    already: bool, ending: bool, known: bool
+) -> None:
+    assert report_store_lost(already, ending, known) == (not already and not ending and not known)
+
+
+# -- timing ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("peer_timeout, op", [(0.6, 0.5), (1.5, 0.5), (3.0, 1.0), (30.0, 10.0), (60.0, 10.0)])
+def test_a_store_request_times_out_after_a_third_of_peer_timeout_within_bounds(peer_timeout: float, op: float) -> None:
+    assert op_timeout_s(peer_timeout) == pytest.approx(op)
+
+
+@pytest.mark.parametrize("peer_timeout, deadline", [(1.2, 0.6), (3.0, 1.5), (30.0, 15.0), (60.0, 20.0)])
+def test_an_interval_may_take_two_requests_or_half_peer_timeout(peer_timeout: float, deadline: float) -> None:
+    assert interval_deadline_s(peer_timeout) == pytest.approx(deadline)
+    assert connect_allowance_s(peer_timeout) == pytest.approx(2 * op_timeout_s(peer_timeout))
+
+
+def test_backoff_doubles_within_its_caps() -> None:
+    assert next_backoff_s(0.5, 0.5, 30.0) == 1.0
+    assert next_backoff_s(4.0, 0.5, 30.0) == CONNECT_BACKOFF_MAX_S == 5.0
+    assert next_backoff_s(4.0, 0.5, 10.0) == 2.5  # a quarter of peer_timeout
+    assert next_backoff_s(2.0, 3.0, 4.0) == 3.0  # never below one interval (unless 5 s is)
+    assert next_backoff_s(2.0, 6.0, 4.0) == 4.0
+
+
+# -- holding an exception back --------------------------------------------------------------
+
+
+def _verdict(cause: str, detected_by: int = 1, failed_at_ns: int = 0) -> Verdict:
+    return Verdict(rank=3, cause=cause, exit_code=1, failed_at_ns=failed_at_ns, detected_by=detected_by,
+                   detected_at_ns=failed_at_ns)
+
+
+def test_only_our_own_exception_or_exit_verdict_while_connected_may_be_an_echo() -> None:
+    assert may_be_echo(_verdict(EXCEPTION), me=1, connected=True)
+    assert may_be_echo(_verdict(EXIT), me=1, connected=True)
+    assert not may_be_echo(_verdict(EXCEPTION), me=1, connected=False)
+    assert not may_be_echo(_verdict(EXCEPTION, detected_by=2), me=1, connected=True)
+    for cause in (SIGNAL, VANISHED, LOST):
+        assert not may_be_echo(_verdict(cause), me=1, connected=True)
+
+
+def test_the_hold_ends_remote_settle_after_the_failure_on_the_monotonic_clock() -> None:
+    assert REMOTE_SETTLE_S == 1.0
+    assert settle_deadline(failed_at_ns=10 * S, now_ns=10 * S + S // 4, now_s=500.0) == pytest.approx(500.75)
+    assert settle_deadline(10 * S, 10 * S, 500.0) == 501.0
+    assert settle_deadline(10 * S, 11 * S, 500.0) == 500.0  # already over: act now
+    assert settle_deadline(10 * S, 20 * S, 500.0) == 500.0
+    assert settle_deadline(10 * S, 9 * S, 500.0) == 501.0  # a failure "in the future" (clock step): one window
+
+
+# -- the records a bridge writes ------------------------------------------------------------
+
+
+def test_a_lost_host_becomes_a_lost_verdict_naming_the_host() -> None:
+    config = _config(exit_code=3, peer_timeout=30)
+    failure = lost_host_failure(HostInfo(1, "node1", ranks=(4, 5, 6, 7)), 31.0, config, now_ns=123)
+    assert decode(Failure, encode(failure)) == failure
+    assert (failure.rank, failure.pid, failure.time_ns, failure.cause, failure.exit_code, failure.host) == (
+        4, 0, 123, LOST, 3, "node1")
+    assert failure.message == ("host node1 (ranks 4-7) lost: its heartbeat in the store has not advanced for 31.0s "
+                               "(peer_timeout 30s): the host froze, crashed or was cut off")
+    obs = Observed(self_rank=0, now_ns=200, registrations={}, successes=set(), failures={4: failure},
+                   exit_statuses={}, gone={})
+    verdict = decide(obs, Policy(parent_wait_ns=0, default_exit_code=1)).verdict
+    assert verdict is not None
+    assert (verdict.rank, verdict.cause, verdict.host, verdict.exit_code, verdict.pid) == (4, LOST, "node1", 3, None)
+    assert "host node1 (ranks 4-7) lost" in verdict.detail
+    assert lost_host_failure(HostInfo(1, "node1"), 1.0, config, 0).rank == 0  # ranks unknown
+
+
+def test_a_lost_store_is_blamed_on_the_host_of_rank_0() -> None:
+    config = _config(exit_code=4, peer_timeout=30)
+    me = HostInfo(1, "node1", ranks=(2, 3))
+    # Rank 0 by name, whichever host comes first or holds the lowest other rank.
+    hosts = {2: HostInfo(2, "node2", ranks=(1, 4)), 0: HostInfo(0, "node0", ranks=(0, 5)), 1: me}
+    f = lost_store_failure("node0:29500", hosts, me, 30.5, config, now_ns=7)
+    assert (f.rank, f.host, f.cause, f.exit_code, f.pid, f.time_ns) == (0, "node0", LOST, 4, 0, 7)
+    assert f.message == ("the store at node0:29500 has been unreachable for 30.5s (peer_timeout 30s); the store is "
+                         "served from host node0 (ranks 0, 5): its host died, or host node1 (ranks 2-3) is cut off "
+                         "from it")
+
+
+def test_without_rank_0_the_lowest_remote_rank_is_blamed_never_ours() -> None:
+    config = _config()
+    me = HostInfo(1, "node1", ranks=(0, 1))  # we hold rank 0: still not ours to blame
+    hosts = {1: me, 3: HostInfo(3, "node3", ranks=(5, 6)), 2: HostInfo(2, "node2", ranks=(4, 9)),
+             4: HostInfo(4, "node4")}
+    assert store_holder(hosts, me) == hosts[2]  # by its lowest rank
+    f = lost_store_failure("x:1", hosts, me, 30.0, config, 1)
+    assert (f.rank, f.host) == (4, "node2") and "served from" not in (f.message or "")
+    one = {1: me, 2: HostInfo(2, "node2", ranks=(1, 4))}  # rank 1 is no store's host
+    assert "served from" not in (lost_store_failure("x:1", one, me, 30.0, config, 1).message or "")
+    # Nothing known of the others: rank 0, no host.
+    f = lost_store_failure("x:1", {1: me}, me, 30.0, config, 1)
+    assert (f.rank, f.host) == (0, None) and store_holder({1: me}, me) is None
+    assert store_holder({4: HostInfo(4, "node4")}, me) is None  # a host without ranks names none
