@@ -15,19 +15,22 @@ by the rules of :mod:`._hosts`); the decision stays in :mod:`._decide`, and only
 processes are ever signalled. torch is imported in the bridge's threads, and only when a
 store is to be used.
 
-Threads, and the state each one owns (written by it alone; others only read):
+The parts, and the thread that owns each one's fields (written by it alone; others only read):
 
-- the watcher thread (:meth:`tick`, :meth:`on_verdict`, :meth:`hold_until`): ``facts``
-  (replaced only until they name a store and a run id), ``running``, ``published``,
-  ``_election``, ``_client`` (made once), ``_threads`` and ``_waiter`` (under ``_life``), ``_settle``.
-- the main thread (:meth:`on_success`): ``_succeeded`` (an Event, only ever set).
-- the beat thread (``peerwatch-bridge-beat-rank<N>``): ``index``, ``hosts``, ``liveness``,
-  ``job_ending``, ``reachable``, ``_lost_reported``, ``_store_lost_reported``, ``_ranks``,
-  ``_ranks_mtime``, ``_beat_requests``, ``_state`` (``bridge.json``), ``_up``, ``_no_torch``.
-- the waiter thread (``peerwatch-bridge-wait-rank<N>``): ``from_store``,
-  ``_poll_requests``, ``_waiting`` and its own connection.
+- :class:`Bridge` (the watcher thread: :meth:`~Bridge.tick`, :meth:`~Bridge.on_verdict`,
+  :meth:`~Bridge.hold_until`) only wires: the election, the store client (made once), the
+  two loops below and their threads (started under a lock that orders them against
+  :meth:`~Bridge.stop`), the publishing of this host's verdict, the settle deadlines. The
+  main thread calls :meth:`~Bridge.on_success` and owns ``_succeeded`` (an Event, only ever
+  set); ``stopped`` is set by :meth:`~Bridge.stop` from any thread.
+- :class:`_BeatLoop` (the beat thread, ``peerwatch-bridge-beat-rank<N>``): this host's beat
+  and index, what it knows of the other hosts and their liveness, whether the store answers
+  (``bridge.up``, ``bridge.json``), the ``lost`` records it wrote.
+- :class:`_VerdictWaiter` (the waiter thread, ``peerwatch-bridge-wait-rank<N>``): its own
+  connection, blocked in the store's ``wait``, and the verdict taken from the store.
+- :class:`_TorchGate`: whether torch.distributed can be imported, found out by the beat thread;
+  the waiter imports nothing before it did.
 - the client's owner thread (``peerwatch-bridge-io-rank<N>``): the store client (:mod:`._store_client`).
-- any thread: ``stopped`` (set by :meth:`stop`); ``_seq`` (a counter, drawn atomically).
 """
 
 from __future__ import annotations
@@ -76,13 +79,325 @@ STATE_FILE = "bridge.json"  # what the bridge sees, for people and tests: writte
 WAIT_CHUNK_S = 3600.0  # the verdict waiter's blocking wait, renewed (a timeout logs in torch's C++)
 PUBLISH_BUDGET_S = 1.0  # the teardown never waits longer than this for the store
 STOP_BUDGET_S = 1.0  # stop() joins the bridge's threads for at most this long
+GATE_POLL_S = 1.0  # how often the waiter, waiting for the beat thread's torch import, looks at stopped
+
+
+@dataclasses.dataclass(frozen=True)
+class _Link:
+    """What the bridge's threads share: fixed before they start, written by none."""
+
+    config: Config
+    run_dir: RunDir
+    facts: LauncherFacts  # ready: names a store and a run id
+    client: StoreClient
+    stopped: threading.Event
+
+    @property
+    def op_timeout_s(self) -> float:
+        return op_timeout_s(self.config.peer_timeout)
+
+    @property
+    def prefix(self) -> str:
+        return self.facts.key_prefix
+
+    @property
+    def address(self) -> str:
+        return self.facts.address
+
+
+class _TorchGate:
+    """Whether torch.distributed can be imported here. The beat thread finds out (importing
+    takes seconds on a busy host, and is no sign of an unreachable store) and owns
+    ``missing``; the waiter thread imports nothing before it did."""
+
+    def __init__(self) -> None:
+        self._decided = threading.Event()
+        self.missing = False  # torch.distributed cannot be imported: no bridge
+
+    def open(self, loud: bool) -> bool:
+        """The beat thread's: import torch; False (logged, at WARNING if ``loud``) if it cannot be."""
+        try:
+            import_torch()
+        except ImportError as e:
+            self.missing = True
+            logger.log(logging.WARNING if loud else logging.INFO, "peerwatch: no store bridge (torch.distributed "
+                       "cannot be imported: %s); failures on other hosts will not reach this one", e)
+            return False
+        finally:
+            self._decided.set()
+        return True
+
+    def wait(self, stopped: threading.Event) -> bool:
+        """The waiter thread's: block until the beat thread tried; False: stopped, or no torch."""
+        while not self._decided.wait(GATE_POLL_S):
+            if stopped.is_set():
+                return False
+        return not self.missing
+
+
+class _BeatLoop:
+    """The beat thread: once per heartbeat, this host's beat and every host's (one bounded
+    :func:`._store_protocol.exchange`), the judgement of hosts that fell silent, and of the
+    store itself. Every field is the beat thread's (others only read ``index``, ``hosts``,
+    ``liveness``, ``job_ending``, ``reachable`` and ``requests``)."""
+
+    def __init__(self, link: _Link, me: Registration, ident: str, seq: Callable[[], int], succeeded: threading.Event,
+                 verdict_known: Callable[[], bool], gate: _TorchGate) -> None:
+        self.link, self.me, self.ident = link, me, ident
+        self._seq = seq  # the beat's sequence number, shared with on_success (drawn atomically)
+        self._succeeded = succeeded  # set by the main thread: this rank finished cleanly
+        self._verdict_known = verdict_known
+        self._gate = gate
+        self.index: Optional[int] = None
+        self.hosts: Dict[int, HostInfo] = {}
+        self.liveness = Liveness(int(link.config.peer_timeout * 1e9))
+        self.job_ending = False
+        self.reachable = False  # the last interval's store requests all succeeded
+        self.requests = 0  # store requests made so far (for the load test)
+        self._lost_reported: Set[int] = set()
+        self._store_lost_reported = False
+        self._ranks: Tuple[int, ...] = ()  # the local ranks announced in host/<index>
+        self._ranks_mtime: Optional[int] = None
+        self._state: Dict[str, Any] = {}  # the last bridge.json written
+        self._up = UpFlag(link.run_dir)
+
+    def run(self) -> None:
+        """The beat thread's body."""
+        if not self._gate.open(loud=self.link.config.store is not None):
+            return
+        try:
+            self._loop()
+        finally:
+            self._up.set(False)
+
+    def _loop(self) -> None:
+        """One interval's store work per heartbeat, each bounded (:mod:`._store_client`);
+        after a failure, back off, and judge the store lost after peer_timeout."""
+        interval, peer_timeout = self.link.config.heartbeat_interval, self.link.config.peer_timeout
+        stopped = self.link.stopped
+        backoff = interval
+        last_ok: Optional[float] = None
+        while not stopped.is_set():
+            started = time.monotonic()
+            try:
+                self._interval()
+            except Exception as e:  # noqa: BLE001 - the store's errors are many (DistError, OSError, ...)
+                if stopped.is_set():
+                    break
+                self._unreachable(e, last_ok)
+                if stopped.wait(backoff):
+                    break
+                backoff = next_backoff_s(backoff, interval, peer_timeout)
+                continue
+            last_ok, backoff = time.monotonic(), interval
+            stopped.wait(max(0.0, interval - (time.monotonic() - started)))
+
+    def _interval(self) -> None:
+        if not self.job_ending and (self._succeeded.is_set() or self._local_success()):
+            self.job_ending = True
+        me = self._host_to_announce()
+        link = self.link
+        plan = Exchange(link.prefix, self.index, self.ident, beat_value(self._seq(), self.job_ending), me,
+                        dict(self.hosts), link.facts.expected_hosts)
+        peer_timeout = link.config.peer_timeout
+        seen = link.client.call(functools.partial(exchange, x=plan), interval_deadline_s(peer_timeout),
+                                connect_allowance_s(peer_timeout))
+        self._learn(seen, me)
+        self._judge(seen.beats)
+        self.reachable = True
+        self._up.set(True)
+        self._write_state(connected=True)
+
+    def _host_to_announce(self) -> Optional[HostInfo]:
+        """Our host/<i>, when it is to be (re)written: first, and when the local ranks changed."""
+        run_dir = self.link.run_dir
+        try:
+            mtime: Optional[int] = os.stat(run_dir.join(RANKS)).st_mtime_ns
+        except OSError:
+            mtime = None
+        if self.index is not None and mtime == self._ranks_mtime:
+            return None
+        self._ranks_mtime = mtime
+        ranks = tuple(sorted(r for r, reg in run_dir.registrations().items() if _identity.is_local(reg)))
+        if self.index is not None and ranks == self._ranks:
+            return None
+        return dataclasses.replace(self._me_info(), ranks=ranks)
+
+    def _learn(self, seen: Seen, me: Optional[HostInfo]) -> None:
+        self.requests += seen.requests
+        if seen.registered:
+            self.index = seen.index
+            logger.info("peerwatch: rank %d bridges host %s (index %s) to the store at %s (run %s)",
+                        self.me.rank, _identity.hostname(), self.index, self.link.address, self.link.facts.run_id)
+        if me is not None:
+            self._ranks = me.ranks
+            self.hosts[seen.index] = dataclasses.replace(me, index=seen.index)
+        self.hosts.update(seen.new_hosts)
+
+    def _judge(self, beats: Mapping[int, Optional[bytes]]) -> None:
+        if not beats:
+            return
+        now_ns = time.monotonic_ns()
+        self.liveness.observe(now_ns, beats)
+        if self.liveness.done:
+            self.job_ending = True
+        for j in hosts_to_declare_lost(self.liveness, now_ns, self._lost_reported, self.job_ending,
+                                       self._verdict_known()):
+            self._host_lost(j, self.liveness.silent_s(j, now_ns))
+
+    def _unreachable(self, error: Exception, last_ok: Optional[float]) -> None:
+        logger.debug("peerwatch: store %s: %r", self.link.address, error)
+        self.reachable = False
+        self._up.set(False)
+        self._ranks_mtime = None  # announce our ranks again once it answers, whatever failed
+        self._write_state(connected=False)
+        silent_s = store_silent_for(last_ok, time.monotonic(), self.link.config.peer_timeout)
+        if silent_s is not None:
+            self._store_lost(silent_s)
+
+    def _me_info(self) -> HostInfo:
+        return HostInfo(self.index if self.index is not None else -1, _identity.hostname(), _identity.boot_id(),
+                        _identity.pid_namespace(), self._ranks, self.ident)
+
+    def _local_success(self) -> bool:
+        try:
+            return any(name.startswith("success-") for name in os.listdir(self.link.run_dir.join(EVENTS)))
+        except OSError:
+            return False
+
+    def _host_lost(self, j: int, silent_s: float) -> None:
+        self._lost_reported.add(j)
+        info = self.hosts[j]
+        link = self.link
+        try:  # its ranks may have registered after we first read host/<j>
+            info = link.client.call(functools.partial(read_host, prefix=link.prefix, index=j), link.op_timeout_s)
+        except Exception as e:  # noqa: BLE001
+            logger.debug("peerwatch: host/%d cannot be read again (%s); naming the ranks known", j, e)
+        _write_failure(link.run_dir, lost_host_failure(info, silent_s, link.config, time.time_ns()))
+
+    def _store_lost(self, silent_s: float) -> None:
+        ending = self.job_ending or self._succeeded.is_set() or self._local_success()
+        if not report_store_lost(self._store_lost_reported, ending, self._verdict_known()):
+            return
+        self._store_lost_reported = True
+        link = self.link
+        _write_failure(link.run_dir, lost_store_failure(link.address, self.hosts, self._me_info(), silent_s,
+                                                        link.config, time.time_ns()))
+
+    def _write_state(self, connected: bool) -> None:
+        """``bridge.json``, for people and tests: nothing reads it back."""
+        link = self.link
+        state = {
+            "rank": self.me.rank, "pid": os.getpid(), "store": link.address, "run_id": link.facts.run_id,
+            "connected": connected, "index": self.index, "ranks": list(self._ranks),
+            "hosts": {str(j): h.hostname for j, h in sorted(self.hosts.items())},
+            "lost": sorted(self._lost_reported), "job_ending": self.job_ending,
+        }
+        if state == self._state:
+            return
+        self._state = state
+        try:
+            link.run_dir.write("", STATE_FILE, json.dumps(state).encode(), replace=True)
+        except OSError as e:
+            logger.debug("peerwatch: cannot write %s: %s", STATE_FILE, e)  # for people only: no harm
+
+
+class _VerdictWaiter:
+    """The waiter thread: blocks in the store's ``wait`` on the verdict key, on a connection
+    of its own (or, for a store that cannot ``clone()``, looks once a heartbeat through the
+    client), and writes the verdict it finds into the local run directory. Every field is
+    the waiter thread's (others only read ``from_store``, ``waiting`` and ``requests``)."""
+
+    def __init__(self, link: _Link, gate: _TorchGate, deliver: Optional[Callable[[bytes], None]] = None) -> None:
+        self.link = link
+        self._gate = gate
+        self._deliver = deliver if deliver is not None else self.take  # what the store held goes there
+        self.from_store: Optional[bytes] = None  # the verdict we took from the store
+        self.requests = 0  # verdict polls made (for the load test)
+        self.waiting = False  # blocked in the store's wait (which nothing can interrupt)
+
+    def run(self) -> None:
+        """The waiter thread's body."""
+        link = self.link
+        if not self._gate.wait(link.stopped):
+            return
+        key = link.prefix + VERDICT
+        backoff = link.config.heartbeat_interval
+        conn: Any = None
+        while not link.stopped.is_set() and self.from_store is None:
+            try:
+                if conn is None:
+                    conn = self._connection()
+                    if conn is None:
+                        return self._poll()
+                self.waiting = True
+                try:
+                    conn.wait([key], datetime.timedelta(seconds=WAIT_CHUNK_S))
+                finally:
+                    self.waiting = False
+                self._deliver(conn.get(key))
+                return
+            except ImportError:
+                return
+            except Exception as e:  # noqa: BLE001
+                logger.debug("peerwatch: waiting on the store %s: %s", link.address, e)
+                conn = None
+                if link.stopped.wait(backoff):
+                    return
+                backoff = min(backoff * 2, CONNECT_BACKOFF_MAX_S)
+
+    def _connection(self) -> Any:
+        """The waiter's own connection (its thread's alone), or None: the user's store cannot clone()."""
+        store = self.link.facts.store
+        if isinstance(store, str):
+            return connect(store, self.link.op_timeout_s)
+        clone = getattr(store, "clone", None)
+        return clone() if clone is not None else None
+
+    def _poll(self) -> None:
+        """A store that cannot be waited on: look for the verdict once a heartbeat, through
+        the client's owner thread."""
+        link = self.link
+        look = functools.partial(poll_verdict, prefix=link.prefix)
+        while not link.stopped.wait(link.config.heartbeat_interval):
+            try:
+                data = link.client.call(look, link.op_timeout_s)
+            except Exception as e:  # noqa: BLE001 - the beat thread judges the store's silence
+                logger.debug("peerwatch: looking for a verdict in the store %s: %s", link.address, e)
+                continue
+            self.requests += 1
+            if data is not None:
+                self._deliver(data)
+                return
+
+    def take(self, data: bytes) -> None:
+        """The waiter thread's: the verdict the store holds, written into the local run directory."""
+        verdict = decode(Verdict, data)
+        if verdict is None:
+            logger.error("peerwatch: the store holds a verdict for run %s that is not a valid record; ignored",
+                         self.link.facts.run_id)
+            return
+        self.from_store = data
+        run_dir = self.link.run_dir
+        try:
+            written = run_dir.write(EVENTS, VERDICT_FILE, data, valid=lambda d: decode(Verdict, d) is not None)
+        except OSError as e:
+            logger.error("peerwatch: the verdict from another host cannot be written into %s: %s", run_dir.path, e)
+            return
+        if written:
+            where = f" (pid {verdict.pid} on {verdict.host})" if verdict.pid else (f" (on {verdict.host})" if verdict.host else "")
+            logger.error("peerwatch: verdict from another host: rank %d%s %s; cause: %s. Tearing down the ranks "
+                         "of host %s.", verdict.rank, where, verdict.detail, verdict.cause, _identity.hostname())
 
 
 class Bridge:
     """This rank's part in the exchange between hosts. Every rank has one; only the rank
     that wins the election runs its threads. The watcher calls :meth:`tick` every
     heartbeat, :meth:`on_verdict` when it acts on a verdict, :meth:`hold_until` before it
-    acts on one; the main thread calls :meth:`on_success` when its rank finished cleanly."""
+    acts on one; the main thread calls :meth:`on_success` when its rank finished cleanly.
+
+    Its fields are the watcher thread's, but ``_succeeded`` (the main thread's) and
+    ``stopped`` (any thread's); what the loops own it only reads, through the properties."""
 
     hold_s = REMOTE_SETTLE_S  # the longest hold_until() gives, in seconds
 
@@ -90,9 +405,8 @@ class Bridge:
         self.config, self.run_dir, self.me, self.facts = config, run_dir, me, facts
         self.ident = host_ident(_identity.boot_id(), _identity.pid_namespace(), run_dir.path)
         self.stopped = threading.Event()
-        self._seq = itertools.count(1)
-        self._op_timeout = op_timeout_s(config.peer_timeout)
-        # The watcher thread's.
+        self._seq = functools.partial(next, itertools.count(1))  # any thread: a beat's sequence number
+        self._succeeded = threading.Event()  # the main thread's
         self._created = time.monotonic()
         self._unresolved_warned = False
         self._election = Election(run_dir)
@@ -101,29 +415,10 @@ class Bridge:
         self._client: Optional[StoreClient] = None
         self._life = threading.Lock()  # orders starting threads against stop()
         self._threads: List[threading.Thread] = []
-        self._waiter: Optional[threading.Thread] = None
+        self._beat: Optional[_BeatLoop] = None
+        self._waiter: Optional[_VerdictWaiter] = None
+        self._wait_thread: Optional[threading.Thread] = None
         self._settle: Dict[Tuple[int, int], float] = {}
-        # The main thread's.
-        self._succeeded = threading.Event()
-        # The beat thread's.
-        self._torch_imported = threading.Event()  # the waiter imports nothing before the beat thread did
-        self._no_torch = False
-        self.index: Optional[int] = None
-        self.hosts: Dict[int, HostInfo] = {}
-        self.liveness = Liveness(int(config.peer_timeout * 1e9))
-        self.job_ending = False
-        self.reachable = False  # the last interval's store requests all succeeded
-        self._lost_reported: Set[int] = set()
-        self._store_lost_reported = False
-        self._ranks: Tuple[int, ...] = ()  # the local ranks announced in host/<index>
-        self._ranks_mtime: Optional[int] = None
-        self._beat_requests = 0
-        self._state: Dict[str, Any] = {}
-        self._up = UpFlag(run_dir)
-        # The waiter thread's.
-        self.from_store: Optional[bytes] = None  # the verdict we took from the store
-        self._poll_requests = 0
-        self._waiting = False  # blocked in the store's wait (which nothing can interrupt)
 
     @classmethod
     def for_config(
@@ -143,10 +438,36 @@ class Bridge:
     def prefix(self) -> str:
         return self.facts.key_prefix
 
+    # -- what the loops know (read only; empty before the threads start) -----------------
+
     @property
     def requests(self) -> int:
         """Store requests made so far for beats and verdict polls (for the load test)."""
-        return self._beat_requests + self._poll_requests
+        return (self._beat.requests if self._beat else 0) + (self._waiter.requests if self._waiter else 0)
+
+    @property
+    def index(self) -> Optional[int]:
+        return self._beat.index if self._beat else None
+
+    @property
+    def hosts(self) -> Dict[int, HostInfo]:
+        return self._beat.hosts if self._beat else {}
+
+    @property
+    def liveness(self) -> Optional[Liveness]:
+        return self._beat.liveness if self._beat else None
+
+    @property
+    def job_ending(self) -> bool:
+        return self._beat.job_ending if self._beat else False
+
+    @property
+    def reachable(self) -> bool:
+        return self._beat.reachable if self._beat else False
+
+    @property
+    def from_store(self) -> Optional[bytes]:
+        return self._waiter.from_store if self._waiter else None
 
     # -- called by the watcher ------------------------------------------------------------
 
@@ -157,16 +478,19 @@ class Bridge:
         if not self._resolve_late() or not self._election.take():
             return
         self.running = True
-        client = self._store_client()
+        link = _Link(self.config, self.run_dir, self.facts, self._store_client(), self.stopped)
+        gate = _TorchGate()
         with self._life:
             if self.stopped.is_set():
                 return
-            for target, name in ((functools.partial(self._beat_main, client), "beat"), (self._wait_main, "wait")):
-                t = threading.Thread(target=self._guarded(target), name=f"peerwatch-bridge-{name}-rank{self.me.rank}",
-                                     daemon=True)
+            self._beat = _BeatLoop(link, self.me, self.ident, self._seq, self._succeeded, self._verdict_known, gate)
+            self._waiter = _VerdictWaiter(link, gate, self._take_store_verdict)
+            for target, name in ((self._beat.run, "beat"), (self._waiter.run, "wait")):
+                t = threading.Thread(target=_guarded(target, self.me.rank),
+                                     name=f"peerwatch-bridge-{name}-rank{self.me.rank}", daemon=True)
                 self._threads.append(t)
                 t.start()
-            self._waiter = self._threads[-1]
+            self._wait_thread = self._threads[-1]
 
     def _resolve_late(self) -> bool:
         """Where the launcher sets MASTER_ADDR/MASTER_PORT after install() (Lightning under
@@ -187,7 +511,7 @@ class Bridge:
 
     def _store_client(self) -> StoreClient:
         if self._client is None:
-            self._client = StoreClient(functools.partial(connect, self.facts.store), self._op_timeout,
+            self._client = StoreClient(functools.partial(connect, self.facts.store), op_timeout_s(self.config.peer_timeout),
                                        f"peerwatch-bridge-io-rank{self.me.rank}")
         return self._client
 
@@ -241,7 +565,7 @@ class Bridge:
         index, client = self.index, self._client
         if not (self.running and self.reachable and index is not None and client is not None):
             return  # the beat thread says it at its next interval, if it can
-        done = functools.partial(send_beat, prefix=self.prefix, index=index, beat=beat_value(next(self._seq), True))
+        done = functools.partial(send_beat, prefix=self.prefix, index=index, beat=beat_value(self._seq(), True))
         try:
             client.call(done, PUBLISH_BUDGET_S)
         except Exception as e:  # noqa: BLE001
@@ -258,254 +582,46 @@ class Bridge:
             threads = list(self._threads)
         deadline = time.monotonic() + STOP_BUDGET_S
         stuck = self._client.close(deadline) if self._client is not None else []
+        blocked = self._wait_thread if self._waiter is not None and self._waiter.waiting else None
         for t in threads:
-            if t is threading.current_thread() or (t is self._waiter and self._waiting):
+            if t is threading.current_thread() or t is blocked:
                 continue
             t.join(max(0.0, deadline - time.monotonic()))
         stuck += [t for t in threads if t.is_alive()]
         if stuck:
             logger.debug("peerwatch: left in a store request: %s", ", ".join(t.name for t in stuck))
 
-    # -- the beat thread -----------------------------------------------------------------
-
-    def _beat_main(self, client: StoreClient) -> None:
-        try:
-            # Here, not in the client's thread: importing torch takes seconds on a busy
-            # host, and is no sign of an unreachable store.
-            import_torch()
-        except ImportError as e:
-            self._no_torch = True
-            level = logging.WARNING if self.config.store is not None else logging.INFO
-            logger.log(level, "peerwatch: no store bridge (torch.distributed cannot be imported: %s); "
-                       "failures on other hosts will not reach this one", e)
-            return
-        finally:
-            self._torch_imported.set()
-        try:
-            self._beat_loop(client)
-        finally:
-            self._up.set(False)
-
-    def _beat_loop(self, client: StoreClient) -> None:
-        """One interval's store work per heartbeat, each bounded (:mod:`._store_client`);
-        after a failure, back off, and judge the store lost after peer_timeout."""
-        interval, peer_timeout = self.config.heartbeat_interval, self.config.peer_timeout
-        backoff = interval
-        last_ok: Optional[float] = None
-        while not self.stopped.is_set():
-            started = time.monotonic()
-            try:
-                self._interval(client)
-            except Exception as e:  # noqa: BLE001 - the store's errors are many (DistError, OSError, ...)
-                if self.stopped.is_set():
-                    break
-                self._unreachable(e, last_ok)
-                if self.stopped.wait(backoff):
-                    break
-                backoff = next_backoff_s(backoff, interval, peer_timeout)
-                continue
-            last_ok, backoff = time.monotonic(), interval
-            self.stopped.wait(max(0.0, interval - (time.monotonic() - started)))
-
-    def _interval(self, client: StoreClient) -> None:
-        if not self.job_ending and (self._succeeded.is_set() or self._local_success()):
-            self.job_ending = True
-        me = self._host_to_announce()
-        plan = Exchange(self.prefix, self.index, self.ident, beat_value(next(self._seq), self.job_ending), me,
-                        dict(self.hosts), self.facts.expected_hosts)
-        peer_timeout = self.config.peer_timeout
-        seen = client.call(functools.partial(exchange, x=plan), interval_deadline_s(peer_timeout),
-                           connect_allowance_s(peer_timeout))
-        self._learn(seen, me)
-        self._judge(client, seen.beats)
-        self.reachable = True
-        self._up.set(True)
-        self._write_state(connected=True)
-
-    def _host_to_announce(self) -> Optional[HostInfo]:
-        """Our host/<i>, when it is to be (re)written: first, and when the local ranks changed."""
-        try:
-            mtime: Optional[int] = os.stat(self.run_dir.join(RANKS)).st_mtime_ns
-        except OSError:
-            mtime = None
-        if self.index is not None and mtime == self._ranks_mtime:
-            return None
-        self._ranks_mtime = mtime
-        ranks = tuple(sorted(r for r, reg in self.run_dir.registrations().items() if _identity.is_local(reg)))
-        if self.index is not None and ranks == self._ranks:
-            return None
-        return dataclasses.replace(self._me_info(), ranks=ranks)
-
-    def _learn(self, seen: Seen, me: Optional[HostInfo]) -> None:
-        self._beat_requests += seen.requests
-        if seen.registered:
-            self.index = seen.index
-            logger.info("peerwatch: rank %d bridges host %s (index %s) to the store at %s (run %s)",
-                        self.me.rank, _identity.hostname(), self.index, self.address, self.facts.run_id)
-        if me is not None:
-            self._ranks = me.ranks
-            self.hosts[seen.index] = dataclasses.replace(me, index=seen.index)
-        self.hosts.update(seen.new_hosts)
-
-    def _judge(self, client: StoreClient, beats: Mapping[int, Optional[bytes]]) -> None:
-        if not beats:
-            return
-        now_ns = time.monotonic_ns()
-        self.liveness.observe(now_ns, beats)
-        if self.liveness.done:
-            self.job_ending = True
-        for j in hosts_to_declare_lost(self.liveness, now_ns, self._lost_reported, self.job_ending,
-                                       self._verdict_known()):
-            self._host_lost(client, j, self.liveness.silent_s(j, now_ns))
-
-    def _unreachable(self, error: Exception, last_ok: Optional[float]) -> None:
-        logger.debug("peerwatch: store %s: %r", self.address, error)
-        self.reachable = False
-        self._up.set(False)
-        self._ranks_mtime = None  # announce our ranks again once it answers, whatever failed
-        self._write_state(connected=False)
-        silent_s = store_silent_for(last_ok, time.monotonic(), self.config.peer_timeout)
-        if silent_s is not None:
-            self._store_lost(silent_s)
-
-    def _me_info(self) -> HostInfo:
-        return HostInfo(self.index if self.index is not None else -1, _identity.hostname(), _identity.boot_id(),
-                        _identity.pid_namespace(), self._ranks, self.ident)
-
-    def _local_success(self) -> bool:
-        try:
-            return any(name.startswith("success-") for name in os.listdir(self.run_dir.join(EVENTS)))
-        except OSError:
-            return False
+    # -- wiring the loops -------------------------------------------------------------------
 
     def _verdict_known(self) -> bool:
-        return self.from_store is not None or self.published or os.path.lexists(self.run_dir.join(EVENTS, VERDICT_FILE))
-
-    def _host_lost(self, client: StoreClient, j: int, silent_s: float) -> None:
-        self._lost_reported.add(j)
-        info = self.hosts[j]
-        try:  # its ranks may have registered after we first read host/<j>
-            info = client.call(functools.partial(read_host, prefix=self.prefix, index=j), self._op_timeout)
-        except Exception as e:  # noqa: BLE001
-            logger.debug("peerwatch: host/%d cannot be read again (%s); naming the ranks known", j, e)
-        self._write_failure(lost_host_failure(info, silent_s, self.config, time.time_ns()))
-
-    def _store_lost(self, silent_s: float) -> None:
-        ending = self.job_ending or self._succeeded.is_set() or self._local_success()
-        if not report_store_lost(self._store_lost_reported, ending, self._verdict_known()):
-            return
-        self._store_lost_reported = True
-        self._write_failure(lost_store_failure(self.address, self.hosts, self._me_info(), silent_s, self.config,
-                                               time.time_ns()))
-
-    # -- the waiter thread -------------------------------------------------------------
-
-    def _wait_main(self) -> None:
-        while not self._torch_imported.wait(1.0):
-            if self.stopped.is_set():
-                return
-        if self._no_torch:
-            return
-        key = self.prefix + VERDICT
-        backoff = self.config.heartbeat_interval
-        conn: Any = None
-        while not self.stopped.is_set() and self.from_store is None:
-            try:
-                if conn is None:
-                    conn = self._waiter_connection()
-                    if conn is None:
-                        return self._poll_verdict()
-                self._waiting = True
-                try:
-                    conn.wait([key], datetime.timedelta(seconds=WAIT_CHUNK_S))
-                finally:
-                    self._waiting = False
-                self._take_store_verdict(conn.get(key))
-                return
-            except ImportError:
-                return
-            except Exception as e:  # noqa: BLE001
-                logger.debug("peerwatch: waiting on the store %s: %s", self.address, e)
-                conn = None
-                if self.stopped.wait(backoff):
-                    return
-                backoff = min(backoff * 2, CONNECT_BACKOFF_MAX_S)
-
-    def _waiter_connection(self) -> Any:
-        """The waiter's own connection (its thread's alone), or None: the user's store cannot clone()."""
-        store = self.facts.store
-        if isinstance(store, str):
-            return connect(store, self._op_timeout)
-        clone = getattr(store, "clone", None)
-        return clone() if clone is not None else None
-
-    def _poll_verdict(self) -> None:
-        """A store that cannot be waited on: look for the verdict once a heartbeat, through
-        the client's owner thread."""
-        assert self._client is not None
-        look = functools.partial(poll_verdict, prefix=self.prefix)
-        while not self.stopped.wait(self.config.heartbeat_interval):
-            try:
-                data = self._client.call(look, self._op_timeout)
-            except Exception as e:  # noqa: BLE001 - the beat thread judges the store's silence
-                logger.debug("peerwatch: looking for a verdict in the store %s: %s", self.address, e)
-                continue
-            self._poll_requests += 1
-            if data is not None:
-                self._take_store_verdict(data)
-                return
+        """The beat thread's question: does this host know a verdict already (then a silent
+        host or store is its consequence, not news)?"""
+        return (self.from_store is not None or self.published
+                or os.path.lexists(self.run_dir.join(EVENTS, VERDICT_FILE)))
 
     def _take_store_verdict(self, data: bytes) -> None:
-        verdict = decode(Verdict, data)
-        if verdict is None:
-            logger.error("peerwatch: the store holds a verdict for run %s that is not a valid record; ignored",
-                         self.facts.run_id)
-            return
-        self.from_store = data
+        """Where the waiter thread hands what the store held (a seam: the load benchmark times it)."""
+        assert self._waiter is not None
+        self._waiter.take(data)
+
+
+def _write_failure(run_dir: RunDir, failure: Failure) -> None:
+    logger.error("peerwatch: %s", failure.message)
+    try:
+        run_dir.write(EVENTS, rank_file("failure", failure.rank), encode(failure),
+                      valid=lambda d: decode(Failure, d) is not None)
+    except OSError as e:
+        logger.error("peerwatch: cannot record that %s: %s", failure.message, e)
+
+
+def _guarded(target: Callable[[], None], rank: int) -> Callable[[], None]:
+    def run() -> None:
         try:
-            written = self.run_dir.write(EVENTS, VERDICT_FILE, data, valid=lambda d: decode(Verdict, d) is not None)
-        except OSError as e:
-            logger.error("peerwatch: the verdict from another host cannot be written into %s: %s", self.run_dir.path, e)
-            return
-        if written:
-            where = f" (pid {verdict.pid} on {verdict.host})" if verdict.pid else (f" (on {verdict.host})" if verdict.host else "")
-            logger.error("peerwatch: verdict from another host: rank %d%s %s; cause: %s. Tearing down the ranks "
-                         "of host %s.", verdict.rank, where, verdict.detail, verdict.cause, _identity.hostname())
-
-    # -- records -----------------------------------------------------------------------
-
-    def _write_failure(self, failure: Failure) -> None:
-        logger.error("peerwatch: %s", failure.message)
-        try:
-            self.run_dir.write(EVENTS, rank_file("failure", failure.rank), encode(failure),
-                               valid=lambda d: decode(Failure, d) is not None)
-        except OSError as e:
-            logger.error("peerwatch: cannot record that %s: %s", failure.message, e)
-
-    def _write_state(self, connected: bool) -> None:
-        """``bridge.json``, for people and tests (the beat thread's): nothing reads it back."""
-        state = {
-            "rank": self.me.rank, "pid": os.getpid(), "store": self.address, "run_id": self.facts.run_id,
-            "connected": connected, "index": self.index, "ranks": list(self._ranks),
-            "hosts": {str(j): h.hostname for j, h in sorted(self.hosts.items())},
-            "lost": sorted(self._lost_reported), "job_ending": self.job_ending,
-        }
-        if state == self._state:
-            return
-        self._state = state
-        try:
-            self.run_dir.write("", STATE_FILE, json.dumps(state).encode(), replace=True)
-        except OSError as e:
-            logger.debug("peerwatch: cannot write %s: %s", STATE_FILE, e)  # for people only: no harm
-
-    def _guarded(self, target: Callable[[], None]) -> Callable[[], None]:
-        def run() -> None:
-            try:
-                target()
-            except BaseException:  # noqa: BLE001 - never die silently
-                logger.exception("peerwatch: the store bridge of rank %d failed; failures on other hosts may "
-                                 "not reach this one", self.me.rank)
-        return run
+            target()
+        except BaseException:  # noqa: BLE001 - never die silently
+            logger.exception("peerwatch: the store bridge of rank %d failed; failures on other hosts may "
+                             "not reach this one", rank)
+    return run
 
 
 __all__ = ["PUBLISH_BUDGET_S", "STATE_FILE", "Bridge"]
