@@ -111,13 +111,13 @@ class AckWindow:
     """Rule 5, as a value: when the enforcer stops waiting for acknowledgements.
 
     Times are seconds of one monotonic clock; ``acks`` is how many acknowledgements were
-    seen at the last look (-1 before the first).
+    seen at the last look (None before the first).
     """
 
     deadline: float
     latest: float
     window: float
-    acks: int = -1
+    acks: Optional[int] = None
 
     @classmethod
     def opened(cls, now: float, window: float) -> AckWindow:
@@ -126,7 +126,7 @@ class AckWindow:
     def seen(self, now: float, acks: int) -> AckWindow:
         """The window after a look at ``now`` that found ``acks`` acknowledgements."""
         deadline = self.deadline
-        if self.acks >= 0 and acks > self.acks:
+        if self.acks is not None and acks > self.acks:
             deadline = max(deadline, min(self.latest, now + self.window / ACK_STRETCH_FRACTION))
         return dataclasses.replace(self, deadline=deadline, acks=acks)
 

@@ -57,6 +57,8 @@ def test_a_rank_blamed_for_what_its_main_thread_did_not_raise_leaves_at_once(cau
 def test_a_survivor_inside_watch_is_interrupted_and_given_grace() -> None:
     p = plan(situation(in_watch=True))
     assert p.interrupt_main and p.stay and p.stay_s == 5.0
+    short = plan(situation(in_watch=True, grace_s=0.5))
+    assert short.stay and short.stay_s == 0.5
 
 
 def test_a_survivor_outside_watch_leaves_at_once_without_interrupting() -> None:
