@@ -31,9 +31,10 @@ NEVER_S = 3600.0
 
 def note(folder: str, name: str, text: str) -> None:
     path = os.path.join(folder, name)
-    with open(path + ".tmp", "w") as f:
+    tmp = f"{path}.{os.getpid()}.tmp"  # per process: two writers never share it
+    with open(tmp, "w") as f:
         f.write(text)
-    os.replace(path + ".tmp", path)
+    os.replace(tmp, path)
 
 
 def sleep_forever() -> None:

@@ -58,8 +58,10 @@ def train(failure: str) -> None:
         loss.backward()
         if rank == FAILING_RANK and step == FAIL_AT_STEP:
             print(f"[rank {rank}] failing now at step {step} ({failure})", flush=True)
-            with open(os.environ["DEMO_FAILED_AT"], "w") as f:
+            failed_at = os.environ["DEMO_FAILED_AT"]  # written, then renamed: never read half written
+            with open(failed_at + ".tmp", "w") as f:
                 f.write(str(time.time_ns()))
+            os.replace(failed_at + ".tmp", failed_at)
             if failure == "raise":
                 raise RuntimeError("CUDA error: an illegal memory access was encountered (simulated)")
             if failure == "exit":

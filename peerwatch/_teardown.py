@@ -30,6 +30,8 @@ INTERRUPT_SIGNAL = _RTMIN + 4  # raise PeerFailure in a rank's main thread
 STACKS_SIGNAL = int(signal.SIGURG)
 
 _PIDFD = hasattr(os, "pidfd_open") and hasattr(signal, "pidfd_send_signal")
+DUMP_WAIT_S = 0.5  # at most, before SIGTERM: how long targets get to take a dump request
+_DUMP_POLL_S = 0.002  # how often /proc is read meanwhile (only while a request is pending)
 
 
 @dataclasses.dataclass
@@ -216,6 +218,7 @@ def terminate(targets: Sequence[Target], grace: float, reason: str) -> Tuple[int
 
     One deadline for all (not one per process). Returns (signalled, killed).
     """
+    _wait_dumps_taken(targets, time.monotonic() + min(grace, DUMP_WAIT_S))
     signalled = [t for t in targets if send(t, signal.SIGTERM, reason)]
     for t in signalled:
         info = _identity.probe(t.pid)
@@ -226,6 +229,32 @@ def terminate(targets: Sequence[Target], grace: float, reason: str) -> Tuple[int
         send(t, signal.SIGKILL, f"still alive {grace:g}s after SIGTERM")
     wait_gone(survivors, time.monotonic() + 1.0)
     return len(signalled), len(survivors)
+
+
+def _wait_dumps_taken(targets: Sequence[Target], deadline: float) -> None:
+    """Wait until no target has a dump request (STACKS_SIGNAL) pending, or the deadline.
+
+    Two pending signals are delivered lowest number first: SIGTERM (15) sent right after
+    SIGURG (23), before any thread of the target ran, ends it by its default action before
+    faulthandler writes a line (an empty stack file). A stopped target cannot take it:
+    not waited for.
+    """
+    waiting = [t for t in targets if _dump_pending(t.pid)]
+    while waiting and time.monotonic() < deadline:
+        time.sleep(_DUMP_POLL_S)  # no event says "signal taken"; bounded, and only in teardown
+        waiting = [t for t in waiting if _dump_pending(t.pid)]
+
+
+def _dump_pending(pid: int) -> bool:
+    """A STACKS_SIGNAL sent to pid is not taken yet, and pid can run to take it (Linux)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
+        pending = int(fields["ShdPnd"].split()[0], 16)
+        state = fields["State"].split()[0]
+    except (OSError, KeyError, ValueError, IndexError):
+        return False
+    return bool(pending & (1 << (STACKS_SIGNAL - 1))) and state not in ("T", "t", "Z", "X")
 
 
 def _name(sig: int) -> str:

@@ -26,7 +26,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Dict, List, Mapping, Optional, Sequence
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, TypeVar
 
 import psutil
 
@@ -34,6 +34,8 @@ RANK_PROGRAM = Path(__file__).with_name("rank_program.py")
 READY_POLL_S = 0.015  # how often the READY folder is read while waiting for ranks
 READY_TIMEOUT_S = 20.0  # python start + import; generous for torch on 2 loaded cores
 _PR_SET_CHILD_SUBREAPER = 36
+
+T = TypeVar("T")
 
 # Inherited variables that would make a rank join something other than its test job.
 _FOREIGN_ENV = (
@@ -62,6 +64,34 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def wait_read(path: Path, parse: Callable[[str], T], within: float, writer: Optional[subprocess.Popen] = None) -> T:
+    """What ``parse`` makes of ``path`` once it exists and parses; waits at most ``within`` s.
+
+    Absent or unparsable (a writer that does not write atomically) reads as "not yet".
+    Fails at once if ``writer`` ends first. Waits on the writer's pidfd between reads, so its
+    end is seen at once; a folder has no event we can poll on without inotify plumbing.
+    """
+    deadline = time.monotonic() + within
+    pidfd = os.pidfd_open(writer.pid) if writer is not None and writer.poll() is None else None
+    try:
+        while True:
+            ended = writer is not None and writer.poll() is not None  # before the read: it is the last
+            try:
+                return parse(Path(path).read_text())
+            except (OSError, ValueError):
+                pass
+            if ended:
+                assert writer is not None
+                raise AssertionError(f"{path} not written: its writer ended with {writer.returncode}")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise AssertionError(f"{path} not written within {within}s")
+            select.select([pidfd] if pidfd is not None else [], [], [], min(left, READY_POLL_S))
+    finally:
+        if pidfd is not None:
+            os.close(pidfd)
 
 
 def exit_code(returncode: Optional[int]) -> Optional[int]:
@@ -436,4 +466,4 @@ def by_rank(report: dict) -> Dict[int, dict]:
     return {r["rank"]: r for r in report["ranks"]}
 
 
-__all__ = ["Job", "by_rank", "exit_code", "free_port", "set_child_subreaper"]
+__all__ = ["Job", "by_rank", "exit_code", "free_port", "set_child_subreaper", "wait_read"]

@@ -66,6 +66,7 @@ class LauncherJob:
         self.extra: List[Proc] = []  # more processes the test started itself (ranks by hand)
         self.procs: Dict[int, Proc] = {}  # pid -> every process of the job we know of
         self.ranks: Dict[int, int] = {}  # rank -> pid
+        self.parents: Dict[int, int] = {}  # pid -> ppid, of the descendants snapshot() found
         self.killed_at: Optional[float] = None
 
     # -- starting and waiting ------------------------------------------------------
@@ -131,6 +132,8 @@ class LauncherJob:
             for child in children:
                 if child.pid not in self.procs:
                     self.procs[child.pid] = Proc(child.pid, f"pid {child.pid} ({' '.join(_cmdline(child))[:80]})")
+                    with contextlib.suppress(psutil.Error):
+                        self.parents[child.pid] = child.ppid()
         for rank, pid in self.ranks.items():
             if pid not in self.procs:
                 self.procs[pid] = Proc(pid, f"rank {rank} (pid {pid})")
@@ -161,15 +164,26 @@ class LauncherJob:
         except OSError:
             return None
 
-    def wait_all_gone(self, within: float) -> float:
+    def wait_all_gone(self, within: float, but_launcher: bool = False) -> float:
         """Wait until every process of the job is gone; returns seconds since the kill.
 
         Raises AssertionError naming the survivors after ``within`` seconds (from the kill).
+        ``but_launcher``: not the launcher (a torchrun agent, a spawn main process, which are
+        no ranks: they leave by themselves once their workers are gone; see wait_launcher),
+        nor its children that are no ranks (multiprocessing's resource tracker ends with it).
         """
         assert self.killed_at is not None
         deadline = self.killed_at + within
         poller = select.poll()
-        living = {p.pidfd: p for p in self.procs.values() if p.pidfd is not None and not p.gone()}
+        skip = set()
+        if but_launcher and self.launcher is not None:
+            rank_pids = set(self.ranks.values())
+            skip = {self.launcher.pid} | {
+                pid for pid, ppid in self.parents.items() if ppid == self.launcher.pid and pid not in rank_pids
+            }
+        living = {
+            p.pidfd: p for p in self.procs.values() if p.pidfd is not None and not p.gone() and p.pid not in skip
+        }
         for fd in living:
             poller.register(fd, select.POLLIN)
         for p in self.procs.values():
@@ -183,17 +197,27 @@ class LauncherJob:
             for fd, _ in poller.poll(max(1, int(left * 1000))):
                 poller.unregister(fd)
                 living.pop(fd).gone_at = time.monotonic()
-        last = max((p.gone_at or self.killed_at) for p in self.procs.values())
+        last = max((p.gone_at or self.killed_at) for p in self.procs.values() if p.pid not in skip)
         self.reap()
         return last - self.killed_at
 
     def wait_launcher(self, timeout: float) -> Optional[int]:
-        """Wait for the launcher the test started to end (its children may outlive it)."""
+        """Wait for the launcher the test started to end, and its children that are no ranks
+        (they end with it: multiprocessing's resource tracker); ranks may outlive it."""
         assert self.launcher is not None and self.launcher.popen is not None
+        deadline = time.monotonic() + timeout
         try:
-            return self.launcher.popen.wait(timeout)
+            code = self.launcher.popen.wait(timeout)
         except subprocess.TimeoutExpired:
             raise AssertionError(f"the launcher is still running after {timeout}s\n{self.log()}") from None
+        rank_pids = set(self.ranks.values())
+        for pid, ppid in self.parents.items():
+            proc = self.procs[pid]
+            if ppid != self.launcher.pid or pid in rank_pids or proc.pidfd is None:
+                continue
+            if not select.select([proc.pidfd], [], [], max(0.0, deadline - time.monotonic()))[0]:
+                raise AssertionError(f"{proc.label}, a child of the launcher, still running after {timeout}s")
+        return code
 
     def reap(self) -> None:
         for p in self.procs.values():

@@ -48,9 +48,10 @@ def note(name: str, text: str) -> None:
     folder = os.environ.get("LP_READY")
     if folder:
         path = os.path.join(folder, name)
-        with open(path + ".tmp", "w") as f:
+        tmp = f"{path}.{os.getpid()}.tmp"  # per process: two writers never share it
+        with open(tmp, "w") as f:
             f.write(text)
-        os.replace(path + ".tmp", path)
+        os.replace(tmp, path)
 
 
 def ready(rank: int) -> None:

@@ -31,9 +31,10 @@ import time
 
 def note(ready: str, name: str, text: str) -> None:
     path = os.path.join(ready, name)
-    with open(path + ".tmp", "w") as f:
+    tmp = f"{path}.{os.getpid()}.tmp"  # per process: two writers never share it
+    with open(tmp, "w") as f:
         f.write(text)
-    os.replace(path + ".tmp", path)
+    os.replace(tmp, path)
 
 
 def host_main(args: argparse.Namespace) -> None:

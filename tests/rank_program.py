@@ -60,9 +60,10 @@ def parse_behaviours(items: list[str]) -> dict[int, tuple[str, float]]:
 def note(args: argparse.Namespace, name: str, text: str) -> None:
     if args.ready:
         path = os.path.join(args.ready, name)
-        with open(path + ".tmp", "w") as f:
+        tmp = f"{path}.{os.getpid()}.tmp"  # per process: two writers never share it
+        with open(tmp, "w") as f:
             f.write(text)
-        os.replace(path + ".tmp", path)
+        os.replace(tmp, path)
 
 
 def ready(args: argparse.Namespace, rank: int) -> None:

@@ -47,9 +47,10 @@ def main() -> None:
     for rank, child in children.items():
         code = child.wait()
         path = os.path.join(args.ready, f"exit-{rank}")
-        with open(path + ".tmp", "w") as f:
+        tmp = f"{path}.{os.getpid()}.tmp"  # per process: two writers never share it
+        with open(tmp, "w") as f:
             f.write(str(code))
-        os.replace(path + ".tmp", path)
+        os.replace(tmp, path)
 
 
 if __name__ == "__main__":

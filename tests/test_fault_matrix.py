@@ -50,7 +50,7 @@ from typing import Dict, Iterator, List, NamedTuple, Optional, Tuple
 import psutil
 import pytest
 from fault_behaviours import KEEP_CHILDREN_VAR
-from harness import Job, by_rank
+from harness import Job, by_rank, wait_read
 
 WORLD = 3
 GRACE_S = 1.0  # PEERWATCH_GRACE of every job here
@@ -158,11 +158,7 @@ class Decoy:
         env = {k: v for k, v in os.environ.items() if not k.startswith("PEERWATCH_")}
         self.proc = subprocess.Popen([sys.executable, "-c", DECOY_PROGRAM, str(self.log)], env=env,
                                      stdin=subprocess.DEVNULL)
-        deadline = time.monotonic() + 30
-        while not Path(str(self.log) + ".ready").exists():
-            assert self.proc.poll() is None, f"the decoy ended at start: {self.proc.returncode}"
-            assert time.monotonic() < deadline, "the decoy did not start"
-            time.sleep(0.01)
+        wait_read(Path(str(self.log) + ".ready"), str, within=30, writer=self.proc)  # empty: being there says it
 
     def signals(self) -> List[str]:
         try:

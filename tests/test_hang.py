@@ -39,6 +39,7 @@ DETECT_S = HANG_S + 2.0
 # grace period, and room for a loaded machine.
 TEARDOWN_S = ACK_S + GRACE_S + 2.0
 AT_STEP = 10  # the step at which a behaviour starts (~0.3 s into training)
+LAST_STEP_AFTER_STOP_S = 1.0  # how late the others may finish a step the stopped rank had fed
 
 
 class HangJob(Job):
@@ -148,7 +149,10 @@ def test_sigstopped_rank_is_named_and_the_job_torn_down(make_hang_job) -> None:
     v = _assert_hang_verdict(job, laggard=1)
     took = (v["detected_at_ns"] - stopped_ns) / 1e9
     assert took <= DETECT_S, f"detected {took:.2f}s after SIGSTOP: {v}"
-    assert v["failed_at_ns"] <= stopped_ns + 50_000_000, "the last progress is later than the stop"
+    # failed_at is the job's last progress, whoever made it: ranks 0 and 2 may still finish
+    # the all_reduce that rank 1 had fed before the stop, and beat, as late as the scheduler
+    # runs them (130 ms seen at load 12 on 2 cores; 50 ms was too little). A deadline.
+    assert v["failed_at_ns"] <= stopped_ns + int(LAST_STEP_AFTER_STOP_S * 1e9), "the last progress is later than the stop"
     assert "stopped (SIGSTOP)" in v["detail"] and "step " in v["detail"], v
     assert v["detected_by"] != 1
     # SIGTERM alone cannot end a stopped process: SIGCONT must come with it.

@@ -3,7 +3,9 @@ torchrun, torch.multiprocessing.spawn, and ranks started by hand.
 
 In each test one process of the job dies; every process of the job (launcher, ranks and
 their descendants, held by pidfds) must be gone within ``WITHIN_S`` of the death, with
-the right exit codes, and nothing left in the process table (the autouse ``no_leaks``
+the right exit codes (a launcher that is no rank, torchrun's agent or spawn's main
+process, within ``LAUNCHER_EXIT_S``: it leaves by itself once it has seen its workers
+end), and nothing left in the process table (the autouse ``no_leaks``
 fixture of conftest.py checks that last part, by the PEERWATCH_TEST_ID every process
 inherits). The programs are in launcher_program.py; the plumbing in launcher_jobs.py.
 """
@@ -22,6 +24,11 @@ from launcher_jobs import PROGRAM, TORCHRUN, LauncherJob, exit_code, free_port
 pytestmark = [pytest.mark.torch]
 
 WITHIN_S = 2.0  # from the death to the last process of the job gone
+# From the death to the end of a launcher that is no rank (torchrun's agent, spawn's main
+# process). Its shutdown after its workers are gone is its own Python work, not peerwatch's:
+# 3-8 s measured for torchrun's agent on 2 cores at load 12 (its workers gone in 0.2-0.6 s).
+# A deadline, not a latency.
+LAUNCHER_EXIT_S = 30.0
 GRACE_S = 2.0  # PEERWATCH_GRACE of every job
 SIGKILL_EXIT = 128 + signal.SIGKILL
 
@@ -141,8 +148,8 @@ def test_torchrun_worker_sigkilled(job_dir: Path, block: str) -> None:
         job.start()
         ranks = job.wait_ready()
         job.kill(ranks[2])
-        assert job.wait_all_gone(WITHIN_S) <= WITHIN_S
-        assert job.wait_launcher(5) == 1
+        assert job.wait_all_gone(WITHIN_S, but_launcher=True) <= WITHIN_S
+        assert job.wait_launcher(LAUNCHER_EXIT_S) == 1
         log = job.log(limit=200_000)
         assert torchrun_root_cause(log) == 2, log[-3000:]
         assert "exitcode  : -9" in log
@@ -206,8 +213,8 @@ def test_spawn_worker_sigkilled(job_dir: Path, where: str) -> None:
         job.start()
         ranks = job.wait_ready()
         job.kill(ranks[1])
-        assert job.wait_all_gone(WITHIN_S) <= WITHIN_S
-        assert job.wait_launcher(5) == 1
+        assert job.wait_all_gone(WITHIN_S, but_launcher=True) <= WITHIN_S
+        assert job.wait_launcher(LAUNCHER_EXIT_S) == 1
         assert "process 1 terminated with signal SIGKILL" in job.log(limit=200_000)
         dirs = [str(d.relative_to(job.base / "peerwatch")) for d in job.run_dirs()]
         if where == "worker":

@@ -345,18 +345,25 @@ class Cluster:
                 and s.get("connected") is True and len(s.get("hosts", {})) == n and s.get("ranks") == h.ranks
             )
 
-        self._wait(lambda: all(ready(h) for h in self.hosts.values()), START_S, "every host connected")
+        def state() -> str:
+            return "\n".join(
+                f"{h.name}: ready {[r for r in h.ranks if (h.ready / f'rank-{r}').exists()]} of {list(h.ranks)}; "
+                f"bridge.json {h.bridge_state()}" for h in self.hosts.values()
+            )
+
+        self._wait(lambda: all(ready(h) for h in self.hosts.values()), START_S, "every host connected", state)
         for h in self.hosts.values():
             h.hold()
 
-    def _wait(self, cond, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
+    def _wait(self, cond, timeout: float, what: str, state=None) -> None:  # type: ignore[no-untyped-def]
         deadline = time.monotonic() + timeout
         while not cond():
             for h in self.hosts.values():
                 if h.popen is not None and h.popen.poll() is not None and what == "every host connected":
                     raise AssertionError(f"{h.name} ended before {what}\n{self.logs()}")
             if time.monotonic() >= deadline:
-                raise AssertionError(f"not {what} within {timeout}s\n{self.logs()}")
+                seen = f"{state()}\n" if state is not None else ""
+                raise AssertionError(f"not {what} within {timeout}s\n{seen}{self.logs()}")
             time.sleep(0.02)  # a deadline-bounded look at files; nothing to poll(2) on here
 
     def wait_gone(self, names: Sequence[str], within: float) -> float:

@@ -9,12 +9,11 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import jsonschema
 import pytest
-from harness import by_rank
+from harness import by_rank, wait_read
 
 SCHEMA = json.loads((Path(__file__).parents[1] / "peerwatch" / "schemas" / "report-v1.schema.json").read_text())
 GONE_S = 4.0  # grace (1 s) + generous slack on two loaded cores
@@ -89,17 +88,22 @@ def test_stack_files_show_where_each_survivor_was(make_job) -> None:
 PARENT = textwrap.dedent(
     """
     import json, os, signal, subprocess, sys, time
+    from pathlib import Path
     import peerwatch
     out = sys.argv[1]
+    # The ready file is written under a temporary name, then renamed: the test polls for it
+    # and must never read it half written.
     child = subprocess.Popen([sys.executable, "-c",
-        "import os, time, peerwatch; peerwatch.install(rank=1);"
-        "open(os.environ['CHILD_READY'], 'w').write(str(os.getpid())); time.sleep(60)"])
+        "import os, time, peerwatch; from pathlib import Path; peerwatch.install(rank=1);"
+        "ready = os.environ['CHILD_READY']; Path(ready + '.tmp').write_text(str(os.getpid()));"
+        "os.replace(ready + '.tmp', ready); time.sleep(60)"])
     try:
         with peerwatch.watch(rank=0):
             time.sleep(60)  # not child.wait(): that would reap the child itself
     except peerwatch.PeerFailure as e:
         # The watcher read the status without reaping: Popen still gets it.
-        json.dump({"popen": child.wait(), "cause": e.cause, "code": e.exit_code}, open(out, "w"))
+        Path(out + ".tmp").write_text(json.dumps({"popen": child.wait(), "cause": e.cause, "code": e.exit_code}))
+        os.replace(out + ".tmp", out)
         raise
     """
 )
@@ -114,11 +118,7 @@ def test_parent_reads_exit_status_and_popen_still_gets_it(tmp_path: Path) -> Non
         env.pop(var, None)
     parent = subprocess.Popen([sys.executable, "-c", PARENT, str(out)], env=env)
     try:
-        deadline = time.monotonic() + 30
-        while not ready.exists():
-            assert time.monotonic() < deadline and parent.poll() is None, "the child did not start"
-            time.sleep(0.01)
-        os.kill(int(ready.read_text()), signal.SIGKILL)
+        os.kill(wait_read(ready, int, within=30, writer=parent), signal.SIGKILL)
         assert parent.wait(timeout=15) == 137
     finally:
         if parent.poll() is None:
