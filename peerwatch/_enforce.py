@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import AbstractSet, Dict, List
+from typing import AbstractSet, List
 
 from . import _plan, _teardown
 from ._identity import is_local
@@ -24,23 +24,17 @@ from ._rundir import HEARTBEATS, RANKS, rank_file
 logger = logging.getLogger("peerwatch")
 
 
-STACK_DUMP_WAIT_S = 0.5  # how long the stack dumps asked of stragglers may take to land, in all
-STACK_DUMP_POLL_S = 0.01  # how often their stack files are looked at meanwhile (during a teardown only)
-
-
 def tear_down_peers(obs: Observer, verdict: Verdict, ack_window_s: float, grace_s: float) -> None:
     """Give live peers the ack window to say they are leaving; signal those that do not."""
     pending = _await_acks(obs, ack_window_s)
     peer_pids = obs.local_pids()
     targets: List[_teardown.Target] = []
-    dumps: Dict[str, int] = {}  # stack file -> its size before the dump was asked for
     if pending:
         tree = _teardown.process_tree()
         finished = obs.finished()
         for rank in pending:
-            targets.extend(_peer_and_tree(obs, obs.peers[rank].reg, finished, peer_pids, tree, dumps))
+            targets.extend(_peer_and_tree(obs, obs.peers[rank].reg, finished, peer_pids, tree))
     targets.extend(_orphans_of(obs, verdict, peer_pids))
-    _await_dumps(dumps, time.monotonic() + STACK_DUMP_WAIT_S)
     if targets:
         reason = f"rank {verdict.rank} failed ({verdict.cause}) and this process did not leave by itself"
         _teardown.terminate(targets, grace_s, reason)
@@ -62,28 +56,8 @@ def _await_acks(obs: Observer, ack_window_s: float) -> List[int]:
         obs.wait(window.left(now))
 
 
-def _size(path: str) -> int:
-    try:
-        return os.stat(path).st_size
-    except OSError:
-        return -1
-
-
-def _await_dumps(dumps: Dict[str, int], deadline: float) -> None:
-    """Until the stack files asked for have grown, or the deadline. The dump is written by
-    faulthandler's C handler for STACKS_SIGNAL; a SIGTERM delivered first (lower signals
-    are delivered first) would end the process before it, and the report would have no
-    stack of the rank that held the job up."""
-    waiting = dict(dumps)
-    while waiting and time.monotonic() < deadline:
-        waiting = {path: size for path, size in waiting.items() if _size(path) <= size}
-        if waiting:
-            time.sleep(STACK_DUMP_POLL_S)
-
-
 def _peer_and_tree(
     obs: Observer, reg: Registration, finished: AbstractSet[int], peer_pids: AbstractSet[int], tree: dict,
-    dumps: Dict[str, int],
 ) -> List[_teardown.Target]:
     target = _teardown.make_target(reg.pid, reg.start_ticks, reg.uid, f"rank {reg.rank}")
     if target is None:
@@ -97,9 +71,7 @@ def _peer_and_tree(
         target.close()
         return []
     if _plan.ask_for_stacks(reg.rank, finished):
-        size = _size(stack_path)
-        if _teardown.send(target, _teardown.STACKS_SIGNAL, "dump stacks"):
-            dumps[stack_path] = size
+        _teardown.send(target, _teardown.STACKS_SIGNAL, "dump stacks")  # terminate() lets it be taken first
     found = [target]
     for pid, started in _teardown.descendants(reg.pid, reg.uid, set(peer_pids), tree):
         child = _teardown.make_target(pid, started, reg.uid, f"pid {pid}, a descendant of rank {reg.rank}")
