@@ -120,7 +120,7 @@ def test_disable_keyword():
     assert resolve(env={"PEERWATCH_DISABLE": "1"}, disable=False).enabled is True
 
 
-@settings(max_examples=50, deadline=None)
+@settings(deadline=None)
 @given(st.floats(min_value=0, max_value=1e9, allow_nan=False, allow_infinity=False))
 def test_any_finite_non_negative_seconds_are_accepted(seconds):
     assert resolve(env={"PEERWATCH_GRACE": repr(seconds)}).grace == seconds

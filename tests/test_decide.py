@@ -397,7 +397,7 @@ def shuffled(draw, mapping):
     return {k: mapping[k] for k in keys}
 
 
-@settings(max_examples=100, deadline=None)
+@settings(deadline=None)
 @given(scenarios(all_succeed=True))
 def test_no_verdict_when_every_rank_has_a_success_marker(sc):
     for now in (sc.obs.now_ns, sc.all_waits_over_ns):
@@ -405,7 +405,7 @@ def test_no_verdict_when_every_rank_has_a_success_marker(sc):
         assert d == Decision(None, None)
 
 
-@settings(max_examples=100, deadline=None)
+@settings(deadline=None)
 @given(scenarios(all_succeed=False))
 def test_a_verdict_once_all_parent_waits_are_over(sc):
     obs = dataclasses.replace(sc.obs, now_ns=max(sc.obs.now_ns, sc.all_waits_over_ns))
@@ -426,7 +426,7 @@ def test_a_verdict_once_all_parent_waits_are_over(sc):
     assert v.rank == min(sc.failing, key=key)
 
 
-@settings(max_examples=100, deadline=None)
+@settings(deadline=None)
 @given(scenarios())
 def test_any_verdict_names_a_failed_rank_with_an_exit_code_in_range(sc):
     d = decide(sc.obs, sc.policy)
@@ -442,7 +442,7 @@ def test_any_verdict_names_a_failed_rank_with_an_exit_code_in_range(sc):
         assert d == Decision(None, None)
 
 
-@settings(max_examples=100, deadline=None)
+@settings(deadline=None)
 @given(scenarios())
 def test_following_recheck_at_always_ends_in_a_verdict(sc):
     obs = sc.obs
@@ -457,7 +457,7 @@ def test_following_recheck_at_always_ends_in_a_verdict(sc):
     assert (d.verdict is not None) == bool(sc.failing)
 
 
-@settings(max_examples=100, deadline=None)
+@settings(deadline=None)
 @given(scenarios(), st.integers(min_value=0, max_value=50_000))
 def test_a_verdict_does_not_change_as_time_passes(sc, extra_ns):
     first = decide(sc.obs, sc.policy).verdict
@@ -468,7 +468,7 @@ def test_a_verdict_does_not_change_as_time_passes(sc, extra_ns):
             first.rank, first.cause, first.failed_at_ns, first.exit_code)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(deadline=None)
 @given(st.data())
 def test_the_order_events_were_seen_in_does_not_matter(data):
     sc = data.draw(scenarios())
@@ -484,7 +484,7 @@ def test_the_order_events_were_seen_in_does_not_matter(data):
     assert decide(reordered, sc.policy) == decide(o, sc.policy)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(deadline=None)
 @given(scenarios(), st.data())
 def test_a_success_marker_silences_its_rank_whatever_else_it_did(sc, data):
     o = sc.obs
@@ -501,7 +501,7 @@ def _tree(draw) -> Tuple[Dict[int, Registration], List[int]]:
     return {r: reg(r, ppid=1000 if r else 1) for r in range(n)}, list(range(n))
 
 
-@settings(max_examples=60, deadline=None)
+@settings(deadline=None)
 @given(st.data())
 def test_gone_children_of_a_live_watching_parent_are_held_exactly_parent_wait(data):
     regs, ranks = _tree(data.draw)

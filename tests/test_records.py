@@ -80,7 +80,7 @@ def dumps(body: Any) -> bytes:
 
 
 @pytest.mark.parametrize("cls", RECORD_TYPES, ids=TYPE_IDS)
-@settings(max_examples=40, deadline=None)
+@settings(deadline=None)
 @given(data=st.data())
 def test_round_trip(cls, data):
     record = data.draw(records(cls))
@@ -89,7 +89,7 @@ def test_round_trip(cls, data):
     assert decode(cls, encoded) == record
 
 
-@settings(max_examples=50, deadline=None)
+@settings(deadline=None)
 @given(any_record)
 def test_encoded_record_is_a_versioned_json_object_with_its_kind(record):
     body = json.loads(encode(record))
@@ -98,7 +98,7 @@ def test_encoded_record_is_a_versioned_json_object_with_its_kind(record):
     assert set(body) == {"version", "kind"} | {f.name for f in dataclasses.fields(record)}
 
 
-@settings(max_examples=50, deadline=None)
+@settings(deadline=None)
 @given(any_record)
 def test_a_record_does_not_decode_as_another_kind(record):
     for other in RECORD_TYPES:
@@ -131,7 +131,7 @@ json_values = st.recursive(
 )
 
 
-@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(any_record, st.dictionaries(texts, json_values, max_size=4))
 def test_unknown_keys_are_ignored(record, extra):
     known = {"version", "kind"} | {f.name for f in dataclasses.fields(record)}
@@ -169,14 +169,14 @@ def test_decode_rejects_what_is_not_json_of_a_record(data):
     assert decode(Success, data) is None
 
 
-@settings(max_examples=100, deadline=None)
+@settings(deadline=None)
 @given(st.binary(max_size=200))
 def test_decode_never_raises_on_arbitrary_bytes(data):
     for cls in RECORD_TYPES:
         assert decode(cls, data) is None
 
 
-@settings(max_examples=60, deadline=None)
+@settings(deadline=None)
 @given(any_record, st.data())
 def test_every_truncation_is_rejected(record, data):
     encoded = encode(record)
@@ -318,7 +318,7 @@ def test_over_size_record_with_a_long_field_is_rejected():
     assert decode(Failure, encode(record)) is None
 
 
-@settings(max_examples=50, deadline=None)
+@settings(deadline=None)
 @given(any_record)
 def test_non_utf8_byte_anywhere_is_rejected(record):
     encoded = encode(record)
