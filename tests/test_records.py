@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from peerwatch._records import (
+    HANG_EXIT_CODE,
     MAX_RECORD_BYTES,
     RECORD_VERSION,
     Ack,
@@ -338,3 +339,44 @@ def test_returncode_exit_code(returncode, code):
 @pytest.mark.parametrize(("signum", "name"), [(9, "SIGKILL"), (15, "SIGTERM"), (2, "SIGINT"), (99, "signal 99")])
 def test_signal_name(signum, name):
     assert signal_name(signum) == name
+
+
+# -- the format on disk, spelled out (other versions of peerwatch read it) -------------------------
+
+
+def test_the_encoding_on_disk_is_compact_json_with_version_1_and_its_kind_first():
+    assert encode(Success(rank=1, pid=2, time_ns=3)) == b'{"version":1,"kind":"success","rank":1,"pid":2,"time_ns":3}'
+    hb = Heartbeat(rank=0, pid=5, time_ns=6, seq=7, children=((8, 9),))
+    assert json.loads(encode(hb)) == {
+        "version": 1, "kind": "heartbeat", "rank": 0, "pid": 5, "time_ns": 6, "seq": 7, "step": None,
+        "progress_ns": None, "paused": False, "children": [[8, 9]], "where": "", "in_collective": False,
+    }
+
+
+def test_a_record_written_by_hand_in_the_documented_format_is_read():
+    data = b'{"version": 1, "kind": "exit", "rank": 2, "pid": 40, "time_ns": 5, "returncode": -9, "observed_by": 0}'
+    assert decode(ExitStatus, data) == ExitStatus(rank=2, pid=40, time_ns=5, returncode=-9, observed_by=0)
+    assert decode(ExitStatus, data.replace(b'"version": 1', b'"version": 2')) is None
+
+
+def test_a_record_is_at_most_one_mebibyte():
+    assert MAX_RECORD_BYTES == 1024 * 1024
+    record = Failure(rank=1, pid=2, time_ns=3, cause="exception", traceback="")
+    fits = dataclasses.replace(record, traceback="x" * (1024 * 1024 - len(encode(record))))
+    assert len(encode(fits)) == 1024 * 1024 and decode(Failure, encode(fits)) == fits
+    over = dataclasses.replace(fits, traceback=fits.traceback + "x")
+    assert decode(Failure, encode(over)) is None
+
+
+def test_a_hang_exits_with_124_as_timeout_does():
+    # docs/hangs.md and docs/report.md: the code a hung job's ranks exit with, as timeout(1)'s.
+    assert HANG_EXIT_CODE == 124
+
+
+def test_a_tuple_field_of_fixed_length_takes_exactly_that_many_items():
+    # Heartbeat.children is a tuple of (pid, start_ticks) pairs.
+    body = minimal(Heartbeat)
+    body["children"] = [[1, 2], [3, 4], [5, 6]]
+    assert decode(Heartbeat, dumps(body)).children == ((1, 2), (3, 4), (5, 6))
+    body["children"] = []
+    assert decode(Heartbeat, dumps(body)).children == ()
