@@ -9,6 +9,7 @@ import dataclasses
 import math
 import os
 import pickle
+from typing import Iterator
 
 import pytest
 from hypothesis import given, settings
@@ -18,6 +19,14 @@ from peerwatch import Config, ConfigError
 from peerwatch._config import ACK_WINDOW_S, DEFAULT_EXIT_CODE, GRACE_S, HEARTBEAT_INTERVAL_S, PARENT_WAIT_S
 
 KW = "keyword argument"
+
+
+@pytest.fixture(autouse=True)
+def no_leaks() -> Iterator[str]:
+    """Replaces conftest's for this module: Config.resolve() is pure (no process, no thread, no file), and
+    conftest's scan of every process on the machine after each test was most of this file's
+    run time (which benchmarks/mutation.py repeats once per mutant)."""
+    yield "pure"
 
 
 def env_source(var: str) -> str:
