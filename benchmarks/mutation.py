@@ -137,9 +137,9 @@ class _Mutator:
             if isinstance(stmt, ast.Return) and stmt.value is not None and not (
                 isinstance(stmt.value, ast.Constant) and stmt.value.value is None
             ):
-                replacement = ast.Return(value=ast.Constant(None))
-                if self._offer(stmt, "return value dropped", stmt, replacement):
-                    stmts[i] = ast.copy_location(replacement, stmt)
+                bare = ast.Return(value=ast.Constant(None))
+                if self._offer(stmt, "return value dropped", stmt, bare):
+                    stmts[i] = ast.copy_location(bare, stmt)
                     continue
             self.stmt(stmt)
 
@@ -180,7 +180,7 @@ class _Mutator:
     def _any(self, parent: ast.AST, name: str, value: object) -> None:
         if isinstance(value, ast.expr):
             self.expr_field(parent, name, value)
-        elif isinstance(value, ast.excepthandler):
+        elif isinstance(value, ast.ExceptHandler):
             if value.type is not None:
                 self.expr(value.type)
             self.body(value.body)
@@ -238,16 +238,18 @@ class _Mutator:
                     break
         elif isinstance(node, ast.BoolOp):
             other = ast.Or() if isinstance(node.op, ast.And) else ast.And()
-            mutated = ast.BoolOp(op=other, values=node.values)
+            swapped = ast.BoolOp(op=other, values=node.values)
             kind = "and -> or" if isinstance(node.op, ast.And) else "or -> and"
-            if self._offer(node, kind, node, mutated):
+            if self._offer(node, kind, node, swapped):
                 node.op = other
         elif isinstance(node, ast.IfExp):
             self._negate(node, "test")
-        elif isinstance(node, ast.Constant) and type(node.value) in (int, float):
-            bumped = ast.Constant(node.value + 1)
-            if self._offer(node, "constant + 1", node, bumped):
-                node.value = node.value + 1
+        elif isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) and not isinstance(
+            node.value, bool
+        ):
+            bumped = node.value + 1
+            if self._offer(node, "constant + 1", node, ast.Constant(bumped)):
+                node.value = bumped
             return
         elif isinstance(node, ast.Lambda):
             self._in_function += 1
