@@ -392,7 +392,7 @@ def table(results: Sequence[Result]) -> Iterator[str]:
     yield "| module | mutants | killed | survived | score | time |"
     yield "|---|---:|---:|---:|---:|---:|"
     for r in results:
-        yield (f"| {r.module} | {r.total} | {r.killed} | {len(r.survivors)} | {r.score:.0f} % "
+        yield (f"| {r.module} | {r.total} | {r.killed} | {len(r.survivors)} | {r.score:.1f} % "
                f"| {r.seconds:.0f} s |")
 
 
