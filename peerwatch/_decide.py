@@ -160,14 +160,13 @@ def decide(obs: Observed, policy: Policy) -> Decision:
     return Decision(first)
 
 
-def _order(v: Verdict, found: List[Verdict]) -> Tuple[int, int, int]:
+def _order(v: Verdict, found: List[Verdict]) -> Tuple[bool, int, int]:
     """Earliest first, except that an exception never outranks a death seen within
     CONSEQUENCE_WINDOW_NS of it (see the rule 5 note in the module docstring)."""
-    if v.cause == EXCEPTION and any(
+    consequence = v.cause == EXCEPTION and any(
         d.cause in _DEATHS and d.failed_at_ns <= v.failed_at_ns + CONSEQUENCE_WINDOW_NS for d in found
-    ):
-        return (1, v.failed_at_ns, v.rank)
-    return (0, v.failed_at_ns, v.rank)
+    )
+    return (consequence, v.failed_at_ns, v.rank)
 
 
 def _lost(obs: Observed, policy: Policy) -> Tuple[Failure, ...]:
@@ -187,8 +186,6 @@ def _lost(obs: Observed, policy: Policy) -> Tuple[Failure, ...]:
     found = []
     for (host, _), ranks in silent.items():
         lost = [r for r in ranks if obs.remote_silence[r] >= policy.peer_timeout_ns]
-        if not lost:
-            continue
         quiet = ", ".join(f"rank {r} for {obs.remote_silence[r] / 1e9:.1f}s" for r in ranks)
         message = (
             f"host {host} lost: no heartbeat of {quiet} (peer_timeout {policy.peer_timeout_ns / 1e9:g}s, "

@@ -20,6 +20,14 @@ from typing import Callable, Iterator, List
 import psutil
 import pytest
 from harness import Job, set_child_subreaper
+from hypothesis import settings
+
+# Property tests run with hypothesis's budget (100 examples) by default. benchmarks/mutation.py
+# selects "mutation" (HYPOTHESIS_PROFILE=mutation): it runs the tests once per mutant, hundreds
+# of times, so few examples, always the same ones (a mutant survives or not on every run), and
+# no example database shared between the copies it runs in.
+settings.register_profile("mutation", max_examples=10, derandomize=True, database=None, deadline=None)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 TEST_ID_VAR = "PEERWATCH_TEST_ID"
 KILL_WAIT_S = 5.0  # how long killed leaks get to disappear before we give up reaping them

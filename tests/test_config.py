@@ -9,6 +9,7 @@ import dataclasses
 import math
 import os
 import pickle
+from typing import Iterator
 
 import pytest
 from hypothesis import given, settings
@@ -18,6 +19,14 @@ from peerwatch import Config, ConfigError
 from peerwatch._config import ACK_WINDOW_S, DEFAULT_EXIT_CODE, GRACE_S, HEARTBEAT_INTERVAL_S, PARENT_WAIT_S
 
 KW = "keyword argument"
+
+
+@pytest.fixture(autouse=True)
+def no_leaks() -> Iterator[str]:
+    """Replaces conftest's for this module: Config.resolve() is pure (no process, no thread, no file), and
+    conftest's scan of every process on the machine after each test was most of this file's
+    run time (which benchmarks/mutation.py repeats once per mutant)."""
+    yield "pure"
 
 
 def env_source(var: str) -> str:
@@ -69,7 +78,19 @@ OPTIONS = [
     ("startup_timeout", "PEERWATCH_STARTUP_TIMEOUT", "60", 60.0),
     ("strict", "PEERWATCH_STRICT", "yes", True),
     ("use_pidfd", "PEERWATCH_PIDFD", "off", False),
+    ("startup_action", "PEERWATCH_STARTUP_ACTION", " Fail ", "fail"),
+    ("thread_exceptions", "PEERWATCH_THREAD_EXCEPTIONS", "FAIL", "fail"),
+    ("hang_timeout", "PEERWATCH_HANG_TIMEOUT", "600", 600.0),
+    ("gil_timeout", "PEERWATCH_GIL_TIMEOUT", "2", 2.0),
+    ("store", "PEERWATCH_STORE", " node0:29500 ", "node0:29500"),
+    ("run_id", "PEERWATCH_RUN_ID", " job-42 ", "job-42"),
+    ("peer_timeout", "PEERWATCH_PEER_TIMEOUT", "60", 60.0),
+    ("shared_fs", "PEERWATCH_SHARED_FS", "On", "on"),
 ]
+# What each option is given as a keyword in test_keyword_beats_environment (default: 1).
+KW_VALUES = {"run_dir": "/kw", "strict": False, "use_pidfd": True, "startup_action": "warn",
+             "thread_exceptions": "record", "hang_timeout": 5.0, "gil_timeout": 5.0, "store": "off",
+             "run_id": "kw-job", "peer_timeout": 45.0, "shared_fs": "off"}
 
 
 @pytest.mark.parametrize(("option", "var", "raw", "value"), OPTIONS, ids=[o[0] for o in OPTIONS])
@@ -81,7 +102,7 @@ def test_each_option_from_its_environment_variable(option, var, raw, value):
 
 @pytest.mark.parametrize(("option", "var", "raw", "value"), OPTIONS, ids=[o[0] for o in OPTIONS])
 def test_keyword_beats_environment(option, var, raw, value):
-    kw_value = {"run_dir": "/kw", "strict": False, "use_pidfd": True}.get(option, 1)
+    kw_value = KW_VALUES.get(option, 1)
     c = resolve(env={var: raw}, **{option: kw_value})
     assert getattr(c, option) == kw_value
     assert c.source_of(option) == KW
@@ -120,7 +141,7 @@ def test_disable_keyword():
     assert resolve(env={"PEERWATCH_DISABLE": "1"}, disable=False).enabled is True
 
 
-@settings(max_examples=50, deadline=None)
+@settings(deadline=None)
 @given(st.floats(min_value=0, max_value=1e9, allow_nan=False, allow_infinity=False))
 def test_any_finite_non_negative_seconds_are_accepted(seconds):
     assert resolve(env={"PEERWATCH_GRACE": repr(seconds)}).grace == seconds
@@ -293,3 +314,166 @@ def test_config_error_is_a_value_error_and_pickles():
     assert (back.option, back.value, back.source, back.reason) == (e.option, e.value, e.source, e.reason)
     assert str(back) == str(e)
 
+
+
+def test_defaults_are_the_documented_ones():
+    # docs/configuration.md, "every option": the values users are told they get.
+    c = resolve()
+    assert (c.grace, c.ack_window, c.heartbeat_interval, c.parent_wait, c.exit_code) == (5.0, 0.5, 1.0, 0.1, 1)
+    assert (c.startup_timeout, c.startup_action, c.thread_exceptions) == (0.0, "warn", "record")
+    assert (c.hang_timeout, c.gil_timeout, c.peer_timeout) == (0.0, 0.0, 30.0)
+    assert (c.strict, c.use_pidfd, c.store, c.run_id, c.shared_fs) == (False, True, None, None, "auto")
+
+
+def test_without_env_the_process_environment_is_read(monkeypatch):
+    monkeypatch.setenv("PEERWATCH_GRACE", "7")
+    c = Config.resolve({})
+    assert (c.grace, c.source_of("grace")) == (7.0, env_source("PEERWATCH_GRACE"))
+
+
+# -- the value parsers: what each accepts, and how it says no ------------------------------------
+
+
+@pytest.mark.parametrize(("option", "raw", "value"), [
+    ("exit_code", "1", 1), ("exit_code", "255", 255), ("exit_code", 3.0, 3),
+    ("rank", "0", 0), ("rank", 2.0, 2), ("world_size", "1", 1),
+    ("grace", "0", 0.0), ("grace", "0.5", 0.5), ("grace", 1, 1.0),
+    ("startup_action", "warn", "warn"), ("startup_action", "FAIL", "fail"),
+    ("thread_exceptions", " record ", "record"), ("thread_exceptions", "Fail", "fail"),
+    ("shared_fs", " AUTO ", "auto"), ("shared_fs", "yes", "on"), ("shared_fs", "1", "on"),
+    ("shared_fs", "no", "off"), ("shared_fs", "0", "off"), ("shared_fs", True, "on"),
+    ("strict", "On", True), ("strict", "0", False), ("use_pidfd", False, False), ("use_pidfd", 1, True),
+    ("store", "off", "off"), ("store", " NONE ", "off"), ("store", "0", "off"), ("store", "no", "off"),
+    ("store", "false", "off"), ("store", "node0:1", "node0:1"), ("store", "node0:65535", "node0:65535"),
+    ("store", "node0:029500", "node0:29500"), ("store", "[::1]:29500", "::1:29500"),
+    ("store", "10.0.0.1:29500", "10.0.0.1:29500"),
+    ("run_id", "x", "x"), ("run_id", "r" * 200, "r" * 200), ("run_id", 1234, "1234"),
+])
+def test_accepted_values(option, raw, value):
+    c = resolve(**{option: raw})
+    assert getattr(c, option) == value
+    assert c.source_of(option) == KW
+
+
+def test_a_store_object_is_kept_as_is():
+    class Store:
+        def set(self, key, value): ...
+        def get(self, key): ...
+        def compare_set(self, key, expected, desired): ...
+
+    store = Store()
+    assert resolve(store=store).store is store
+
+
+MORE_BAD = [
+    # option, raw, what the message says
+    ("exit_code", "0", "must be an exit status from 1 to 255"),
+    ("exit_code", 256, "must be an exit status from 1 to 255"),
+    ("exit_code", True, "expected a whole number, got a boolean"),
+    ("rank", "-1", "must not be negative"),
+    ("rank", 2.5, "expected a whole number"),
+    ("grace", "-0.001", "must be a finite number of seconds, 0 or more"),
+    ("grace", False, "expected a number of seconds, got a boolean"),
+    ("strict", "2", "expected one of 1/0, true/false, yes/no, on/off"),
+    ("startup_action", "abort", "expected warn or fail"),
+    ("startup_action", "", "expected warn or fail"),
+    ("thread_exceptions", "raise", "expected record or fail"),
+    ("shared_fs", "nfs", "expected auto, on or off"),
+    ("store", "node0", "expected 'host:port' (e.g. node0:29500) or 'off'"),
+    ("store", ":29500", "expected 'host:port' (e.g. node0:29500) or 'off'"),
+    ("store", "node0:", "expected 'host:port' (e.g. node0:29500) or 'off'"),
+    ("store", "node0:http", "expected 'host:port' (e.g. node0:29500) or 'off'"),
+    ("store", "node0:0", "expected 'host:port' (e.g. node0:29500) or 'off'"),
+    ("store", "node0:65536", "expected 'host:port' (e.g. node0:29500) or 'off'"),
+    ("store", 29500, "expected 'host:port', 'off', or a torch.distributed Store"),
+    ("store", object(), "expected 'host:port', 'off', or a torch.distributed Store"),
+    ("run_id", "   ", "must be 1 to 200 characters"),
+    ("run_id", "r" * 201, "must be 1 to 200 characters"),
+    ("run_dir", "", "must not be empty"),
+]
+
+
+@pytest.mark.parametrize(("option", "raw", "reason"), MORE_BAD, ids=[f"{o}={r!r:.20}" for o, r, _ in MORE_BAD])
+def test_bad_values_are_refused_saying_why_and_where_they_came_from(option, raw, reason):
+    with pytest.raises(ConfigError) as info:
+        resolve(**{option: raw})
+    assert (info.value.option, info.value.value, info.value.source, info.value.reason) == (option, raw, KW, reason)
+    if isinstance(raw, str) and option != "run_dir":
+        var = dict((o, v) for o, v, *_ in OPTIONS).get(option) or {"exit_code": "PEERWATCH_EXIT_CODE"}.get(option)
+        if var and raw.strip():
+            with pytest.raises(ConfigError) as info:
+                resolve(env={var: raw})
+            assert (info.value.option, info.value.source, info.value.reason) == (option, env_source(var), reason)
+
+
+def test_a_bad_launcher_variable_names_the_option_and_the_variable():
+    with pytest.raises(ConfigError) as info:
+        resolve(env={"OMPI_COMM_WORLD_LOCAL_RANK": "-1"})
+    assert (info.value.option, info.value.value, info.value.source, info.value.reason) == (
+        "local_rank", "-1", env_source("OMPI_COMM_WORLD_LOCAL_RANK"), "must not be negative")
+
+
+# -- the rules between options (checked once every value is known) ------------------------------
+
+
+def test_heartbeat_interval_must_be_above_zero():
+    with pytest.raises(ConfigError) as info:
+        resolve(env={"PEERWATCH_HEARTBEAT": "0"})
+    e = info.value
+    assert (e.option, e.value, e.source, e.reason) == (
+        "heartbeat_interval", 0.0, env_source("PEERWATCH_HEARTBEAT"), "must be above 0")
+    assert resolve(heartbeat_interval=0.01).heartbeat_interval == 0.01
+
+
+@pytest.mark.parametrize("option", ["hang_timeout", "gil_timeout"])
+def test_a_timeout_judged_by_heartbeats_is_off_or_at_least_two_of_them(option):
+    var = {"hang_timeout": "PEERWATCH_HANG_TIMEOUT", "gil_timeout": "PEERWATCH_GIL_TIMEOUT"}[option]
+    assert getattr(resolve(env={var: "0"}), option) == 0.0  # off
+    assert getattr(resolve(env={var: "2", "PEERWATCH_HEARTBEAT": "1"}), option) == 2.0
+    assert getattr(resolve(env={var: "1"}, heartbeat_interval=0.5), option) == 1.0
+    with pytest.raises(ConfigError) as info:
+        resolve(env={var: "1.9"})
+    e = info.value
+    assert (e.option, e.value, e.source) == (option, 1.9, env_source(var))
+    assert e.reason == "must be 0 (off) or at least twice heartbeat_interval (1s)"
+    with pytest.raises(ConfigError) as info:
+        resolve(env={var: "5"}, heartbeat_interval=2.5001)
+    assert (info.value.option, info.value.source) == (option, env_source(var))
+    assert info.value.reason == "must be 0 (off) or at least twice heartbeat_interval (2.5001s)"
+
+
+def test_peer_timeout_is_at_least_two_heartbeats():
+    assert resolve(peer_timeout=2.0).peer_timeout == 2.0
+    assert resolve(peer_timeout=10.0, heartbeat_interval=5.0).peer_timeout == 10.0
+    with pytest.raises(ConfigError) as info:
+        resolve(peer_timeout=1.5)
+    e = info.value
+    assert (e.option, e.value, e.source) == ("peer_timeout", 1.5, KW)
+    assert e.reason == "must be at least twice heartbeat_interval (1s)"
+    # The default peer_timeout (30 s) is checked too: a slow heartbeat needs a longer one.
+    with pytest.raises(ConfigError) as info:
+        resolve(env={"PEERWATCH_HEARTBEAT": "20"})
+    assert (info.value.option, info.value.source) == ("peer_timeout", "default")
+
+
+@pytest.mark.parametrize("env", [{"RANK": "7"}, {"WORLD_SIZE": "2"}, {}], ids=["rank only", "world only", "none"])
+def test_rank_and_world_size_are_compared_only_when_both_are_known(env):
+    c = resolve(env=env)
+    assert (c.rank, c.world_size) == (int(env["RANK"]) if "RANK" in env else None,
+                                      int(env["WORLD_SIZE"]) if "WORLD_SIZE" in env else None)
+
+
+def test_rank_at_or_above_world_size_says_where_both_came_from():
+    with pytest.raises(ConfigError) as info:
+        Config.resolve({"world_size": 3}, env={"RANK": "3"})
+    e = info.value
+    assert (e.option, e.value, e.source) == ("rank", 3, env_source("RANK"))
+    assert e.reason == "rank must be below world_size=3 (keyword argument)"
+    assert resolve(env={"RANK": "2"}, world_size=3).rank == 2
+
+
+def test_world_size_zero_is_refused_with_its_reason():
+    with pytest.raises(ConfigError) as info:
+        resolve(world_size=0)
+    assert (info.value.option, info.value.value, info.value.source, info.value.reason) == (
+        "world_size", 0, KW, "must be at least 1")

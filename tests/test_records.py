@@ -5,13 +5,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import typing
-from typing import Any, Dict
+from typing import Any, Dict, Iterator
 
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from peerwatch._records import (
+    HANG_EXIT_CODE,
     MAX_RECORD_BYTES,
     RECORD_VERSION,
     Ack,
@@ -32,6 +33,14 @@ TYPE_IDS = [cls.__name__ for cls in RECORD_TYPES]
 
 ints = st.integers(min_value=-(2**70), max_value=2**70)
 texts = st.text(max_size=40)
+
+@pytest.fixture(autouse=True)
+def no_leaks() -> Iterator[str]:
+    """Replaces conftest's for this module: encode()/decode() are pure (no process, no thread, no file), and
+    conftest's scan of every process on the machine after each test was most of this file's
+    run time (which benchmarks/mutation.py repeats once per mutant)."""
+    yield "pure"
+
 
 
 def strategy_for(tp: Any) -> st.SearchStrategy[Any]:
@@ -80,7 +89,7 @@ def dumps(body: Any) -> bytes:
 
 
 @pytest.mark.parametrize("cls", RECORD_TYPES, ids=TYPE_IDS)
-@settings(max_examples=40, deadline=None)
+@settings(deadline=None)
 @given(data=st.data())
 def test_round_trip(cls, data):
     record = data.draw(records(cls))
@@ -89,7 +98,7 @@ def test_round_trip(cls, data):
     assert decode(cls, encoded) == record
 
 
-@settings(max_examples=50, deadline=None)
+@settings(deadline=None)
 @given(any_record)
 def test_encoded_record_is_a_versioned_json_object_with_its_kind(record):
     body = json.loads(encode(record))
@@ -98,7 +107,7 @@ def test_encoded_record_is_a_versioned_json_object_with_its_kind(record):
     assert set(body) == {"version", "kind"} | {f.name for f in dataclasses.fields(record)}
 
 
-@settings(max_examples=50, deadline=None)
+@settings(deadline=None)
 @given(any_record)
 def test_a_record_does_not_decode_as_another_kind(record):
     for other in RECORD_TYPES:
@@ -131,7 +140,7 @@ json_values = st.recursive(
 )
 
 
-@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(any_record, st.dictionaries(texts, json_values, max_size=4))
 def test_unknown_keys_are_ignored(record, extra):
     known = {"version", "kind"} | {f.name for f in dataclasses.fields(record)}
@@ -169,14 +178,14 @@ def test_decode_rejects_what_is_not_json_of_a_record(data):
     assert decode(Success, data) is None
 
 
-@settings(max_examples=100, deadline=None)
+@settings(deadline=None)
 @given(st.binary(max_size=200))
 def test_decode_never_raises_on_arbitrary_bytes(data):
     for cls in RECORD_TYPES:
         assert decode(cls, data) is None
 
 
-@settings(max_examples=60, deadline=None)
+@settings(deadline=None)
 @given(any_record, st.data())
 def test_every_truncation_is_rejected(record, data):
     encoded = encode(record)
@@ -318,7 +327,7 @@ def test_over_size_record_with_a_long_field_is_rejected():
     assert decode(Failure, encode(record)) is None
 
 
-@settings(max_examples=50, deadline=None)
+@settings(deadline=None)
 @given(any_record)
 def test_non_utf8_byte_anywhere_is_rejected(record):
     encoded = encode(record)
@@ -338,3 +347,56 @@ def test_returncode_exit_code(returncode, code):
 @pytest.mark.parametrize(("signum", "name"), [(9, "SIGKILL"), (15, "SIGTERM"), (2, "SIGINT"), (99, "signal 99")])
 def test_signal_name(signum, name):
     assert signal_name(signum) == name
+
+
+# -- the format on disk, spelled out (other versions of peerwatch read it) -------------------------
+
+
+def test_the_encoding_on_disk_is_compact_json_with_version_1_and_its_kind_first():
+    assert encode(Success(rank=1, pid=2, time_ns=3)) == b'{"version":1,"kind":"success","rank":1,"pid":2,"time_ns":3}'
+    hb = Heartbeat(rank=0, pid=5, time_ns=6, seq=7, children=((8, 9),))
+    assert json.loads(encode(hb)) == {
+        "version": 1, "kind": "heartbeat", "rank": 0, "pid": 5, "time_ns": 6, "seq": 7, "step": None,
+        "progress_ns": None, "paused": False, "children": [[8, 9]], "where": "", "in_collective": False,
+    }
+
+
+def test_a_record_written_by_hand_in_the_documented_format_is_read():
+    data = b'{"version": 1, "kind": "exit", "rank": 2, "pid": 40, "time_ns": 5, "returncode": -9, "observed_by": 0}'
+    assert decode(ExitStatus, data) == ExitStatus(rank=2, pid=40, time_ns=5, returncode=-9, observed_by=0)
+    assert decode(ExitStatus, data.replace(b'"version": 1', b'"version": 2')) is None
+
+
+def test_a_record_is_at_most_one_mebibyte():
+    assert MAX_RECORD_BYTES == 1024 * 1024
+    record = Failure(rank=1, pid=2, time_ns=3, cause="exception", traceback="")
+    fits = dataclasses.replace(record, traceback="x" * (1024 * 1024 - len(encode(record))))
+    assert len(encode(fits)) == 1024 * 1024 and decode(Failure, encode(fits)) == fits
+    over = dataclasses.replace(fits, traceback=fits.traceback + "x")
+    assert decode(Failure, encode(over)) is None
+
+
+def test_a_hang_exits_with_124_as_timeout_does():
+    # docs/hangs.md and docs/report.md: the code a hung job's ranks exit with, as timeout(1)'s.
+    assert HANG_EXIT_CODE == 124
+
+
+def test_a_tuple_field_of_fixed_length_takes_exactly_that_many_items():
+    # Heartbeat.children is a tuple of (pid, start_ticks) pairs.
+    body = minimal(Heartbeat)
+    body["children"] = [[1, 2], [3, 4], [5, 6]]
+    assert decode(Heartbeat, dumps(body)).children == ((1, 2), (3, 4), (5, 6))
+    body["children"] = []
+    assert decode(Heartbeat, dumps(body)).children == ()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Sample:
+    KIND = "sample"
+    ratio: float
+
+
+def test_a_field_of_a_type_the_codec_does_not_check_is_never_decoded():
+    # Records are strictly typed: a field type decode() cannot check (a float, say, added to a
+    # record one day) makes the record unreadable rather than read unchecked.
+    assert decode(_Sample, b'{"version": 1, "kind": "sample", "ratio": 0.5}') is None
