@@ -47,6 +47,9 @@ DEFAULT_TARGETS = [
     ("peerwatch/_decide.py", ["tests/test_decide.py"]),
     ("peerwatch/_records.py", ["tests/test_records.py"]),
     ("peerwatch/_config.py", ["tests/test_config.py"]),
+    ("peerwatch/_plan.py", ["tests/test_plan.py"]),
+    ("peerwatch/_schedule.py", ["tests/test_schedule.py"]),
+    ("peerwatch/_hosts.py", ["tests/test_hosts.py"]),
 ]
 COPIED = ("peerwatch", "tests", "pyproject.toml", "setup.cfg")  # what a worker's copy holds
 PYTEST_ARGS = ("-x", "-q", "-p", "no:cacheprovider")

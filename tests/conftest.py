@@ -100,8 +100,15 @@ def _running(proc: psutil.Process) -> bool:
 
 
 @pytest.fixture(autouse=True)
-def no_leaks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    """Fail the test if it leaves a process or a non-daemon thread behind. Yields the test id."""
+def no_leaks(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """Fail the test if it leaves a process or a non-daemon thread behind. Yields the test id.
+
+    A module marked ``pure`` (``pytestmark = pytest.mark.pure``: pure functions, no process,
+    no thread, no file) skips the scan of every process on the machine after each test: it
+    was most of those modules' run time, which benchmarks/mutation.py repeats per mutant."""
+    if request.node.get_closest_marker("pure") is not None:
+        yield "pure"
+        return
     test_id = uuid.uuid4().hex
     monkeypatch.setenv(TEST_ID_VAR, test_id)
     monkeypatch.setenv("PEERWATCH_DIR", str(tmp_path / "run"))

@@ -9,7 +9,6 @@ import dataclasses
 import math
 import os
 import pickle
-from typing import Iterator
 
 import pytest
 from hypothesis import given, settings
@@ -21,12 +20,7 @@ from peerwatch._config import ACK_WINDOW_S, DEFAULT_EXIT_CODE, GRACE_S, HEARTBEA
 KW = "keyword argument"
 
 
-@pytest.fixture(autouse=True)
-def no_leaks() -> Iterator[str]:
-    """Replaces conftest's for this module: Config.resolve() is pure (no process, no thread, no file), and
-    conftest's scan of every process on the machine after each test was most of this file's
-    run time (which benchmarks/mutation.py repeats once per mutant)."""
-    yield "pure"
+pytestmark = pytest.mark.pure  # no process, no thread, no file: conftest skips its scan for leaks
 
 
 def env_source(var: str) -> str:

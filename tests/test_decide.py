@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, Iterator, List, Optional, Set, Tuple
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 import pytest
 from hypothesis import given, settings
@@ -39,12 +39,7 @@ POLICY = Policy(parent_wait_ns=WAIT_NS, default_exit_code=7)
 BOOT = "boot-a"
 PIDNS = "pid:[4026531836]"
 
-@pytest.fixture(autouse=True)
-def no_leaks() -> Iterator[str]:
-    """Replaces conftest's for this module: decide() is pure (no process, no thread, no file), and
-    conftest's scan of every process on the machine after each test was most of this file's
-    run time (which benchmarks/mutation.py repeats once per mutant)."""
-    yield "pure"
+pytestmark = pytest.mark.pure  # no process, no thread, no file: conftest skips its scan for leaks
 
 
 

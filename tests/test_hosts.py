@@ -39,6 +39,8 @@ from peerwatch._hosts import (
 )
 from peerwatch._records import EXCEPTION, EXIT, LOST, SIGNAL, VANISHED, Failure, Verdict, decode, encode
 
+pytestmark = pytest.mark.pure  # no process, no thread, no file: conftest skips its scan for leaks
+
 S = 1_000_000_000  # ns
 
 

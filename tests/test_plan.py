@@ -11,6 +11,8 @@ from peerwatch import _plan
 from peerwatch._plan import AckWindow, Situation, plan
 from peerwatch._records import EXCEPTION, EXIT, HANG, LOST, MISSING, SIGNAL, VANISHED
 
+pytestmark = pytest.mark.pure  # no process, no thread, no file: conftest skips its scan for leaks
+
 BASE = Situation(
     self_rank=0, failed_rank=2, cause=SIGNAL, verdict_exit_code=137, own_exit_code=None, in_watch=False,
     live_local_ranks=(0, 1, 3), wrote_verdict=False, grace_s=5.0, ack_window_s=1.0,

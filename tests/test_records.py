@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import typing
-from typing import Any, Dict, Iterator
+from typing import Any, Dict
 
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
@@ -34,12 +34,7 @@ TYPE_IDS = [cls.__name__ for cls in RECORD_TYPES]
 ints = st.integers(min_value=-(2**70), max_value=2**70)
 texts = st.text(max_size=40)
 
-@pytest.fixture(autouse=True)
-def no_leaks() -> Iterator[str]:
-    """Replaces conftest's for this module: encode()/decode() are pure (no process, no thread, no file), and
-    conftest's scan of every process on the machine after each test was most of this file's
-    run time (which benchmarks/mutation.py repeats once per mutant)."""
-    yield "pure"
+pytestmark = pytest.mark.pure  # no process, no thread, no file: conftest skips its scan for leaks
 
 
 

@@ -6,6 +6,8 @@ import pytest
 
 from peerwatch._schedule import SAFETY_LOOK_EVERY, Schedule
 
+pytestmark = pytest.mark.pure  # no process, no thread, no file: conftest skips its scan for leaks
+
 
 def test_the_first_wake_is_immediate_and_takes_a_full_look() -> None:
     s = Schedule(10.0, beat_s=1.0)
