@@ -232,29 +232,45 @@ def terminate(targets: Sequence[Target], grace: float, reason: str) -> Tuple[int
 
 
 def _wait_dumps_taken(targets: Sequence[Target], deadline: float) -> None:
-    """Wait until no target has a dump request (STACKS_SIGNAL) pending, or the deadline.
+    """Wait until no target has a dump request (STACKS_SIGNAL) pending or being handled, or
+    the deadline.
 
     Two pending signals are delivered lowest number first: SIGTERM (15) sent right after
     SIGURG (23), before any thread of the target ran, ends it by its default action before
-    faulthandler writes a line (an empty stack file). A stopped target cannot take it:
-    not waited for.
+    faulthandler writes a line; sent while faulthandler writes, it cuts the dump short.
+    Once one was seen busy, two quiet looks in a row end the wait (between taking the
+    signal and entering the handler, a thread shows neither). A stopped target cannot take
+    it: not waited for.
     """
-    waiting = [t for t in targets if _dump_pending(t.pid)]
-    while waiting and time.monotonic() < deadline:
-        time.sleep(_DUMP_POLL_S)  # no event says "signal taken"; bounded, and only in teardown
-        waiting = [t for t in waiting if _dump_pending(t.pid)]
+    waiting = [t for t in targets if _dumping(t.pid)]
+    quiet = 0
+    while waiting and quiet < 2 and time.monotonic() < deadline:
+        time.sleep(_DUMP_POLL_S)  # no event says "dump written"; bounded, and only in teardown
+        busy = [t for t in waiting if _dumping(t.pid)]
+        quiet = 0 if busy else quiet + 1
+        waiting = busy or waiting
 
 
-def _dump_pending(pid: int) -> bool:
-    """A STACKS_SIGNAL sent to pid is not taken yet, and pid can run to take it (Linux)."""
+def _dumping(pid: int) -> bool:
+    """A STACKS_SIGNAL sent to pid is pending, or a thread of pid is in its handler (the
+    signal blocked there, SIGTERM not: a thread that blocks every signal is not one). Linux."""
+    urg, term = 1 << (STACKS_SIGNAL - 1), 1 << (signal.SIGTERM - 1)
     try:
         with open(f"/proc/{pid}/status") as f:
             fields = dict(line.split(":", 1) for line in f if ":" in line)
-        pending = int(fields["ShdPnd"].split()[0], 16)
-        state = fields["State"].split()[0]
+        if fields["State"].split()[0] in ("T", "t", "Z", "X"):
+            return False
+        if int(fields["ShdPnd"], 16) & urg:
+            return True
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/status") as f:
+                fields = dict(line.split(":", 1) for line in f if ":" in line)
+            blocked = int(fields["SigBlk"], 16)
+            if int(fields["SigPnd"], 16) & urg or (blocked & urg and not blocked & term):
+                return True
     except (OSError, KeyError, ValueError, IndexError):
         return False
-    return bool(pending & (1 << (STACKS_SIGNAL - 1))) and state not in ("T", "t", "Z", "X")
+    return False
 
 
 def _name(sig: int) -> str:
