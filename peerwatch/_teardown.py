@@ -30,8 +30,8 @@ INTERRUPT_SIGNAL = _RTMIN + 4  # raise PeerFailure in a rank's main thread
 STACKS_SIGNAL = int(signal.SIGURG)
 
 _PIDFD = hasattr(os, "pidfd_open") and hasattr(signal, "pidfd_send_signal")
-DUMP_WAIT_S = 0.5  # at most, before SIGTERM: how long targets get to take a dump request
-_DUMP_POLL_S = 0.002  # how often /proc is read meanwhile (only while a request is pending)
+_DUMP_WAIT_S = 0.5  # at most, before SIGTERM: how long targets get to write a dump asked for
+_DUMP_POLL_S = 0.002  # how often /proc is read meanwhile (only while a dump is under way)
 
 
 @dataclasses.dataclass
@@ -218,7 +218,7 @@ def terminate(targets: Sequence[Target], grace: float, reason: str) -> Tuple[int
 
     One deadline for all (not one per process). Returns (signalled, killed).
     """
-    _wait_dumps_taken(targets, time.monotonic() + min(grace, DUMP_WAIT_S))
+    _wait_dumps_taken(targets, time.monotonic() + min(grace, _DUMP_WAIT_S))
     signalled = [t for t in targets if send(t, signal.SIGTERM, reason)]
     for t in signalled:
         info = _identity.probe(t.pid)
