@@ -30,8 +30,8 @@ INTERRUPT_SIGNAL = _RTMIN + 4  # raise PeerFailure in a rank's main thread
 STACKS_SIGNAL = int(signal.SIGURG)
 
 _PIDFD = hasattr(os, "pidfd_open") and hasattr(signal, "pidfd_send_signal")
-DUMP_WAIT_S = 0.5  # at most, before SIGTERM: how long targets get to take a dump request
-_DUMP_POLL_S = 0.002  # how often /proc is read meanwhile (only while a request is pending)
+_DUMP_WAIT_S = 0.5  # at most, before SIGTERM: how long targets get to write a dump asked for
+_DUMP_POLL_S = 0.002  # how often /proc is read meanwhile (only while a dump is under way)
 
 
 @dataclasses.dataclass
@@ -218,7 +218,7 @@ def terminate(targets: Sequence[Target], grace: float, reason: str) -> Tuple[int
 
     One deadline for all (not one per process). Returns (signalled, killed).
     """
-    _wait_dumps_taken(targets, time.monotonic() + min(grace, DUMP_WAIT_S))
+    _wait_dumps_taken(targets, time.monotonic() + min(grace, _DUMP_WAIT_S))
     signalled = [t for t in targets if send(t, signal.SIGTERM, reason)]
     for t in signalled:
         info = _identity.probe(t.pid)
@@ -232,29 +232,45 @@ def terminate(targets: Sequence[Target], grace: float, reason: str) -> Tuple[int
 
 
 def _wait_dumps_taken(targets: Sequence[Target], deadline: float) -> None:
-    """Wait until no target has a dump request (STACKS_SIGNAL) pending, or the deadline.
+    """Wait until no target has a dump request (STACKS_SIGNAL) pending or being handled, or
+    the deadline.
 
     Two pending signals are delivered lowest number first: SIGTERM (15) sent right after
     SIGURG (23), before any thread of the target ran, ends it by its default action before
-    faulthandler writes a line (an empty stack file). A stopped target cannot take it:
-    not waited for.
+    faulthandler writes a line; sent while faulthandler writes, it cuts the dump short.
+    Once one was seen busy, two quiet looks in a row end the wait (between taking the
+    signal and entering the handler, a thread shows neither). A stopped target cannot take
+    it: not waited for.
     """
-    waiting = [t for t in targets if _dump_pending(t.pid)]
-    while waiting and time.monotonic() < deadline:
-        time.sleep(_DUMP_POLL_S)  # no event says "signal taken"; bounded, and only in teardown
-        waiting = [t for t in waiting if _dump_pending(t.pid)]
+    waiting = [t for t in targets if _dumping(t.pid)]
+    quiet = 0
+    while waiting and quiet < 2 and time.monotonic() < deadline:
+        time.sleep(_DUMP_POLL_S)  # no event says "dump written"; bounded, and only in teardown
+        busy = [t for t in waiting if _dumping(t.pid)]
+        quiet = 0 if busy else quiet + 1
+        waiting = busy or waiting
 
 
-def _dump_pending(pid: int) -> bool:
-    """A STACKS_SIGNAL sent to pid is not taken yet, and pid can run to take it (Linux)."""
+def _dumping(pid: int) -> bool:
+    """A STACKS_SIGNAL sent to pid is pending, or a thread of pid is in its handler (the
+    signal blocked there, SIGTERM not: a thread that blocks every signal is not one). Linux."""
+    urg, term = 1 << (STACKS_SIGNAL - 1), 1 << (signal.SIGTERM - 1)
     try:
         with open(f"/proc/{pid}/status") as f:
             fields = dict(line.split(":", 1) for line in f if ":" in line)
-        pending = int(fields["ShdPnd"].split()[0], 16)
-        state = fields["State"].split()[0]
+        if fields["State"].split()[0] in ("T", "t", "Z", "X"):
+            return False
+        if int(fields["ShdPnd"], 16) & urg:
+            return True
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/status") as f:
+                fields = dict(line.split(":", 1) for line in f if ":" in line)
+            blocked = int(fields["SigBlk"], 16)
+            if int(fields["SigPnd"], 16) & urg or (blocked & urg and not blocked & term):
+                return True
     except (OSError, KeyError, ValueError, IndexError):
         return False
-    return bool(pending & (1 << (STACKS_SIGNAL - 1))) and state not in ("T", "t", "Z", "X")
+    return False
 
 
 def _name(sig: int) -> str:
