@@ -46,7 +46,7 @@ PACKAGE = "peerwatch"
 DEFAULT_TARGETS = [
     ("peerwatch/_decide.py", ["tests/test_decide.py"]),
     ("peerwatch/_records.py", ["tests/test_records.py"]),
-    ("peerwatch/_config.py", ["tests/test_config.py"]),
+    ("peerwatch/_config.py", ["tests/test_config.py", "tests/test_launcher_facts.py"]),
     ("peerwatch/_plan.py", ["tests/test_plan.py"]),
     ("peerwatch/_schedule.py", ["tests/test_schedule.py"]),
     ("peerwatch/_hosts.py", ["tests/test_hosts.py"]),
