@@ -49,7 +49,8 @@ def main() -> None:
                 r.setdefault("N=128 all gone, ms", []).append(t.gone_ms or float("nan"))
             for idle in overhead.idle_cpu([8], args.idle_seconds, _quiet)[:1]:
                 r.setdefault("N=8 idle, CPU s/rank/hour", []).append(idle.watcher_s_per_h)
-            print(f"round {rnd + 1} {lib}: load {load1():.1f}", file=sys.stderr, flush=True)
+            figures = ", ".join(f"{m}: {statistics.median(xs):.2f}" for m, xs in r.items())
+            print(f"round {rnd + 1} {lib}: load {load1():.1f}; medians so far: {figures}", file=sys.stderr, flush=True)
     metrics = list(next(iter(results.values())))
     print("| figure | " + " | ".join(args.lib) + " |")
     print("|---|" + "---|" * len(args.lib))

@@ -25,13 +25,12 @@ from typing import Any, Callable, Optional, Type
 
 from . import _stacks, _teardown
 from ._errors import PeerFailure
+from ._plan import SETTLE_S
 from ._records import EXCEPTION, EXIT, MAX_TRACEBACK_CHARS, Failure, Verdict
 from ._watcher import Watcher
 
 logger = logging.getLogger("peerwatch")
 
-SETTLE_S = 0.25  # how long a failing rank waits for its watcher's look at the peers
-EXIT_JOIN_EXTRA_S = 2.0  # at exit during a teardown: beyond grace + ack_window, how long to wait for the watcher
 
 _original_sys_exit: Callable[..., Any] = sys.exit
 
@@ -249,17 +248,15 @@ def _at_exit(registry: Registry) -> None:
     w = registry.active()
     if w is None:
         return
-    c = w.config
     if w.verdict is None and w.failed_code is not None:
         # This rank failed. Its peers may be unable to leave by themselves (the GIL held
         # in C code), and its watcher may be the only one left to end them: stay until
         # the verdict is made and our share of the teardown is done.
-        held = w.bridge.hold_s if w.bridge is not None else 0.0  # multi-host: an exception is held back
-        w.verdict_seen.wait(c.parent_wait + c.ack_window + SETTLE_S + held)
+        w.await_own_verdict()
     if w.verdict is not None:
         # Being torn down: the watcher is the one to end the process, with the verdict's
         # exit code, once its share of the teardown is done. Tell it we are leaving.
-        w.leave(c.grace + c.ack_window + EXIT_JOIN_EXTRA_S)
+        w.leave()
         _teardown.flush_and_exit(w.exit_code())
         return
     if w.failed_code is None and registry.explicit:

@@ -27,6 +27,11 @@ functions answer. Rules (numbered as in the tests):
    that finished (wrote its success marker) is leaving: it is not asked for a stack dump.
 7. **The last resort.** Once teardown begins the process ends within
    ``ack_window + 3 x grace + 2 s`` even if the watcher thread never runs again.
+8. **Leaving at exit.** A rank that failed waits at exit for the verdict on its failure
+   (its peers may be unable to leave by themselves, and its watcher the only one left to
+   end them): ``parent_wait + ack_window + SETTLE_S``, plus the multi-host hold of an
+   exception. During a teardown the exiting main thread gives the watcher
+   ``grace + ack_window + 2 s`` to finish its share before leaving itself.
 """
 
 from __future__ import annotations
@@ -41,6 +46,8 @@ ACK_STRETCH_FRACTION = 4  # rule 5: the window stretches to ack_window / 4 after
 ACK_STRETCH_MAX = 4  # rule 5: ... never beyond 4 x ack_window
 LAST_RESORT_GRACES = 3  # rule 7
 LAST_RESORT_EXTRA_S = 2.0  # rule 7
+SETTLE_S = 0.25  # how long a failing rank waits for its watcher's look at the peers (rule 8)
+LEAVE_EXTRA_S = 2.0  # rule 8
 _LEAVES_BY_ITSELF = (EXCEPTION, EXIT)  # rule 2: causes whose rank's main thread is already leaving
 
 
@@ -139,6 +146,16 @@ def pending(peers: Iterable[int], self_rank: int, gone: AbstractSet[int], acked:
     return tuple(sorted(r for r in peers if r != self_rank and r not in gone and r not in acked))
 
 
+def verdict_wait_s(parent_wait_s: float, ack_window_s: float, hold_s: float) -> float:
+    """Rule 8: how long a failed rank waits at exit for the verdict on its failure."""
+    return parent_wait_s + ack_window_s + SETTLE_S + hold_s
+
+
+def leave_join_s(grace_s: float, ack_window_s: float) -> float:
+    """Rule 8: how long the exiting main thread waits for the watcher's share of a teardown."""
+    return grace_s + ack_window_s + LEAVE_EXTRA_S
+
+
 def missing_ranks(
     local_world_size: Optional[int], world_size: Optional[int], local: AbstractSet[int], registered: AbstractSet[int],
 ) -> Tuple[Tuple[int, ...], str]:
@@ -163,6 +180,6 @@ def ask_for_stacks(rank: int, finished: AbstractSet[int]) -> bool:
 
 
 __all__ = [
-    "ENFORCERS", "AckWindow", "Plan", "Situation", "ask_for_stacks", "enforcers", "exit_code", "missing_ranks", "pending",
-    "plan",
+    "ENFORCERS", "AckWindow", "Plan", "Situation", "ask_for_stacks", "enforcers", "exit_code", "leave_join_s", "missing_ranks",
+    "pending", "plan", "verdict_wait_s",
 ]

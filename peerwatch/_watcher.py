@@ -209,13 +209,18 @@ class Watcher:
         if threading.current_thread() is not self.thread and self.thread.is_alive():
             self.thread.join(timeout)
 
-    def leave(self, timeout: float) -> None:
+    def await_own_verdict(self) -> None:
+        """This rank failed and is exiting: wait for the verdict (rule 8 of the plan)."""
+        hold_s = self.bridge.hold_s if self.bridge is not None else 0.0  # multi-host: an exception is held back
+        self.verdict_seen.wait(_plan.verdict_wait_s(self.config.parent_wait, self.config.ack_window, hold_s))
+
+    def leave(self) -> None:
         """The training thread is leaving during a teardown: the watcher ends the process
-        once its share of the teardown is done."""
+        once its share of the teardown is done (rule 8 of the plan)."""
         self.main_left.set()
         self.wake()
         if threading.current_thread() is not self.thread:
-            self.thread.join(timeout)
+            self.thread.join(_plan.leave_join_s(self.config.grace, self.config.ack_window))
 
     # -- the thread ----------------------------------------------------------------
 

@@ -184,3 +184,17 @@ def test_no_expected_count_is_said_not_guessed() -> None:
     missing, why = _plan.missing_ranks(None, None, local={0}, registered={0})
     assert missing == () and "neither LOCAL_WORLD_SIZE nor WORLD_SIZE" in why
     assert _plan.missing_ranks(0, 0, local={0}, registered={0})[0] == ()
+
+
+# -- rule 8: leaving at exit ------------------------------------------------------------------
+
+
+def test_a_failed_rank_waits_at_exit_for_parent_wait_ack_window_a_settle_and_the_hold() -> None:
+    assert _plan.SETTLE_S == 0.25
+    assert _plan.verdict_wait_s(parent_wait_s=0.5, ack_window_s=1.0, hold_s=0.0) == 1.75
+    assert _plan.verdict_wait_s(parent_wait_s=0.5, ack_window_s=1.0, hold_s=1.0) == 2.75
+
+
+def test_the_exiting_main_thread_gives_the_watcher_grace_the_ack_window_and_two_seconds() -> None:
+    assert _plan.leave_join_s(grace_s=5.0, ack_window_s=1.0) == 8.0
+    assert _plan.leave_join_s(grace_s=0.5, ack_window_s=2.0) == 4.5
