@@ -35,6 +35,7 @@ def main() -> None:
     p.add_argument("--trials", type=int, default=10, help="trials per round at N = 8")
     p.add_argument("--large-trials", type=int, default=3, help="trials per round at N = 128")
     p.add_argument("--idle-seconds", type=float, default=30.0)
+    p.add_argument("--only", default="latency,idle", help="what to measure: latency, idle (comma-separated)")
     args = p.parse_args()
     become_subreaper()
     results: Dict[str, Dict[str, List[float]]] = {lib: {} for lib in args.lib}
@@ -42,13 +43,15 @@ def main() -> None:
         for lib in args.lib:
             os.environ["PYTHONPATH"] = os.path.abspath(lib)
             r = results[lib]
-            for t in latency.peerwatch_light(8, 4, args.trials, _quiet):
-                r.setdefault("N=8 death to verdict, ms", []).append(t.detected_ms or float("nan"))
-                r.setdefault("N=8 all gone, ms", []).append(t.gone_ms or float("nan"))
-            for t in latency.peerwatch_light(128, 64, args.large_trials, _quiet):
-                r.setdefault("N=128 all gone, ms", []).append(t.gone_ms or float("nan"))
-            for idle in overhead.idle_cpu([8], args.idle_seconds, _quiet)[:1]:
-                r.setdefault("N=8 idle, CPU s/rank/hour", []).append(idle.watcher_s_per_h)
+            if "latency" in args.only:
+                for t in latency.peerwatch_light(8, 4, args.trials, _quiet):
+                    r.setdefault("N=8 death to verdict, ms", []).append(t.detected_ms or float("nan"))
+                    r.setdefault("N=8 all gone, ms", []).append(t.gone_ms or float("nan"))
+                for t in latency.peerwatch_light(128, 64, args.large_trials, _quiet):
+                    r.setdefault("N=128 all gone, ms", []).append(t.gone_ms or float("nan"))
+            if "idle" in args.only:
+                for idle in overhead.idle_cpu([8], args.idle_seconds, _quiet)[:1]:
+                    r.setdefault("N=8 idle, CPU s/rank/hour", []).append(idle.watcher_s_per_h)
             figures = ", ".join(f"{m}: {statistics.median(xs):.2f}" for m, xs in r.items())
             print(f"round {rnd + 1} {lib}: load {load1():.1f}; medians so far: {figures}", file=sys.stderr, flush=True)
     metrics = list(next(iter(results.values())))

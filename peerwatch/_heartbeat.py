@@ -16,7 +16,7 @@ import os
 import sys
 import threading
 import time
-from typing import AbstractSet, Optional, Tuple
+from typing import AbstractSet, Callable, Optional, Tuple
 
 from . import _teardown
 from ._records import Heartbeat, Registration, encode
@@ -80,13 +80,14 @@ class HeartbeatWriter:
         self._children: Tuple[Tuple[int, int], ...] = ()  # guarded by _lock
         self.children_changed = threading.Event()
 
-    def write(self, peer_pids: AbstractSet[int]) -> None:
-        """Write the heartbeat now. ``peer_pids``: local peers' pids (not our children to list)."""
+    def write(self, peer_pids: Callable[[], AbstractSet[int]]) -> None:
+        """Write the heartbeat now. ``peer_pids``: the local peers' pids (not our children to
+        list), asked for only when the children are listed again."""
         with self._lock:
             self._seq += 1
             if self.children_changed.is_set() or self._seq % CHILDREN_SCAN_EVERY == 1:
                 self.children_changed.clear()
-                self._children = tuple(_teardown.descendants(os.getpid(), os.geteuid(), set(peer_pids)))
+                self._children = tuple(_teardown.descendants(os.getpid(), os.geteuid(), set(peer_pids())))
             self._write(self._record())
 
     def _record(self) -> Heartbeat:

@@ -62,6 +62,7 @@ class Observer:
         self.peers: Dict[int, Peer] = {}  # local peers watched through the OS
         self.gone: Dict[int, int] = {}  # rank -> when we saw its process gone (time_ns)
         self.registrations: Dict[int, Registration] = {me.rank: me}
+        self._local_pids: Set[int] = {me.pid}  # of this host's registrations: kept as they come
         self.events: Dict[str, object] = {}  # file name in events/ -> record
         self._seen: Dict[str, Dict[str, int]] = {RANKS: {}, EVENTS: {}}  # name -> inode
         # Exit statuses learnt while deciding, written after: the parent of a dead rank is
@@ -170,6 +171,7 @@ class Observer:
         self.registrations[reg.rank] = reg
         if not _identity.is_local(reg):
             return  # another host's rank: not ours to watch through the OS
+        self._local_pids.add(reg.pid)
         if reg.uid != os.geteuid():
             self.run_dir.warn_once(where, f"belongs to uid {reg.uid}; not watched")
             return
@@ -273,7 +275,7 @@ class Observer:
 
     def local_pids(self) -> Set[int]:
         """The pids of this host's ranks, ours included (a rank's children list skips them)."""
-        return {r.pid for r in self.registrations.values() if _identity.is_local(r)}
+        return set(self._local_pids)
 
     def ended_ranks(self) -> Set[int]:
         """Ranks with a record of how they ended (success, failure, exit status)."""

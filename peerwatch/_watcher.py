@@ -248,7 +248,7 @@ class Watcher:
             if self.done.is_set():
                 break
             if self.heartbeat.children_changed.is_set():
-                self.heartbeat.write(obs.local_pids())
+                self.heartbeat.write(obs.local_pids)
             if woken or full_look:
                 obs.scan()
             verdict = self._judge(sched, woken or full_look, judge_hang, judge_remote)
@@ -274,13 +274,16 @@ class Watcher:
 
     def _on_beat(self) -> Tuple[bool, bool]:
         """Heartbeat, GIL watchdog, the bridge; whether this rank judges hangs and other hosts."""
-        self.heartbeat.write(self.observer.local_pids())
+        self.heartbeat.write(self.observer.local_pids)
         if self.config.gil_timeout and not self.verdict_seen.is_set():
             self.stacks.arm_gil_watchdog(self.config.gil_timeout)
         if self.bridge is not None:
             self.bridge.tick()
+        hang, remote = bool(self.config.hang_timeout), self.observer.remote is not None
+        if not (hang or remote):
+            return False, False  # nothing to judge: no need to know who the judges are
         judge = self.rank in self.observer.live_local_ranks()[:HANG_JUDGES]
-        return bool(self.config.hang_timeout) and judge, self.observer.remote is not None and judge
+        return hang and judge, remote and judge
 
     def _judge(self, sched: Schedule, looked: bool, judge_hang: bool, judge_remote: bool) -> Optional[Verdict]:
         """Decide if anything that could change the answer happened; the verdict to act on."""
@@ -425,7 +428,7 @@ class Watcher:
 
     def publish_heartbeat(self) -> None:
         """Write this rank's heartbeat now (paused() calls it: the judges must not miss a pause)."""
-        self.heartbeat.write(self.observer.local_pids())
+        self.heartbeat.write(self.observer.local_pids)
 
 
 def _monotonic(wall_ns: Optional[int]) -> Optional[float]:
