@@ -42,6 +42,7 @@ logger = logging.getLogger("peerwatch")
 
 _WATCHED_EVENTS = {k: v for k, v in EVENT_TYPES.items() if k != "thread"}  # thread records are for the report only
 STACK_DUMP_LIMIT = 1 << 20  # bytes of a dead peer's stack file read for its last words
+CHILD_STATUS_WAIT_S = 0.05  # a dead child's status, when its pidfd fired before waitid sees it: at most
 
 
 class Observer:
@@ -197,7 +198,7 @@ class Observer:
         peer.close()
         # Only a parent can learn how its child ended; failing that, faulthandler's last
         # words in the rank's stack file name a fatal signal. Tell everyone.
-        returncode = child_returncode(peer.reg.pid) if peer.reg.ppid == os.getpid() else None
+        returncode = child_returncode(peer.reg.pid, CHILD_STATUS_WAIT_S) if peer.reg.ppid == os.getpid() else None
         dump = b""
         if returncode is None:
             dump = self.run_dir.read_bytes(_rundir.STACKS, rank_file("rank", rank, ".txt"), limit=STACK_DUMP_LIMIT) or b""

@@ -10,12 +10,15 @@ import errno
 import logging
 import os
 import threading
+import time
 from typing import Callable, List, Optional
 
 from . import _identity
 from ._records import Registration
 
 logger = logging.getLogger("peerwatch")
+
+CHILD_STATUS_POLL_S = 0.001  # a child whose pidfd fired, not yet a zombie to waitid: how often to look
 
 
 def pidfd_supported() -> bool:
@@ -68,19 +71,26 @@ class Peer:
             self.pidfd = None
 
 
-def child_returncode(pid: int) -> Optional[int]:
+def child_returncode(pid: int, wait_s: float = 0.0) -> Optional[int]:
     """The exit status of our own child ``pid`` if it has ended, without reaping it.
 
     Returned as ``subprocess`` does (``-N`` for signal N), so a ``Popen.wait()`` elsewhere
     still gets the right code. ``None`` if pid is not our child, was already reaped, or
-    is still running.
+    is still running. ``wait_s``: while the kernel says it is still running, look again
+    for up to this long (its pidfd can be readable a moment before ``waitid`` sees the
+    zombie: seen under load, which lost the code of a SIGKILLed child).
     """
-    try:
-        result = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-    except (ChildProcessError, OSError):
-        return None
-    if result is None:
-        return None
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            result = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except (ChildProcessError, OSError):
+            return None
+        if result is not None:
+            break
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(CHILD_STATUS_POLL_S)
     if result.si_code == os.CLD_EXITED:
         return result.si_status
     if result.si_code in (os.CLD_KILLED, os.CLD_DUMPED):
