@@ -64,6 +64,7 @@ class Observer:
         self.gone: Dict[int, int] = {}  # rank -> when we saw its process gone (time_ns)
         self.registrations: Dict[int, Registration] = {me.rank: me}
         self._local_pids: Set[int] = {me.pid}  # of this host's registrations: kept as they come
+        self._last_beats: Dict[int, Heartbeat] = {}  # the last heartbeat read of each peer (hang judges)
         self.events: Dict[str, object] = {}  # file name in events/ -> record
         self._seen: Dict[str, Dict[str, int]] = {RANKS: {}, EVENTS: {}}  # name -> inode
         # Exit statuses learnt while deciding, written after: the parent of a dead rank is
@@ -338,6 +339,12 @@ class Observer:
 
     def _peer_progress(self, reg: Registration, stale_after_s: float) -> _decide.Progress:
         beat = self.run_dir.read(HEARTBEATS, rank_file("rank", reg.rank), Heartbeat)
+        if beat is None:
+            # Caught mid-rewrite twice (a loaded machine): the last one read still says
+            # what the rank last said (inside paused(), its step); its age says the rest.
+            beat = self._last_beats.get(reg.rank)
+        else:
+            self._last_beats[reg.rank] = beat
         info = _identity.probe(reg.pid)
         state = info.state if info is not None and info.start_ticks == reg.start_ticks else "?"
         if beat is None or beat.pid != reg.pid:
