@@ -41,8 +41,11 @@ class Progress:
         self.progress_ns = time.monotonic_ns()
 
     def pause(self, delta: int) -> None:
-        self.paused = max(0, self.paused + delta)
+        # Progress first: a heartbeat written in between must not say "not paused" with
+        # the progress of before a long pause (a hang judge would see no progress for the
+        # whole pause; seen under load at the end of a paused() phase).
         self.progress_ns = time.monotonic_ns()
+        self.paused = max(0, self.paused + delta)
 
 
 def main_thread_position() -> Tuple[str, bool]:
