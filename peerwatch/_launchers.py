@@ -44,16 +44,11 @@ import signal
 import sys
 import threading
 import time
-from typing import Callable, List, Mapping, Optional
+from typing import Callable, List, Mapping, Optional, Protocol
 
 from . import _identity, _report, _rundir, _teardown
 from ._identity import is_local
 from ._records import LOST, Failure, Registration, Verdict
-
-try:
-    from typing import Protocol
-except ImportError:  # pragma: no cover - Python < 3.8
-    Protocol = object  # type: ignore[assignment,misc]
 
 logger = logging.getLogger("peerwatch")
 

@@ -292,10 +292,6 @@ class Observer:
             return True
         return any(isinstance(r, (Failure, ExitStatus)) and r.rank != self.me.rank for r in self.events.values())
 
-    def own_failure(self) -> Optional[Failure]:
-        record = self.events.get(rank_file("failure", self.me.rank))
-        return record if isinstance(record, Failure) else None
-
     def read_remote(self) -> None:
         """Shared filesystem, as a judge: read the other hosts' heartbeats."""
         if self.remote is not None:
@@ -354,10 +350,6 @@ class Observer:
             beat.step, beat.progress_ns, beat.paused, state,
             in_collective=beat.in_collective, watcher_silent=silent, where=beat.where,
         )
-
-    def close(self) -> None:
-        for peer in self.peers.values():
-            peer.close()
 
 
 __all__ = ["Observer"]
