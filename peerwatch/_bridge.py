@@ -139,7 +139,7 @@ class _BeatLoop:
     """The beat thread: once per heartbeat, this host's beat and every host's (one bounded
     :func:`._store_protocol.exchange`), the judgement of hosts that fell silent, and of the
     store itself. Every field is the beat thread's (others only read ``index``, ``hosts``,
-    ``liveness``, ``job_ending``, ``reachable`` and ``requests``)."""
+    ``liveness``, ``job_ending``, ``connected`` and ``requests``)."""
 
     def __init__(self, link: _Link, me: Registration, ident: str, seq: Callable[[], int], succeeded: threading.Event,
                  verdict_known: Callable[[], bool], gate: _TorchGate) -> None:
@@ -152,7 +152,10 @@ class _BeatLoop:
         self.hosts: Dict[int, HostInfo] = {}
         self.liveness = Liveness(int(link.config.peer_timeout * 1e9))
         self.job_ending = False
-        self.reachable = False  # the last interval's store requests all succeeded
+        # The store has answered, and has not been silent for peer_timeout since: one slow
+        # or failed interval (a loaded host) is no sign that the other hosts cannot reach us,
+        # so an exception here is still held back as a possible echo, and a verdict published.
+        self.connected = False
         self.requests = 0  # store requests made so far (for the load test)
         self._lost_reported: Set[int] = set()
         self._store_lost_reported = False
@@ -204,7 +207,7 @@ class _BeatLoop:
                                 connect_allowance_s(peer_timeout))
         self._learn(seen, me)
         self._judge(seen.beats)
-        self.reachable = True
+        self.connected = True
         self._up.set(True)
         self._write_state(connected=True)
 
@@ -247,13 +250,15 @@ class _BeatLoop:
 
     def _unreachable(self, error: Exception, last_ok: Optional[float]) -> None:
         logger.debug("peerwatch: store %s: %r", self.link.address, error)
-        self.reachable = False
-        self._up.set(False)
         self._ranks_mtime = None  # announce our ranks again once it answers, whatever failed
-        self._write_state(connected=False)
         silent_s = store_silent_for(last_ok, time.monotonic(), self.link.config.peer_timeout)
-        if silent_s is not None:
-            self._store_lost(silent_s)
+        if silent_s is None:
+            self._write_state(connected=self.connected)  # a slow or failed interval: not yet lost
+            return
+        self.connected = False
+        self._up.set(False)
+        self._write_state(connected=False)
+        self._store_lost(silent_s)
 
     def _me_info(self) -> HostInfo:
         return HostInfo(self.index if self.index is not None else -1, _identity.hostname(), _identity.boot_id(),
@@ -462,8 +467,8 @@ class Bridge:
         return self._beat.job_ending if self._beat else False
 
     @property
-    def reachable(self) -> bool:
-        return self._beat.reachable if self._beat else False
+    def connected(self) -> bool:
+        return self._beat.connected if self._beat else False
 
     @property
     def from_store(self) -> Optional[bytes]:
@@ -522,7 +527,7 @@ class Bridge:
         local = {r for r, reg in self.run_dir.registrations().items() if _identity.is_local(reg)}
         if verdict.detected_by not in local:
             return  # made on another host: it came through the store
-        if self.running and not self.reachable:
+        if self.running and not self.connected:
             logger.info("peerwatch: the store at %s is unreachable: the verdict stays on this host", self.address)
             return
         if not self.running:
@@ -557,13 +562,13 @@ class Bridge:
 
     def _connected(self) -> bool:
         """Is this host's bridge (run by any local rank) connected to the store?"""
-        return self.reachable if self.running else connected_elsewhere(self.run_dir)
+        return self.connected if self.running else connected_elsewhere(self.run_dir)
 
     def on_success(self) -> None:
         """This rank finished cleanly: the job is ending; tell the other hosts (bounded)."""
         self._succeeded.set()
         index, client = self.index, self._client
-        if not (self.running and self.reachable and index is not None and client is not None):
+        if not (self.running and self.connected and index is not None and client is not None):
             return  # the beat thread says it at its next interval, if it can
         done = functools.partial(send_beat, prefix=self.prefix, index=index, beat=beat_value(self._seq(), True))
         try:

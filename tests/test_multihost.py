@@ -440,7 +440,7 @@ def test_a_rank_killed_on_host_b_tears_down_hosts_a_and_c(cluster) -> None:  # t
         assert v is not None, h.logs()
         assert (v["rank"], v["host"], v["cause"]) == (victim, "hostb", "vanished"), v
         codes = h.exit_codes()
-        assert set(codes.values()) <= TORN_DOWN, (codes, h.logs())
+        assert set(codes.values()) <= TORN_DOWN, f"{codes}\n{h.logs()}"
         report = json.loads((h.run / "report.json").read_text())
         assert report["verdict"]["rank"] == victim and report["verdict"]["host"] == "hostb"
     assert b.exit_codes()[holder] in TORN_DOWN and b.exit_codes()[victim] == -signal.SIGKILL
@@ -469,7 +469,7 @@ def test_an_exception_on_host_b_tears_down_every_host(cluster) -> None:  # type:
     c.wait_gone(["a", "b", "c"], within=REMOTE_SETTLE_S + CROSS_S + 2 * GRACE_S)
     for h in c.hosts.values():
         v = h.verdict()
-        assert v is not None and (v["rank"], v["host"], v["cause"]) == (3, "hostb", "exception"), (v, h.logs())
+        assert v is not None and (v["rank"], v["host"], v["cause"]) == (3, "hostb", "exception"), f"{v}\n{h.logs()}"
         assert "RuntimeError" in v["detail"]
     assert set(c.hosts["a"].exit_codes().values()) <= TORN_DOWN and b.exit_codes()[3] == 1
 
@@ -492,7 +492,7 @@ def test_a_gloo_job_names_the_dead_rank_not_the_collectives_that_lost_it(cluster
     for h in c.hosts.values():
         v = h.verdict()
         assert v is not None, h.logs()
-        assert (v["rank"], v["host"], v["cause"]) == (victim, "hostb", "vanished"), (v, h.logs())
+        assert (v["rank"], v["host"], v["cause"]) == (victim, "hostb", "vanished"), f"{v}\n{h.logs()}"
 
 
 @multihost
@@ -577,5 +577,5 @@ def test_a_clean_end_gives_no_verdict_even_when_the_store_host_ends_first(cluste
         (c.hosts[name].ready / "go").write_text("")
     c.wait_gone(["b", "c"], within=10.0)
     for h in c.hosts.values():
-        assert h.verdict() is None, (h.verdict(), h.logs())
+        assert h.verdict() is None, f"{h.verdict()}\n{h.logs()}"
         assert h.exit_codes() == {r: 0 for r in h.ranks}, h.logs()
