@@ -164,6 +164,13 @@ class Observer:
         if old is not None and (old.pid, old.start_ticks) == (reg.pid, reg.start_ticks):
             return
         where = self.run_dir.join(RANKS, rank_file("rank", reg.rank))
+        if not _rundir.same_job(reg, self.me):
+            self.run_dir.warn_once(
+                where, f"registers rank {reg.rank} of a job of world size {reg.world_size} (pid {reg.pid}), and this "
+                f"rank's world size is {self.me.world_size}: two jobs share this run directory; that rank is "
+                "neither watched nor ever signalled; give each job its own PEERWATCH_DIR",
+            )
+            return
         if reg.rank in self.peers:
             self.run_dir.warn_once(
                 where, f"re-registered rank {reg.rank} as pid {reg.pid}; keeping the first registration "

@@ -33,7 +33,7 @@ from typing import Callable, Dict, Iterator, Mapping, Optional, Set, Tuple, Type
 
 from . import _identity
 from ._errors import RunDirError
-from ._records import MAX_RECORD_BYTES, Registration, Verdict, decode, encode
+from ._records import MAX_RECORD_BYTES, Registration, Success, Verdict, decode, encode
 
 logger = logging.getLogger("peerwatch")
 
@@ -172,6 +172,42 @@ def _make_dir(path: str) -> None:
     check_trusted(path)
 
 
+def same_job(a: Registration, b: Registration) -> bool:
+    """Could ``a`` and ``b`` be ranks of one job? Not when both know the world size and
+    the sizes differ (two jobs given one directory), or a rank lies outside it."""
+    if a.world_size is not None and b.world_size is not None and a.world_size != b.world_size:
+        return False
+    size = a.world_size or b.world_size
+    return size is None or (a.rank < size and b.rank < size)
+
+
+def stale_because(
+    reg: Registration, mine: Optional[Registration], regs: Mapping[int, Registration], live: bool,
+    successes: Mapping[int, Success], process_start_ns: int, verdict: Optional[Verdict],
+) -> Optional[str]:
+    """Why the directory ``reg`` is about to register in holds an earlier, ended run (to be
+    set aside), or None: it is this run's (or empty). Only when no registered process lives:
+    - ``reg``'s slot is held by a process that is gone;
+    - it holds a verdict from before this process started;
+    - every registered rank finished cleanly before this process started (an earlier run
+      that succeeded: ``torch.multiprocessing.spawn`` called again from one process);
+    - its ranks were of another world size (an earlier job of another size).
+    A rank of this run that died before this process started (Lightning's rank 0, after it
+    started its children) is none of these: its death is this run's failure."""
+    if live:
+        return None
+    if mine is not None and (mine.pid, mine.start_ticks) != (reg.pid, reg.start_ticks):
+        return f"rank {reg.rank} was registered by pid {mine.pid}, which is gone"
+    if verdict is not None and verdict.detected_at_ns < process_start_ns:
+        return "it holds a verdict from before this process started"
+    if regs and all(r in successes and successes[r].time_ns < process_start_ns for r in regs):
+        return f"every rank of its run (ranks {sorted(regs)}) finished before this process started"
+    strangers = sorted(r.rank for r in regs.values() if not same_job(r, reg))
+    if strangers:
+        return f"ranks {strangers} were of a run of world size {regs[strangers[0]].world_size}"
+    return None
+
+
 class RunDir:
     """One run directory on this host. Reads are tolerant; writes are atomic."""
 
@@ -227,7 +263,6 @@ class RunDir:
         if not os.path.lexists(self.path):
             return
         check_trusted(self.path)
-        stale_reason = None
         mine = self.read(RANKS, rank_file("rank", reg.rank), Registration)
         if mine is not None and (mine.host, mine.pidns) != (reg.host, reg.pidns):
             # Another host's (or container's) record is never judged stale: we cannot see
@@ -246,6 +281,8 @@ class RunDir:
                 "belongs to one host; on a shared filesystem give each host its own PEERWATCH_DIR, "
                 "or set shared_fs=on",
             )
+        regs = self.registrations()
+        live = {r.rank: r for r in regs.values() if r.rank != reg.rank and _identity.seems_alive(r)}
         if mine is not None and (mine.pid, mine.start_ticks) != (reg.pid, reg.start_ticks):
             if _identity.is_same_process(mine.pid, mine.start_ticks, mine.uid) and mine.boot_id == reg.boot_id:
                 raise RunDirError(
@@ -253,20 +290,25 @@ class RunDir:
                     f"rank {reg.rank} is already registered by live pid {mine.pid}: two jobs share "
                     "this run directory; give each its own PEERWATCH_DIR",
                 )
-            others_alive = [r.rank for r in self.registrations().values() if r.rank != reg.rank and _identity.seems_alive(r)]
-            if others_alive:
+            mates = sorted(r.rank for r in live.values() if same_job(r, reg))
+            if mates:
                 # The run lives on: this is not rank reg.rank of a new run but a process
                 # (a child that outlived its rank?) claiming a dead rank's slot.
                 raise RunDirError(
                     self.path,
-                    f"rank {reg.rank}'s process (pid {mine.pid}) is gone but ranks {others_alive} of its run "
+                    f"rank {reg.rank}'s process (pid {mine.pid}) is gone but ranks {mates} of its run "
                     "still live: this process is not a new rank of this run",
                 )
-            stale_reason = f"rank {reg.rank} was registered by pid {mine.pid}, which is gone"
-        verdict = self.read(EVENTS, VERDICT_FILE, Verdict)
-        if stale_reason is None and verdict is not None and verdict.detected_at_ns < process_start_ns:
-            if not any(_identity.seems_alive(r) for r in self.registrations().values()):
-                stale_reason = "it holds a verdict from before this process started"
+        others = sorted(r.rank for r in live.values() if not same_job(r, reg))
+        if others:
+            theirs = live[others[0]].world_size
+            raise RunDirError(
+                self.path,
+                f"it holds a live run of world size {theirs} (ranks {others}), and this rank's world size is "
+                f"{reg.world_size}: two jobs share this run directory; give each its own PEERWATCH_DIR",
+            )
+        stale_reason = stale_because(reg, mine, regs, bool(live), self._successes(), process_start_ns,
+                                     self.read(EVENTS, VERDICT_FILE, Verdict))
         if stale_reason is None:
             return
         aside = f"{self.path}.stale-{time.time_ns()}"
@@ -381,6 +423,15 @@ class RunDir:
             parsed = parse_rank_file(name)
             if parsed is not None:
                 yield parsed[0], parsed[1], name
+
+    def _successes(self) -> Dict[int, Success]:
+        found = {}
+        for prefix, rank, name in self.entries(EVENTS):
+            if prefix == "success":
+                record = self.read(EVENTS, name, Success)
+                if record is not None and record.rank == rank:
+                    found[rank] = record
+        return found
 
     def registrations(self) -> Dict[int, Registration]:
         found = {}
