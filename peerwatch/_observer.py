@@ -36,13 +36,25 @@ from ._records import (
     encode,
 )
 from ._rundir import EVENTS, HEARTBEATS, RANKS, VERDICT_FILE, RunDir, rank_file
-from ._sources import FolderWatch, Peer, child_returncode, fatal_signal_in, gil_timeout_in, oom_kill_count
+from ._sources import (
+    FolderWatch,
+    OwnedFd,
+    Peer,
+    child_returncode,
+    fatal_signal_in,
+    gil_timeout_in,
+    oom_kill_count,
+    still_running,
+)
 
 logger = logging.getLogger("peerwatch")
 
 _WATCHED_EVENTS = {k: v for k, v in EVENT_TYPES.items() if k != "thread"}  # thread records are for the report only
 STACK_DUMP_LIMIT = 1 << 20  # bytes of a dead peer's stack file read for its last words
 CHILD_STATUS_WAIT_S = 0.05  # a dead child's status, when its pidfd fired before waitid sees it: at most
+# How often the watcher checks, unasked, that its descriptors are still its own (the wake
+# pipe, one pidfd in turn, inotify's): a few fstat calls, O(1) however many peers.
+FD_CHECK_S = 1.0
 
 
 class Observer:
@@ -53,12 +65,13 @@ class Observer:
         self.me = me
         self.use_pidfd = use_pidfd
         self.remote = remote  # shared-filesystem mode: other hosts' heartbeats
-        self._wake_r, self._wake_w = os.pipe()
-        for fd in (self._wake_r, self._wake_w):
-            os.set_blocking(fd, False)
-            os.set_inheritable(fd, False)
         self._poller = select.poll()
-        self._poller.register(self._wake_r, select.POLLIN)
+        self._wake_r, self._wake_w = self._new_wake_pipe()
+        self._poller.register(self._wake_r.fd, select.POLLIN)
+        self._repaired = False  # a descriptor was replaced: the poll set is made anew
+        self._next_fd_check = time.monotonic() + FD_CHECK_S
+        self._fd_turn = 0  # which peer's pidfd the next unasked check looks at
+        self._folder_args: Optional[Tuple[str, bool]] = None
         self._fd_rank: Dict[int, int] = {}
         self.peers: Dict[int, Peer] = {}  # local peers watched through the OS
         self.gone: Dict[int, int] = {}  # rank -> when we saw its process gone (time_ns)
@@ -77,40 +90,150 @@ class Observer:
 
     def start(self, thread_name: str) -> bool:
         """Start inotify on the folders; False if it cannot be used (the caller polls)."""
-        rd = self.run_dir
-        self._folders = FolderWatch(
-            [rd.join(EVENTS), rd.join(RANKS)], self.wake, name=f"peerwatch-inotify-{thread_name}",
-            disabled=self.remote is not None and _sharedfs.inotify_disabled(),
-        )
+        self._folder_args = (f"peerwatch-inotify-{thread_name}", self.remote is not None and _sharedfs.inotify_disabled())
+        self._folders = self._watch_folders()
         return self._folders.active
+
+    def _watch_folders(self) -> FolderWatch:
+        assert self._folder_args is not None
+        name, disabled = self._folder_args
+        rd = self.run_dir
+        return FolderWatch([rd.join(EVENTS), rd.join(RANKS)], self.wake, name=name, disabled=disabled)
 
     def stop(self) -> None:
         if self._folders is not None:
             self._folders.stop()
 
+    def _new_wake_pipe(self) -> Tuple[OwnedFd, OwnedFd]:
+        r, w = os.pipe()
+        for fd in (r, w):
+            os.set_blocking(fd, False)
+            os.set_inheritable(fd, False)
+        return OwnedFd(r), OwnedFd(w)
+
     def wake(self) -> None:
         """Wake the watcher thread (any thread may call this)."""
+        w = self._wake_w
+        if not w.intact():
+            return  # taken over by the application: not ours to write to (the watcher repairs it)
         try:
-            os.write(self._wake_w, b"\0")
+            os.write(w.fd, b"\0")
         except OSError:
             pass  # the pipe is full (BlockingIOError): the watcher will wake anyway
 
     def wait(self, timeout: float) -> bool:
-        """Sleep until a source fires or ``timeout`` s pass; True if something woke us."""
+        """Sleep until a source fires or ``timeout`` s pass; True if something woke us.
+
+        Readiness alone proves nothing: the application may have closed our descriptors
+        or put another file in their place (``/dev/null`` is always readable). A pidfd
+        that fired is believed only if it still is ours and the process is gone by its
+        identity; a descriptor that is not ours any more is replaced, never closed.
+        """
+        now = time.monotonic()
+        if now >= self._next_fd_check:
+            self._next_fd_check = now + FD_CHECK_S
+            self.check_fds()
         events = self._poller.poll(max(0, int(timeout * 1000) + 1))
-        for fd, _ in events:
-            if fd == self._wake_r:
-                self._drain()
-            elif fd in self._fd_rank:
-                self._peer_gone(self._fd_rank[fd])
+        wake_fd = self._wake_r.fd
+        for fd, flags in events:
+            rank = self._fd_rank.get(fd)
+            if fd == wake_fd:
+                self._on_wake_ready(flags)
+            elif rank is not None and self.peers[rank].pidfd == fd and rank not in self.gone:
+                self._on_pidfd_ready(rank)
+        if self._repaired:
+            self._rebuild_poll()
         return bool(events)
 
-    def _drain(self) -> None:
+    def _rebuild_poll(self) -> None:
+        """A new poll set of the descriptors that are ours now. After a repair, a number
+        may have changed hands (a new pipe can get a closed pidfd's number)."""
+        self._repaired = False
+        self._poller = select.poll()
+        self._poller.register(self._wake_r.fd, select.POLLIN)
+        self._fd_rank = {}
+        for rank, peer in self.peers.items():
+            if peer.pidfd is not None and rank not in self.gone:
+                self._fd_rank[peer.pidfd] = rank
+                self._poller.register(peer.pidfd, select.POLLIN)
+
+    def _on_wake_ready(self, flags: int) -> None:
+        if flags & (select.POLLNVAL | select.POLLERR) or not (self._wake_r.intact() and self._wake_w.intact()):
+            self._repair_wake_pipe()
+            return
         try:
-            while os.read(self._wake_r, 4096):
+            while os.read(self._wake_r.fd, 4096):
                 pass
+            self._repair_wake_pipe()  # EOF: the write end was closed behind our back
         except BlockingIOError:
             pass
+        except OSError:
+            self._repair_wake_pipe()
+
+    def _repair_wake_pipe(self) -> None:
+        old_r, old_w = self._wake_r, self._wake_w
+        self._wake_r, self._wake_w = self._new_wake_pipe()
+        self._repaired = True
+        old_r.close()  # each only if it is still ours
+        old_w.close()
+        logger.warning(
+            "peerwatch: rank %d: the watcher's wake pipe (fds %d, %d) was closed or replaced by the application "
+            "(os.closerange, dup2?); opened a new one", self.me.rank, old_r.fd, old_w.fd,
+        )
+
+    def _on_pidfd_ready(self, rank: int) -> None:
+        peer = self.peers[rank]
+        intact = peer.pidfd_intact()
+        if not still_running(peer.reg):
+            self._peer_gone(rank)  # gone by its identity (pid and start time), not by a readiness alone
+            return
+        # Alive by its identity: what fired was not its pidfd.
+        self._replace_pidfd(rank, "it fired while the process still runs" if intact else "closed or replaced")
+
+    def _replace_pidfd(self, rank: int, why: str) -> None:
+        peer = self.peers[rank]
+        fd = peer.pidfd
+        self._repaired = True
+        if not peer.reopen():
+            self._peer_gone(rank)
+            return
+        logger.warning(
+            "peerwatch: rank %d: its pidfd of rank %d (pid %d), fd %s, was %s by the application (os.closerange, "
+            "dup2?); rank %d still runs, so it is watched through a new pidfd (fd %d)",
+            self.me.rank, rank, peer.reg.pid, fd, why, rank, peer.pidfd,
+        )
+
+    def check_fds(self, every_pidfd: bool = False) -> None:
+        """Check that the watcher's descriptors are still its own, and replace those that
+        are not: the wake pipe, inotify's, and one pidfd (each in turn), or all of them."""
+        if not (self._wake_r.intact() and self._wake_w.intact()):
+            self._repair_wake_pipe()
+            every_pidfd = True  # whatever hit the pipe may have hit the rest
+        if self._folders is not None and self._folders.active and not self._folders.intact():
+            every_pidfd = True
+            self._repair_folders()
+        watched = [r for r, p in self.peers.items() if p.pidfd is not None and r not in self.gone]
+        if not watched:
+            return
+        if not every_pidfd:
+            self._fd_turn = (self._fd_turn + 1) % len(watched)
+            watched = [watched[self._fd_turn]]
+        for rank in watched:
+            if not self.peers[rank].pidfd_intact():
+                self._replace_pidfd(rank, "closed or replaced")
+        if self._repaired:
+            self._rebuild_poll()
+
+    def _repair_folders(self) -> None:
+        old = self._folders
+        assert old is not None
+        old.abandon()
+        self._folders = self._watch_folders()
+        logger.warning(
+            "peerwatch: rank %d: the watcher's inotify descriptor was closed or replaced by the application "
+            "(os.closerange, dup2?); %s", self.me.rank,
+            "watching the run directory with a new one" if self._folders.active else "it now looks on every heartbeat",
+        )
 
     # -- looking at the run directory ------------------------------------------------
 
@@ -199,9 +322,9 @@ class Observer:
         if peer is None or rank in self.gone:
             return
         self.gone[rank] = time.time_ns()
-        if peer.pidfd is not None:
+        if peer.pidfd is not None and self._fd_rank.get(peer.pidfd) == rank:
+            del self._fd_rank[peer.pidfd]
             self._poller.unregister(peer.pidfd)
-            self._fd_rank.pop(peer.pidfd, None)
         peer.alive = False
         peer.close()
         # Only a parent can learn how its child ended; failing that, faulthandler's last

@@ -9,9 +9,10 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import select
 import threading
 import time
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Tuple
 
 from . import _identity
 from ._records import Registration
@@ -32,6 +33,69 @@ def pidfd_supported() -> bool:
     return True
 
 
+def fd_identity(fd: int) -> Optional[Tuple[int, int]]:
+    """(device, inode) of what ``fd`` refers to now; None if it is closed."""
+    try:
+        st = os.fstat(fd)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def pidfd_pid(fd: int) -> Optional[int]:
+    """The pid a pidfd refers to, from ``/proc/self/fdinfo`` (``Pid:``); None if the line
+    is missing (not a pidfd, or a kernel that does not say)."""
+    try:
+        with open(f"/proc/self/fdinfo/{fd}") as f:
+            for line in f:
+                if line.startswith("Pid:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+class OwnedFd:
+    """A descriptor this watcher opened, and how to tell that the number still is it.
+
+    The training code shares the descriptor table: it may close our descriptors
+    (``os.closerange``) or ``dup2`` something over them (``/dev/null`` over 3..39), and a
+    later ``open`` may reuse the number. Readiness of such a number says nothing about
+    what we opened, and closing it would close the application's file: both are done only
+    after :meth:`intact` said the number still refers to what we opened (same device and
+    inode, and for a pidfd the same ``Pid:``; before pidfs, every pidfd shares one inode).
+    """
+
+    def __init__(self, fd: int, pid: Optional[int] = None) -> None:
+        self.fd = fd
+        self.pid = pid  # a pidfd's process
+        self._identity = fd_identity(fd)
+
+    def intact(self) -> bool:
+        if self._identity is None or fd_identity(self.fd) != self._identity:
+            return False
+        if self.pid is not None:
+            # -1 / 0: the process was reaped, or is not in our PID namespace: still ours.
+            pid = pidfd_pid(self.fd)
+            return pid is None or pid <= 0 or pid == self.pid
+        return True
+
+    def close(self) -> None:
+        """Close it if it is still ours; a number taken over by the application is left alone."""
+        if self.intact():
+            try:
+                os.close(self.fd)
+            except OSError:
+                pass
+
+
+def still_running(reg: Registration) -> bool:
+    """True if the process of ``reg`` (pid and start time) is alive, whatever its uid now:
+    a rank that changed its uid is alive, only not ours to signal."""
+    info = _identity.probe(reg.pid)
+    return info is not None and not info.dead and info.start_ticks == reg.start_ticks
+
+
 def is_local(reg: Registration) -> bool:
     """A registration is of this host if boot id and PID namespace are ours."""
     return reg.boot_id == _identity.boot_id() and reg.pidns == _identity.pid_namespace()
@@ -41,34 +105,65 @@ class Peer:
     """A local peer we watch: its registration and, where the OS has them, a pidfd.
 
     The pidfd is opened and then the process is verified (start time, uid): from then on
-    the fd refers to that process and no other, even if its pid is later reused.
+    the fd refers to that process and no other, even if its pid is later reused. The
+    application may close or replace the fd (see :class:`OwnedFd`): :meth:`reopen`.
     """
 
     def __init__(self, reg: Registration, use_pidfd: bool) -> None:
         self.reg = reg
         self.pidfd: Optional[int] = None
+        self._owned: Optional[OwnedFd] = None
         self.alive = False
-        if use_pidfd:
-            try:
-                self.pidfd = os.pidfd_open(reg.pid)
-            except OSError as e:
-                if e.errno != errno.ESRCH:
-                    logger.warning("peerwatch: pidfd_open(%d) for rank %d failed: %s", reg.pid, reg.rank, e)
-                return
+        if use_pidfd and not self._open():
+            return
         self.alive = _identity.is_same_process(reg.pid, reg.start_ticks, reg.uid)
         if not self.alive:
             self.close()
 
+    def _open(self) -> bool:
+        reg = self.reg
+        try:
+            self.pidfd = os.pidfd_open(reg.pid)
+        except OSError as e:
+            if e.errno != errno.ESRCH:
+                logger.warning("peerwatch: pidfd_open(%d) for rank %d failed: %s", reg.pid, reg.rank, e)
+            return False
+        os.set_inheritable(self.pidfd, False)
+        self._owned = OwnedFd(self.pidfd, reg.pid)
+        return True
+
+    def pidfd_intact(self) -> bool:
+        """The pidfd number still refers to the pidfd we opened (see :class:`OwnedFd`)."""
+        return self._owned is not None and self._owned.intact()
+
+    def reopen(self) -> bool:
+        """After the pidfd was closed or replaced by the application: forget the number
+        (it is not ours any more) and open a new pidfd, if the process still runs. False
+        if it does not (it ended meanwhile)."""
+        self.forget()
+        if not self._open():
+            return False
+        # Verified after the new pidfd is open: it pins this very process.
+        if still_running(self.reg):
+            return True
+        self.close()
+        return False
+
+    def forget(self) -> None:
+        """Drop the pidfd: closed if it is still ours, left alone if it is not."""
+        if self._owned is not None:
+            self._owned.close()
+        self._owned = None
+        self.pidfd = None
+
     def check_alive(self) -> bool:
         """Re-check without a pidfd (the polling fallback)."""
-        if self.alive and not _identity.is_same_process(self.reg.pid, self.reg.start_ticks, self.reg.uid):
+        if self.alive and not still_running(self.reg):
             self.alive = False
         return self.alive
 
     def close(self) -> None:
-        if self.pidfd is not None:
-            os.close(self.pidfd)
-            self.pidfd = None
+        self.forget()
 
 
 def child_returncode(pid: int, wait_s: float = 0.0) -> Optional[int]:
@@ -162,6 +257,9 @@ def oom_kill_count() -> Optional[int]:
     return None
 
 
+_WATCHDOG_FDS = ("_inotify_fd", "_kill_r", "_kill_w")  # watchdog's InotifyFD: the inotify instance, its wake pipe
+
+
 class FolderWatch:
     """inotify (through watchdog) on the folders whose changes must wake the watcher.
 
@@ -172,6 +270,7 @@ class FolderWatch:
     def __init__(self, folders: List[str], on_change: Callable[[], None], name: str, disabled: bool = False) -> None:
         self.active = False
         self._observer = None
+        self._owned: List[OwnedFd] = []  # watchdog's descriptors, where its internals let us see them
         if disabled:
             return
         try:
@@ -200,6 +299,42 @@ class FolderWatch:
             return
         self._observer = observer
         self.active = True
+        inotify = getattr(observer, "_inotify_fd", None)  # watchdog >= 5: one InotifyFD thread per observer
+        fds = [getattr(inotify, name, None) for name in _WATCHDOG_FDS]
+        if all(isinstance(fd, int) for fd in fds):
+            self._owned = [OwnedFd(fd) for fd in fds]  # type: ignore[arg-type]
+
+    def intact(self) -> bool:
+        """inotify's descriptors are still watchdog's (True where we cannot tell)."""
+        return all(fd.intact() for fd in self._owned)
+
+    def abandon(self) -> None:
+        """Stop watching after the application closed or replaced inotify's descriptors.
+
+        watchdog would spin on them (``/dev/null`` reads as end of file, a closed fd as
+        EBADF) and, when stopped, close the numbers, which may be the application's by
+        now: every number is swapped for one of our own first (two pipes, left to watchdog
+        to close), and watchdog is stopped from a thread of its own.
+        """
+        inotify = getattr(self._observer, "_inotify_fd", None)
+        if inotify is not None and self._owned:
+            quiet_r, quiet_w = os.pipe()  # never readable (quiet_w is left open): stands in for inotify
+            kill_r, kill_w = os.pipe()
+            for name, fd in zip(_WATCHDOG_FDS, (quiet_r, kill_r, kill_w)):
+                setattr(inotify, name, fd)  # watchdog closes these when it stops
+            for owned in self._owned:
+                owned.close()  # the old ones that are still ours
+            self._owned = []
+            poller = select.poll()  # watchdog's poll set holds the old numbers
+            poller.register(quiet_r, select.POLLIN)
+            poller.register(kill_r, select.POLLIN)
+            if getattr(inotify, "_poller", None) is not None:
+                inotify._poller = poller
+        observer, self._observer = self._observer, None
+        if observer is not None:
+            # Not in the watcher thread: watchdog joins its reader without a timeout, and
+            # the reader may sleep for ever in a poll(2) on numbers that are not its own.
+            threading.Thread(target=observer.stop, name=f"{observer.name}-abandoned", daemon=True).start()
 
     def stop(self, timeout: float = 1.0) -> None:
         """Stop watchdog's threads and join them (not from one of them)."""
@@ -212,5 +347,6 @@ class FolderWatch:
 
 
 __all__ = [
-    "FolderWatch", "Peer", "child_returncode", "fatal_signal_in", "gil_timeout_in", "is_local", "oom_kill_count", "pidfd_supported",
+    "FolderWatch", "OwnedFd", "Peer", "child_returncode", "fatal_signal_in", "fd_identity", "gil_timeout_in", "is_local",
+    "oom_kill_count", "pidfd_pid", "pidfd_supported", "still_running",
 ]

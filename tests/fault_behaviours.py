@@ -20,6 +20,9 @@ Parts (combine with ``+`` like rank_program's own; they run in order, before REA
                      whose workers call install(), beat() and watch(); shut it down; note
                      READY/loader-<rank> (JSON: worker pids, whether install() returned None
                      in each)
+    default_interrupt
+                     reset peerwatch's interrupt signal to SIG_DFL (as an application that
+                     resets the real-time signals does)
     reexec           os.execv() this very program once (same pid; it installs again);
                      note READY/preexec-<rank>, then (new image) READY/execed-<rank>
 
@@ -30,6 +33,13 @@ Actions (the last part; ``SECONDS`` as in rank_program):
     noisy            finish cleanly after SECONDS of work: random sleeps and CPU bursts,
                      beat() every step (scheduling noise for the false-positive runs)
     await:NAME       finish cleanly once READY/NAME exists (another process wrote it)
+    raise_after:NAME raise RuntimeError once READY/NAME exists
+    clobber:MODE     once every rank is ready, take peerwatch's descriptors away: ``devnull``
+                     dup2s /dev/null over fds 3-39, ``close`` closes them (os.closerange);
+                     note READY/clobbered-<rank>, then sleep and beat()
+    exec_away        once every rank is ready, os.execv() a plain sleeping Python (same
+                     pid, no peerwatch, the stack file closed on exec)
+    setuid_away:UID  once every rank is ready, os.setuid(UID), then sleep
 
 Child scenarios (MODE): ``exit0`` (sys.exit(0)), ``raise`` (uncaught RuntimeError),
 ``exit3`` (sys.exit(3)), ``segv`` (segfault), ``install`` (install(), beat(), a watch()
@@ -64,8 +74,9 @@ def reaped_on_error(children: List[Any]) -> List[Any]:
     return [] if os.environ.get(KEEP_CHILDREN_VAR) == "1" else children
 
 
-PARTS = frozenset({"pg", "fork", "sub", "orphan_fork", "orphan_sub", "loader", "reexec"})
-ACTIONS = frozenset({"dataloader", "noisy", "await"})
+PARTS = frozenset({"pg", "fork", "sub", "orphan_fork", "orphan_sub", "loader", "reexec", "default_interrupt"})
+ACTIONS = frozenset({"dataloader", "noisy", "await", "raise_after", "clobber", "exec_away", "setuid_away"})
+CLOBBERED_FDS = range(3, 40)
 EXECED_VAR = "PEERWATCH_TEST_EXECED"  # set in the environment of the re-executed image
 
 Note = Callable[[argparse.Namespace, str, str], None]
@@ -119,6 +130,10 @@ def part(args: argparse.Namespace, rank: int, name: str, arg: str, note: Note) -
         _loader(args, rank, int(arg or 4), note)
     elif name == "reexec":
         _reexec(args, rank, note)
+    elif name == "default_interrupt":
+        import signal
+
+        signal.signal(peerwatch._teardown.INTERRUPT_SIGNAL, signal.SIG_DFL)
 
 
 def _join_process_group(args: argparse.Namespace, rank: int) -> None:
@@ -243,6 +258,23 @@ def _reexec(args: argparse.Namespace, rank: int, note: Note) -> None:
 # -- actions ------------------------------------------------------------------------------
 
 
+def _wait_watching(peers: int, timeout: float = 60.0) -> None:
+    """Wait until this rank's watcher holds a pidfd of each of its ``peers`` local peers."""
+    deadline = time.monotonic() + timeout
+    while True:
+        held = 0
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                held += os.readlink(f"/proc/self/fd/{fd}") == "anon_inode:[pidfd]"
+            except OSError:
+                continue
+        if held >= peers:
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the watcher holds {held} pidfds, not {peers}, after {timeout}s")
+        time.sleep(0.01)
+
+
 class _Forever:
     def __len__(self) -> int:
         return 1 << 30
@@ -267,6 +299,35 @@ def act(args: argparse.Namespace, rank: int, name: str, arg: str, delay: float,
     elif name == "await":
         ready(args, rank)
         _wait_files(args.ready, [arg], timeout=120.0)
+    elif name == "raise_after":
+        ready(args, rank)
+        _wait_files(args.ready, [arg], timeout=120.0)
+        raise RuntimeError(f"rank {rank} failed on purpose")
+    elif name in ("clobber", "exec_away", "setuid_away"):
+        ready(args, rank)
+        wait_for_all(args)
+        if name == "exec_away":
+            sys.stdout.flush()
+            os.execv(sys.executable, [sys.executable, "-c", "import time; time.sleep(600)"])
+        if name == "setuid_away":
+            os.setuid(int(arg))
+            while True:
+                time.sleep(0.05)
+        _wait_watching(args.world - 1)
+        if arg == "devnull":
+            null = os.open(os.devnull, os.O_RDWR)
+            for fd in CLOBBERED_FDS:
+                if fd != null:
+                    os.dup2(null, fd, inheritable=False)
+        else:
+            os.closerange(CLOBBERED_FDS.start, CLOBBERED_FDS.stop)
+        path = os.path.join(args.ready, f"clobbered-{rank}")
+        with open(f"{path}.tmp", "w") as f:
+            f.write(str(time.time_ns()))
+        os.replace(f"{path}.tmp", path)
+        while True:
+            time.sleep(0.05)
+            peerwatch.beat()
     elif name == "noisy":
         ready(args, rank)
         if args.sync and delay:

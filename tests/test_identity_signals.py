@@ -1,0 +1,71 @@
+"""Identity and signals (issue 14): a rank that takes peerwatch's descriptors away, one
+that can no longer be verified (exec, setuid), one in another PID namespace of this host,
+and one that resets peerwatch's interrupt signal. Real jobs of ``rank_program.py``."""
+
+from __future__ import annotations
+
+import json
+import select
+import time
+from pathlib import Path
+
+import pytest
+from harness import Job
+
+from peerwatch._rundir import HEARTBEATS, rank_file
+
+pytestmark = pytest.mark.timeout(90)
+
+BEAT_S = 0.2  # PEERWATCH_HEARTBEAT of the jobs that watch the watcher go round
+ACK_S = 0.5
+GRACE_S = 1.0
+STUCK_S = ACK_S + GRACE_S + 3.0
+
+
+def _heartbeat_ns(job: Job, rank: int) -> int:
+    try:
+        return int(json.loads((job.run_dir / HEARTBEATS / rank_file("rank", rank)).read_text())["time_ns"])
+    except (OSError, ValueError, KeyError):
+        return 0
+
+
+def _wait_heartbeat_after(job: Job, rank: int, after_ns: int, within: float = 10.0) -> None:
+    """Wait until rank's watcher wrote a heartbeat after ``after_ns``: it went round its loop."""
+    deadline = time.monotonic() + within
+    while _heartbeat_ns(job, rank) <= after_ns:
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"rank {rank}'s watcher wrote no heartbeat after {after_ns}\n{job.logs()}")
+        proc = job.ranks[rank]
+        ready, _, _ = select.select([proc.pidfd], [], [], 0.02)  # ends early if the rank does
+        if ready:
+            raise AssertionError(f"{proc.label} ended\n{job.logs()}")
+
+
+def _verdict(job: Job) -> Path:
+    return job.run_dir / "events" / "verdict.json"
+
+
+# -- 1. descriptors taken away -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["devnull", "close"])
+def test_a_rank_that_takes_its_descriptors_away_stays_protected(make_job, mode: str) -> None:
+    """/dev/null over fds 3-39 made rank 0's watcher take rank 1 for dead at once (poll
+    on /dev/null says readable); os.closerange killed the watcher (EBADF). Either way it
+    must go on watching: no verdict while rank 1 lives, and rank 1's death is seen."""
+    job = make_job(world=2, behave=[f"0=clobber:{mode}"], env={"PEERWATCH_HEARTBEAT": str(BEAT_S)}).start()
+    job.wait_ready()
+    job.wait_noted(["clobbered-0"])
+    clobbered_ns = int((job.ready_dir / "clobbered-0").read_text())
+    _wait_heartbeat_after(job, 0, clobbered_ns + int(2 * BEAT_S * 1e9))
+    assert not _verdict(job).exists(), f"a verdict with every rank alive\n{job.logs()}"
+    killed_at = job.kill(1)
+    job.wait_gone(within=STUCK_S)
+    report = job.report()
+    v = report["verdict"]
+    assert (v["rank"], v["cause"]) == (1, "vanished"), v
+    assert v["detected_by"] == 0
+    assert job.returncodes() == {0: 1, 1: -9}, job.logs()
+    assert job.gone_at is not None and job.gone_at - killed_at < STUCK_S
+    log = job.log_path(0).read_text()
+    assert "closed or replaced by the application" in log, log
