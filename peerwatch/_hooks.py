@@ -275,6 +275,7 @@ def install_interrupt_handler(registry: Registry) -> bool:
         if signal.getsignal(_teardown.INTERRUPT_SIGNAL) not in (signal.SIG_DFL, None, registry.on_interrupt):
             return False
         signal.signal(_teardown.INTERRUPT_SIGNAL, registry.on_interrupt)
+        _teardown.own_interrupt_handler(registry.on_interrupt)
         return True
     except (OSError, ValueError):
         return False

@@ -298,18 +298,40 @@ def flush_and_exit(code: int) -> None:
     os._exit(code)
 
 
+_interrupt_handler: Optional[object] = None  # the INTERRUPT_SIGNAL handler peerwatch installed
+_handler_gone_warned = False
+
+
+def own_interrupt_handler(handler: object) -> None:
+    """Say which handler of INTERRUPT_SIGNAL is peerwatch's (called where it is installed)."""
+    global _interrupt_handler
+    _interrupt_handler = handler
+
+
 def raise_in_main_thread(exc_type: type, use_signal: bool) -> None:
     """Make the main thread raise ``exc_type`` at its next Python instruction.
 
     With ``use_signal`` (our handler is installed for INTERRUPT_SIGNAL) the main thread is
     also woken from blocking calls that Python retries on EINTR (sleep, select, wait...).
+    The handler is looked at right before: an application that reset the signal to
+    SIG_DFL (or put its own handler there) would be killed by it, or not interrupted.
     """
+    global _handler_gone_warned
     main = threading.main_thread().ident
     if main is None:
         return
     if use_signal:
-        signal.pthread_kill(main, INTERRUPT_SIGNAL)
-        return
+        current = signal.getsignal(INTERRUPT_SIGNAL)  # any thread may read it (CPython)
+        if _interrupt_handler is not None and current == _interrupt_handler:
+            signal.pthread_kill(main, INTERRUPT_SIGNAL)
+            return
+        if not _handler_gone_warned:
+            _handler_gone_warned = True
+            logger.warning(
+                "peerwatch: %s is no longer handled by peerwatch (the application set %r); not sending it, "
+                "PeerFailure is raised in the main thread without it (a main thread blocked in a call is not "
+                "woken)", _name(INTERRUPT_SIGNAL), current,
+            )
     import ctypes
 
     ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(main), ctypes.py_object(exc_type))
@@ -322,5 +344,5 @@ def close_all(targets: Iterable[Target]) -> None:
 
 __all__ = [
     "INTERRUPT_SIGNAL", "STACKS_SIGNAL", "Target", "alive", "close_all", "descendants", "process_tree", "holds_file", "inherited_run",
-    "flush_and_exit", "make_target", "raise_in_main_thread", "send", "terminate", "wait_gone",
+    "flush_and_exit", "make_target", "own_interrupt_handler", "raise_in_main_thread", "send", "terminate", "wait_gone",
 ]

@@ -69,3 +69,18 @@ def test_a_rank_that_takes_its_descriptors_away_stays_protected(make_job, mode: 
     assert job.gone_at is not None and job.gone_at - killed_at < STUCK_S
     log = job.log_path(0).read_text()
     assert "closed or replaced by the application" in log, log
+
+
+# -- 4. the interrupt signal reset by the application -------------------------------------
+
+
+def test_a_rank_that_reset_the_interrupt_signal_is_not_killed_by_it(make_job) -> None:
+    """Rank 0 is inside watch() and reset peerwatch's interrupt signal to SIG_DFL: the
+    signal killed it (-38) while the report said exit code 1. Now the signal is not sent;
+    PeerFailure is raised without it and the rank leaves with the verdict's code."""
+    job = make_job(world=2, api="both", behave=["0=default_interrupt+sleep", "1=raise@0.3"]).start()
+    job.wait_ready()
+    job.wait_gone(within=STUCK_S)
+    assert job.returncodes() == {0: 1, 1: 1}, job.logs()
+    assert job.peer_failures()[0]["rank"] == 1
+    assert "is no longer handled by peerwatch" in job.log_path(0).read_text()
