@@ -15,10 +15,10 @@ import os
 import time
 from typing import AbstractSet, List
 
-from . import _plan, _teardown
+from . import _identity, _plan, _teardown
 from ._identity import is_local
 from ._observer import Observer
-from ._records import Heartbeat, Registration, Verdict
+from ._records import Heartbeat, NotSignalled, Registration, Verdict
 from ._rundir import HEARTBEATS, RANKS, rank_file
 
 logger = logging.getLogger("peerwatch")
@@ -61,12 +61,19 @@ def _peer_and_tree(
 ) -> List[_teardown.Target]:
     target = _teardown.make_target(reg.pid, reg.start_ticks, reg.uid, f"rank {reg.rank}")
     if target is None:
-        return []
+        info = _identity.probe(reg.pid)
+        if info is not None and not info.dead and info.start_ticks == reg.start_ticks and info.uid != reg.uid:
+            _not_signalled(obs, reg, f"it now runs as uid {info.uid}, not uid {reg.uid} as it registered")
+        return []  # else it is gone (or its pid is another process now): nothing to signal
     stack_path = obs.run_dir.stack_path(reg.rank)
     if not _teardown.holds_file(reg.pid, stack_path):
         obs.run_dir.warn_once(
             obs.run_dir.join(RANKS, rank_file("rank", reg.rank)),
             f"names pid {reg.pid}, which does not hold rank {reg.rank}'s stack file: not a verified peer, not signalled",
+        )
+        _not_signalled(
+            obs, reg, f"pid {reg.pid} does not hold rank {reg.rank}'s stack file open (it exec'd another program, "
+            "or closed its descriptors)",
         )
         target.close()
         return []
@@ -78,6 +85,15 @@ def _peer_and_tree(
         if child is not None:
             found.append(child)
     return found
+
+
+def _not_signalled(obs: Observer, reg: Registration, reason: str) -> None:
+    """Say, in the log and for the report, that a peer could not be verified and was not signalled."""
+    logger.warning(
+        "peerwatch: rank %d (pid %d) could not be verified, not signalled: %s", reg.rank, reg.pid, reason,
+    )
+    record = NotSignalled(rank=reg.rank, pid=reg.pid, time_ns=time.time_ns(), reason=reason, observed_by=obs.me.rank)
+    obs.write_event(rank_file("unsignalled", reg.rank), record)
 
 
 def _orphans_of(obs: Observer, verdict: Verdict, peer_pids: AbstractSet[int]) -> List[_teardown.Target]:

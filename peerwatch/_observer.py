@@ -49,7 +49,7 @@ from ._sources import (
 
 logger = logging.getLogger("peerwatch")
 
-_WATCHED_EVENTS = {k: v for k, v in EVENT_TYPES.items() if k != "thread"}  # thread records are for the report only
+_WATCHED_EVENTS = {k: v for k, v in EVENT_TYPES.items() if k not in ("thread", "unsignalled")}  # for the report only
 STACK_DUMP_LIMIT = 1 << 20  # bytes of a dead peer's stack file read for its last words
 CHILD_STATUS_WAIT_S = 0.05  # a dead child's status, when its pidfd fired before waitid sees it: at most
 # How often the watcher checks, unasked, that its descriptors are still its own (the wake

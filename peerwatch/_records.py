@@ -136,9 +136,22 @@ class Verdict:
     laggards: Tuple[int, ...] = ()  # for a hang: the ranks holding the job up, most likely first
 
 
+@dataclasses.dataclass(frozen=True)
+class NotSignalled:
+    """An enforcer could not verify a peer that gave no acknowledgement: not signalled."""
+
+    KIND = "unsignalled"
+    rank: int
+    pid: int
+    time_ns: int
+    reason: str
+    observed_by: int
+
+
 # The events folder's file name prefixes (``<prefix>-<rank>.json``) and their record types.
 # ``thread``: an uncaught exception in another thread of the rank (for the report).
-EVENT_TYPES: Dict[str, type] = {"success": Success, "failure": Failure, "exit": ExitStatus, "ack": Ack, "thread": Failure}
+EVENT_TYPES: Dict[str, type] = {"success": Success, "failure": Failure, "exit": ExitStatus, "ack": Ack, "thread": Failure,
+                                 "unsignalled": NotSignalled}
 
 
 R = TypeVar("R")
@@ -246,6 +259,6 @@ def signal_name(signum: int) -> str:
 
 __all__ = [
     "EXCEPTION", "EXIT", "HANG", "LOST", "MISSING", "SIGNAL", "VANISHED",
-    "EVENT_TYPES", "Ack", "ExitStatus", "Failure", "Heartbeat", "Registration", "Success", "Verdict",
+    "EVENT_TYPES", "Ack", "ExitStatus", "Failure", "Heartbeat", "NotSignalled", "Registration", "Success", "Verdict",
     "HANG_EXIT_CODE", "MAX_RECORD_BYTES", "RECORD_VERSION", "decode", "encode", "returncode_exit_code", "signal_name",
 ]

@@ -32,6 +32,7 @@ FAILED = "failed"  # the root cause (or failed on its own)
 TORN_DOWN = "torn_down"  # saw the verdict and left (or was made to)
 RUNNING = "running"  # no verdict yet, still registered and alive as far as we know
 ENDED = "ended"  # gone without a marker, not (yet) judged
+NOT_SIGNALLED = "not_signalled"  # a verdict, no acknowledgement, and it could not be verified: left alone
 
 
 def build(rd: RunDir) -> Dict[str, Any]:
@@ -83,6 +84,8 @@ def _state(rank: int, reg: Optional[Registration], events: Dict[str, Dict[int, A
     if rank in events["failure"]:
         return FAILED
     if verdict is not None:
+        if rank in events["unsignalled"] and rank not in events["ack"] and rank not in events["exit"]:
+            return NOT_SIGNALLED
         return TORN_DOWN
     if rank in events["exit"] or (reg is not None and not _identity.seems_alive(reg)):
         return ENDED
@@ -118,6 +121,7 @@ def _rank_entry(
         "step": beat.step if beat else None,
         "acked_verdict": rank in events["ack"],
         "thread_exception": _thread_exception(events["thread"].get(rank)),
+        "not_signalled": events["unsignalled"][rank].reason if state == NOT_SIGNALLED else None,
     }
 
 
@@ -182,6 +186,9 @@ def summary(report: Dict[str, Any]) -> str:
         lines.append(
             f"  {r['rank']:>4}  {str(r['pid']):>7}  {r['state']:<10} {code:>4}  {r['stack_file'] or '-'}"
         )
+    for r in report["ranks"]:
+        if r.get("not_signalled"):
+            lines.append(f"  rank {r['rank']} (pid {r['pid']}) could not be verified, not signalled: {r['not_signalled']}")
     if v is not None and v.get("traceback"):
         tb = v["traceback"].rstrip().splitlines()
         lines.append("  traceback of the failing rank (last lines):")

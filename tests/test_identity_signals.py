@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from harness import Job
+from harness import Job, by_rank
 
 from peerwatch._rundir import HEARTBEATS, rank_file
 
@@ -84,3 +84,37 @@ def test_a_rank_that_reset_the_interrupt_signal_is_not_killed_by_it(make_job) ->
     assert job.returncodes() == {0: 1, 1: 1}, job.logs()
     assert job.peer_failures()[0]["rank"] == 1
     assert "is no longer handled by peerwatch" in job.log_path(0).read_text()
+
+
+# -- 2. a rank that can no longer be verified --------------------------------------------
+
+
+def _wait_procs_gone(job: Job, ranks: list, within: float) -> None:
+    deadline = time.monotonic() + within
+    for rank in ranks:
+        proc = job.ranks[rank]
+        left = max(0.0, deadline - time.monotonic())
+        ready, _, _ = select.select([proc.pidfd], [], [], left)
+        assert ready, f"{proc.label} still alive\n{job.logs()}"
+
+
+def test_a_rank_that_execed_is_reported_not_signalled(make_job) -> None:
+    """Rank 2 exec'd a plain program (same pid, its stack file closed on exec): it cannot
+    be verified, so it is not signalled; the report said torn_down. Now it says so."""
+    job = make_job(world=3, behave=["1=raise_after:go", "2=exec_away"]).start()
+    job.wait_ready()
+    pid = job.pids[2]
+    deadline = time.monotonic() + 20
+    while "time.sleep(600)" not in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace"):
+        assert time.monotonic() < deadline, "rank 2 did not exec"
+        time.sleep(0.01)
+    (job.ready_dir / "go").write_text("")
+    try:
+        _wait_procs_gone(job, [0, 1], STUCK_S)
+        entry = by_rank(job.report())[2]
+        assert job.ranks[2].pidfd is not None and not job.ranks[2].gone(), "rank 2 was signalled"
+    finally:
+        job.kill_all()
+    assert entry["state"] == "not_signalled", entry
+    assert "stack file" in entry["not_signalled"], entry
+    assert "rank 2 (pid %d) could not be verified, not signalled" % pid in job.log_path(0).read_text()
