@@ -302,6 +302,13 @@ class Observer:
             return
         self.registrations[reg.rank] = reg
         if not _identity.is_local(reg):
+            if reg.host == _identity.hostname() and reg.boot_id == _identity.boot_id():
+                # This host, another PID namespace: its pid means nothing here.
+                logger.warning(
+                    "peerwatch: rank %d registered from another PID namespace of this host (%s, pid %d there; ours is "
+                    "%s): it cannot be watched or signalled from rank %d. Start every rank of a host in one PID "
+                    "namespace", reg.rank, reg.pidns, reg.pid, _identity.pid_namespace(), self.me.rank,
+                )
             return  # another host's rank: not ours to watch through the OS
         self._local_pids.add(reg.pid)
         if reg.uid != os.geteuid():

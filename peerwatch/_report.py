@@ -122,7 +122,17 @@ def _rank_entry(
         "acked_verdict": rank in events["ack"],
         "thread_exception": _thread_exception(events["thread"].get(rank)),
         "not_signalled": events["unsignalled"][rank].reason if state == NOT_SIGNALLED else None,
+        "unwatched": _unwatched(reg),
     }
+
+
+def _unwatched(reg: Optional[Registration]) -> Optional[str]:
+    """Why this host cannot watch or signal a rank of this host, if it cannot."""
+    if reg is None or _identity.is_local(reg):
+        return None
+    if reg.host == _identity.hostname() and reg.boot_id == _identity.boot_id():
+        return f"another PID namespace of this host ({reg.pidns}): its pid {reg.pid} means nothing here"
+    return None
 
 
 def write(rd: RunDir) -> Dict[str, Any]:
@@ -187,6 +197,8 @@ def summary(report: Dict[str, Any]) -> str:
             f"  {r['rank']:>4}  {str(r['pid']):>7}  {r['state']:<10} {code:>4}  {r['stack_file'] or '-'}"
         )
     for r in report["ranks"]:
+        if r.get("unwatched"):
+            lines.append(f"  rank {r['rank']} cannot be watched or signalled from here: {r['unwatched']}")
         if r.get("not_signalled"):
             lines.append(f"  rank {r['rank']} (pid {r['pid']}) could not be verified, not signalled: {r['not_signalled']}")
     if v is not None and v.get("traceback"):
