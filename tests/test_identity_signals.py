@@ -5,12 +5,15 @@ and one that resets peerwatch's interrupt signal. Real jobs of ``rank_program.py
 from __future__ import annotations
 
 import json
+import os
 import select
+import shutil
+import subprocess
 import time
 from pathlib import Path
 
 import pytest
-from harness import Job, by_rank
+from harness import Job, Proc, by_rank
 
 from peerwatch._rundir import HEARTBEATS, rank_file
 
@@ -118,3 +121,30 @@ def test_a_rank_that_execed_is_reported_not_signalled(make_job) -> None:
     assert entry["state"] == "not_signalled", entry
     assert "stack file" in entry["not_signalled"], entry
     assert "rank 2 (pid %d) could not be verified, not signalled" % pid in job.log_path(0).read_text()
+
+
+@pytest.mark.skipif(shutil.which("unshare") is None or os.geteuid() != 0,
+                    reason="needs unshare(1) and root for a PID namespace")
+def test_a_rank_in_another_pid_namespace_of_this_host_is_named_not_silently_unwatched(tmp_path: Path) -> None:
+    """Rank 1 runs in a PID namespace of its own (it registers as pid 1): rank 0 cannot
+    watch or signal it, and must say so (WARNING, and the report's ``unwatched``) rather
+    than let it go unwatched in silence. Rank 0 then fails: rank 1 learns the verdict
+    from the run directory and leaves by itself."""
+    job = Job(tmp_path, world=2, behave=["0=exit:3@1"])
+    with job:
+        job.start([0])
+        env = dict(job._env_cache or {}, RANK="1", WORLD_SIZE="2", LOCAL_RANK="1")
+        with open(job.log_path(1), "wb") as log:
+            popen = subprocess.Popen(["unshare", "--pid", "--fork", "--mount-proc", *job._argv()], env=env,
+                                     stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, cwd=str(job.tmp))
+        job.started[1] = Proc(popen.pid, f"rank 1 in its own PID namespace (unshare pid {popen.pid})", popen)
+        job.wait_noted(["rank-0", "rank-1"], timeout=30.0)
+        deadline = time.monotonic() + 30.0
+        for proc in job.started.values():
+            assert proc.popen is not None
+            proc.popen.wait(max(0.1, deadline - time.monotonic()))
+        # Whoever wrote the report (either side) could not watch the other: it says so.
+        entries = by_rank(job.report())
+        assert any("namespace" in (e.get("unwatched") or "") for e in entries.values()), entries
+        assert "registered from another PID namespace of this host" in job.logs(), job.logs()
+        assert job.started[1].popen is not None and job.started[1].popen.returncode != 0
