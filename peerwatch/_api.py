@@ -85,7 +85,9 @@ def install(**options: Any) -> Optional[Handle]:
     """
     with _registry.lock:
         _registry.explicit = True
-        return _install(options)
+        handle = _install(options)
+        _hooks.arm_exit_status(_registry)  # now with success: install() was called (watch() may have come first)
+        return handle
 
 
 def current() -> Optional[Handle]:
@@ -115,6 +117,7 @@ def _install(options: Any) -> Optional[Handle]:
             return None
         _registry.set(watcher)
         _hooks.install_hooks(_registry)
+        _hooks.arm_exit_status(_registry)
         watcher.start()
         return Handle(watcher)
 

@@ -5,17 +5,21 @@ Installed once per process by :func:`install_hooks`; they act only through the
 :class:`Registry` given, which answers for the process that installed the watcher: a
 forked child (a DataLoader worker) never writes the rank's records.
 
-``sys.exit`` is replaced so that a non-zero exit of the main thread is recorded with
-where it came from; what that cannot see (``raise SystemExit(n)``, ``exit(n)``) is the
-subject of the exit-status work (issue 14).
+``sys.exit`` and the builtins ``exit``/``quit`` are replaced so that a non-zero exit of
+the main thread is recorded with where it came from. What no Python hook sees (a
+``SystemExit`` raised at the top, ``raise SystemExit(main())``) is told by the exit status
+itself (:mod:`peerwatch._exitwatch`, where its C extension is available): then the success
+marker is written at exit only if the status is 0, and never at ``atexit``.
 """
 
 from __future__ import annotations
 
 import atexit
+import builtins
 import logging
 import os
 import signal
+import struct
 import sys
 import threading
 import time
@@ -23,7 +27,7 @@ import traceback
 from types import TracebackType
 from typing import Any, Callable, Optional, Type
 
-from . import _stacks, _teardown
+from . import _exitwatch, _stacks, _teardown
 from ._errors import PeerFailure
 from ._plan import SETTLE_S
 from ._records import EXCEPTION, EXIT, MAX_TRACEBACK_CHARS, Failure, Verdict
@@ -87,12 +91,18 @@ def consequence_of_peer_failure(w: Watcher) -> Optional[Verdict]:
     return v if v is not None and v.rank != w.rank else None
 
 
+_C_LONG_MAX = (1 << (8 * struct.calcsize("l") - 1)) - 1
+
+
 def exit_status(status: Any) -> int:
-    """The exit status the interpreter makes of ``sys.exit(status)``."""
+    """The exit status the interpreter makes of ``sys.exit(status)``, as CPython does:
+    ``None`` -> 0; an int (``True`` and ``False`` too) -> its C ``long`` value, which the
+    OS cuts to 8 bits, or 255 when it does not fit one (``PyLong_AsLong`` fails, -1);
+    anything else is printed and -> 1."""
     if status is None:
         return 0
-    if isinstance(status, int) and not isinstance(status, bool):
-        return status & 0xFF
+    if isinstance(status, int):
+        return status & 0xFF if -_C_LONG_MAX - 1 <= status <= _C_LONG_MAX else 255
     return 1  # sys.exit("message") prints it and exits 1
 
 
@@ -157,6 +167,10 @@ def install_hooks(registry: Registry) -> None:
     sys.excepthook = _excepthook(registry, sys.excepthook)
     threading.excepthook = _threading_excepthook(registry, threading.excepthook)
     sys.exit = _sys_exit(registry)  # type: ignore[assignment]
+    for name in ("exit", "quit"):  # site's Quitter raises SystemExit itself, not through sys.exit
+        original = getattr(builtins, name, None)
+        if original is not None and callable(original):
+            setattr(builtins, name, _Quitter(registry, name, original))
     atexit.register(_at_exit, registry)
 
     def forked() -> None:
@@ -223,24 +237,53 @@ def _record_thread_exception(w: Watcher, args: Any) -> None:
         w.record_thread_exception(failure)
 
 
+def _record_exit_call(registry: Registry, status: Any, call: str) -> None:
+    """``sys.exit(status)`` or ``exit(status)`` is about to raise SystemExit: record a
+    non-zero exit of the main thread (outside watch(), whose __exit__ sees it) as this
+    rank's failure, with the stack of the caller (``call`` names the call)."""
+    w = registry.active()
+    if w is None or threading.current_thread() is not threading.main_thread() or w.in_watch:
+        return
+    code = exit_status(status)
+    # torch.multiprocessing.spawn turns a worker's exception into sys.exit(1): gloo's
+    # "connection reset" after a peer died is a consequence here too, not a cause.
+    if code != 0 and w.verdict is None and consequence_of_peer_failure(w) is None:
+        stack = "".join(traceback.format_stack()[:-2])
+        w.record_failure(Failure(
+            rank=w.rank, pid=os.getpid(), time_ns=time.time_ns(), cause=EXIT, exit_code=code,
+            message=call, traceback=stack[-MAX_TRACEBACK_CHARS:], thread=threading.current_thread().name,
+        ))
+
+
 def _sys_exit(registry: Registry) -> Callable[..., None]:
     def exit(status: Any = None) -> None:
         """``sys.exit`` that first records a non-zero exit of the main thread as this rank's failure."""
-        w = registry.active()
-        if w is not None and threading.current_thread() is threading.main_thread() and not w.in_watch:
-            code = exit_status(status)
-            # torch.multiprocessing.spawn turns a worker's exception into sys.exit(1): gloo's
-            # "connection reset" after a peer died is a consequence here too, not a cause.
-            if code != 0 and w.verdict is None and consequence_of_peer_failure(w) is None:
-                stack = "".join(traceback.format_stack()[:-1])
-                w.record_failure(Failure(
-                    rank=w.rank, pid=os.getpid(), time_ns=time.time_ns(), cause=EXIT, exit_code=code,
-                    message=f"sys.exit({status!r})", traceback=stack[-MAX_TRACEBACK_CHARS:],
-                    thread=threading.current_thread().name,
-                ))
+        _record_exit_call(registry, status, f"sys.exit({status!r})")
         _original_sys_exit(status)
 
     return exit
+
+
+class _Quitter:
+    """The builtin ``exit``/``quit`` (site's Quitter), recording like our ``sys.exit``."""
+
+    def __init__(self, registry: Registry, name: str, original: Callable[..., Any]) -> None:
+        self._registry, self._name, self._original = registry, name, original
+
+    def __repr__(self) -> str:
+        return repr(self._original)
+
+    def __call__(self, code: Any = None) -> None:
+        _record_exit_call(self._registry, code, f"{self._name}({code!r})")
+        self._original(code)
+
+
+def arm_exit_status(registry: Registry) -> bool:
+    """Let this process's exit status write its last record (:mod:`peerwatch._exitwatch`);
+    under the registry's lock, again whenever ``install()`` is called. False where that
+    cannot be done here: the success marker is then written at ``atexit``."""
+    w = registry.active()
+    return w is not None and _exitwatch.arm(w.run_dir, w.rank, write_success=registry.explicit)
 
 
 def _at_exit(registry: Registry) -> None:
@@ -260,7 +303,16 @@ def _at_exit(registry: Registry) -> None:
         _teardown.flush_and_exit(w.exit_code())
         return
     if w.failed_code is None and registry.explicit:
-        w.record_success()
+        if _exitwatch.armed():
+            # The exit status decides, once the interpreter is done: a SystemExit(3) that
+            # reached the top has not been seen by any hook. Other hosts are told the job
+            # is ending (as before): what this rank's peers act on is the local record.
+            if w.bridge is not None:
+                w.bridge.on_success()
+        else:
+            w.record_success()
+    else:
+        _exitwatch.set_success(False)
     w.stop(timeout=1.0)
 
 
@@ -282,6 +334,6 @@ def install_interrupt_handler(registry: Registry) -> bool:
 
 
 __all__ = [
-    "Registry", "consequence_of_peer_failure", "exit_status", "install_hooks", "install_interrupt_handler",
+    "Registry", "arm_exit_status", "consequence_of_peer_failure", "exit_status", "install_hooks", "install_interrupt_handler",
     "qualified_name", "record_exception",
 ]

@@ -42,7 +42,8 @@ Actions (the last part; ``SECONDS`` as in rank_program):
     setuid_away:UID  once every rank is ready, os.setuid(UID), then sleep
 
 Child scenarios (MODE): ``exit0`` (sys.exit(0)), ``raise`` (uncaught RuntimeError),
-``exit3`` (sys.exit(3)), ``segv`` (segfault), ``install`` (install(), beat(), a watch()
+``exit3`` (sys.exit(3)), ``quit5`` (the builtin exit(5)), ``raise5`` (raise SystemExit(5)),
+``segv`` (segfault), ``install`` (install(), beat(), a watch()
 block; notes READY/child-<rank>-<mode> with what they returned, then sys.exit(3)).
 """
 
@@ -191,6 +192,10 @@ def child_scenario(args: argparse.Namespace, rank: int, mode: str, note: Note) -
         raise RuntimeError(f"a child of rank {rank} failed on purpose")
     if mode == "exit3":
         sys.exit(3)
+    if mode == "quit5":
+        exit(5)  # the builtin: it inherits the rank's replacement, and its on_exit callback
+    if mode == "raise5":
+        raise SystemExit(5)
     if mode == "segv":
         ctypes.string_at(0)
     if mode == "install":

@@ -10,6 +10,10 @@ one of them). Behaviours per rank, ``RANK=WHAT[@SECONDS]``:
     succeed          finish cleanly after SECONDS
     raise            raise RuntimeError after SECONDS
     exit:N           sys.exit(N) after SECONDS
+    exit_pow2:K      sys.exit(2**K) after SECONDS (exits 255 when it does not fit a C long)
+    raise_exit:N     raise SystemExit(N) after SECONDS: it reaches the top of the program
+                     (the ``raise SystemExit(main())`` idiom), where no Python hook sees it
+    builtin_exit:N   the builtin exit(N) (site's Quitter) after SECONDS
     os_exit:N        os._exit(N) after SECONDS
     segv             segfault after SECONDS
     ignore_term      ignore SIGTERM, then sleep
@@ -132,6 +136,12 @@ def behave(args: argparse.Namespace, rank: int, action: str, delay: float) -> No
         raise RuntimeError(f"rank {rank} failed on purpose")
     if name == "exit":
         sys.exit(int(arg))
+    if name == "exit_pow2":
+        sys.exit(2 ** int(arg))
+    if name == "raise_exit":
+        raise SystemExit(int(arg))
+    if name == "builtin_exit":
+        exit(int(arg))  # the builtin, as a script would call it
     if name == "os_exit":
         os._exit(int(arg))
     if name == "segv":

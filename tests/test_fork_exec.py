@@ -39,7 +39,7 @@ ENV = {"PEERWATCH_ACK_WINDOW": str(ACK_S)}
 CLEAN_END_S = 20.0  # how long a clean finish may take (start of torch workers included)
 
 # How a forked child ends -> its returncode.
-CHILD_MODES = {"exit0": 0, "raise": 1, "exit3": 3, "segv": -signal.SIGSEGV, "install": 3}
+CHILD_MODES = {"exit0": 0, "raise": 1, "exit3": 3, "quit5": 5, "raise5": 5, "segv": -signal.SIGSEGV, "install": 3}
 
 
 def _note(job: Job, name: str) -> dict:

@@ -1,0 +1,276 @@
+/* peerwatch._exitstatus: this rank's success marker or failure record, written from the
+ * exit status itself.
+ *
+ * Python cannot see every exit status: on Python <= 3.11 a SystemExit that reaches the
+ * top (`raise SystemExit(main())`, the builtin exit(n)) is turned into exit(n) by
+ * CPython's handle_system_exit after the interpreter is finalized. glibc's on_exit(3)
+ * passes that very status to its callbacks. peerwatch (peerwatch/_exitwatch.py) prepares
+ * everything while Python runs: two open directory fds (events/ and tmp/ of the run
+ * directory), the file names, the records encoded by peerwatch._records around the two
+ * numbers only known at exit (the time and the exit code), and the pid of the rank.
+ *
+ * The callback runs after Python is gone: it uses only syscalls and the buffers prepared
+ * here, no Python API, no malloc, no stdio. It does nothing in another process than the
+ * rank (a forked DataLoader worker inherits the registration). It writes the way
+ * RunDir.write does: a temp file in tmp/, then link(2) into events/, so a reader never
+ * sees half a record and the first writer wins. It runs before the process becomes a
+ * zombie: a peer woken by the rank's pidfd finds the record already there.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <errno.h>
+#include <fcntl.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#define MAX_PIECE 4096 /* bytes of one prepared piece: records here are a few hundred */
+#define MAX_NAME 256
+#define MAX_DIGITS 24 /* a 64-bit number in decimal, with a sign */
+
+typedef struct {
+    char data[MAX_PIECE];
+    size_t len;
+} piece;
+
+typedef struct {
+    int armed;
+    int write_success;
+    pid_t pid;
+    int events_fd;
+    int tmp_fd;
+    char success_name[MAX_NAME];
+    char failure_name[MAX_NAME];
+    piece success_head, success_tail;              /* head <time_ns> tail */
+    piece failure_head, failure_mid, failure_tail; /* head <time_ns> mid <exit code> tail */
+    char out[3 * MAX_PIECE + 2 * MAX_DIGITS];
+} state;
+
+static state st;
+static int registered;
+
+static size_t put_bytes(char *out, size_t at, const piece *p)
+{
+    memcpy(out + at, p->data, p->len);
+    return at + p->len;
+}
+
+static size_t put_number(char *out, size_t at, long long value)
+{
+    char digits[MAX_DIGITS];
+    size_t n = 0;
+    unsigned long long v = value < 0 ? 0ULL - (unsigned long long)value : (unsigned long long)value;
+    do {
+        digits[n++] = (char)('0' + v % 10);
+        v /= 10;
+    } while (v && n < sizeof digits);
+    if (value < 0)
+        out[at++] = '-';
+    while (n)
+        out[at++] = digits[--n];
+    return at;
+}
+
+static long long now_ns(clockid_t clock)
+{
+    struct timespec ts;
+    if (clock_gettime(clock, &ts) != 0)
+        return 0;
+    return (long long)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+/* tmp/<name>.<pid>.0.<monotonic ns>, as RunDir.write names its temp files. */
+static int temp_name(char *buf, size_t size, const char *name)
+{
+    size_t n = strlen(name);
+    if (n + 2 * MAX_DIGITS + 4 >= size)
+        return -1;
+    memcpy(buf, name, n);
+    buf[n++] = '.';
+    n = put_number(buf, n, (long long)st.pid);
+    buf[n++] = '.';
+    buf[n++] = '0';
+    buf[n++] = '.';
+    n = put_number(buf, n, now_ns(CLOCK_MONOTONIC));
+    buf[n] = '\0';
+    return 0;
+}
+
+/* Write data to events/<name> unless something is there already (first writer wins). */
+static void write_once(const char *name, const char *data, size_t len)
+{
+    char tmp[MAX_NAME + 2 * MAX_DIGITS + 8];
+    if (temp_name(tmp, sizeof tmp, name) != 0)
+        return;
+    int fd = openat(st.tmp_fd, tmp, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+    if (fd < 0)
+        return;
+    size_t done = 0;
+    int ok = 1;
+    while (done < len) {
+        ssize_t n = write(fd, data + done, len - done);
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n <= 0) {
+            ok = 0;
+            break;
+        }
+        done += (size_t)n;
+    }
+    if (close(fd) != 0)
+        ok = 0;
+    if (ok)
+        (void)linkat(st.tmp_fd, tmp, st.events_fd, name, 0); /* EEXIST: another record won */
+    (void)unlinkat(st.tmp_fd, tmp, 0);
+}
+
+static int exists(int dir_fd, const char *name)
+{
+    struct stat sb;
+    return fstatat(dir_fd, name, &sb, AT_SYMLINK_NOFOLLOW) == 0;
+}
+
+static void at_exit(int status, void *arg)
+{
+    (void)arg;
+    int saved_errno = errno;
+    if (!st.armed || getpid() != st.pid)
+        goto out;
+    int code = status & 0xFF; /* what the parent will see */
+    size_t n;
+    if (code == 0) {
+        /* A failure already recorded (by Python, or on this rank's behalf) stands. */
+        if (!st.write_success || exists(st.events_fd, st.failure_name))
+            goto out;
+        n = put_bytes(st.out, 0, &st.success_head);
+        n = put_number(st.out, n, now_ns(CLOCK_REALTIME));
+        n = put_bytes(st.out, n, &st.success_tail);
+        write_once(st.success_name, st.out, n);
+    } else {
+        n = put_bytes(st.out, 0, &st.failure_head);
+        n = put_number(st.out, n, now_ns(CLOCK_REALTIME));
+        n = put_bytes(st.out, n, &st.failure_mid);
+        n = put_number(st.out, n, (long long)code);
+        n = put_bytes(st.out, n, &st.failure_tail);
+        write_once(st.failure_name, st.out, n);
+    }
+out:
+    errno = saved_errno;
+}
+
+static int copy_piece(piece *p, Py_buffer *b)
+{
+    if (b->len < 0 || (size_t)b->len > sizeof p->data) {
+        PyErr_SetString(PyExc_ValueError, "record piece too long");
+        return -1;
+    }
+    memcpy(p->data, b->buf, (size_t)b->len);
+    p->len = (size_t)b->len;
+    return 0;
+}
+
+static int copy_name(char *dst, Py_buffer *b)
+{
+    if (b->len <= 0 || (size_t)b->len >= MAX_NAME || memchr(b->buf, '/', (size_t)b->len) ||
+        memchr(b->buf, '\0', (size_t)b->len)) {
+        PyErr_SetString(PyExc_ValueError, "bad record file name");
+        return -1;
+    }
+    memcpy(dst, b->buf, (size_t)b->len);
+    dst[b->len] = '\0';
+    return 0;
+}
+
+PyDoc_STRVAR(arm_doc,
+"arm(events_fd, tmp_fd, pid, success_name, success_head, success_tail, failure_name,\n"
+"    failure_head, failure_mid, failure_tail, write_success)\n"
+"\n"
+"At exit of process ``pid``: status 0 -> success marker (if write_success and no failure\n"
+"record is there), else the failure record. Takes ownership of the two fds; an earlier\n"
+"arm's fds are closed. Raises OSError if on_exit cannot register the callback.");
+
+static PyObject *arm(PyObject *self, PyObject *args)
+{
+    int events_fd, tmp_fd, pid, write_success;
+    Py_buffer sn, sh, stl, fn, fh, fm, ft;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "iiiy*y*y*y*y*y*y*p", &events_fd, &tmp_fd, &pid, &sn, &sh, &stl, &fn, &fh,
+                          &fm, &ft, &write_success))
+        return NULL;
+    static state next;
+    int bad = copy_name(next.success_name, &sn) || copy_piece(&next.success_head, &sh) ||
+              copy_piece(&next.success_tail, &stl) || copy_name(next.failure_name, &fn) ||
+              copy_piece(&next.failure_head, &fh) || copy_piece(&next.failure_mid, &fm) ||
+              copy_piece(&next.failure_tail, &ft);
+    PyBuffer_Release(&sn);
+    PyBuffer_Release(&sh);
+    PyBuffer_Release(&stl);
+    PyBuffer_Release(&fn);
+    PyBuffer_Release(&fh);
+    PyBuffer_Release(&fm);
+    PyBuffer_Release(&ft);
+    if (bad)
+        return NULL;
+    if (!registered) {
+        if (on_exit(at_exit, NULL) != 0) {
+            PyErr_SetString(PyExc_OSError, "on_exit() failed");
+            return NULL;
+        }
+        registered = 1;
+    }
+    int old_events = st.armed ? st.events_fd : -1, old_tmp = st.armed ? st.tmp_fd : -1;
+    st.armed = 0; /* a callback running meanwhile (exit() in another thread) does nothing */
+    memcpy(&st, &next, sizeof st);
+    st.events_fd = events_fd;
+    st.tmp_fd = tmp_fd;
+    st.pid = (pid_t)pid;
+    st.write_success = write_success;
+    st.armed = 1;
+    if (old_events >= 0 && old_events != events_fd)
+        close(old_events);
+    if (old_tmp >= 0 && old_tmp != tmp_fd)
+        close(old_tmp);
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(set_success_doc, "set_success(flag): whether an exit status of 0 writes the success marker.");
+
+static PyObject *set_success(PyObject *self, PyObject *arg)
+{
+    (void)self;
+    int flag = PyObject_IsTrue(arg);
+    if (flag < 0)
+        return NULL;
+    st.write_success = flag;
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(armed_doc, "armed() -> the pid the callback acts for, or 0.");
+
+static PyObject *armed(PyObject *self, PyObject *unused)
+{
+    (void)self;
+    (void)unused;
+    return PyLong_FromLong(st.armed ? (long)st.pid : 0L);
+}
+
+static PyMethodDef methods[] = {
+    {"arm", arm, METH_VARARGS, arm_doc},
+    {"set_success", set_success, METH_O, set_success_doc},
+    {"armed", armed, METH_NOARGS, armed_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "peerwatch._exitstatus",
+    "The exit status, seen by glibc's on_exit(3) after Python is finalized (see _exitwatch.py).", -1, methods,
+    NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__exitstatus(void)
+{
+    return PyModule_Create(&module);
+}

@@ -1,0 +1,153 @@
+"""This rank's last record, made from its exit status: success only with status 0.
+
+Python does not see every exit status. On Python <= 3.11 a ``SystemExit`` that reaches
+the top (``raise SystemExit(main())``, the builtin ``exit(n)`` when not replaced, a
+``SystemExit`` raised in C) is handled by CPython after the interpreter is finalized:
+``Py_FinalizeEx`` (atexit runs, seeing nothing) and then ``exit(n)``. Nor does Python see
+a C library calling ``exit(n)``, or the 120 of a failed flush at shutdown.
+
+The optional C extension :mod:`peerwatch._exitstatus` registers a glibc ``on_exit(3)``
+callback, which receives the status given to ``exit()``. Everything it needs is prepared
+here, while Python runs: directory fds of ``events/`` and ``tmp/``, the records encoded by
+:mod:`peerwatch._records` around the two numbers only known at exit (the time, the exit
+code), and the rank's pid (a forked child inherits the callback and must do nothing). At
+exit it writes the success marker if the status is 0 (and ``install()`` was called and no
+failure is recorded), else a failure record with the exit code; first writer wins.
+
+Where the extension is missing (no compiler at install time, a libc without ``on_exit``
+such as musl), :func:`arm` returns False and the caller falls back to writing the success
+marker at ``atexit`` when it saw no failure: a ``raise SystemExit(n)`` at the top is then
+taken for success (logged once at INFO).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Optional, Tuple
+
+from ._records import EXIT, Failure, Success, encode
+from ._rundir import EVENTS, TMP, RunDir, rank_file
+
+logger = logging.getLogger("peerwatch")
+
+# Stand-ins for the numbers the C callback writes at exit; never a real time or code.
+TIME_SENTINEL = 7_151_151_151_151_151_151
+CODE_SENTINEL = 6_242_242_242_242_242_242
+
+EXIT_MESSAGE = (
+    "the process exited with this status, seen only as it ended (a SystemExit that reached "
+    "the top, such as raise SystemExit(n), or exit() called from C): no traceback"
+)
+
+_native: Optional[Any] = None  # the module, once imported; False if it cannot be
+_warned = False
+
+
+def _module() -> Optional[Any]:
+    global _native
+    if _native is None:
+        try:
+            from . import _exitstatus  # type: ignore[attr-defined]
+
+            _native = _exitstatus
+        except ImportError:
+            _native = False
+    return _native or None
+
+
+def available() -> bool:
+    """The C extension can be loaded here."""
+    return _module() is not None
+
+
+def _split(data: bytes, *sentinels: int) -> Tuple[bytes, ...]:
+    """``data`` cut around each sentinel's decimal form, each found once and in order."""
+    pieces = []
+    rest = data
+    for s in sentinels:
+        head, found, rest = rest.partition(str(s).encode())
+        if not found or str(s).encode() in head or str(s).encode() in rest:
+            raise ValueError(f"sentinel {s} not found exactly once in {data!r}")
+        pieces.append(head)
+    pieces.append(rest)
+    return tuple(pieces)
+
+
+def success_template(rank: int, pid: int) -> Tuple[bytes, bytes]:
+    """(head, tail): ``head + str(time_ns) + tail`` is ``encode(Success(rank, pid, time_ns))``."""
+    head, tail = _split(encode(Success(rank=rank, pid=pid, time_ns=TIME_SENTINEL)), TIME_SENTINEL)
+    return head, tail
+
+
+def failure_template(rank: int, pid: int) -> Tuple[bytes, bytes, bytes]:
+    """(head, mid, tail): ``head + str(time_ns) + mid + str(code) + tail`` is the encoded
+    ``Failure(cause=EXIT, exit_code=code, message=EXIT_MESSAGE)`` of this rank."""
+    failure = Failure(
+        rank=rank, pid=pid, time_ns=TIME_SENTINEL, cause=EXIT, exit_code=CODE_SENTINEL, message=EXIT_MESSAGE,
+    )
+    head, mid, tail = _split(encode(failure), TIME_SENTINEL, CODE_SENTINEL)
+    return head, mid, tail
+
+
+def arm(run_dir: RunDir, rank: int, write_success: bool) -> bool:
+    """Let the exit status of this process write its last record (see the module doc).
+
+    True if the C callback is armed for this process; False where the extension is
+    missing or the run directory's folders cannot be opened (then the caller writes the
+    success marker itself at exit, as before). Call again to change ``write_success``.
+    """
+    native = _module()
+    if native is None:
+        _say_unavailable()
+        return False
+    pid = os.getpid()
+    if native.armed() == pid:
+        native.set_success(write_success)
+        return True
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+    fds = []
+    try:
+        for sub in (EVENTS, TMP):
+            fds.append(os.open(run_dir.join(sub), flags))
+        native.arm(
+            fds[0], fds[1], pid,
+            rank_file("success", rank).encode(), *success_template(rank, pid),
+            rank_file("failure", rank).encode(), *failure_template(rank, pid),
+            write_success,
+        )
+    except (OSError, ValueError) as e:
+        for fd in fds:
+            os.close(fd)
+        logger.warning("peerwatch: rank %d: cannot watch its own exit status (%s); a SystemExit that "
+                       "reaches the top will be taken for success", rank, e)
+        return False
+    return True
+
+
+def set_success(flag: bool) -> None:
+    """Whether an exit status of 0 writes the success marker (if armed in this process)."""
+    native = _module()
+    if native is not None and native.armed() == os.getpid():
+        native.set_success(flag)
+
+
+def armed() -> bool:
+    """The C callback will write this process's last record."""
+    native = _module()
+    return native is not None and native.armed() == os.getpid()
+
+
+def _say_unavailable() -> None:
+    global _warned
+    if not _warned:
+        _warned = True
+        logger.info(
+            "peerwatch: the exit-status extension (peerwatch._exitstatus) is not available here: a "
+            "SystemExit that reaches the top of the program (raise SystemExit(n)) cannot be told from "
+            "success; sys.exit(n) and exit(n) are still recorded",
+        )
+
+
+__all__ = ["CODE_SENTINEL", "EXIT_MESSAGE", "TIME_SENTINEL", "arm", "armed", "available", "failure_template",
+           "set_success", "success_template"]
