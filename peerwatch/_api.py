@@ -140,6 +140,9 @@ def _start(config: Config) -> Watcher:
         argv=" ".join(sys.argv)[:500],
     )
     rd.prepare(reg, _process_start_ns())
+    from . import _gc  # old run directories under the default base: once per process, never raises
+
+    _gc.auto(how)
     stacks = StackFile.open(rd, rank)
     # Children started from here on (Lightning's ranks 1..N-1) join this run.
     os.environ["PEERWATCH_DIR"] = path
