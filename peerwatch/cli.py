@@ -78,6 +78,25 @@ def _ls_cmd(args: argparse.Namespace) -> int:
     return 0
 
 
+def _gc_cmd(args: argparse.Namespace) -> int:
+    from . import _gc
+
+    try:
+        decisions = _gc.collect(dry_run=args.dry_run)
+    except ValueError as e:
+        print(f"peerwatch: {e}", file=sys.stderr)
+        return 2
+    for line in _gc.describe(decisions, args.dry_run) or [f"nothing in {_rundir.base_dir()}"]:
+        print(line)
+    return 0
+
+
+def _doctor_cmd(args: argparse.Namespace) -> int:
+    from . import _doctor
+
+    return _doctor.main(self_test=args.self_test, as_json=args.json)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="peerwatch", description="Inspect peerwatch run directories.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -91,6 +110,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     p = sub.add_parser("ls", help="the run directories on this host, newest first")
     p.add_argument("--base", help="where to look (default: this user's peerwatch folder)")
     p.set_defaults(func=_ls_cmd)
+    p = sub.add_parser("gc", help="remove finished run directories under the default base (see docs/doctor.md)")
+    p.add_argument("--dry-run", action="store_true", help="only say what would be removed, and why")
+    p.set_defaults(func=_gc_cmd)
+    p = sub.add_parser("doctor", help="check what peerwatch relies on here, then a live 4-rank self-test")
+    p.add_argument("--json", action="store_true", help="print a machine-readable result")
+    p.add_argument("--no-self-test", dest="self_test", action="store_false", help="only the checks")
+    p.set_defaults(func=_doctor_cmd)
     args = parser.parse_args(argv)
     try:
         return int(args.func(args))
