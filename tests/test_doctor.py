@@ -1,0 +1,66 @@
+"""``peerwatch doctor`` as a user runs it: a real subprocess, its live self-test a real
+4-rank job with one rank SIGKILLed. Every process of it inherits this test's
+``PEERWATCH_TEST_ID``: the ``no_leaks`` fixture fails the test if one is left.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Dict, List
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+CHECK_NAMES = ["pidfd", "inotify", "/proc", "namespace", "run dir base", "torch", "gpus", "store"]
+SELF_TEST_NAMES = {"teardown", "exit codes", "report", "leftovers"}
+
+
+def doctor(*args: str, timeout: float) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.run(
+        [sys.executable, "-m", "peerwatch", "doctor", *args], env=env, capture_output=True, text=True, timeout=timeout,
+    )
+
+
+def assert_checks(checks: List[Dict[str, Any]]) -> None:
+    for c in checks:
+        assert set(c) == {"name", "status", "detail", "meaning", "fix"}, c
+        assert c["status"] in ("ok", "warn", "fail") and c["detail"], c
+        assert c["status"] != "fail", c
+
+
+@pytest.mark.timeout(120)
+def test_the_checks_alone() -> None:
+    text = doctor("--no-self-test", timeout=100)
+    assert text.returncode == 0, text.stdout + text.stderr
+    lines = text.stdout.splitlines()
+    assert lines[0].startswith("peerwatch doctor: peerwatch ")
+    assert [line[6:19].strip() for line in lines if line[:5].strip() in ("ok", "warn", "fail")] == CHECK_NAMES
+    assert lines[-1].startswith("result: ok") and "self-test:" not in text.stdout
+
+    result = json.loads(doctor("--no-self-test", "--json", timeout=100).stdout)
+    assert (result["version"], result["ok"], result["self_test"]) == (1, True, None)
+    assert [c["name"] for c in result["checks"]] == CHECK_NAMES
+    assert_checks(result["checks"])
+
+
+@pytest.mark.timeout(300)
+def test_the_self_test_passes_here_and_leaves_nothing() -> None:
+    out = doctor("--json", timeout=280)
+    assert out.returncode == 0, out.stdout + out.stderr
+    result = json.loads(out.stdout)
+    assert result["ok"] is True
+    assert_checks(result["checks"])
+    test = result["self_test"]
+    assert {c["name"] for c in test["checks"]} >= SELF_TEST_NAMES
+    assert_checks(test["checks"])
+    assert (test["world"], test["killed_rank"]) == (4, 2)
+    assert test["exit_codes"]["2"] == -9 and len(test["exit_codes"]) == 4
+    assert all(code not in (0, None) for code in test["exit_codes"].values())
+    assert 0 < test["teardown_ms"] < 30_000
+    assert test["leftover_pids"] == []
+    assert "kept" not in test and not os.path.exists(test["run_dir"]), "a passing self-test removes its files"
