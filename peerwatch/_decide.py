@@ -14,7 +14,13 @@ Rules, in order:
    never outranks a death without a record (signal, vanished, an exit status) seen
    within ``CONSEQUENCE_WINDOW_NS`` (1 s) of it: such deaths are never consequences,
    while the collectives of the dead rank's peers fail with exceptions within
-   milliseconds, possibly stamped before the death is seen.
+   milliseconds, possibly stamped before the death is seen. And an exception raised by
+   ``torch.distributed`` (``collective``) is judged only ``COLLECTIVE_SETTLE_NS`` after
+   it was raised, unless something else is found first: the socket of a rank that dies
+   closes a moment before its pidfd fires (a SIGKILLed rank's memory is still being torn
+   down), and a rank leaving with ``raise SystemExit(3)`` closes its sockets while Python
+   finalizes, before its exit status is written (at ``exit(3)``). Only a collective
+   exception with no other failure in sight pays this wait.
 6. Hang (only with ``hang_timeout``): when no live rank has made progress (``beat()``) for
    ``hang_timeout``, and none is in a ``paused()`` phase, the job is hung. The laggard is,
    in this order of preference: a frozen rank (state T or D); a rank whose watcher has
@@ -64,6 +70,9 @@ from ._records import (
 # its death is seen: the socket closes a moment before the pidfd fires, and a watcher may
 # see both in one wake-up. Within this window the death is the root cause.
 CONSEQUENCE_WINDOW_NS = 1_000_000_000
+# How long an exception raised by torch.distributed waits for the failure it may echo
+# (rule 5). Within a failing rank's own wait at exit (_plan.verdict_wait_s: 0.85 s by default).
+COLLECTIVE_SETTLE_NS = 500_000_000
 _DEATHS = (SIGNAL, VANISHED, EXIT)
 
 FROZEN_STATES = {"T": "stopped (SIGSTOP)", "t": "stopped by a debugger", "D": "in uninterruptible sleep (I/O)"}
@@ -146,6 +155,9 @@ def decide(obs: Observed, policy: Policy) -> Decision:
     waiting = [until for seen, until in held if horizon is None or seen <= horizon]
     if waiting:
         return Decision(None, recheck_at_ns=min(waiting))
+    settled_ns = _collective_settled_ns(obs, first)
+    if settled_ns is not None and obs.now_ns < settled_ns:
+        return Decision(None, recheck_at_ns=settled_ns)
     if first is None and obs.missing:
         return Decision(_missing(obs, policy))
     if first is None:
@@ -167,6 +179,17 @@ def _order(v: Verdict, found: List[Verdict]) -> Tuple[bool, int, int]:
         d.cause in _DEATHS and d.failed_at_ns <= v.failed_at_ns + CONSEQUENCE_WINDOW_NS for d in found
     )
     return (consequence, v.failed_at_ns, v.rank)
+
+
+def _collective_settled_ns(obs: Observed, first: Optional[Verdict]) -> Optional[int]:
+    """When the root cause ``first`` may be acted on, if it is an exception raised by
+    torch.distributed (rule 5): the failure it may echo gets COLLECTIVE_SETTLE_NS to show."""
+    if first is None or first.cause != EXCEPTION:
+        return None
+    failure = obs.failures.get(first.rank)
+    if failure is None or not failure.collective:
+        return None
+    return first.failed_at_ns + COLLECTIVE_SETTLE_NS
 
 
 def _lost(obs: Observed, policy: Policy) -> Tuple[Failure, ...]:

@@ -18,6 +18,7 @@ import atexit
 import builtins
 import logging
 import os
+import re
 import signal
 import struct
 import sys
@@ -123,8 +124,26 @@ def record_exception(w: Watcher, exc: BaseException, tb: Optional[TracebackType]
     w.record_failure(Failure(
         rank=w.rank, pid=os.getpid(), time_ns=time.time_ns(), cause=cause, exit_code=code,
         exception=name, message=message, traceback=text[-MAX_TRACEBACK_CHARS:],
-        thread=threading.current_thread().name,
+        thread=threading.current_thread().name, collective=cause == EXCEPTION and from_collective(exc, tb),
     ))
+
+
+# What torch.distributed's backends say when a peer is gone (gloo's "Connection reset by
+# peer", "Connection closed by peer", a broken pipe; NCCL's aborted communicator).
+_ECHO_TEXT = re.compile(r"gloo/transport|Connection (?:reset|closed) by peer|Broken pipe|NCCL|ProcessGroup", re.I)
+_COLLECTIVE_PATHS = (os.path.join("torch", "distributed", ""), os.path.join("torch", "nn", "parallel", ""))
+
+
+def from_collective(exc: BaseException, tb: Optional[TracebackType]) -> bool:
+    """Was ``exc`` raised by torch.distributed (a collective, DDP's reducer, the store)?
+    By its type's module, a frame of torch.distributed or DDP, or the backend's words
+    (DDP's reducer raises from C++, inside backward(), with no such frame)."""
+    if type(exc).__module__.startswith("torch.distributed"):
+        return True
+    for frame, _ in traceback.walk_tb(tb):
+        if any(part in frame.f_code.co_filename for part in _COLLECTIVE_PATHS):
+            return True
+    return bool(_ECHO_TEXT.search(str(exc)[:2000]))
 
 
 def qualified_name(cls: type) -> str:

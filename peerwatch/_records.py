@@ -73,6 +73,9 @@ class Failure:
     traceback: Optional[str] = None
     thread: Optional[str] = None
     host: Optional[str] = None  # the failed rank's host, when it is not this one (written by the store bridge)
+    # Raised by torch.distributed (a collective, DDP's reducer, the store): most often the
+    # echo of another rank's failure ("Connection reset by peer"), so judged a moment later.
+    collective: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

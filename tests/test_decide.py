@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from peerwatch._decide import (
+    COLLECTIVE_SETTLE_NS,
     CONSEQUENCE_WINDOW_NS,
     FROZEN_STATES,
     Decision,
@@ -599,6 +600,28 @@ def test_an_exception_is_never_blamed_over_a_death_seen_right_after_it():
         obs = observed(failures=fails, statuses=[status(3, death_at, -9)], now=10**12)
         v = decide(obs, POLICY).verdict
         assert (v.rank, v.cause, v.signal) == (3, SIGNAL, "SIGKILL")
+
+
+def test_an_exception_raised_by_torch_distributed_waits_for_the_failure_it_may_echo():
+    # Rank 0's all_reduce fails at t: the death that closed the socket (or the exit status
+    # of a rank finalizing after raise SystemExit) may only show up a moment later.
+    t = 10_000_000_000
+    echo = failure(0, t=t, collective=True)
+    early = decide(observed(failures=[echo], now=t + 1_000_000), POLICY)
+    assert early == Decision(None, recheck_at_ns=t + COLLECTIVE_SETTLE_NS)
+    # What it echoed shows up: the death, stamped after the exception, is the cause.
+    seen = observed(failures=[echo], gone={3: t + 40_000_000}, now=t + 41_000_000)
+    v = decide(seen, POLICY).verdict
+    assert (v.rank, v.cause) == (3, VANISHED)
+    exit3 = failure(1, t=t + 30_000_000, cause=EXIT, exit_code=3, exception=None, message="SystemExit(3)")
+    v = decide(observed(failures=[echo, exit3], now=t + 31_000_000), POLICY).verdict
+    assert (v.rank, v.cause, v.exit_code) == (1, EXIT, 3)
+    # Nothing else shows up: the exception itself is the cause, once the wait is over.
+    v = decide(observed(failures=[echo], now=t + COLLECTIVE_SETTLE_NS), POLICY).verdict
+    assert (v.rank, v.cause) == (0, EXCEPTION)
+    # An exception of the application's own is judged at once.
+    v = decide(observed(failures=[failure(0, t=t)], now=t + 1_000_000), POLICY).verdict
+    assert (v.rank, v.cause) == (0, EXCEPTION)
 
 
 # -- the verdict's details for other kinds of record ----------------------------------------------

@@ -1,0 +1,65 @@
+"""A collective that fails because a peer went is an echo, not a cause: the verdict names
+the peer, whichever reached the run directory first. Real gloo jobs, and the pure rule
+that tells an exception raised by torch.distributed (``_hooks.from_collective``)."""
+
+from __future__ import annotations
+
+import platform
+import sys
+
+import pytest
+
+from peerwatch._hooks import from_collective
+
+GRACE_S = 1.0
+GONE_S = 0.5 + GRACE_S + 5.0
+GLIBC = sys.platform == "linux" and platform.libc_ver()[0] == "glibc"
+
+
+def _raised(exc: BaseException) -> BaseException:
+    try:
+        raise exc
+    except BaseException as e:  # noqa: BLE001 - the test wants the traceback
+        return e
+
+
+def test_what_torch_distributed_raises_is_told_by_its_words_type_or_frames() -> None:
+    gloo = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:39590: "
+                        "Connection reset by peer. This is typically caused by a remote worker hanging")
+    assert from_collective(gloo, None)
+    assert from_collective(RuntimeError("NCCL communicator was aborted on rank 1"), None)
+    own = _raised(ValueError("loss is nan"))
+    assert not from_collective(own, own.__traceback__)
+    assert not from_collective(KeyError("step"), None)
+
+
+@pytest.mark.torch
+@pytest.mark.timeout(120)
+def test_a_rank_sigkilled_inside_its_collectives_is_the_cause_not_a_peer_whose_read_failed(make_job) -> None:
+    """Every rank loops on all_reduce; rank 2 is SIGKILLed. Its sockets close a moment
+    before its pidfd fires, so a peer's "Connection reset by peer" can be recorded first."""
+    pytest.importorskip("torch")
+    job = make_job(world=4, grace=GRACE_S, gloo=True, behave=[f"{r}=gloo" for r in range(4)]).start()
+    job.wait_ready(timeout=60.0)
+    job.wait_noted([f"collective-{r}" for r in range(4)], timeout=30.0)
+    job.kill(2)
+    job.wait_gone(within=GONE_S)
+    v = job.report()["verdict"]
+    assert (v["rank"], v["cause"]) == (2, "vanished"), f"{v}\n{job.logs()}"
+
+
+@pytest.mark.torch
+@pytest.mark.timeout(120)
+def test_gloo_blames_the_rank_that_raised_system_exit(make_job) -> None:
+    """The issue's example: ranks 0 and 2 block in a gloo all_reduce while rank 1 leaves
+    with ``raise SystemExit(3)`` at the top. Their collectives fail while it finalizes,
+    before its exit status is known; the verdict is on rank 1, with its code."""
+    pytest.importorskip("torch")
+    if not GLIBC:
+        pytest.skip("a SystemExit at the top is only seen through glibc's on_exit")
+    job = make_job(world=3, grace=GRACE_S, gloo=True, behave=["0=gloo", "1=pg+raise_exit:3@0.5", "2=gloo"]).start()
+    job.wait_ready(timeout=60.0)
+    job.wait_gone(within=GONE_S)
+    v = job.report()["verdict"]
+    assert (v["rank"], v["cause"], v["exit_code"]) == (1, "exit", 3), f"{v}\n{job.logs()}"
+    assert job.all_returncodes() == {r: 3 for r in range(3)}, job.logs()
