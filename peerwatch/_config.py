@@ -22,6 +22,23 @@ HANG_TIMEOUT_S = 0.0  # 0: off. No rank made progress (beat()) for this long: th
 GIL_TIMEOUT_S = 0.0  # 0: off. The watcher could not run for this long: faulthandler ends the rank
 PEER_TIMEOUT_S = 30.0  # another host (or the store) silent for this long: it is lost
 
+# The largest value of each duration. Every wait of the watcher is a poll(2) in
+# milliseconds (a C int: at most 2**31 - 1 ms, 24.8 days), an Event.wait (at most
+# threading.TIMEOUT_MAX) or faulthandler's timer, and several are sums of options
+# (grace + ack_window, hang_timeout + 2 heartbeats): a longer value would pass here and
+# kill the watcher later, leaving the rank unprotected. Together they stay far below.
+MINUTE_S, HOUR_S, DAY_S, WEEK_S = 60.0, 3600.0, 86400.0, 604800.0
+MAX_SECONDS = {
+    "grace": DAY_S,
+    "ack_window": HOUR_S,
+    "heartbeat_interval": HOUR_S,
+    "parent_wait": HOUR_S,
+    "startup_timeout": WEEK_S,
+    "hang_timeout": WEEK_S,
+    "gil_timeout": WEEK_S,
+    "peer_timeout": WEEK_S,
+}
+
 # Environment variables that carry the rank, in order of preference.
 _RANK_VARS = ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
 _WORLD_VARS = ("WORLD_SIZE", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
@@ -179,6 +196,29 @@ def _seconds(raw: Any) -> float:
     return value
 
 
+def _duration(option: str) -> Callable[[Any], float]:
+    """A parser of seconds, 0 to ``MAX_SECONDS[option]``."""
+    limit = MAX_SECONDS[option]
+
+    def parse(raw: Any) -> float:
+        value = _seconds(raw)
+        if value > limit:
+            raise ValueError(
+                f"must be at most {limit:g}s ({_spoken(limit)}): the watcher's waits are poll(2) timeouts "
+                "in milliseconds and timers of bounded range, and a longer one would stop the watcher"
+            )
+        return value
+
+    return parse
+
+
+def _spoken(seconds: float) -> str:
+    for unit, name in ((WEEK_S, "a week"), (DAY_S, "a day"), (HOUR_S, "an hour"), (MINUTE_S, "a minute")):
+        if seconds == unit:
+            return name
+    return f"{seconds:g} seconds"
+
+
 def _flag(raw: Any) -> bool:
     if isinstance(raw, bool):
         return raw
@@ -249,21 +289,21 @@ _OPTIONS: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "world_size": ("PEERWATCH_WORLD_SIZE", _non_negative_int),
     "local_rank": ("PEERWATCH_LOCAL_RANK", _non_negative_int),
     "local_world_size": ("PEERWATCH_LOCAL_WORLD_SIZE", _non_negative_int),
-    "grace": ("PEERWATCH_GRACE", _seconds),
-    "ack_window": ("PEERWATCH_ACK_WINDOW", _seconds),
-    "heartbeat_interval": ("PEERWATCH_HEARTBEAT", _seconds),
-    "parent_wait": ("PEERWATCH_PARENT_WAIT", _seconds),
+    "grace": ("PEERWATCH_GRACE", _duration("grace")),
+    "ack_window": ("PEERWATCH_ACK_WINDOW", _duration("ack_window")),
+    "heartbeat_interval": ("PEERWATCH_HEARTBEAT", _duration("heartbeat_interval")),
+    "parent_wait": ("PEERWATCH_PARENT_WAIT", _duration("parent_wait")),
     "exit_code": ("PEERWATCH_EXIT_CODE", _exit_code),
-    "startup_timeout": ("PEERWATCH_STARTUP_TIMEOUT", _seconds),
+    "startup_timeout": ("PEERWATCH_STARTUP_TIMEOUT", _duration("startup_timeout")),
     "startup_action": ("PEERWATCH_STARTUP_ACTION", _startup_action),
     "thread_exceptions": ("PEERWATCH_THREAD_EXCEPTIONS", _thread_exceptions),
-    "hang_timeout": ("PEERWATCH_HANG_TIMEOUT", _seconds),
-    "gil_timeout": ("PEERWATCH_GIL_TIMEOUT", _seconds),
+    "hang_timeout": ("PEERWATCH_HANG_TIMEOUT", _duration("hang_timeout")),
+    "gil_timeout": ("PEERWATCH_GIL_TIMEOUT", _duration("gil_timeout")),
     "strict": ("PEERWATCH_STRICT", _flag),
     "use_pidfd": ("PEERWATCH_PIDFD", _flag),
     "store": ("PEERWATCH_STORE", _store),
     "run_id": ("PEERWATCH_RUN_ID", _run_id),
-    "peer_timeout": ("PEERWATCH_PEER_TIMEOUT", _seconds),
+    "peer_timeout": ("PEERWATCH_PEER_TIMEOUT", _duration("peer_timeout")),
     "shared_fs": ("PEERWATCH_SHARED_FS", _shared_fs),
 }
 _OPTION_NAMES = frozenset(_OPTIONS)
@@ -373,6 +413,6 @@ def key_prefix(run_id: str) -> str:
     return f"{KEY_ROOT}/{run_id}/"
 
 __all__ = [
-    "GRACE_S", "Config", "LauncherFacts", "expected_hosts", "key_prefix", "resolve_run_id", "resolve_store",
+    "GRACE_S", "MAX_SECONDS", "Config", "LauncherFacts", "expected_hosts", "key_prefix", "resolve_run_id", "resolve_store",
     "spans_hosts",
 ]

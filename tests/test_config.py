@@ -9,13 +9,14 @@ import dataclasses
 import math
 import os
 import pickle
+import threading
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from peerwatch import Config, ConfigError
-from peerwatch._config import ACK_WINDOW_S, DEFAULT_EXIT_CODE, GRACE_S, HEARTBEAT_INTERVAL_S, PARENT_WAIT_S
+from peerwatch._config import ACK_WINDOW_S, DEFAULT_EXIT_CODE, GRACE_S, HEARTBEAT_INTERVAL_S, MAX_SECONDS, PARENT_WAIT_S
 
 KW = "keyword argument"
 
@@ -136,8 +137,8 @@ def test_disable_keyword():
 
 
 @settings(deadline=None)
-@given(st.floats(min_value=0, max_value=1e9, allow_nan=False, allow_infinity=False))
-def test_any_finite_non_negative_seconds_are_accepted(seconds):
+@given(st.floats(min_value=0, max_value=MAX_SECONDS["grace"], allow_nan=False, allow_infinity=False))
+def test_any_finite_non_negative_seconds_up_to_the_maximum_are_accepted(seconds):
     assert resolve(env={"PEERWATCH_GRACE": repr(seconds)}).grace == seconds
     assert resolve(grace=seconds).grace == seconds
 
@@ -471,3 +472,54 @@ def test_world_size_zero_is_refused_with_its_reason():
         resolve(world_size=0)
     assert (info.value.option, info.value.value, info.value.source, info.value.reason) == (
         "world_size", 0, KW, "must be at least 1")
+
+
+# -- the largest durations (issue 14: absurd finite values passed, then killed the watcher) ---------
+
+_DURATION_VARS = {
+    "grace": "PEERWATCH_GRACE", "ack_window": "PEERWATCH_ACK_WINDOW", "heartbeat_interval": "PEERWATCH_HEARTBEAT",
+    "parent_wait": "PEERWATCH_PARENT_WAIT", "startup_timeout": "PEERWATCH_STARTUP_TIMEOUT",
+    "hang_timeout": "PEERWATCH_HANG_TIMEOUT", "gil_timeout": "PEERWATCH_GIL_TIMEOUT",
+    "peer_timeout": "PEERWATCH_PEER_TIMEOUT",
+}
+
+
+def test_every_duration_has_a_maximum():
+    assert set(MAX_SECONDS) == set(_DURATION_VARS)
+    # All together, the longest waits still fit poll(2)'s milliseconds and threading's timeouts.
+    longest = MAX_SECONDS["hang_timeout"] + 4 * MAX_SECONDS["heartbeat_interval"] + MAX_SECONDS["grace"] \
+        + MAX_SECONDS["ack_window"] + MAX_SECONDS["parent_wait"]
+    assert longest * 1000 < 2**31 - 1 and longest < threading.TIMEOUT_MAX
+
+
+@pytest.mark.parametrize(("var", "raw"), [
+    ("PEERWATCH_GRACE", "3e9"), ("PEERWATCH_GIL_TIMEOUT", "9e9"), ("PEERWATCH_HEARTBEAT", "2e6"),
+    ("PEERWATCH_ACK_WINDOW", "2e6"), ("PEERWATCH_HANG_TIMEOUT", "1e300"), ("PEERWATCH_PEER_TIMEOUT", "1e12"),
+    ("PEERWATCH_STARTUP_TIMEOUT", "1e10"), ("PEERWATCH_PARENT_WAIT", "1e7"),
+])
+def test_absurd_finite_durations_are_refused_saying_the_maximum(var, raw):
+    option = next(o for o, v in _DURATION_VARS.items() if v == var)
+    with pytest.raises(ConfigError) as info:
+        Config.resolve({}, env={var: raw})
+    e = info.value
+    assert e.option == option and e.source == f"environment variable {var}"
+    assert f"at most {MAX_SECONDS[option]:g}s" in str(e) and "poll(2)" in str(e)
+
+
+@pytest.mark.parametrize("option", sorted(_DURATION_VARS))
+def test_each_duration_is_accepted_up_to_its_maximum_and_refused_above(option):
+    limit = MAX_SECONDS[option]
+    others = {"peer_timeout": MAX_SECONDS["peer_timeout"]} if option == "heartbeat_interval" else {}
+    assert getattr(Config.resolve({option: limit, **others}, env={}), option) == limit
+    with pytest.raises(ConfigError) as info:
+        Config.resolve({option: math.nextafter(limit, math.inf) if hasattr(math, "nextafter") else limit * 1.000001},
+                       env={})
+    assert info.value.option == option and info.value.source == KW
+
+
+@pytest.mark.parametrize("raw", ["nan", "inf", "-1", "-inf"])
+def test_nan_inf_and_negative_durations_are_still_refused(raw):
+    for option, var in _DURATION_VARS.items():
+        with pytest.raises(ConfigError) as info:
+            Config.resolve({}, env={var: raw})
+        assert info.value.option == option
