@@ -40,6 +40,7 @@ logger = logging.getLogger("peerwatch")
 RANKS, EVENTS, HEARTBEATS, STACKS, TMP = "ranks", "events", "heartbeats", "stacks", "tmp"
 VERDICT_FILE = "verdict.json"
 REPORT_FILE = "report.json"
+WARN_EACH = 10  # bad files warned about one by one, per folder, record kind and reason; then one summary
 _SUBDIRS = (RANKS, EVENTS, HEARTBEATS, STACKS, TMP)
 
 R = TypeVar("R")
@@ -217,6 +218,7 @@ class RunDir:
         # or None: it belongs to this host.
         self.shared = shared
         self._warned: Set[Tuple[str, str]] = set()
+        self._kinds: Dict[Tuple[str, str, str], int] = {}  # warnings given per kind (see warn_once)
         self._warn_lock = threading.Lock()
 
     def join(self, *parts: str) -> str:
@@ -444,11 +446,21 @@ class RunDir:
         return found
 
     def warn_once(self, path: str, reason: str) -> None:
+        """One warning per file and reason, and at most ``WARN_EACH`` per kind (folder, kind of
+        record, reason), then one line that says the rest go unreported: a folder planted with
+        20 000 junk failure records must not print 20 000 lines in every rank."""
+        folder, name = os.path.split(path)
+        kind = (folder, name.partition("-")[0], "".join("N" if c.isdigit() else c for c in reason))
         with self._warn_lock:
             if (path, reason) in self._warned:
                 return
             self._warned.add((path, reason))
-        logger.warning("peerwatch: %s %s", path, reason)
+            self._kinds[kind] = n = self._kinds.get(kind, 0) + 1
+        if n <= WARN_EACH:
+            logger.warning("peerwatch: %s %s", path, reason)
+        elif n == WARN_EACH + 1:
+            logger.warning("peerwatch: more than %d files in %s are like %s (%s); further ones are ignored "
+                           "without a warning each", WARN_EACH, folder, name, reason)
 
 
 class InPlace:
