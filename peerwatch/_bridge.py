@@ -71,7 +71,18 @@ from ._hosts import (
 from ._records import Failure, Registration, Verdict, decode, encode
 from ._rundir import EVENTS, RANKS, VERDICT_FILE, RunDir, rank_file
 from ._store_client import StoreClient, connect, import_torch, torch_loaded
-from ._store_protocol import VERDICT, Exchange, Seen, exchange, poll_verdict, publish_verdict, read_host, send_beat
+from ._store_protocol import (
+    NO_SEAL,
+    VERDICT,
+    Exchange,
+    Seal,
+    Seen,
+    exchange,
+    poll_verdict,
+    publish_verdict,
+    read_host,
+    send_beat,
+)
 
 logger = logging.getLogger("peerwatch")
 
@@ -91,6 +102,7 @@ class _Link:
     facts: LauncherFacts  # ready: names a store and a run id
     client: StoreClient
     stopped: threading.Event
+    seal: Seal = NO_SEAL  # signs and checks what goes through the store (a no-op without a store secret)
 
     @property
     def op_timeout_s(self) -> float:
@@ -201,7 +213,7 @@ class _BeatLoop:
         me = self._host_to_announce()
         link = self.link
         plan = Exchange(link.prefix, self.index, self.ident, beat_value(self._seq(), self.job_ending), me,
-                        dict(self.hosts), link.facts.expected_hosts)
+                        dict(self.hosts), link.facts.expected_hosts, link.seal)
         peer_timeout = link.config.peer_timeout
         seen = link.client.call(functools.partial(exchange, x=plan), interval_deadline_s(peer_timeout),
                                 connect_allowance_s(peer_timeout))
@@ -275,7 +287,8 @@ class _BeatLoop:
         info = self.hosts[j]
         link = self.link
         try:  # its ranks may have registered after we first read host/<j>
-            info = link.client.call(functools.partial(read_host, prefix=link.prefix, index=j), link.op_timeout_s)
+            info = link.client.call(functools.partial(read_host, prefix=link.prefix, index=j, seal=link.seal),
+                                    link.op_timeout_s)
         except Exception as e:  # noqa: BLE001
             logger.debug("peerwatch: host/%d cannot be read again (%s); naming the ranks known", j, e)
         _write_failure(link.run_dir, lost_host_failure(info, silent_s, link.config, time.time_ns()))
@@ -340,7 +353,10 @@ class _VerdictWaiter:
                     conn.wait([key], datetime.timedelta(seconds=WAIT_CHUNK_S))
                 finally:
                     self.waiting = False
-                self._deliver(conn.get(key))
+                data = link.seal.open(key, conn.get(key))
+                if data is None:  # forged (not signed with the secret): look for a signed one
+                    return self._poll()
+                self._deliver(data)
                 return
             except ImportError:
                 return
@@ -363,7 +379,7 @@ class _VerdictWaiter:
         """A store that cannot be waited on: look for the verdict once a heartbeat, through
         the client's owner thread."""
         link = self.link
-        look = functools.partial(poll_verdict, prefix=link.prefix)
+        look = functools.partial(poll_verdict, prefix=link.prefix, seal=link.seal)
         while not link.stopped.wait(link.config.heartbeat_interval):
             try:
                 data = link.client.call(look, link.op_timeout_s)
@@ -424,6 +440,7 @@ class Bridge:
         self._waiter: Optional[_VerdictWaiter] = None
         self._wait_thread: Optional[threading.Thread] = None
         self._settle: Dict[Tuple[int, int], float] = {}
+        self._seal = Seal(config.store_secret)
 
     @classmethod
     def for_config(
@@ -483,7 +500,7 @@ class Bridge:
         if not self._resolve_late() or not self._election.take():
             return
         self.running = True
-        link = _Link(self.config, self.run_dir, self.facts, self._store_client(), self.stopped)
+        link = _Link(self.config, self.run_dir, self.facts, self._store_client(), self.stopped, self._seal)
         gate = _TorchGate()
         with self._life:
             if self.stopped.is_set():
@@ -535,7 +552,7 @@ class Bridge:
             # bridge now, for as long as it takes to publish (torch must be loaded already).
             if not torch_loaded() or not self._resolve_late() or not self._election.take():
                 return
-        publish = functools.partial(publish_verdict, prefix=self.prefix, data=encode(verdict))
+        publish = functools.partial(publish_verdict, prefix=self.prefix, data=encode(verdict), seal=self._seal)
         try:
             kept = self._store_client().call(publish, PUBLISH_BUDGET_S)
         except Exception as e:  # noqa: BLE001 - the store's errors are many; the teardown goes on
@@ -570,7 +587,8 @@ class Bridge:
         index, client = self.index, self._client
         if not (self.running and self.connected and index is not None and client is not None):
             return  # the beat thread says it at its next interval, if it can
-        done = functools.partial(send_beat, prefix=self.prefix, index=index, beat=beat_value(self._seq(), True))
+        done = functools.partial(send_beat, prefix=self.prefix, index=index, beat=beat_value(self._seq(), True),
+                                 seal=self._seal)
         try:
             client.call(done, PUBLISH_BUDGET_S)
         except Exception as e:  # noqa: BLE001

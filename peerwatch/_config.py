@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import stat
 from typing import Any, Callable, Mapping, Optional, Tuple
 
 from ._errors import ConfigError
@@ -78,6 +79,8 @@ class Config:
     run_id: Optional[str] = None  # names the job on every host; None: from the launcher's environment
     peer_timeout: float = PEER_TIMEOUT_S
     shared_fs: str = "auto"  # "on"/"off": is the run directory shared by the hosts? auto: the mount table says
+    # Signs what peerwatch writes to the store (docs/security.md); from store_secret or store_secret_file.
+    store_secret: Optional[bytes] = dataclasses.field(default=None, repr=False)
     sources: Tuple[Tuple[str, str], ...] = ()
 
     @property
@@ -110,11 +113,18 @@ class Config:
             try:
                 values[name] = parse(raw)
             except (TypeError, ValueError, OverflowError) as e:
-                raise ConfigError(name, raw, source, str(e)) from None
+                raise ConfigError(name, SECRET_SHOWN if name == "store_secret" else raw, source, str(e)) from None
             sources[name] = source
         if "disable" in values:
             values["enabled"] = not values.pop("disable")
             sources["enabled"] = sources.pop("disable")
+        if "store_secret_file" in values:
+            if "store_secret" in values:
+                raise ConfigError("store_secret_file", options.get("store_secret_file") or env.get("PEERWATCH_STORE_SECRET_FILE"),
+                                  sources["store_secret_file"],
+                                  f"store_secret is set too ({sources['store_secret']}): set one of them")
+            values["store_secret"] = values.pop("store_secret_file")
+            sources["store_secret"] = sources.pop("store_secret_file")
         for name, var_names in (
             ("rank", _RANK_VARS),
             ("world_size", _WORLD_VARS),
@@ -219,6 +229,43 @@ def _spoken(seconds: float) -> str:
     return f"{seconds:g} seconds"
 
 
+SECRET_MIN_BYTES = 16  # a store secret shorter than this is refused: it could be guessed
+SECRET_SHOWN = "<hidden>"  # what an error says instead of a store secret
+
+
+def _secret(raw: Any) -> bytes:
+    value = raw.encode() if isinstance(raw, str) else raw
+    if not isinstance(value, bytes):
+        raise ValueError("expected a string or bytes")
+    if len(value) < SECRET_MIN_BYTES:
+        raise ValueError(f"must be at least {SECRET_MIN_BYTES} bytes (e.g. `openssl rand -hex 32`)")
+    return value
+
+
+def _secret_file(raw: Any) -> bytes:
+    """The secret in the file at ``raw`` (trailing line breaks dropped). The file must be
+    this user's (or root's), and neither writable by others nor readable by everyone."""
+    path = _path(raw)
+    try:
+        with open(path, "rb") as f:
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode):
+                raise ValueError("is not a regular file")
+            if st.st_uid not in (os.geteuid(), 0):
+                raise ValueError(f"belongs to uid {st.st_uid}, not to this user")
+            if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH | stat.S_IROTH):
+                raise ValueError(f"has mode {stat.S_IMODE(st.st_mode):o}: others may read or change it (chmod 600)")
+            data = f.read(4097)
+    except OSError as e:
+        raise ValueError(f"cannot be read ({e.strerror})") from None
+    if len(data) > 4096:
+        raise ValueError("is over 4096 bytes: not a secret file")
+    try:
+        return _secret(data.rstrip(b"\r\n"))
+    except ValueError as e:
+        raise ValueError(f"holds a secret that {e}") from None
+
+
 def _flag(raw: Any) -> bool:
     if isinstance(raw, bool):
         return raw
@@ -305,6 +352,8 @@ _OPTIONS: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "run_id": ("PEERWATCH_RUN_ID", _run_id),
     "peer_timeout": ("PEERWATCH_PEER_TIMEOUT", _duration("peer_timeout")),
     "shared_fs": ("PEERWATCH_SHARED_FS", _shared_fs),
+    "store_secret": ("PEERWATCH_STORE_SECRET", _secret),
+    "store_secret_file": ("PEERWATCH_STORE_SECRET_FILE", _secret_file),
 }
 _OPTION_NAMES = frozenset(_OPTIONS)
 

@@ -9,6 +9,12 @@ Every key lives under ``peerwatch/<run_id>/``::
     beat/<i>     host i's heartbeat: "<seq>", or "done:<seq>" once a rank there succeeded
     verdict      the first verdict of the job (compare_set: the first writer wins)
 
+With a store secret (``store_secret``, docs/security.md), ``host/<i>``, ``beat/<i>`` and
+``verdict`` hold ``pw-hmac1:<HMAC-SHA256 of key and value, hex>:<value>`` (:class:`Seal`);
+a value that is not signed so is read as "not there", with one warning per kind of key.
+``hosts`` and ``index/<id>`` stay unsigned (counters: whoever forges them can only make the
+bridges disagree about who is who, which ends as a lost host, never as a chosen verdict).
+
 Each function takes a store client and immutable inputs, and returns what it read: it
 runs in the client's owner thread (:mod:`._store_client`) and keeps no state, so a call
 abandoned half way (the store stopped answering) changes nothing but the store.
@@ -17,11 +23,18 @@ abandoned half way (the store stopped answering) changes nothing but the store.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, List, Mapping, Optional
+import hashlib
+import hmac
+import logging
+import threading
+from typing import Any, Dict, List, Mapping, Optional, Set
 
 from ._hosts import HostInfo, hosts_to_read, peers_to_watch, roster_incomplete
 
+logger = logging.getLogger("peerwatch")
+
 HOSTS, VERDICT = "hosts", "verdict"
+SIGNED = b"pw-hmac1:"  # a value signed with the store secret: SIGNED + hex digest + b":" + value
 
 
 def index_key(ident: str) -> str:
@@ -36,6 +49,55 @@ def beat_key(index: int) -> str:
     return f"beat/{index}"
 
 
+class Seal:
+    """Signs what this host writes to the store and checks what it reads, with a secret that
+    every host shares (HMAC-SHA256 over the key, which names the run, and the value). Without
+    a secret it changes nothing. Any thread: its only state is the warnings given, under a lock."""
+
+    def __init__(self, secret: Optional[bytes]) -> None:
+        self._secret = secret
+        self._warned: Set[str] = set()
+        self._lock = threading.Lock()
+
+    @property
+    def on(self) -> bool:
+        return self._secret is not None
+
+    def _mac(self, key: str, value: bytes) -> bytes:
+        assert self._secret is not None
+        return hmac.new(self._secret, key.encode() + b"\0" + value, hashlib.sha256).hexdigest().encode()
+
+    def sign(self, key: str, value: bytes) -> bytes:
+        """What to store under ``key`` (the full key, with its prefix)."""
+        if self._secret is None:
+            return value
+        return SIGNED + self._mac(key, value) + b":" + value
+
+    def open(self, key: str, stored: Optional[bytes]) -> Optional[bytes]:
+        """The value under ``key`` if it is signed with our secret (or there is no secret);
+        None if there is none, or it is unsigned or badly signed (one warning per kind of key)."""
+        if stored is None or self._secret is None:
+            return stored
+        stored = bytes(stored)
+        if stored.startswith(SIGNED):
+            mac, sep, value = stored[len(SIGNED):].partition(b":")
+            if sep and hmac.compare_digest(mac, self._mac(key, value)):
+                return value
+        parts = key.rsplit("/", 2)
+        kind = parts[-2] if parts[-1].isdigit() and len(parts) > 1 else parts[-1]  # beat, host, verdict
+        with self._lock:
+            if kind in self._warned:
+                return None
+            self._warned.add(kind)
+        logger.warning("peerwatch: the store holds a value under %s that is not signed with this job's store "
+                       "secret; ignored (another user, or a host with another secret, wrote it; further ones "
+                       "under %s are ignored without a warning)", key, kind)
+        return None
+
+
+NO_SEAL = Seal(None)
+
+
 @dataclasses.dataclass(frozen=True)
 class Exchange:
     """One interval's work, as the beat thread planned it."""
@@ -47,6 +109,7 @@ class Exchange:
     me: Optional[HostInfo]  # our host/<i> to (re)write (its index is filled in), or None
     hosts: Mapping[int, HostInfo]  # the hosts known so far (a copy)
     expected: Optional[int]  # how many hosts the launcher says the job has
+    seal: Seal = NO_SEAL
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,10 +141,13 @@ def exchange(c: Any, x: Exchange) -> Seen:
     index = x.index
     if index is None:
         index, requests = register(c, x.prefix, x.ident), 3
-    c.set(x.prefix + beat_key(index), x.beat)
+    seal = x.seal
+    key = x.prefix + beat_key(index)
+    c.set(key, seal.sign(key, x.beat))
     requests += 1
     if x.me is not None:
-        c.set(x.prefix + host_key(index), dataclasses.replace(x.me, index=index).to_json())
+        key = x.prefix + host_key(index)
+        c.set(key, seal.sign(key, dataclasses.replace(x.me, index=index).to_json()))
         requests += 1
     new_hosts: Dict[int, HostInfo] = {}
     if roster_incomplete(x.expected, len(set(x.hosts) | {index})):
@@ -89,39 +155,57 @@ def exchange(c: Any, x: Exchange) -> Seen:
         requests += 1
         for j in hosts_to_read(count, set(x.hosts), index):
             # host/<j> is written after beat/<j>: once it exists both do.
-            if c.check([x.prefix + host_key(j)]):
-                new_hosts[j] = HostInfo.from_json(j, c.get(x.prefix + host_key(j)))
+            key = x.prefix + host_key(j)
+            if c.check([key]):
+                info = seal.open(key, c.get(key))
+                if info is not None:  # badly signed: not there yet
+                    new_hosts[j] = HostInfo.from_json(j, info)
             requests += 1
     others = peers_to_watch({**x.hosts, **new_hosts}, index, x.ident)
     beats: Dict[int, Optional[bytes]] = {}
     if others:
-        values: List[Optional[bytes]] = c.multi_get([x.prefix + beat_key(j) for j in others])
-        beats = dict(zip(others, values))
+        keys = [x.prefix + beat_key(j) for j in others]
+        values: List[Optional[bytes]] = c.multi_get(keys)
+        beats = {j: seal.open(key, v) for j, key, v in zip(others, keys, values)}
         requests += 1
     return Seen(index, x.index is None, new_hosts, beats, requests)
 
 
-def read_host(c: Any, prefix: str, index: int) -> HostInfo:
-    return HostInfo.from_json(index, c.get(prefix + host_key(index)))
+def read_host(c: Any, prefix: str, index: int, seal: Seal = NO_SEAL) -> HostInfo:
+    """host/<index>; a badly signed one raises ValueError (the caller names the ranks it knows)."""
+    key = prefix + host_key(index)
+    info = seal.open(key, c.get(key))
+    if info is None:
+        raise ValueError(f"{key} is not signed with the store secret")
+    return HostInfo.from_json(index, info)
 
 
-def send_beat(c: Any, prefix: str, index: int, beat: bytes) -> None:
-    c.set(prefix + beat_key(index), beat)
+def send_beat(c: Any, prefix: str, index: int, beat: bytes, seal: Seal = NO_SEAL) -> None:
+    key = prefix + beat_key(index)
+    c.set(key, seal.sign(key, beat))
 
 
-def publish_verdict(c: Any, prefix: str, data: bytes) -> bool:
-    """Offer our verdict; True if the store keeps it (False: another host's came first)."""
-    return bool(c.compare_set(prefix + VERDICT, "", data) == data)
+def publish_verdict(c: Any, prefix: str, data: bytes, seal: Seal = NO_SEAL) -> bool:
+    """Offer our verdict; True if the store keeps it (False: another host's came first).
+    With a secret, a value there that is not signed with it (forged) is replaced by ours."""
+    key = prefix + VERDICT
+    signed = seal.sign(key, data)
+    held = c.compare_set(key, "", signed)
+    if held != signed and seal.on and seal.open(key, held) is None:
+        held = c.compare_set(key, held, signed)
+    return bool(held == signed)
 
 
-def poll_verdict(c: Any, prefix: str) -> Optional[bytes]:
-    """The job's verdict, if there is one (for a store that cannot be waited on)."""
-    if c.check([prefix + VERDICT]):
-        return bytes(c.get(prefix + VERDICT))
+def poll_verdict(c: Any, prefix: str, seal: Seal = NO_SEAL) -> Optional[bytes]:
+    """The job's verdict, if there is one (for a store that cannot be waited on); with a
+    secret, only one signed with it."""
+    key = prefix + VERDICT
+    if c.check([key]):
+        return seal.open(key, bytes(c.get(key)))
     return None
 
 
 __all__ = [
-    "HOSTS", "VERDICT", "Exchange", "Seen", "beat_key", "exchange", "host_key", "index_key", "poll_verdict",
+    "HOSTS", "NO_SEAL", "SIGNED", "VERDICT", "Exchange", "Seal", "Seen", "beat_key", "exchange", "host_key", "index_key", "poll_verdict",
     "publish_verdict", "read_host", "register", "send_beat",
 ]
