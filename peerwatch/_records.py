@@ -151,6 +151,20 @@ class NotSignalled:
     observed_by: int
 
 
+@dataclasses.dataclass(frozen=True)
+class WatcherDeath:
+    """The rank's watcher thread died: this rank is no longer protected (``peerwatch status``)."""
+
+    KIND = "watcher-death"
+    rank: int
+    pid: int
+    time_ns: int
+    exception: str  # the exception's type
+    message: str
+
+
+WATCHER_DEATH = "watcher"  # events/watcher-<rank>.json: a WatcherDeath (not an event the watchers act on)
+
 # The events folder's file name prefixes (``<prefix>-<rank>.json``) and their record types.
 # ``thread``: an uncaught exception in another thread of the rank (for the report).
 EVENT_TYPES: Dict[str, type] = {"success": Success, "failure": Failure, "exit": ExitStatus, "ack": Ack, "thread": Failure,
@@ -263,5 +277,6 @@ def signal_name(signum: int) -> str:
 __all__ = [
     "EXCEPTION", "EXIT", "HANG", "LOST", "MISSING", "SIGNAL", "VANISHED",
     "EVENT_TYPES", "Ack", "ExitStatus", "Failure", "Heartbeat", "NotSignalled", "Registration", "Success", "Verdict",
+    "WATCHER_DEATH", "WatcherDeath",
     "HANG_EXIT_CODE", "MAX_RECORD_BYTES", "RECORD_VERSION", "decode", "encode", "returncode_exit_code", "signal_name",
 ]

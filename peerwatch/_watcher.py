@@ -31,7 +31,7 @@ from ._errors import PeerFailure
 from ._heartbeat import HeartbeatWriter, Progress
 from ._identity import is_local
 from ._observer import Observer
-from ._records import Ack, Failure, Registration, Success, Verdict
+from ._records import WATCHER_DEATH, Ack, Failure, Registration, Success, Verdict, WatcherDeath, encode
 from ._rundir import EVENTS, VERDICT_FILE, RunDir, rank_file
 from ._schedule import Schedule
 from ._sources import pidfd_supported
@@ -227,11 +227,12 @@ class Watcher:
     def _main(self) -> None:
         try:
             self._run()
-        except BaseException:  # noqa: BLE001 - the watcher must never die silently
+        except BaseException as e:  # noqa: BLE001 - the watcher must never die silently
             logger.exception(
                 "peerwatch: the watcher of rank %d failed; this rank is NOT protected any more "
                 "(training goes on)", self.rank,
             )
+            record_death(self.run_dir, self.rank, e)
 
     def _run(self) -> None:
         obs = self.observer
@@ -431,6 +432,18 @@ class Watcher:
         self.heartbeat.write(self.observer.local_pids)
 
 
+def record_death(run_dir: RunDir, rank: int, error: BaseException) -> None:
+    """Say in the run directory that rank ``rank``'s watcher died of ``error``, for
+    ``peerwatch status`` (and people): the log may be long gone when someone looks. Never
+    raises: the watcher is already dying, and the training must go on."""
+    try:
+        death = WatcherDeath(rank=rank, pid=os.getpid(), time_ns=time.time_ns(), exception=type(error).__name__,
+                             message=str(error)[:2000])
+        run_dir.write(EVENTS, rank_file(WATCHER_DEATH, rank), encode(death), replace=True)
+    except Exception as e:  # noqa: BLE001
+        logger.error("peerwatch: rank %d could not record in %s that its watcher died: %s", rank, run_dir.path, e)
+
+
 def _monotonic(wall_ns: Optional[int]) -> Optional[float]:
     """A ``time.time_ns()`` deadline as a ``time.monotonic()`` one."""
     if wall_ns is None:
@@ -438,4 +451,4 @@ def _monotonic(wall_ns: Optional[int]) -> Optional[float]:
     return time.monotonic() + (wall_ns - time.time_ns()) / 1e9
 
 
-__all__ = ["Outcome", "Settle", "Watcher"]
+__all__ = ["Outcome", "Settle", "Watcher", "record_death"]

@@ -7,12 +7,12 @@ import json
 import os
 import sys
 import time
-from typing import List, Optional
+from typing import Any, Dict, List, Optional
 
 from . import _report, _rundir
 from ._errors import RunDirError
-from ._records import Heartbeat
-from ._rundir import HEARTBEATS, RunDir, rank_file
+from ._records import WATCHER_DEATH, Heartbeat, WatcherDeath
+from ._rundir import EVENTS, HEARTBEATS, RunDir, rank_file
 
 
 def _open(path: str) -> RunDir:
@@ -46,7 +46,24 @@ def _status_cmd(args: argparse.Namespace) -> int:
         step = "-" if not beat or beat.step is None else str(beat.step)
         print(f"{r['rank']:>4}  {str(r['pid']):>7}  {str(r['host'])[:16]:<16} {r['state']:<10} {age:>9}  {step:>8}")
     print(f"outcome: {report['outcome']}")
+    for line in _watcher_deaths(rd, {r["rank"]: r["pid"] for r in report["ranks"]}):
+        print(line)
     return 0
+
+
+def _watcher_deaths(rd: RunDir, pids: Dict[int, Any]) -> List[str]:
+    """One line per rank whose watcher died (its process, as registered: not an earlier one's)."""
+    lines = []
+    for prefix, rank, name in sorted(rd.entries(EVENTS), key=lambda e: e[1]):
+        if prefix != WATCHER_DEATH:
+            continue
+        death = rd.read(EVENTS, name, WatcherDeath)
+        if death is None or death.rank != rank or pids.get(rank) not in (None, death.pid):
+            continue
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(death.time_ns / 1e9))
+        lines.append(f"rank {rank}: watcher died at {when}: {death.exception}: {death.message}; "
+                     "this rank is unprotected")
+    return lines
 
 
 def _ls_cmd(args: argparse.Namespace) -> int:
