@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import select
 import shutil
@@ -149,6 +150,40 @@ def test_bridges_through_a_store_object(tmp_path: Path, clone: bool) -> None:
         _wait_for(lambda: a.from_store is not None, 5.0, "the verdict back through a's waiter")
     finally:
         for x in (a, b, c):
+            x.stop()
+
+
+def test_bridges_with_a_store_secret_sign_what_they_write_and_replace_a_forged_verdict(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """store_secret on every host: they see each other through signed host records and beats;
+    a verdict forged in the store before anything failed is ignored, and replaced by the
+    first real one, which every host takes (docs/security.md)."""
+    dist = pytest.importorskip("torch.distributed")
+    from peerwatch._records import Verdict
+
+    caplog.set_level(logging.WARNING, logger="peerwatch")
+    hash_store = dist.HashStore()
+    secret = "a-secret-every-host-of-the-job-shares"
+    a = _in_process_host(tmp_path, "hosta", [0, 1], hash_store, store_secret=secret)
+    b = _in_process_host(tmp_path, "hostb", [2, 3], hash_store, store_secret=secret)
+    try:
+        _wait_for(lambda: all(len(x.hosts) == 2 for x in (a, b)), 10.0, "every host seen")
+        assert hash_store.get("peerwatch/inproc/beat/0").startswith(b"pw-hmac1:")
+        forged = Verdict(rank=3, cause="exception", exit_code=77, failed_at_ns=1, detected_by=3, detected_at_ns=2)
+        hash_store.set("peerwatch/inproc/verdict", encode(forged))
+        unsigned = "not signed with this job's store secret"
+        _wait_for(lambda: caplog.text.count(unsigned) >= 2, 5.0, "both waiters rejecting the forged verdict")
+        assert a.from_store is None and b.from_store is None
+        assert not os.path.exists(b.run_dir.join("events", "verdict.json"))
+        v = Verdict(rank=0, cause="exception", exit_code=1, failed_at_ns=1, detected_by=1, detected_at_ns=2,
+                    host="hosta", detail="raised RuntimeError")
+        a.on_verdict(v)
+        assert a.published
+        _wait_for(lambda: b.from_store is not None, 5.0, "the signed verdict taken by host b")
+        assert decode(Verdict, b.from_store) == v
+    finally:
+        for x in (a, b):
             x.stop()
 
 
