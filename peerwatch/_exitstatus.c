@@ -46,6 +46,7 @@ typedef struct {
     char failure_name[MAX_NAME];
     piece success_head, success_tail;              /* head <time_ns> tail */
     piece failure_head, failure_mid, failure_tail; /* head <time_ns> mid <exit code> tail */
+    piece complaint;                               /* "peerwatch: rank N could not write " */
     char out[3 * MAX_PIECE + 2 * MAX_DIGITS];
 } state;
 
@@ -99,32 +100,58 @@ static int temp_name(char *buf, size_t size, const char *name)
     return 0;
 }
 
-/* Write data to events/<name> unless something is there already (first writer wins). */
-static void write_once(const char *name, const char *data, size_t len)
+/* Write data to events/<name>: the first writer wins (link), or, for this rank's own
+ * success marker, whatever sits there is replaced (rename: garbage planted in its place
+ * must not block it). Returns 0, or the errno that stopped it. */
+static int write_record(const char *name, const char *data, size_t len, int replace)
 {
     char tmp[MAX_NAME + 2 * MAX_DIGITS + 8];
     if (temp_name(tmp, sizeof tmp, name) != 0)
-        return;
+        return ENAMETOOLONG;
     int fd = openat(st.tmp_fd, tmp, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
     if (fd < 0)
-        return;
+        return errno;
     size_t done = 0;
-    int ok = 1;
+    int err = 0;
     while (done < len) {
         ssize_t n = write(fd, data + done, len - done);
         if (n < 0 && errno == EINTR)
             continue;
         if (n <= 0) {
-            ok = 0;
+            err = n < 0 ? errno : EIO;
             break;
         }
         done += (size_t)n;
     }
-    if (close(fd) != 0)
-        ok = 0;
-    if (ok)
-        (void)linkat(st.tmp_fd, tmp, st.events_fd, name, 0); /* EEXIST: another record won */
+    if (close(fd) != 0 && !err)
+        err = errno;
+    if (!err && replace && renameat(st.tmp_fd, tmp, st.events_fd, name) != 0)
+        err = errno;
+    if (!err && !replace && linkat(st.tmp_fd, tmp, st.events_fd, name, 0) != 0 && errno != EEXIST)
+        err = errno; /* EEXIST: another record won */
     (void)unlinkat(st.tmp_fd, tmp, 0);
+    return err;
+}
+
+/* Say on stderr (the only voice left after Python) that a record could not be written. */
+static void complain(const char *name, int err)
+{
+    char line[MAX_PIECE + MAX_NAME + 256];
+    size_t n = put_bytes(line, 0, &st.complaint);
+    size_t k = strlen(name);
+    memcpy(line + n, name, k);
+    n += k;
+    const char *why = strerror(err);
+    k = strlen(why);
+    if (k > 200)
+        k = 200;
+    line[n++] = ':';
+    line[n++] = ' ';
+    memcpy(line + n, why, k);
+    n += k;
+    line[n++] = '\n';
+    ssize_t w = write(2, line, n);
+    (void)w;
 }
 
 static int exists(int dir_fd, const char *name)
@@ -148,14 +175,18 @@ static void at_exit(int status, void *arg)
         n = put_bytes(st.out, 0, &st.success_head);
         n = put_number(st.out, n, now_ns(CLOCK_REALTIME));
         n = put_bytes(st.out, n, &st.success_tail);
-        write_once(st.success_name, st.out, n);
+        int err = write_record(st.success_name, st.out, n, 1);
+        if (err)
+            complain(st.success_name, err);
     } else {
         n = put_bytes(st.out, 0, &st.failure_head);
         n = put_number(st.out, n, now_ns(CLOCK_REALTIME));
         n = put_bytes(st.out, n, &st.failure_mid);
         n = put_number(st.out, n, (long long)code);
         n = put_bytes(st.out, n, &st.failure_tail);
-        write_once(st.failure_name, st.out, n);
+        int err = write_record(st.failure_name, st.out, n, 0);
+        if (err)
+            complain(st.failure_name, err);
     }
 out:
     errno = saved_errno;
@@ -186,7 +217,7 @@ static int copy_name(char *dst, Py_buffer *b)
 
 PyDoc_STRVAR(arm_doc,
 "arm(events_fd, tmp_fd, pid, success_name, success_head, success_tail, failure_name,\n"
-"    failure_head, failure_mid, failure_tail, write_success)\n"
+"    failure_head, failure_mid, failure_tail, write_success, complaint)\n"
 "\n"
 "At exit of process ``pid``: status 0 -> success marker (if write_success and no failure\n"
 "record is there), else the failure record. Takes ownership of the two fds; an earlier\n"
@@ -195,16 +226,17 @@ PyDoc_STRVAR(arm_doc,
 static PyObject *arm(PyObject *self, PyObject *args)
 {
     int events_fd, tmp_fd, pid, write_success;
-    Py_buffer sn, sh, stl, fn, fh, fm, ft;
+    Py_buffer sn, sh, stl, fn, fh, fm, ft, cp;
     (void)self;
-    if (!PyArg_ParseTuple(args, "iiiy*y*y*y*y*y*y*p", &events_fd, &tmp_fd, &pid, &sn, &sh, &stl, &fn, &fh,
-                          &fm, &ft, &write_success))
+    if (!PyArg_ParseTuple(args, "iiiy*y*y*y*y*y*y*py*", &events_fd, &tmp_fd, &pid, &sn, &sh, &stl, &fn, &fh,
+                          &fm, &ft, &write_success, &cp))
         return NULL;
     static state next;
     int bad = copy_name(next.success_name, &sn) || copy_piece(&next.success_head, &sh) ||
               copy_piece(&next.success_tail, &stl) || copy_name(next.failure_name, &fn) ||
               copy_piece(&next.failure_head, &fh) || copy_piece(&next.failure_mid, &fm) ||
-              copy_piece(&next.failure_tail, &ft);
+              copy_piece(&next.failure_tail, &ft) || copy_piece(&next.complaint, &cp);
+    PyBuffer_Release(&cp);
     PyBuffer_Release(&sn);
     PyBuffer_Release(&sh);
     PyBuffer_Release(&stl);

@@ -114,7 +114,7 @@ def arm(run_dir: RunDir, rank: int, write_success: bool) -> bool:
             fds[0], fds[1], pid,
             rank_file("success", rank).encode(), *success_template(rank, pid),
             rank_file("failure", rank).encode(), *failure_template(rank, pid),
-            write_success,
+            write_success, f"peerwatch: rank {rank} could not write ".encode(),
         )
     except (OSError, ValueError) as e:
         for fd in fds:
