@@ -215,12 +215,62 @@ def decode(cls: Type[R], data: bytes) -> Optional[R]:
             return None
         values[field.name] = value
     try:
-        return cls(**values)
+        record = cls(**values)
     except (TypeError, ValueError):
         return None
+    return record if in_range(record) else None
 
 
 _INVALID = object()
+
+MAX_SIGNAL = 64  # the highest signal number on Linux (SIGRTMAX)
+
+
+def _exit_code_ok(code: Optional[int]) -> bool:
+    """An exit code a failure can carry: 1-255 (0 is success; 256 would exit 0)."""
+    return code is None or 1 <= code <= 255
+
+
+def _returncode_ok(code: Optional[int]) -> bool:
+    """As subprocess reports it: -N for signal N, else an exit status 0-255."""
+    return code is None or -MAX_SIGNAL <= code <= 255
+
+
+def _ranges(record: Any) -> bool:
+    """Checks beyond types, per record type: what a record of ours can hold."""
+    if isinstance(record, Registration):
+        return (
+            record.pid > 0 and record.ppid >= 0 and record.start_ticks >= 0 and record.uid >= 0
+            and (record.world_size is None or (record.world_size > 0 and record.rank < record.world_size))
+            and (record.local_rank is None or record.local_rank >= 0)
+        )
+    if isinstance(record, Failure):
+        return record.pid >= 0 and _exit_code_ok(record.exit_code)  # pid 0: a host's record, written by the bridge
+    if isinstance(record, ExitStatus):
+        return record.pid > 0 and _returncode_ok(record.returncode) and record.observed_by >= 0
+    if isinstance(record, Verdict):
+        return (
+            1 <= record.exit_code <= 255 and record.detected_by >= 0 and (record.pid is None or record.pid >= 0)
+            and _returncode_ok(record.returncode) and all(r >= 0 for r in record.laggards)
+        )
+    if isinstance(record, Heartbeat):
+        return record.pid > 0 and record.seq >= 0 and all(p > 0 and t >= 0 for p, t in record.children)
+    if isinstance(record, NotSignalled):
+        return record.pid > 0 and record.observed_by >= 0
+    if isinstance(record, (Success, Ack)):
+        return record.pid > 0
+    return True
+
+
+def in_range(record: Any) -> bool:
+    """True if every field of ``record`` is in its range: ranks and times not negative,
+    pids positive (0 for "no process", where a record may say so), exit codes 1-255 where
+    they are a failure's, return codes -64..255. A record out of range was not written by
+    peerwatch and is treated as malformed: it would otherwise make every rank exit 0 on a
+    failure (exit code 256) or name a process that is no rank."""
+    if getattr(record, "rank", 0) < 0 or getattr(record, "time_ns", 0) < 0:
+        return False
+    return _ranges(record)
 
 
 def _check(value: Any, expected: Any) -> Any:
@@ -278,5 +328,6 @@ __all__ = [
     "EXCEPTION", "EXIT", "HANG", "LOST", "MISSING", "SIGNAL", "VANISHED",
     "EVENT_TYPES", "Ack", "ExitStatus", "Failure", "Heartbeat", "NotSignalled", "Registration", "Success", "Verdict",
     "WATCHER_DEATH", "WatcherDeath",
-    "HANG_EXIT_CODE", "MAX_RECORD_BYTES", "RECORD_VERSION", "decode", "encode", "returncode_exit_code", "signal_name",
+    "HANG_EXIT_CODE", "MAX_RECORD_BYTES", "MAX_SIGNAL", "RECORD_VERSION", "decode", "encode", "in_range", "returncode_exit_code",
+    "signal_name",
 ]

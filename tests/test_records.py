@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from peerwatch._records import (
     HANG_EXIT_CODE,
     MAX_RECORD_BYTES,
+    MAX_SIGNAL,
     RECORD_VERSION,
     Ack,
     ExitStatus,
@@ -24,6 +25,7 @@ from peerwatch._records import (
     Verdict,
     decode,
     encode,
+    in_range,
     returncode_exit_code,
     signal_name,
 )
@@ -38,14 +40,31 @@ pytestmark = pytest.mark.pure  # no process, no thread, no file: conftest skips 
 
 
 
-def strategy_for(tp: Any) -> st.SearchStrategy[Any]:
+# The ranges decode() enforces (in_range), by field name; other int fields take any int.
+NON_NEGATIVE = st.integers(min_value=0, max_value=2**70)
+FIELD_INTS = {
+    **dict.fromkeys(
+        ["rank", "time_ns", "ppid", "start_ticks", "uid", "detected_by", "observed_by", "seq", "local_rank", "laggards"],
+        NON_NEGATIVE,
+    ),
+    "pid": st.integers(min_value=1, max_value=2**70),
+    "world_size": st.integers(min_value=1, max_value=2**70),
+    "exit_code": st.integers(min_value=1, max_value=255),
+    "returncode": st.integers(min_value=-MAX_SIGNAL, max_value=255),
+    "children": st.tuples(st.integers(min_value=1, max_value=2**70), NON_NEGATIVE),
+}
+
+
+def strategy_for(tp: Any, name: str = "") -> st.SearchStrategy[Any]:
     origin = typing.get_origin(tp)
     if origin is typing.Union:
-        return st.one_of(*[strategy_for(a) for a in typing.get_args(tp)])
+        return st.one_of(*[strategy_for(a, name) for a in typing.get_args(tp)])
     if tp is type(None):
         return st.none()
+    if name == "children":
+        return st.lists(FIELD_INTS[name], max_size=5).map(tuple)
     if tp is int:
-        return ints
+        return FIELD_INTS.get(name, ints)
     if tp is bool:
         return st.booleans()
     if tp is str:
@@ -53,14 +72,15 @@ def strategy_for(tp: Any) -> st.SearchStrategy[Any]:
     if origin is tuple:
         args = typing.get_args(tp)
         if len(args) == 2 and args[1] is Ellipsis:
-            return st.lists(strategy_for(args[0]), max_size=5).map(tuple)
+            return st.lists(strategy_for(args[0], name), max_size=5).map(tuple)
         return st.tuples(*[strategy_for(a) for a in args])
     raise AssertionError(f"no strategy for {tp!r}")
 
 
 def records(cls: type) -> st.SearchStrategy[Any]:
     hints = typing.get_type_hints(cls)
-    return st.builds(cls, **{f.name: strategy_for(hints[f.name]) for f in dataclasses.fields(cls)})
+    built = st.builds(cls, **{f.name: strategy_for(hints[f.name], f.name) for f in dataclasses.fields(cls)})
+    return built.filter(in_range)  # left: a registration's rank below its world size
 
 
 any_record = st.one_of(*[records(cls) for cls in RECORD_TYPES])
@@ -395,3 +415,59 @@ def test_a_field_of_a_type_the_codec_does_not_check_is_never_decoded():
     # Records are strictly typed: a field type decode() cannot check (a float, say, added to a
     # record one day) makes the record unreadable rather than read unchecked.
     assert decode(_Sample, b'{"version": 1, "kind": "sample", "ratio": 0.5}') is None
+
+
+# -- ranges: what a record of peerwatch can hold (issue 14: forged records) -------------
+
+
+def _with(cls: type, **fields: Any) -> bytes:
+    body = minimal(cls)
+    body.update(fields)
+    return dumps(body)
+
+
+@pytest.mark.parametrize("code", [256, 0, -1, 1000, 2**40])
+def test_a_verdict_exit_code_outside_1_to_255_is_rejected(code):
+    # A forged verdict with exit_code 256 made every torn-down rank exit 0 (256 & 0xFF).
+    assert decode(Verdict, _with(Verdict, exit_code=code)) is None
+    assert decode(Verdict, _with(Verdict, exit_code=1)) is not None
+    assert decode(Verdict, _with(Verdict, exit_code=255)) is not None
+
+
+@pytest.mark.parametrize("code", [256, 0, -9])
+def test_a_failure_exit_code_outside_1_to_255_is_rejected(code):
+    assert decode(Failure, _with(Failure, exit_code=code)) is None
+    assert decode(Failure, _with(Failure, exit_code=None)) is not None
+
+
+@pytest.mark.parametrize("returncode", [-65, 256, -(2**31)])
+def test_a_returncode_that_no_process_can_have_is_rejected(returncode):
+    assert decode(ExitStatus, _with(ExitStatus, returncode=returncode)) is None
+    assert decode(Verdict, _with(Verdict, returncode=returncode)) is None
+    assert decode(ExitStatus, _with(ExitStatus, returncode=-9)) is not None
+    assert decode(ExitStatus, _with(ExitStatus, returncode=0)) is not None
+
+
+@pytest.mark.parametrize("cls", RECORD_TYPES, ids=TYPE_IDS)
+def test_a_negative_rank_or_time_is_rejected(cls):
+    assert decode(cls, _with(cls, rank=-1)) is None
+    if "time_ns" in minimal(cls):
+        assert decode(cls, _with(cls, time_ns=-5)) is None
+
+
+@pytest.mark.parametrize("cls", [Registration, Success, ExitStatus, Ack, Heartbeat], ids=lambda c: c.__name__)
+@pytest.mark.parametrize("pid", [0, -1])
+def test_a_record_of_a_process_needs_a_positive_pid(cls, pid):
+    assert decode(cls, _with(cls, pid=pid)) is None
+
+
+def test_a_registration_outside_its_own_world_size_is_rejected():
+    assert decode(Registration, _with(Registration, rank=9, world_size=3)) is None
+    assert decode(Registration, _with(Registration, rank=2, world_size=3)) is not None
+    assert decode(Registration, _with(Registration, rank=0, world_size=0)) is None
+
+
+def test_heartbeat_children_must_be_processes():
+    assert decode(Heartbeat, _with(Heartbeat, children=[[0, 5]])) is None
+    assert decode(Heartbeat, _with(Heartbeat, children=[[7, -1]])) is None
+    assert decode(Heartbeat, _with(Heartbeat, children=[[7, 5]])) is not None
