@@ -98,7 +98,7 @@ class Observer:
         assert self._folder_args is not None
         name, disabled = self._folder_args
         rd = self.run_dir
-        return FolderWatch([rd.join(EVENTS), rd.join(RANKS)], self.wake, name=name, disabled=disabled)
+        return FolderWatch([rd.at(EVENTS), rd.at(RANKS)], self.wake, name=name, disabled=disabled)
 
     def stop(self) -> None:
         if self._folders is not None:
@@ -273,7 +273,7 @@ class Observer:
         seen = self._seen[sub]
         changed = []
         try:
-            with os.scandir(self.run_dir.join(sub)) as it:
+            with os.scandir(self.run_dir.at(sub)) as it:
                 for entry in it:
                     if seen.get(entry.name) != entry.inode():
                         seen[entry.name] = entry.inode()

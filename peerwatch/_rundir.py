@@ -22,6 +22,7 @@ to pair them.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -29,7 +30,7 @@ import stat
 import sys
 import threading
 import time
-from typing import Callable, Dict, Iterator, Mapping, Optional, Set, Tuple, Type, TypeVar
+from typing import Callable, Dict, Iterator, List, Mapping, Optional, Set, Tuple, Type, TypeVar
 
 from . import _identity
 from ._errors import RunDirError
@@ -157,6 +158,10 @@ def check_trusted(path: str) -> None:
         raise RunDirError(path, f"cannot be read ({e.strerror})") from None
     if stat.S_ISLNK(st.st_mode):
         raise RunDirError(path, "is a symbolic link; refusing to follow it")
+    _check_own_dir(path, st)
+
+
+def _check_own_dir(path: str, st: os.stat_result) -> None:
     if not stat.S_ISDIR(st.st_mode):
         raise RunDirError(path, "is not a directory")
     if st.st_uid != os.geteuid():
@@ -165,12 +170,64 @@ def check_trusted(path: str) -> None:
         raise RunDirError(path, f"is group- or world-writable (mode {stat.S_IMODE(st.st_mode):o})")
 
 
-def _make_dir(path: str) -> None:
-    try:
-        os.mkdir(path, 0o700)
-    except FileExistsError:
-        pass
-    check_trusted(path)
+def check_ancestors(path: str) -> None:
+    """Raise :class:`RunDirError` unless no other user can rename ``path`` or any folder above it.
+
+    OpenSSH's rule for a secure path, applied to every component of ``path`` as written
+    and as resolved (``realpath``): each one is owned by root or by this user, and one that
+    is group- or world-writable has the sticky bit (as ``/tmp``), so that only its owner,
+    root and the owner of an entry can rename that entry. A symlink on the way must be
+    owned by root or by this user too (in a sticky folder its owner can replace it). A
+    component that does not exist yet is skipped: it will be created by this user.
+    """
+    me = os.geteuid()
+    absolute = os.path.abspath(path)
+    seen: Set[str] = set()
+    for candidate in (absolute, os.path.realpath(absolute)):
+        for part in _prefixes(candidate):
+            if part in seen:
+                continue
+            seen.add(part)
+            try:
+                st = os.lstat(part)
+            except FileNotFoundError:
+                continue
+            except OSError as e:
+                raise RunDirError(part, f"cannot be read ({e.strerror}), so the run directory below it cannot be trusted") from None
+            if st.st_uid not in (0, me):
+                raise RunDirError(
+                    part,
+                    f"is owned by uid {st.st_uid}, not by root or this user (uid {me}): that user could "
+                    "swap the run directory below it for their own; choose a PEERWATCH_DIR under a folder of "
+                    "yours (the default, under $XDG_RUNTIME_DIR or $TMPDIR, is)",
+                )
+            if stat.S_ISLNK(st.st_mode):
+                continue
+            if not stat.S_ISDIR(st.st_mode):
+                raise RunDirError(part, "is not a directory")
+            if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+                raise RunDirError(
+                    part,
+                    f"is group- or world-writable without the sticky bit (mode {stat.S_IMODE(st.st_mode):o}): "
+                    "others could swap the run directory below it for their own; choose a PEERWATCH_DIR "
+                    "under a folder only you can write",
+                )
+
+
+def _prefixes(path: str) -> List[str]:
+    """``/a/b/c`` -> ``["/", "/a", "/a/b", "/a/b/c"]``."""
+    out = []
+    while True:
+        out.append(path)
+        parent = os.path.dirname(path)
+        if parent == path:
+            return out[::-1]
+        path = parent
+
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_FD_ROOT = "/proc/self/fd"  # where a path through a held descriptor starts (Linux)
+_HAVE_FD_PATHS = os.path.isdir(_FD_ROOT)
 
 
 def same_job(a: Registration, b: Registration) -> bool:
@@ -210,39 +267,157 @@ def stale_because(
 
 
 class RunDir:
-    """One run directory on this host. Reads are tolerant; writes are atomic."""
+    """One run directory on this host. Reads are tolerant; writes are atomic.
+
+    Once :meth:`prepare` has made and checked the directory, it is held by a descriptor
+    (and so is each of its folders): every later read, write and listing goes through
+    those descriptors, never through the path again, so a directory renamed away and
+    replaced by another (by a user who can write a folder above it) is never read from or
+    written to. A RunDir that was not prepared (``peerwatch report``, tests) opens the
+    directory by its path for each operation, never following a symlink at its end.
+    Paths that :meth:`join` and :meth:`stack_path` give are for people (logs, the report);
+    code that must open something by path uses :meth:`at`.
+    """
 
     def __init__(self, path: str, shared: Optional[str] = None) -> None:
         self.path = path
         # Why several hosts share this directory (shared-filesystem mode; see _sharedfs),
         # or None: it belongs to this host.
         self.shared = shared
+        # The run's world size once known (from this rank's registration): records of
+        # ranks outside it are not records of this run.
+        self.world_size: Optional[int] = None
         self._warned: Set[Tuple[str, str]] = set()
         self._kinds: Dict[Tuple[str, str, str], int] = {}  # warnings given per kind (see warn_once)
         self._warn_lock = threading.Lock()
+        # "" -> the run directory, "events" -> its folder...: held once prepare() checked them.
+        self._fds: Dict[str, int] = {}
+        self._fd_lock = threading.RLock()
 
     def join(self, *parts: str) -> str:
+        """The path of ``parts`` under the run directory, for people (logs, the report)."""
         return os.path.join(self.path, *parts)
 
+    def at(self, *parts: str) -> str:
+        """A path to ``parts`` that goes through the held directory descriptor (Linux's
+        ``/proc/self/fd/N/...``): for code that must open or watch something by path.
+        The directory as it was checked, even if renamed and replaced since. Before
+        :meth:`prepare` (or where there is no ``/proc``), :meth:`join`."""
+        with self._fd_lock:
+            fd = self._fds.get("")
+        if fd is None or not _HAVE_FD_PATHS:
+            return self.join(*parts)
+        return os.path.join(_FD_ROOT, str(fd), *parts)
+
     def stack_path(self, rank: int) -> str:
-        """Where rank ``rank`` keeps its stack file (open for faulthandler as long as it runs)."""
+        """Where rank ``rank`` keeps its stack file (open for faulthandler as long as it runs); for people."""
         return self.join(STACKS, rank_file("rank", rank, ".txt"))
+
+    def stack_at(self, rank: int) -> str:
+        """Rank ``rank``'s stack file, through the held descriptor (see :meth:`at`): to open or check it."""
+        return self.at(STACKS, rank_file("rank", rank, ".txt"))
+
+    def close(self) -> None:
+        """Let go of the directory descriptors (a later operation opens the path again)."""
+        with self._fd_lock:
+            fds, self._fds = self._fds, {}
+        for fd in fds.values():
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    # -- directory descriptors ----------------------------------------------------
+
+    @contextlib.contextmanager
+    def _dir(self, sub: str) -> Iterator[int]:
+        """A descriptor of folder ``sub`` ("" for the run directory itself); OSError if it
+        cannot be opened (missing, a symlink, not a directory)."""
+        with self._fd_lock:
+            held = self._fds.get(sub)
+            if held is None and sub and "" in self._fds:
+                held = self._fds[sub] = os.open(sub, _DIR_FLAGS, dir_fd=self._fds[""])
+        if held is not None:
+            yield held
+            return
+        fd = os.open(self.path, _DIR_FLAGS)
+        try:
+            if sub:
+                top, fd = fd, -1
+                try:
+                    fd = os.open(sub, _DIR_FLAGS, dir_fd=top)
+                finally:
+                    os.close(top)
+            yield fd
+        finally:
+            if fd >= 0:
+                os.close(fd)
+
+    def _hold(self, path: str) -> None:
+        """Open the run directory at ``path``, check what was opened, and hold it."""
+        try:
+            fd = os.open(path, _DIR_FLAGS)
+        except OSError as e:
+            check_trusted(path)  # says why: a symlink, not a directory, missing...
+            raise RunDirError(path, f"cannot be opened ({e.strerror})") from None
+        try:
+            _check_own_dir(path, os.fstat(fd))
+        except RunDirError:
+            os.close(fd)
+            raise
+        self.close()
+        with self._fd_lock:
+            self._fds[""] = fd
+
+    def _hold_sub(self, sub: str) -> None:
+        """Create folder ``sub`` (0700) in the held run directory, check it, and hold it."""
+        top = self._fds[""]
+        where = self.join(sub)
+        try:
+            os.mkdir(sub, 0o700, dir_fd=top)
+        except FileExistsError:
+            pass
+        except OSError as e:
+            raise RunDirError(where, f"cannot be created ({e.strerror})") from None
+        try:
+            fd = os.open(sub, _DIR_FLAGS, dir_fd=top)
+        except OSError as e:
+            try:
+                st = os.lstat(sub, dir_fd=top)
+            except OSError:
+                st = None
+            reason = "is a symbolic link; refusing to follow it" if st is not None and stat.S_ISLNK(st.st_mode) else (
+                f"cannot be opened ({e.strerror})")
+            raise RunDirError(where, reason) from None
+        try:
+            _check_own_dir(where, os.fstat(fd))
+        except RunDirError:
+            os.close(fd)
+            raise
+        with self._fd_lock:
+            old = self._fds.get(sub)
+            self._fds[sub] = fd
+        if old is not None:
+            os.close(old)
 
     # -- creation and registration -------------------------------------------------
 
     def prepare(self, reg: Registration, process_start_ns: int) -> None:
         """Create the directory and its folders (0700) for rank ``reg.rank`` to register in.
 
-        Under a lock beside the directory: a directory left by an earlier run (this rank's
-        slot held by a dead process, or a verdict older than this process) is set aside
-        first. A slot held by another live process means two jobs share the directory:
-        :class:`RunDirError`.
+        Every folder above it must be safe from other users (:func:`check_ancestors`),
+        else :class:`RunDirError`. Under a lock beside the directory: a directory left by
+        an earlier run (this rank's slot held by a dead process, or a verdict older than
+        this process) is set aside first. A slot held by another live process means two
+        jobs share the directory: :class:`RunDirError`. From then on the directory is held
+        by a descriptor (see the class).
         """
-        parent = os.path.dirname(self.path)
+        parent = os.path.dirname(os.path.abspath(self.path))
         try:
             os.makedirs(parent, 0o700, exist_ok=True)
         except OSError as e:
             raise RunDirError(parent, f"cannot be created ({e.strerror})") from None
+        check_ancestors(parent)
         if parent == base_dir():
             check_trusted(parent)
         import filelock
@@ -250,10 +425,20 @@ class RunDir:
         lock = filelock.FileLock(self.path + ".lock", timeout=30)
         try:
             with lock:
+                self.close()
                 self._set_aside_if_stale(reg, process_start_ns)
-                _make_dir(self.path)
+                try:
+                    os.mkdir(self.path, 0o700)
+                except FileExistsError:
+                    pass
+                except OSError as e:
+                    raise RunDirError(self.path, f"cannot be created ({e.strerror})") from None
+                self._hold(self.path)
                 for sub in _SUBDIRS:
-                    _make_dir(self.join(sub))
+                    self._hold_sub(sub)
+                if reg.world_size is not None and reg.world_size > 0:
+                    # From now on (not while judging an earlier run's records, above).
+                    self.world_size = reg.world_size
         except filelock.Timeout:
             raise RunDirError(self.path, "timed out waiting for its lock file") from None
 
@@ -264,7 +449,7 @@ class RunDir:
     def _set_aside_if_stale(self, reg: Registration, process_start_ns: int) -> None:
         if not os.path.lexists(self.path):
             return
-        check_trusted(self.path)
+        self._hold(self.path)  # read what was checked, not what the path names a moment later
         mine = self.read(RANKS, rank_file("rank", reg.rank), Registration)
         if mine is not None and (mine.host, mine.pidns) != (reg.host, reg.pidns):
             # Another host's (or container's) record is never judged stale: we cannot see
@@ -315,6 +500,7 @@ class RunDir:
             return
         aside = f"{self.path}.stale-{time.time_ns()}"
         logger.warning("peerwatch: %s is from an earlier run (%s); moved it to %s", self.path, stale_reason, aside)
+        self.close()  # the descriptors would follow it aside
         os.rename(self.path, aside)
 
     # -- writing -------------------------------------------------------------------
@@ -329,8 +515,15 @@ class RunDir:
         the caller wins if what is there afterwards is its own data.
         Raises OSError (ENOSPC, ...) to the caller.
         """
-        tmp = self.join(TMP, f"{name}.{os.getpid()}.{threading.get_ident()}.{time.monotonic_ns()}")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        with self._dir(TMP) as tmp_dir, self._dir(sub) as dir_fd:
+            return self._write(tmp_dir, dir_fd, sub, name, data, replace, valid)
+
+    def _write(
+        self, tmp_dir: int, dir_fd: int, sub: str, name: str, data: bytes, replace: bool,
+        valid: Optional[Callable[[bytes], bool]],
+    ) -> bool:
+        tmp = f"{name}.{os.getpid()}.{threading.get_ident()}.{time.monotonic_ns()}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=tmp_dir)
         try:
             try:
                 view = memoryview(data)
@@ -338,12 +531,11 @@ class RunDir:
                     view = view[os.write(fd, view) :]
             finally:
                 os.close(fd)
-            target = self.join(sub, name)
             if replace:
-                os.replace(tmp, target)
+                os.replace(tmp, name, src_dir_fd=tmp_dir, dst_dir_fd=dir_fd)
                 return True
             try:
-                os.link(tmp, target)
+                os.link(tmp, name, src_dir_fd=tmp_dir, dst_dir_fd=dir_fd, follow_symlinks=False)
                 return True
             except FileExistsError:
                 if valid is None:
@@ -351,12 +543,12 @@ class RunDir:
             existing = self.read_bytes(sub, name)
             if existing is not None and valid(existing):
                 return False
-            self.warn_once(target, "is not a valid record; replaced by this rank's")
-            os.replace(tmp, target)
+            self.warn_once(self.join(sub, name), "is not a valid record; replaced by this rank's")
+            os.replace(tmp, name, src_dir_fd=tmp_dir, dst_dir_fd=dir_fd)
             return self.read_bytes(sub, name) == data
         finally:
             try:
-                os.unlink(tmp)
+                os.unlink(tmp, dir_fd=tmp_dir)
             except FileNotFoundError:
                 pass
 
@@ -366,7 +558,8 @@ class RunDir:
         """The file's bytes, or None if it is missing, not a regular file, a symlink or too big."""
         path = self.join(sub, name)
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+            with self._dir(sub) as dir_fd:
+                fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
         except FileNotFoundError:
             return None
         except OSError as e:
@@ -400,6 +593,8 @@ class RunDir:
             os.close(fd)
 
     def read(self, sub: str, name: str, cls: Type[R]) -> Optional[R]:
+        """The record ``sub/name`` of type ``cls``, or None: missing, malformed, or naming a
+        rank outside the run's world size (each logged once)."""
         data = self.read_bytes(sub, name)
         if data is None:
             return None
@@ -410,12 +605,24 @@ class RunDir:
             record = decode(cls, data) if data else None
         if record is None and data:
             self.warn_once(self.join(sub, name), "is not a valid peerwatch record; ignored")
+            return None
+        if record is not None and not self._in_world(record):
+            self.warn_once(
+                self.join(sub, name),
+                f"names rank {getattr(record, 'rank', '?')}, outside this run's world size {self.world_size}; ignored",
+            )
+            return None
         return record
+
+    def _in_world(self, record: object) -> bool:
+        rank = getattr(record, "rank", None)
+        return self.world_size is None or not isinstance(rank, int) or rank < self.world_size
 
     def entries(self, sub: str) -> Iterator[Tuple[str, int, str]]:
         """(prefix, rank, name) of the rank files in sub; other entries are skipped."""
         try:
-            names = os.listdir(self.join(sub))
+            with self._dir(sub) as dir_fd:
+                names = os.listdir(dir_fd)
         except FileNotFoundError:
             return
         except OSError as e:
@@ -502,7 +709,8 @@ class InPlace:
     def _current(self) -> bool:
         """The fd still is the file at our path (not deleted, not replaced)."""
         try:
-            here = os.stat(self.run_dir.join(self.sub, self.name), follow_symlinks=False)
+            with self.run_dir._dir(self.sub) as dir_fd:
+                here = os.stat(self.name, dir_fd=dir_fd, follow_symlinks=False)
             mine = os.fstat(self._fd)  # type: ignore[arg-type]
         except OSError:
             return False
@@ -510,7 +718,8 @@ class InPlace:
 
     def _open(self, size: int) -> None:
         try:
-            fd = os.open(self.run_dir.join(self.sub, self.name), os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            with self.run_dir._dir(self.sub) as dir_fd:
+                fd = os.open(self.name, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
         except OSError:
             return  # written atomically this time; next time we try again
         st = os.fstat(fd)
@@ -530,5 +739,5 @@ class InPlace:
 
 __all__ = [
     "InPlace", "EVENTS", "HEARTBEATS", "NEW_RUN", "OWNER_VAR", "RANKS", "REPORT_FILE", "STACKS", "TMP", "VERDICT_FILE",
-    "RunDir", "base_dir", "check_trusted", "parse_rank_file", "is_multiprocessing_child", "process_key", "rank_file", "resolve", "safe_name",
+    "RunDir", "base_dir", "check_ancestors", "check_trusted", "parse_rank_file", "is_multiprocessing_child", "process_key", "rank_file", "resolve", "safe_name",
 ]

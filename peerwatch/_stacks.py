@@ -38,7 +38,7 @@ class StackFile:
         global _faulthandler_ours
         try:
             fd = os.open(
-                rd.stack_path(rank), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                rd.stack_at(rank), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
             )
             file = os.fdopen(fd, "w")
             faulthandler.register(STACKS_SIGNAL, file=file, all_threads=True, chain=False)
