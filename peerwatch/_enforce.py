@@ -65,14 +65,17 @@ def _peer_and_tree(
         if info is not None and not info.dead and info.start_ticks == reg.start_ticks and info.uid != reg.uid:
             _not_signalled(obs, reg, f"it now runs as uid {info.uid}, not uid {reg.uid} as it registered")
         return []  # else it is gone (or its pid is another process now): nothing to signal
-    stack_path = obs.run_dir.stack_path(reg.rank)
+    stack_path = obs.run_dir.stack_at(reg.rank)
     if not _teardown.holds_file(reg.pid, stack_path):
+        problem = _teardown.stack_file_problem(stack_path)
+        why = f"rank {reg.rank}'s stack file {problem}" if problem else f"it does not hold rank {reg.rank}'s stack file"
         obs.run_dir.warn_once(
             obs.run_dir.join(RANKS, rank_file("rank", reg.rank)),
-            f"names pid {reg.pid}, which does not hold rank {reg.rank}'s stack file: not a verified peer, not signalled",
+            f"names pid {reg.pid}, but {why}: not a verified peer, not signalled",
         )
         _not_signalled(
-            obs, reg, f"pid {reg.pid} does not hold rank {reg.rank}'s stack file open (it exec'd another program, "
+            obs, reg, f"rank {reg.rank}'s stack file {problem}" if problem else
+            f"pid {reg.pid} does not hold rank {reg.rank}'s stack file open (it exec'd another program, "
             "or closed its descriptors)",
         )
         target.close()
@@ -103,7 +106,7 @@ def _orphans_of(obs: Observer, verdict: Verdict, peer_pids: AbstractSet[int]) ->
     if reg is None or beat is None or beat.pid != reg.pid or not is_local(reg):
         return []
     found = []
-    stack_path = obs.run_dir.stack_path(verdict.rank)
+    stack_path = obs.run_dir.stack_at(verdict.rank)
     for pid, start in beat.children:
         if pid in peer_pids:
             continue

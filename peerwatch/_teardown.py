@@ -12,6 +12,7 @@ import logging
 import os
 import select
 import signal
+import stat
 import sys
 import threading
 import time
@@ -66,24 +67,52 @@ def make_target(pid: int, start_ticks: int, uid: int, label: str) -> Optional[Ta
     return Target(pid, start_ticks, uid, label, pidfd)
 
 
+def stack_file_problem(path: str) -> Optional[str]:
+    """Why the file at ``path`` cannot vouch for a process, or None if it can.
+
+    Only a regular file of this user with one link, looked at without following a symlink
+    at the end of ``path``: a symlink to ``/dev/null``, a device, a FIFO or a hard link
+    to some other file would make any process holding that other file look like a rank.
+    """
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return "is missing"
+    except OSError as e:
+        return f"cannot be read ({e.strerror})"
+    if stat.S_ISLNK(st.st_mode):
+        return "is a symbolic link"
+    if not stat.S_ISREG(st.st_mode):
+        return "is not a regular file"
+    if st.st_uid != os.geteuid():
+        return f"is owned by uid {st.st_uid}, not by this user"
+    if st.st_nlink != 1:
+        return f"has {st.st_nlink} hard links"
+    return None
+
+
 def holds_file(pid: int, path: str) -> bool:
-    """True if process pid has ``path`` open (compared by device and inode).
+    """True if process pid has the regular file at ``path`` open (compared by device and inode).
 
     Every rank keeps its stack file open for faulthandler, so a process holding a rank's
     stack file is that rank (or a process it forked): a pid file naming any other process
     (pid 1, an unrelated process of ours, a forged record) is not vouched for by the OS.
+    ``path`` is never followed if it is a symlink, and only a regular file of ours with
+    one link vouches (:func:`stack_file_problem`).
     """
+    if stack_file_problem(path) is not None:
+        return False
     try:
-        want = os.stat(path)
+        want = os.lstat(path)
         fds = os.listdir(f"/proc/{pid}/fd")
     except OSError:
         return False
     for fd in fds:
         try:
-            st = os.stat(f"/proc/{pid}/fd/{fd}")
+            st = os.stat(f"/proc/{pid}/fd/{fd}")  # follows the fd's link: the open file itself
         except OSError:
             continue
-        if (st.st_dev, st.st_ino) == (want.st_dev, want.st_ino):
+        if (st.st_dev, st.st_ino) == (want.st_dev, want.st_ino) and stat.S_ISREG(st.st_mode):
             return True
     return False
 
@@ -344,5 +373,6 @@ def close_all(targets: Iterable[Target]) -> None:
 
 __all__ = [
     "INTERRUPT_SIGNAL", "STACKS_SIGNAL", "Target", "alive", "close_all", "descendants", "process_tree", "holds_file", "inherited_run",
+    "stack_file_problem",
     "flush_and_exit", "make_target", "own_interrupt_handler", "raise_in_main_thread", "send", "terminate", "wait_gone",
 ]

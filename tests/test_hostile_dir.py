@@ -21,6 +21,7 @@ import pytest
 from peerwatch import RunDirError, _identity
 from peerwatch._records import Registration, Verdict, encode
 from peerwatch._rundir import EVENTS, HEARTBEATS, RANKS, STACKS, VERDICT_FILE, RunDir, check_ancestors, rank_file
+from peerwatch._teardown import holds_file, stack_file_problem
 
 STRANGER_UID = 12345  # no such user here: "another user" owning what the test made
 GONE_S = 6.0
@@ -207,6 +208,62 @@ def test_a_forged_verdict_with_exit_code_256_tears_nothing_down(make_job) -> Non
 
 
 # -- 3. only a regular stack file vouches for a process --------------------------------
+
+
+def test_a_symlinked_stack_file_vouches_for_nobody(tmp_path: Path) -> None:
+    decoy = _decoy_holding_dev_null()
+    try:
+        _wait_up(decoy)
+        link = tmp_path / "rank-00009.txt"
+        link.symlink_to("/dev/null")
+        assert not holds_file(decoy.pid, str(link))
+        assert stack_file_problem(str(link)) == "is a symbolic link"
+        assert stack_file_problem("/dev/null") == "is not a regular file"
+        fifo = tmp_path / "fifo"
+        os.mkfifo(fifo)
+        assert stack_file_problem(str(fifo)) == "is not a regular file"
+        # A hard link to a file the process holds: the same inode, but not a stack file of ours.
+        held = tmp_path / "held.txt"
+        with open(held, "w"):
+            os.link(held, tmp_path / "hard.txt")
+            assert not holds_file(os.getpid(), str(tmp_path / "hard.txt"))
+            assert stack_file_problem(str(tmp_path / "hard.txt")) == "has 2 hard links"
+        theirs = tmp_path / "theirs.txt"
+        with open(theirs, "w"):
+            os.chown(theirs, STRANGER_UID, STRANGER_UID)
+            assert not holds_file(os.getpid(), str(theirs))
+    finally:
+        decoy.kill()
+        decoy.wait()
+        assert decoy.stdout is not None
+        decoy.stdout.close()
+
+
+@pytest.mark.timeout(90)
+def test_a_forged_rank_with_a_symlinked_stack_file_is_never_signalled(make_job) -> None:
+    # Ranks 0 and 1 of 3 run; rank 2's slot is forged: an unrelated process of this user,
+    # right pid, start time and uid, and a stack file that is a symlink to /dev/null,
+    # which that process holds open.
+    decoy = _decoy_holding_dev_null()
+    try:
+        _wait_up(decoy)
+        job = make_job(world=3, sync=False, env={"PEERWATCH_HEARTBEAT": "0.2", "PEERWATCH_ACK_WINDOW": "0.2"})
+        job.start(ranks=[0, 1])
+        job.wait_ready(ranks=[0, 1])
+        rd = RunDir(str(job.run_dir))
+        os.symlink("/dev/null", job.run_dir / STACKS / rank_file("rank", 2, ".txt"))
+        rd.write(RANKS, rank_file("rank", 2), encode(_reg(2, decoy.pid, world_size=3)), replace=True)
+        reg_path = str(job.run_dir / RANKS / rank_file("rank", 2))
+        job.kill(1)
+        job.wait_gone(within=GONE_S)
+        assert decoy.poll() is None, f"the decoy was signalled: {decoy.returncode}\n{job.logs()}"
+        log = job.log_path(0).read_text(errors="replace")
+        assert f"{reg_path} names pid {decoy.pid}, but rank 2's stack file is a symbolic link" in log, job.logs()
+    finally:
+        decoy.kill()
+        decoy.wait()
+        assert decoy.stdout is not None
+        decoy.stdout.close()
 
 
 @pytest.mark.timeout(90)
