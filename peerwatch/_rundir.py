@@ -292,6 +292,7 @@ class RunDir:
         self._warn_lock = threading.Lock()
         # "" -> the run directory, "events" -> its folder...: held once prepare() checked them.
         self._fds: Dict[str, int] = {}
+        self._ids: Dict[str, Tuple[int, int]] = {}  # (st_dev, st_ino) of each, as checked
         self._fd_lock = threading.RLock()
 
     def join(self, *parts: str) -> str:
@@ -303,8 +304,10 @@ class RunDir:
         ``/proc/self/fd/N/...``): for code that must open or watch something by path.
         The directory as it was checked, even if renamed and replaced since. Before
         :meth:`prepare` (or where there is no ``/proc``), :meth:`join`."""
-        with self._fd_lock:
-            fd = self._fds.get("")
+        try:
+            fd = self._held("")
+        except OSError:
+            fd = -1  # held, but lost: a path that leads nowhere, never the path again
         if fd is None or not _HAVE_FD_PATHS:
             return self.join(*parts)
         return os.path.join(_FD_ROOT, str(fd), *parts)
@@ -320,8 +323,9 @@ class RunDir:
     def close(self) -> None:
         """Let go of the directory descriptors (a later operation opens the path again)."""
         with self._fd_lock:
-            fds, self._fds = self._fds, {}
-        for fd in fds.values():
+            fds = [fd for sub, fd in self._fds.items() if self._is(fd, sub)]  # others' numbers now: not ours to close
+            self._fds, self._ids = {}, {}
+        for fd in fds:
             try:
                 os.close(fd)
             except OSError:
@@ -333,10 +337,7 @@ class RunDir:
     def _dir(self, sub: str) -> Iterator[int]:
         """A descriptor of folder ``sub`` ("" for the run directory itself); OSError if it
         cannot be opened (missing, a symlink, not a directory)."""
-        with self._fd_lock:
-            held = self._fds.get(sub)
-            if held is None and sub and "" in self._fds:
-                held = self._fds[sub] = os.open(sub, _DIR_FLAGS, dir_fd=self._fds[""])
+        held = self._held(sub)
         if held is not None:
             yield held
             return
@@ -353,6 +354,41 @@ class RunDir:
             if fd >= 0:
                 os.close(fd)
 
+    def _held(self, sub: str) -> Optional[int]:
+        """The held descriptor of ``sub``, or None if the directory is not held.
+
+        The application may take a descriptor's number (``os.closerange``, ``dup2`` of
+        ``/dev/null`` over it): a held descriptor that is no longer the folder that was
+        checked (device and inode) is let go, never closed (the number is the
+        application's now), and the folder opened again, accepted only if it is that very
+        folder. OSError if it cannot be.
+        """
+        with self._fd_lock:
+            if "" not in self._ids:
+                return None
+            fd = self._fds.get(sub)
+            if fd is not None and self._is(fd, sub):
+                return fd
+            self._fds.pop(sub, None)
+            top = None if not sub else self._held(sub="")
+            fd = os.open(sub if sub else self.path, _DIR_FLAGS, dir_fd=top)
+            st = os.fstat(fd)
+            if sub not in self._ids:
+                self._ids[sub] = (st.st_dev, st.st_ino)  # a folder first opened now, within the held directory
+            elif not self._is(fd, sub):
+                os.close(fd)
+                self.warn_once(self.join(sub), "is no longer the directory that was checked; not used")
+                raise OSError(errno.ESTALE, "not the directory that was checked")
+            self._fds[sub] = fd
+            return fd
+
+    def _is(self, fd: int, sub: str) -> bool:
+        try:
+            st = os.fstat(fd)
+        except OSError:
+            return False
+        return stat.S_ISDIR(st.st_mode) and (st.st_dev, st.st_ino) == self._ids.get(sub)
+
     def _hold(self, path: str) -> None:
         """Open the run directory at ``path``, check what was opened, and hold it."""
         try:
@@ -366,8 +402,10 @@ class RunDir:
             os.close(fd)
             raise
         self.close()
+        st = os.fstat(fd)
         with self._fd_lock:
             self._fds[""] = fd
+            self._ids[""] = (st.st_dev, st.st_ino)
 
     def _hold_sub(self, sub: str) -> None:
         """Create folder ``sub`` (0700) in the held run directory, check it, and hold it."""
@@ -394,9 +432,11 @@ class RunDir:
         except RunDirError:
             os.close(fd)
             raise
+        st = os.fstat(fd)
         with self._fd_lock:
             old = self._fds.get(sub)
             self._fds[sub] = fd
+            self._ids[sub] = (st.st_dev, st.st_ino)
         if old is not None:
             os.close(old)
 
@@ -615,6 +655,8 @@ class RunDir:
         return record
 
     def _in_world(self, record: object) -> bool:
+        if isinstance(record, Registration):
+            return True  # judged with the reader's own registration (_rundir.same_job), which says more
         rank = getattr(record, "rank", None)
         return self.world_size is None or not isinstance(rank, int) or rank < self.world_size
 

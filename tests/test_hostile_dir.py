@@ -283,7 +283,8 @@ def test_the_issues_forged_rank_9_of_3_is_never_signalled(make_job) -> None:
         job.wait_gone(within=GONE_S)
         assert decoy.poll() is None, f"the decoy was signalled: {decoy.returncode}\n{job.logs()}"
         assert job.report()["verdict"]["rank"] == 1
-        assert f"{reg_path} names rank 9, outside this run's world size 3; ignored" in job.logs()
+        assert f"{reg_path} registers rank 9 of a job of world size None (pid {decoy.pid})" in job.logs()
+        assert "neither watched nor ever signalled" in job.logs()
     finally:
         decoy.kill()
         decoy.wait()
