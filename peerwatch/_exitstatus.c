@@ -21,6 +21,7 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <signal.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
@@ -52,6 +53,26 @@ typedef struct {
 
 static state st;
 static int registered;
+
+/* Leaving during a teardown: the exit record (events/exit-<rank>.json) says how this
+ * rank really ended, by whichever path gets there first: leave(code) (os._exit with the
+ * verdict's code), the exit status at exit(), or a SIGTERM (torchrun's agent and
+ * mp.spawn's main process stop their workers with one as soon as they saw the failed
+ * one). The first to claim writes the record; the others step aside. */
+typedef struct {
+    int armed;
+    char name[MAX_NAME];
+    piece head, mid, mid2, tail; /* head <time_ns> mid <returncode> mid2 <sender pid or null> tail */
+    char out[4 * MAX_PIECE + 3 * MAX_DIGITS];
+} leaving_state;
+
+static leaving_state lv;
+static int claimed; /* set once, atomically, by whichever path writes the exit record */
+
+static int claim(void)
+{
+    return __atomic_exchange_n(&claimed, 1, __ATOMIC_SEQ_CST) == 0;
+}
 
 static size_t put_bytes(char *out, size_t at, const piece *p)
 {
@@ -160,6 +181,44 @@ static int exists(int dir_fd, const char *name)
     return fstatat(dir_fd, name, &sb, AT_SYMLINK_NOFOLLOW) == 0;
 }
 
+static void write_exit_record(long long returncode, long long sender)
+{
+    size_t n = put_bytes(lv.out, 0, &lv.head);
+    n = put_number(lv.out, n, now_ns(CLOCK_REALTIME));
+    n = put_bytes(lv.out, n, &lv.mid);
+    n = put_number(lv.out, n, returncode);
+    n = put_bytes(lv.out, n, &lv.mid2);
+    if (sender > 0) {
+        n = put_number(lv.out, n, sender);
+    } else {
+        memcpy(lv.out + n, "null", 4);
+        n += 4;
+    }
+    n = put_bytes(lv.out, n, &lv.tail);
+    write_once(lv.name, lv.out, n);
+}
+
+static void on_term(int sig, siginfo_t *info, void *ctx)
+{
+    (void)ctx;
+    int saved_errno = errno;
+    if (st.armed && lv.armed && getpid() == st.pid && claim())
+        write_exit_record(-(long long)sig, info != NULL && info->si_code == SI_USER ? (long long)info->si_pid : 0);
+    else if (claimed && getpid() == st.pid) {
+        /* leave() or exit() claimed first: the process is ending with that status now. */
+        errno = saved_errno;
+        return;
+    }
+    /* End by the signal's default action, as without us: it is delivered once we return. */
+    struct sigaction dfl;
+    memset(&dfl, 0, sizeof dfl);
+    dfl.sa_handler = SIG_DFL;
+    sigemptyset(&dfl.sa_mask);
+    (void)sigaction(sig, &dfl, NULL);
+    (void)raise(sig);
+    errno = saved_errno;
+}
+
 static void at_exit(int status, void *arg)
 {
     (void)arg;
@@ -168,6 +227,8 @@ static void at_exit(int status, void *arg)
         goto out;
     int code = status & 0xFF; /* what the parent will see */
     size_t n;
+    if (lv.armed && claim())
+        write_exit_record(code, 0);
     if (code == 0) {
         /* A failure already recorded (by Python, or on this rank's behalf) stands. */
         if (!st.write_success || exists(st.events_fd, st.failure_name))
@@ -289,8 +350,78 @@ static PyObject *armed(PyObject *self, PyObject *unused)
     return PyLong_FromLong(st.armed ? (long)st.pid : 0L);
 }
 
+PyDoc_STRVAR(arm_leaving_doc,
+"arm_leaving(name, head, mid, mid2, tail) -> bool\n"
+"\n"
+"This rank is being torn down: from now on the first of leave(code), exit(code) and a\n"
+"SIGTERM writes events/<name>, the record ``head <time> mid <returncode> mid2 <sender> tail``.\n"
+"A SIGTERM handler is installed only where SIGTERM's action is the default one (the\n"
+"application's own handler is left alone); returns whether it was. Needs arm() first.");
+
+static PyObject *arm_leaving(PyObject *self, PyObject *args)
+{
+    Py_buffer nm, h, m, m2, t;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*y*y*y*y*", &nm, &h, &m, &m2, &t))
+        return NULL;
+    static leaving_state next;
+    int bad = copy_name(next.name, &nm) || copy_piece(&next.head, &h) || copy_piece(&next.mid, &m) ||
+              copy_piece(&next.mid2, &m2) || copy_piece(&next.tail, &t);
+    PyBuffer_Release(&nm);
+    PyBuffer_Release(&h);
+    PyBuffer_Release(&m);
+    PyBuffer_Release(&m2);
+    PyBuffer_Release(&t);
+    if (bad)
+        return NULL;
+    if (!st.armed || getpid() != st.pid) {
+        PyErr_SetString(PyExc_RuntimeError, "arm() this process first");
+        return NULL;
+    }
+    if (lv.armed)
+        Py_RETURN_FALSE; /* armed once per process: a teardown happens once */
+    memcpy(&lv, &next, sizeof lv);
+    lv.armed = 1;
+    struct sigaction old, act;
+    if (sigaction(SIGTERM, NULL, &old) != 0 || (old.sa_flags & SA_SIGINFO) || old.sa_handler != SIG_DFL)
+        Py_RETURN_FALSE;
+    memset(&act, 0, sizeof act);
+    act.sa_sigaction = on_term;
+    act.sa_flags = SA_SIGINFO;
+    sigemptyset(&act.sa_mask);
+    if (sigaction(SIGTERM, &act, NULL) != 0)
+        Py_RETURN_FALSE;
+    Py_RETURN_TRUE;
+}
+
+PyDoc_STRVAR(leave_doc,
+"leave(code): end this process now with ``code`` (as os._exit), writing the exit record\n"
+"first if arm_leaving() armed it and nothing else claimed it. If a SIGTERM claimed it\n"
+"first, the process is ending by that signal: wait for it.");
+
+static PyObject *leave(PyObject *self, PyObject *arg)
+{
+    (void)self;
+    long code = PyLong_AsLong(arg);
+    if (code == -1 && PyErr_Occurred())
+        return NULL;
+    if (lv.armed && st.armed && getpid() == st.pid) {
+        if (claim()) {
+            write_exit_record(code & 0xFF, 0);
+        } else {
+            /* The SIGTERM handler wrote the record and is ending the process by the signal. */
+            struct timespec second = {1, 0};
+            for (int i = 0; i < 5; i++)
+                (void)nanosleep(&second, NULL);
+        }
+    }
+    _exit((int)code);
+}
+
 static PyMethodDef methods[] = {
     {"arm", arm, METH_VARARGS, arm_doc},
+    {"arm_leaving", arm_leaving, METH_VARARGS, arm_leaving_doc},
+    {"leave", leave, METH_O, leave_doc},
     {"set_success", set_success, METH_O, set_success_doc},
     {"armed", armed, METH_NOARGS, armed_doc},
     {NULL, NULL, 0, NULL},

@@ -26,7 +26,7 @@ import logging
 import os
 from typing import Any, Optional, Tuple
 
-from ._records import EXIT, Failure, Success, encode
+from ._records import EXIT, ExitStatus, Failure, Success, encode
 from ._rundir import EVENTS, TMP, RunDir, rank_file
 
 logger = logging.getLogger("peerwatch")
@@ -34,6 +34,7 @@ logger = logging.getLogger("peerwatch")
 # Stand-ins for the numbers the C callback writes at exit; never a real time or code.
 TIME_SENTINEL = 7_151_151_151_151_151_151
 CODE_SENTINEL = 6_242_242_242_242_242_242
+SENDER_SENTINEL = 5_333_333_333_333_333_333
 
 EXIT_MESSAGE = (
     "the process exited with this status, seen only as it ended (a SystemExit that reached "
@@ -88,6 +89,43 @@ def failure_template(rank: int, pid: int) -> Tuple[bytes, bytes, bytes]:
     )
     head, mid, tail = _split(encode(failure), TIME_SENTINEL, CODE_SENTINEL)
     return head, mid, tail
+
+
+def exit_template(rank: int, pid: int) -> Tuple[bytes, bytes, bytes, bytes]:
+    """(head, mid, mid2, tail): ``head + str(time_ns) + mid + str(returncode) + mid2 + sender
+    + tail`` is the encoded ``ExitStatus`` this rank writes of itself as it leaves, where
+    ``sender`` is the signal sender's pid or ``null``."""
+    status = ExitStatus(
+        rank=rank, pid=pid, time_ns=TIME_SENTINEL, returncode=CODE_SENTINEL, observed_by=rank,
+        signalled_by=SENDER_SENTINEL,
+    )
+    head, mid, mid2, tail = _split(encode(status), TIME_SENTINEL, CODE_SENTINEL, SENDER_SENTINEL)
+    return head, mid, mid2, tail
+
+
+def arm_leaving(rank: int) -> bool:
+    """This rank is being torn down: whichever way it ends from now on (the verdict's code
+    through :func:`leave`, ``exit()``, or a SIGTERM from its launcher) writes
+    ``events/exit-<rank>.json`` with what really happened. True if a SIGTERM will be
+    recorded too (SIGTERM had its default action: an application's handler is left
+    alone). False where the extension is not armed in this process."""
+    native = _module()
+    if native is None or native.armed() != os.getpid():
+        return False
+    try:
+        return bool(native.arm_leaving(rank_file("exit", rank).encode(), *exit_template(rank, os.getpid())))
+    except (RuntimeError, ValueError) as e:
+        logger.debug("peerwatch: rank %d: its exit will not be recorded (%s)", rank, e)
+        return False
+
+
+def leave(code: int) -> None:
+    """End this process now with ``code`` (``os._exit``), recording it first if
+    :func:`arm_leaving` armed this process. Never returns."""
+    native = _module()
+    if native is not None and native.armed() == os.getpid():
+        native.leave(code)
+    os._exit(code)
 
 
 def arm(run_dir: RunDir, rank: int, write_success: bool) -> bool:
@@ -149,5 +187,5 @@ def _say_unavailable() -> None:
         )
 
 
-__all__ = ["CODE_SENTINEL", "EXIT_MESSAGE", "TIME_SENTINEL", "arm", "armed", "available", "failure_template",
-           "set_success", "success_template"]
+__all__ = ["CODE_SENTINEL", "EXIT_MESSAGE", "SENDER_SENTINEL", "TIME_SENTINEL", "arm", "arm_leaving", "armed",
+           "available", "exit_template", "failure_template", "leave", "set_success", "success_template"]

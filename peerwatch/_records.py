@@ -87,7 +87,8 @@ class ExitStatus:
     pid: int
     time_ns: int
     returncode: int  # as subprocess reports it: -N for signal N
-    observed_by: int
+    observed_by: int  # the rank that saw it: its parent, a peer reading its last words, or itself as it left
+    signalled_by: Optional[int] = None  # for a signal the rank saw arrive: the sender's pid
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,11 +9,13 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 from . import _identity
+from ._exitwatch import EXIT_MESSAGE
 from ._records import (
     EVENT_TYPES,
+    EXIT,
     ExitStatus,
     Failure,
     Heartbeat,
@@ -92,14 +94,31 @@ def _state(rank: int, reg: Optional[Registration], events: Dict[str, Dict[int, A
     return RUNNING
 
 
-def _exit_code(state: str, status: Optional[ExitStatus], failure: Optional[Failure], verdict: Optional[Verdict]) -> Optional[int]:
+def _exit_code(
+    state: str, status: Optional[ExitStatus], failure: Optional[Failure], verdict: Optional[Verdict],
+) -> Tuple[Optional[int], bool]:
+    """The rank's exit code as a shell shows it, and whether someone saw it (its parent,
+    a peer reading its last words, the rank itself as it left, the exit status at exit)
+    rather than expected it (the code it said it would exit with, the verdict's code)."""
     if status is not None:
-        return returncode_exit_code(status.returncode)
+        return returncode_exit_code(status.returncode), True
     if failure is not None and failure.exit_code is not None:
-        return failure.exit_code
+        # Written from the exit status itself (peerwatch._exitstatus), or said beforehand.
+        return failure.exit_code, failure.cause == EXIT and failure.message == EXIT_MESSAGE
     if state == TORN_DOWN and verdict is not None:
-        return verdict.exit_code
-    return 0 if state == SUCCEEDED else None
+        return verdict.exit_code, False
+    if state == SUCCEEDED:
+        return 0, True  # a success marker is written only for exit status 0 (invariant 10)
+    return None, False
+
+
+def _ended_at(rank: int, events: Dict[str, Dict[int, Any]]) -> Optional[int]:
+    """When the rank was last known to end (ns since the epoch), or None if it has not."""
+    for kind in ("exit", "success", "failure"):
+        record = events[kind].get(rank)
+        if record is not None:
+            return int(record.time_ns)
+    return None
 
 
 def _rank_entry(
@@ -109,16 +128,23 @@ def _rank_entry(
     stack = rd.stack_path(rank)
     status = events["exit"].get(rank)
     state = _state(rank, reg, events, verdict)
+    code, observed = _exit_code(state, status, events["failure"].get(rank), verdict)
+    ended_at = _ended_at(rank, events)
+    if ended_at is None and state in (TORN_DOWN, NOT_SIGNALLED) and verdict is not None:
+        ended_at = verdict.detected_at_ns  # torn down from then on; how it ended was not seen
     return {
         "rank": rank,
         "pid": reg.pid if reg else (status.pid if status else None),
         "host": reg.host if reg else None,
         "state": state,
-        "exit_code": _exit_code(state, status, events["failure"].get(rank), verdict),
+        "exit_code": code,
+        "exit_observed": observed,
         "signal": signal_name(-status.returncode) if status is not None and status.returncode < 0 else None,
+        "signalled_by": status.signalled_by if status is not None else None,
         "stack_file": stack if _non_empty(stack) else None,
         "last_heartbeat_ns": beat.time_ns if beat else None,
         "step": beat.step if beat else None,
+        "ended_at_ns": ended_at,
         "acked_verdict": rank in events["ack"],
         "thread_exception": _thread_exception(events["thread"].get(rank)),
         "not_signalled": events["unsignalled"][rank].reason if state == NOT_SIGNALLED else None,
@@ -171,11 +197,27 @@ def _clock(ns: Optional[int]) -> str:
     return datetime.datetime.fromtimestamp(ns / 1e9).strftime("%H:%M:%S.%f")[:-3]
 
 
+def exit_text(r: Dict[str, Any]) -> str:
+    """A rank's exit as the table shows it: ``1``, ``143 SIGTERM``, ``1 (expected)``, ``-``."""
+    if r["exit_code"] is None:
+        return "-"
+    text = str(r["exit_code"])
+    if r.get("signal"):
+        text += f" {r['signal']}"
+    if not r.get("exit_observed", True):
+        text += " (expected)"
+    return text
+
+
 def summary(report: Dict[str, Any]) -> str:
     """A short human summary: the root cause first, then what happened to every rank."""
     v = report.get("verdict")
     lines = []
-    if v is None:
+    if v is None and report["outcome"] == "succeeded":
+        n = len(report["ranks"])
+        lines.append(f"peerwatch: the run in {report['run_dir']} succeeded: "
+                     f"{'its rank' if n == 1 else f'all {n} ranks'} finished cleanly")
+    elif v is None:
         lines.append(f"peerwatch: no failure recorded in {report['run_dir']} (outcome: {report['outcome']})")
     else:
         how = v.get("detail") or v.get("cause")
@@ -190,12 +232,14 @@ def summary(report: Dict[str, Any]) -> str:
             f"  failed at {_clock(v['failed_at_ns'])}, verdict by rank {v['detected_by']} at "
             f"{_clock(v['detected_at_ns'])} (+{max(delay_ms, 0.0):.1f} ms)"
         )
-    lines.append(f"  {'rank':>4}  {'pid':>7}  {'state':<10} {'exit':>4}  stacks")
+    lines.append(f"  {'rank':>4}  {'pid':>7}  {'state':<10} {'exit':>12}  {'step':>6}  stacks")
     for r in report["ranks"]:
-        code = "-" if r["exit_code"] is None else str(r["exit_code"])
+        step = "-" if r.get("step") is None else str(r["step"])
         lines.append(
-            f"  {r['rank']:>4}  {str(r['pid']):>7}  {r['state']:<10} {code:>4}  {r['stack_file'] or '-'}"
+            f"  {r['rank']:>4}  {str(r['pid']):>7}  {r['state']:<10} {exit_text(r):>12}  {step:>6}  {r['stack_file'] or '-'}"
         )
+    if any(r["exit_code"] is not None and not r.get("exit_observed", True) for r in report["ranks"]):
+        lines.append("  (expected) = the code it was to exit with; nobody could see its exit status (yet)")
     for r in report["ranks"]:
         if r.get("unwatched"):
             lines.append(f"  rank {r['rank']} cannot be watched or signalled from here: {r['unwatched']}")
@@ -205,8 +249,10 @@ def summary(report: Dict[str, Any]) -> str:
         tb = v["traceback"].rstrip().splitlines()
         lines.append("  traceback of the failing rank (last lines):")
         lines.extend("    " + line for line in tb[-8:])
-    lines.append(f"  report: {os.path.join(report['run_dir'], REPORT_FILE)}")
+    path = os.path.join(report["run_dir"], REPORT_FILE)
+    if v is not None or os.path.exists(path):  # a run without a verdict writes none
+        lines.append(f"  report: {path}")
     return "\n".join(lines)
 
 
-__all__ = ["REPORT_VERSION", "build", "summary", "write"]
+__all__ = ["REPORT_VERSION", "build", "exit_text", "summary", "write"]

@@ -324,7 +324,9 @@ def flush_and_exit(code: int) -> None:
                 stream.flush()
         except Exception:  # noqa: BLE001, S110 - leaving must not fail
             pass
-    os._exit(code)
+    from . import _exitwatch  # records how this rank ended, where a teardown armed it
+
+    _exitwatch.leave(code)
 
 
 _interrupt_handler: Optional[object] = None  # the INTERRUPT_SIGNAL handler peerwatch installed

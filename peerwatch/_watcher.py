@@ -25,7 +25,7 @@ import threading
 import time
 from typing import Optional, Tuple
 
-from . import _bridge, _decide, _enforce, _launchers, _plan, _report, _sharedfs, _teardown
+from . import _bridge, _decide, _enforce, _exitwatch, _launchers, _plan, _report, _sharedfs, _teardown
 from ._config import Config
 from ._errors import PeerFailure
 from ._heartbeat import HeartbeatWriter, Progress
@@ -197,6 +197,8 @@ class Watcher:
     def stop(self, timeout: float = 5.0) -> None:
         """Stop watching (this rank is done). Safe to call from any thread, more than once;
         joins the threads it started (not itself)."""
+        if not self.done.is_set() and not self.verdict_seen.is_set():
+            self._final_heartbeat()  # the step it finished at
         self.done.set()
         self.wake()
         if self.config.gil_timeout and not self.verdict_seen.is_set():
@@ -331,6 +333,10 @@ class Watcher:
 
     def _act(self, verdict: Verdict) -> None:
         verdict, wrote = self._publish(verdict)
+        # From now on this rank's end is recorded as it happens (the verdict's code, or a
+        # launcher's SIGTERM), and its heartbeat carries the step it stopped at.
+        _exitwatch.arm_leaving(self.rank)
+        self._final_heartbeat()
         plan = _plan.plan(_plan.Situation(
             self_rank=self.rank, failed_rank=verdict.rank, cause=verdict.cause, verdict_exit_code=verdict.exit_code,
             own_exit_code=self._outcome.failed_code, in_watch=self.in_watch > 0,
@@ -348,6 +354,7 @@ class Watcher:
         if plan.interrupt_main:
             _teardown.raise_in_main_thread(PeerFailure.bound_to(verdict), self.interrupt_installed)
         self._carry_out(verdict, plan, leave_by)
+        self._final_heartbeat()
         _launchers.before_exit(self.me, self.run_dir, verdict)  # under torchrun: the agent sees the failed worker first
         _teardown.flush_and_exit(plan.exit_code)
 
@@ -385,6 +392,10 @@ class Watcher:
         if not plan.stay:
             _enforce.tear_down_own_children(self.rank, self.observer.local_pids(), c.grace)
         if plan.write_report:
+            if plan.enforcer and _launchers.launcher_of(self.me, os.environ) is None:
+                # The peers are leaving: their exit codes, seen rather than expected.
+                # (Under torchrun and mp.spawn the launcher stops everyone at once.)
+                self._await_peers_gone(time.monotonic() + c.grace)
             self._write_report(plan.print_summary)
         if plan.stay:
             # The main thread is leaving by itself (PeerFailure, or its own exception); at
@@ -393,6 +404,25 @@ class Watcher:
                 logger.error("peerwatch: rank %d did not leave within %gs of the verdict; exiting with code %d",
                              self.rank, c.grace, plan.exit_code)
             _enforce.tear_down_own_children(self.rank, self.observer.local_pids(), c.grace)
+
+    def _await_peers_gone(self, deadline: float) -> None:
+        """Wait (until ``deadline``) for the local peers to end, learning how they ended."""
+        obs = self.observer
+        while True:
+            obs.scan()
+            obs.flush()
+            living = [r for r in obs.peers if r not in obs.gone]
+            left = deadline - time.monotonic()
+            if not living or left <= 0:
+                return
+            obs.wait(min(left, 0.05))
+
+    def _final_heartbeat(self) -> None:
+        """The step this rank stopped at: for the report and ``peerwatch status``."""
+        try:
+            self.heartbeat.write(self.observer.local_pids)
+        except Exception:  # noqa: BLE001 - the heartbeat must never stop a teardown or an exit
+            logger.debug("peerwatch: rank %d could not write its last heartbeat", self.rank, exc_info=True)
 
     def _write_report(self, print_summary: bool) -> None:
         try:
@@ -409,6 +439,7 @@ class Watcher:
     def record_failure(self, failure: Failure) -> None:
         """This rank failed: say so before it goes (first record wins)."""
         self._outcome.fail(failure.exit_code)
+        self._final_heartbeat()
         self.observer.write_event(rank_file("failure", self.rank), failure)
         self.wake()
 
@@ -423,6 +454,7 @@ class Watcher:
     def record_success(self) -> None:
         if self.verdict_seen.is_set() or not self._outcome.succeed():
             return
+        self._final_heartbeat()
         self.observer.write_event(rank_file("success", self.rank), Success(rank=self.rank, pid=os.getpid(), time_ns=time.time_ns()))
         if self.bridge is not None:
             self.bridge.on_success()  # the job is ending: other hosts going quiet is no failure

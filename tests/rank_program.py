@@ -8,6 +8,8 @@ one of them). Behaviours per rank, ``RANK=WHAT[@SECONDS]``:
 
     sleep            sleep in Python until torn down (the default)
     succeed          finish cleanly after SECONDS
+    raise_at:N       beat(1..N) (noting READY/step-<rank>), then raise RuntimeError
+    succeed_at:N     beat(1..N) (noting READY/step-<rank>), then finish cleanly
     raise            raise RuntimeError after SECONDS
     exit:N           sys.exit(N) after SECONDS
     exit_pow2:K      sys.exit(2**K) after SECONDS (exits 255 when it does not fit a C long)
@@ -130,6 +132,15 @@ def behave(args: argparse.Namespace, rank: int, action: str, delay: float) -> No
         wait_for_all(args)
     if delay:
         time.sleep(delay)
+    if name in ("raise_at", "succeed_at"):
+        # beat(step) for steps 1..N, noting each (READY/step-<rank>), then raise or finish
+        for step in range(1, int(arg) + 1):
+            time.sleep(0.01)
+            peerwatch.beat(step)
+            note(args, f"step-{rank}", str(step))
+        if name == "raise_at":
+            raise RuntimeError(f"rank {rank} failed on purpose at step {arg}")
+        return
     if name == "succeed":
         return
     if name == "raise":
@@ -152,9 +163,13 @@ def behave(args: argparse.Namespace, rank: int, action: str, delay: float) -> No
         # thread blocks them; the kernel delivers them to another thread instead.
         signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
         ctypes.PyDLL(None).sleep(600)  # PyDLL: the GIL stays held during the call
+    step = 0
     while True:
         time.sleep(0.05)
-        peerwatch.beat()
+        step += 1
+        peerwatch.beat(step)
+        if os.environ.get("RP_NOTE_STEPS"):
+            note(args, f"step-{rank}", str(step))
 
 
 def main() -> None:
