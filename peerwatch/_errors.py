@@ -100,6 +100,12 @@ class PeerFailure(SystemExit):
         return f"{text}: {self.detail}" if self.detail else text
 
 
+# Users meet these as peerwatch.X (tracebacks, repr, docs); they pickle by that name too.
+for _cls in (PeerwatchError, ConfigError, RunDirError, PeerFailure):
+    _cls.__module__ = "peerwatch"
+del _cls
+
+
 def _rebuild_peer_failure(rank: Any, cause: Any, exit_code: Any, kwargs: Any) -> PeerFailure:
     return PeerFailure(rank, cause, exit_code, **kwargs)
 

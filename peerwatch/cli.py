@@ -1,4 +1,7 @@
-"""``peerwatch report DIR``, ``peerwatch status DIR``, ``peerwatch ls``."""
+"""``peerwatch report [DIR]``, ``peerwatch status [DIR] [--watch]``, ``peerwatch ls``.
+
+Without DIR, ``report`` and ``status`` take the newest run directory on this host (under
+the default base, as ``ls`` lists them)."""
 
 from __future__ import annotations
 
@@ -26,8 +29,36 @@ def _open(path: str) -> RunDir:
     return RunDir(path)
 
 
+def _runs(base: str) -> List[str]:
+    """The run directories under ``base``, newest first (by their last change)."""
+    try:
+        names = os.listdir(base)
+    except OSError:
+        return []
+    found = []
+    for name in names:
+        path = os.path.join(base, name)
+        if name.endswith(".lock") or not os.path.isdir(os.path.join(path, _rundir.RANKS)):
+            continue
+        try:
+            found.append((os.stat(path).st_mtime, path))
+        except OSError:
+            continue
+    return [path for _, path in sorted(found, reverse=True)]
+
+
+def _dir_or_newest(given: Optional[str]) -> str:
+    if given:
+        return given
+    base = _rundir.base_dir()
+    runs = _runs(base)
+    if not runs:
+        raise RunDirError(base, "holds no run directories; name one (peerwatch ls --base DIR lists them)")
+    return runs[0]
+
+
 def _report_cmd(args: argparse.Namespace) -> int:
-    report = _report.build(_open(args.dir))
+    report = _report.build(_open(_dir_or_newest(args.dir)))
     if args.json:
         print(json.dumps(report, indent=2))
     else:
@@ -36,19 +67,37 @@ def _report_cmd(args: argparse.Namespace) -> int:
 
 
 def _status_cmd(args: argparse.Namespace) -> int:
-    rd = _open(args.dir)
+    rd = _open(_dir_or_newest(args.dir))
+    if not args.watch:
+        print(_status_text(rd))
+        return 0
+    clear = "\033[H\033[J" if sys.stdout.isatty() else ""
+    try:
+        while True:
+            when = time.strftime("%H:%M:%S")
+            print(f"{clear}{rd.path} at {when} (every {args.interval:g}s; Ctrl-C to stop)")
+            print(_status_text(rd), flush=True)
+            time.sleep(args.interval)  # a person is reading: a fixed refresh, no event to wait on
+    except KeyboardInterrupt:
+        return 0
+
+
+def _status_text(rd: RunDir) -> str:
+    """The table: the heartbeat column is its age now for a running rank, at its end for
+    one that ended (an ended run's ages do not grow)."""
     report = _report.build(rd)
     now = time.time_ns()
-    print(f"{'rank':>4}  {'pid':>7}  {'host':<16} {'state':<10} {'heartbeat':>9}  {'step':>8}")
+    lines = [f"{'rank':>4}  {'pid':>7}  {'host':<16} {'state':<13} {'heartbeat':>9}  {'step':>8}  exit"]
     for r in report["ranks"]:
         beat = rd.read(HEARTBEATS, rank_file("rank", r["rank"]), Heartbeat)
-        age = f"{(now - beat.time_ns) / 1e9:.1f}s" if beat else "-"
+        end = r.get("ended_at_ns") if r["state"] != "running" else None
+        age = f"{max(0, (end or now) - beat.time_ns) / 1e9:.1f}s" if beat else "-"
         step = "-" if not beat or beat.step is None else str(beat.step)
-        print(f"{r['rank']:>4}  {str(r['pid']):>7}  {str(r['host'])[:16]:<16} {r['state']:<10} {age:>9}  {step:>8}")
-    print(f"outcome: {report['outcome']}")
-    for line in _watcher_deaths(rd, {r["rank"]: r["pid"] for r in report["ranks"]}):
-        print(line)
-    return 0
+        lines.append(f"{r['rank']:>4}  {str(r['pid']):>7}  {str(r['host'])[:16]:<16} {r['state']:<13} {age:>9}  "
+                     f"{step:>8}  {_report.exit_text(r)}")
+    lines.append(f"outcome: {report['outcome']}")
+    lines.extend(_watcher_deaths(rd, {r["rank"]: r["pid"] for r in report["ranks"]}))
+    return "\n".join(lines)
 
 
 def _watcher_deaths(rd: RunDir, pids: Dict[int, Any]) -> List[str]:
@@ -68,30 +117,24 @@ def _watcher_deaths(rd: RunDir, pids: Dict[int, Any]) -> List[str]:
 
 def _ls_cmd(args: argparse.Namespace) -> int:
     base = args.base or _rundir.base_dir()
-    try:
-        names = os.listdir(base)
-    except FileNotFoundError:
-        print(f"no run directories in {base}")
-        return 0
     rows = []
-    for name in names:
-        path = os.path.join(base, name)
-        if name.endswith(".lock") or not os.path.isdir(os.path.join(path, _rundir.RANKS)):
-            continue
+    for path in _runs(base):
         try:
             report = _report.build(RunDir(path))
             mtime = os.stat(path).st_mtime
         except OSError:
             continue
         verdict = report["verdict"]
-        what = f"rank {verdict['rank']} {verdict['cause']}" if verdict else ""
+        what = f"rank {verdict['rank']} {verdict['cause']}" if verdict else "-"
         rows.append((mtime, path, report["outcome"], len(report["ranks"]), what))
-    rows.sort(reverse=True)
-    for mtime, path, outcome, n, what in rows:
-        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(mtime))
-        print(f"{when}  {outcome:<9}  {n:>4} ranks  {what:<24}  {path}")
     if not rows:
         print(f"no run directories in {base}")
+        return 0
+    print(f"{'changed':<19}  {'outcome':<9}  {'ranks':>9}  {'first failure':<24}  run directory")
+    for mtime, path, outcome, n, what in rows:
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(mtime))
+        ranks = f"{n} rank" + ("" if n == 1 else "s")
+        print(f"{when}  {outcome:<9}  {ranks:>9}  {what:<24}  {path}")
     return 0
 
 
@@ -118,11 +161,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="peerwatch", description="Inspect peerwatch run directories.")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("report", help="the root cause and what happened to every rank")
-    p.add_argument("dir")
+    p.add_argument("dir", nargs="?", help="a run directory (default: the newest on this host)")
     p.add_argument("--json", action="store_true", help="print report.json's schema instead of text")
     p.set_defaults(func=_report_cmd)
-    p = sub.add_parser("status", help="a table of the ranks: pid, host, state, heartbeat age, step")
-    p.add_argument("dir")
+    p = sub.add_parser("status", help="a table of the ranks: pid, host, state, heartbeat age, step, exit")
+    p.add_argument("dir", nargs="?", help="a run directory (default: the newest on this host)")
+    p.add_argument("--watch", action="store_true", help="refresh the table until Ctrl-C")
+    p.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes with --watch (1)")
     p.set_defaults(func=_status_cmd)
     p = sub.add_parser("ls", help="the run directories on this host, newest first")
     p.add_argument("--base", help="where to look (default: this user's peerwatch folder)")
@@ -135,10 +180,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--no-self-test", dest="self_test", action="store_false", help="only the checks")
     p.set_defaults(func=_doctor_cmd)
     args = parser.parse_args(argv)
+    if getattr(args, "interval", 1.0) <= 0:
+        parser.error("--interval must be above 0")
     try:
         return int(args.func(args))
     except RunDirError as e:
-        print(f"peerwatch: {e}", file=sys.stderr)
+        print(f"peerwatch: run directory {e.path}: {e.reason}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # `peerwatch report DIR | head`
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

@@ -140,7 +140,7 @@ def test_cli_report_status_and_ls(make_job) -> None:
     assert as_json["verdict"]["exit_code"] == 5
     status = _cli("status", str(job.run_dir))
     assert status.returncode == 0 and "outcome: failed" in status.stdout
-    assert status.stdout.splitlines()[0].split() == ["rank", "pid", "host", "state", "heartbeat", "step"]
+    assert status.stdout.splitlines()[0].split() == ["rank", "pid", "host", "state", "heartbeat", "step", "exit"]
     listing = _cli("ls", "--base", str(job.tmp))
     assert listing.returncode == 0 and str(job.run_dir) in listing.stdout and "rank 1 exit" in listing.stdout
 
@@ -155,7 +155,8 @@ def test_cli_says_what_is_wrong_with_the_directory(tmp_path: Path, make_path) ->
     for command in ("report", "status"):
         out = _cli(command, str(path))
         assert out.returncode == 2
-        assert out.stderr.startswith("peerwatch: peerwatch run directory") and str(path) in out.stderr
+        assert out.stderr.startswith("peerwatch: run directory ") and str(path) in out.stderr
+        assert not out.stderr.startswith("peerwatch: peerwatch") and len(out.stderr.splitlines()) == 1, out.stderr
         assert "Traceback" not in out.stderr
 
 
