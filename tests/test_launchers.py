@@ -279,3 +279,45 @@ def _hostname() -> str:
     import socket
 
     return "".join(c if c.isalnum() or c in "._" else "_" for c in socket.gethostname())[:64]
+
+
+def torchrun_exit_codes(log: str) -> Dict[int, int]:
+    """rank -> the exit code (subprocess style: -15 for SIGTERM) torchrun printed for it."""
+    found = re.findall(r"rank\s*:\s*(\d+).*?\n\s*exitcode\s*:\s*(-?\d+)", log)
+    return {int(rank): int(code) for rank, code in found}
+
+
+@pytest.mark.timeout(120)
+def test_torchrun_report_states_the_exit_codes_torchrun_saw(job_dir: Path) -> None:
+    """The agent reaps the killed worker, then SIGTERMs the others: the report (rebuilt from
+    the records, as `peerwatch report` does) says so, with the agent's pid as the sender,
+    and marks as expected only what nobody saw. Before, it said exit 1 for all of them."""
+    import json
+    import subprocess
+
+    with torchrun_job(job_dir) as job:
+        job.start()
+        ranks = job.wait_ready()
+        job.kill(ranks[2])
+        job.wait_all_gone(WITHIN_S, but_launcher=True)
+        assert job.wait_launcher(LAUNCHER_EXIT_S) == 1
+        log = job.log(limit=200_000)
+        seen = torchrun_exit_codes(log)
+        assert seen.get(2) == -9, log[-3000:]
+        (run_dir,) = job.run_dirs()
+        out = subprocess.run([sys.executable, "-m", "peerwatch", "report", str(run_dir), "--json"],
+                             capture_output=True, text=True, timeout=30)
+        assert out.returncode == 0, out.stderr
+        report = {r["rank"]: r for r in json.loads(out.stdout)["ranks"]}
+        assert job.launcher is not None
+        killed = report.pop(2)  # reaped by the agent: nobody else could see it die
+        assert killed["state"] == "failed" and not killed["exit_observed"], killed
+        del seen[2]
+        for rank, returncode in seen.items():
+            entry = report[rank]
+            assert entry["exit_code"] == exit_code(returncode), (rank, returncode, entry)
+            assert entry["exit_observed"], entry
+            if returncode == -signal.SIGTERM:
+                assert entry["signal"] == "SIGTERM" and entry["signalled_by"] == job.launcher.pid, entry
+        for rank, entry in report.items():  # what torchrun did not list: never a code stated as seen
+            assert rank in seen or not entry["exit_observed"] or entry["state"] == "failed", entry
