@@ -101,7 +101,19 @@ def resolve(run_dir: Optional[str], env: Mapping[str, str]) -> Tuple[str, str]:
     A multiprocessing child only gets this far when it was given ``rank=`` (a DataLoader
     worker never installs), so it is a rank started by ``torch.multiprocessing.spawn`` (or
     Lightning's ``ddp_spawn``), and its siblings share its parent.
+
+    A derived name already holding an earlier run that ended before this process started
+    (a verdict, or every rank's success marker, and none of its processes alive) gets
+    ``-2``, ``-3``, ...: two runs from one shell keep their own evidence, and every rank
+    of the new run, judging the same directories, lands in the same one.
     """
+    path, how = _derived(run_dir, env)
+    if how in ("PEERWATCH_DIR", "multiprocessing child of a launcher that installed peerwatch"):
+        return path, how
+    return _past_ended_runs(path), how
+
+
+def _derived(run_dir: Optional[str], env: Mapping[str, str]) -> Tuple[str, str]:
     spawned = is_multiprocessing_child()
     if run_dir:
         if spawned and env.get(OWNER_VAR) == _parent_key() and env.get("PEERWATCH_DIR") == run_dir:
@@ -123,6 +135,50 @@ def resolve(run_dir: Optional[str], env: Mapping[str, str]) -> Tuple[str, str]:
         return os.path.join(base, name), "MASTER_ADDR/MASTER_PORT and parent process"
     me = _identity.self_info()
     return os.path.join(base, f"run-{me.pid}.{me.start_ticks}"), NEW_RUN
+
+
+MAX_RUNS_PER_NAME = 1000  # -2 ... -1000; then the last one is set aside as before
+
+
+def _past_ended_runs(path: str) -> str:
+    """``path``, or the first of ``path-2``, ``path-3``, ... not holding an earlier run that ended."""
+    started_ns = _process_start_ns()
+    candidate = path
+    for n in range(2, MAX_RUNS_PER_NAME + 1):
+        if not _ended_before(candidate, started_ns):
+            return candidate
+        candidate = f"{path}-{n}"
+    return candidate
+
+
+def _ended_before(path: str, started_ns: int) -> bool:
+    """``path`` holds a run that ended before ``started_ns``: registered ranks, none alive,
+    and a verdict or every rank's success marker, from before then. Anything else (no such
+    directory, a live or unfinished run, one we cannot read) is left to :meth:`RunDir.prepare`."""
+    try:
+        if not os.path.isdir(os.path.join(path, RANKS)) or os.path.islink(path):
+            return False
+        rd = RunDir(path)
+        regs = rd.registrations()
+        if not regs or any(_identity.seems_alive(r) for r in regs.values()):
+            return False
+        verdict = rd.read(EVENTS, VERDICT_FILE, Verdict)
+        if verdict is not None:
+            return verdict.detected_at_ns < started_ns
+        successes = rd._successes()
+        return all(r in successes and successes[r].time_ns < started_ns for r in regs)
+    except OSError:
+        return False
+
+
+def _process_start_ns() -> int:
+    """When this process started, on the wall clock."""
+    import psutil
+
+    try:
+        return int(psutil.Process().create_time() * 1e9)
+    except psutil.Error:
+        return time.time_ns()
 
 
 def process_key(pid: int) -> str:
