@@ -181,3 +181,34 @@ def test_exception_in_another_thread(make_job, mode: str) -> None:
         v = report["verdict"]
         assert (v["rank"], v["cause"], v["exception"]) == (1, "exception", "ValueError")
         assert "in thread prefetcher" in v["detail"]
+
+
+@pytest.mark.timeout(60)
+def test_cli_status_watch_refreshes_until_ctrl_c_and_ls_reads_well(make_job) -> None:
+    import select
+    import time
+
+    job = make_job(world=2, behave=["0=succeed@0.2", "1=succeed@0.2"]).start()
+    job.wait_ready()
+    job.wait_gone(within=GONE_S)
+    listing = _cli("ls", "--base", str(job.tmp)).stdout.splitlines()
+    assert listing[0].split()[:3] == ["changed", "outcome", "ranks"], listing
+    assert " 2 ranks " in listing[1] and "ranks ranks" not in listing[1], listing
+    watch = subprocess.Popen([sys.executable, "-m", "peerwatch", "status", str(job.run_dir), "--watch", "--interval",
+                              "0.1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        tables, seen = 0, ""
+        deadline = time.monotonic() + 20
+        while tables < 3 and time.monotonic() < deadline:
+            if select.select([watch.stdout], [], [], deadline - time.monotonic())[0]:
+                line = watch.stdout.readline()  # type: ignore[union-attr]
+                seen += line
+                tables += line.startswith("outcome: succeeded")
+        assert tables >= 3, seen
+        watch.send_signal(signal.SIGINT)
+        assert watch.wait(timeout=10) == 0
+        assert "Traceback" not in watch.stderr.read()  # type: ignore[union-attr]
+    finally:
+        if watch.poll() is None:
+            watch.kill()
+            watch.wait()
