@@ -153,7 +153,10 @@ def _normalized(line: str) -> str:
     makes the verdict prints the summary, and when the failing rank itself wins the race,
     its peer has not dumped its stacks yet ("-", truthfully) when the table is printed.
     """
-    line = re.sub(r"^(\s*\d+\s+\d+\s+\w+\s+\S+\s+)\S+$", r"\1STACKS", line)
+    # Whether the failing rank's own code was seen yet when the table was printed depends
+    # on which rank printed it: "(expected)" in a row is blanked, the legend line is not.
+    line = re.sub(r"^(\s*\d+\s+\d+\s+\w+\s+.*\s)\S+$", r"\1STACKS", line)
+    line = re.sub(r"^(\s*\d+\s+\d+\s+\w+\s+\d+) \(expected\)", r"\1", line)
     line = re.sub(r"\(pid \d+ on [^)]*\)", "(pid N on HOST)", line)
     line = re.sub(r"\(pid \d+, [^)]*\)", "(pid N, HOST)", line)
     line = re.sub(r"/[^\s\"',]+", "PATH", line)
