@@ -195,7 +195,7 @@ static void write_exit_record(long long returncode, long long sender)
         n += 4;
     }
     n = put_bytes(lv.out, n, &lv.tail);
-    write_once(lv.name, lv.out, n);
+    (void)write_record(lv.name, lv.out, n, 0);
 }
 
 static void on_term(int sig, siginfo_t *info, void *ctx)
