@@ -24,9 +24,13 @@ from ._rundir import HEARTBEATS, RANKS, rank_file
 logger = logging.getLogger("peerwatch")
 
 
-def tear_down_peers(obs: Observer, verdict: Verdict, ack_window_s: float, grace_s: float) -> None:
-    """Give live peers the ack window to say they are leaving; signal those that do not."""
-    pending = _await_acks(obs, ack_window_s)
+def tear_down_peers(
+    obs: Observer, verdict: Verdict, ack_window_s: float, grace_s: float, trusted: AbstractSet[int] = frozenset(),
+) -> None:
+    """Give live peers the ack window to say they are leaving; signal those that do not.
+    ``trusted``: peers never signalled here (rule 9 of the plan: a blind enforcer's fellow
+    enforcers); ``ack_window_s`` is the plan's (longer for a blind enforcer)."""
+    pending = _await_acks(obs, ack_window_s, trusted)
     peer_pids = obs.local_pids()
     targets: List[_teardown.Target] = []
     if pending:
@@ -41,14 +45,15 @@ def tear_down_peers(obs: Observer, verdict: Verdict, ack_window_s: float, grace_
         _teardown.close_all(targets)
 
 
-def _await_acks(obs: Observer, ack_window_s: float) -> List[int]:
-    """Rule 5 of the plan: wait for acknowledgements; the ranks that gave none."""
+def _await_acks(obs: Observer, ack_window_s: float, trusted: AbstractSet[int]) -> List[int]:
+    """Rules 5 and 9 of the plan: wait for acknowledgements (or, blind, for the peers'
+    processes to end: their pidfds wake us); the ranks that gave none."""
     window = _plan.AckWindow.opened(time.monotonic(), ack_window_s)
     while True:
         obs.scan()
         obs.flush()
         acked = obs.acked()
-        pending = _plan.pending(obs.peers, obs.me.rank, set(obs.gone), acked)
+        pending = _plan.pending(obs.peers, obs.me.rank, set(obs.gone), acked, trusted)
         now = time.monotonic()
         window = window.seen(now, len(acked))
         if not pending or window.left(now) <= 0:

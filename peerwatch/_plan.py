@@ -32,6 +32,15 @@ functions answer. Rules (numbered as in the tests):
    end them): ``parent_wait + ack_window + SETTLE_S``, plus the multi-host hold of an
    exception. During a teardown the exiting main thread gives the watcher
    ``grace + ack_window + 2 s`` to finish its share before leaving itself.
+9. **A blind enforcer.** An enforcer that could not write its own acknowledgement (a full
+   disk, a run directory gone) cannot tell a peer that acknowledged only in memory from
+   one that is not leaving: a missing ack file is no evidence then. It waits for its
+   peers' processes to end (pidfds) for ``ack_window + 2 x grace`` (a peer that acted on
+   the verdict leaves within ``grace``, and ends its own children within another), and
+   never signals the other enforcers of the verdict: they leave once their own share is
+   done, and two blind enforcers would otherwise end each other. Its last resort moves
+   out by the same ``2 x grace``. Limit: an enforcer whose watcher never runs (the GIL
+   held in C) is then not ended by the other enforcers.
 """
 
 from __future__ import annotations
@@ -48,6 +57,7 @@ LAST_RESORT_GRACES = 3  # rule 7
 LAST_RESORT_EXTRA_S = 2.0  # rule 7
 SETTLE_S = 0.25  # how long a failing rank waits for its watcher's look at the peers (rule 8)
 LEAVE_EXTRA_S = 2.0  # rule 8
+BLIND_GRACES = 2  # rule 9: a blind enforcer's window is ack_window + 2 x grace
 _LEAVES_BY_ITSELF = (EXCEPTION, EXIT)  # rule 2: causes whose rank's main thread is already leaving
 
 
@@ -65,6 +75,7 @@ class Situation:
     wrote_verdict: bool  # this rank's watcher wrote verdict.json (first writer)
     grace_s: float
     ack_window_s: float
+    ack_written: bool = True  # this rank's own acknowledgement reached the run directory (rule 9)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +87,9 @@ class Plan:
     write_report: bool
     print_summary: bool
     last_resort_s: float  # faulthandler ends the process after this, whatever happens
+    ack_window_s: float = 0.0  # how long an enforcer waits for its peers (rule 5; rule 9 when blind)
+    blind: bool = False  # rule 9: an enforcer that cannot trust a missing ack file
+    trusted: Tuple[int, ...] = ()  # rule 9: peers a blind enforcer never signals (the other enforcers)
 
     @property
     def stay(self) -> bool:
@@ -97,11 +111,14 @@ def enforcers(live_local_ranks: Sequence[int], failed_rank: int) -> Tuple[int, .
 
 
 def plan(s: Situation) -> Plan:
-    """Rules 1-4 and 7 for one rank."""
+    """Rules 1-4, 7 and 9 for one rank."""
     mine = s.failed_rank == s.self_rank
     interrupt = s.in_watch and not mine
     stay = interrupt or (mine and s.cause in _LEAVES_BY_ITSELF)
-    enforcer = s.self_rank in enforcers(s.live_local_ranks, s.failed_rank)
+    chosen = enforcers(s.live_local_ranks, s.failed_rank)
+    enforcer = s.self_rank in chosen
+    blind = enforcer and not s.ack_written
+    extra_s = BLIND_GRACES * s.grace_s if blind else 0.0
     return Plan(
         exit_code=exit_code(s.self_rank, s.failed_rank, s.verdict_exit_code, s.own_exit_code),
         interrupt_main=interrupt,
@@ -109,7 +126,10 @@ def plan(s: Situation) -> Plan:
         enforcer=enforcer,
         write_report=enforcer or s.wrote_verdict,
         print_summary=s.wrote_verdict,
-        last_resort_s=s.ack_window_s + LAST_RESORT_GRACES * s.grace_s + LAST_RESORT_EXTRA_S,
+        last_resort_s=s.ack_window_s + extra_s + LAST_RESORT_GRACES * s.grace_s + LAST_RESORT_EXTRA_S,
+        ack_window_s=s.ack_window_s + extra_s,
+        blind=blind,
+        trusted=tuple(r for r in chosen if r != s.self_rank) if blind else (),
     )
 
 
@@ -141,9 +161,13 @@ class AckWindow:
         return self.deadline - now
 
 
-def pending(peers: Iterable[int], self_rank: int, gone: AbstractSet[int], acked: AbstractSet[int]) -> Tuple[int, ...]:
-    """Rule 6: the local peers still to hear from, lowest first."""
-    return tuple(sorted(r for r in peers if r != self_rank and r not in gone and r not in acked))
+def pending(
+    peers: Iterable[int], self_rank: int, gone: AbstractSet[int], acked: AbstractSet[int],
+    trusted: AbstractSet[int] = frozenset(),
+) -> Tuple[int, ...]:
+    """Rules 6 and 9: the local peers still to hear from, lowest first (``trusted``: the
+    ones a blind enforcer leaves to leave by themselves)."""
+    return tuple(sorted(r for r in peers if r != self_rank and r not in gone and r not in acked and r not in trusted))
 
 
 def verdict_wait_s(parent_wait_s: float, ack_window_s: float, hold_s: float) -> float:
@@ -180,6 +204,6 @@ def ask_for_stacks(rank: int, finished: AbstractSet[int]) -> bool:
 
 
 __all__ = [
-    "ENFORCERS", "AckWindow", "Plan", "Situation", "ask_for_stacks", "enforcers", "exit_code", "leave_join_s", "missing_ranks",
+    "BLIND_GRACES", "ENFORCERS", "AckWindow", "Plan", "Situation", "ask_for_stacks", "enforcers", "exit_code", "leave_join_s", "missing_ranks",
     "pending", "plan", "verdict_wait_s",
 ]

@@ -19,6 +19,7 @@ and the settle condition. :meth:`Watcher.stop` stops and joins every thread it s
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -213,6 +214,8 @@ class Watcher:
 
     def await_own_verdict(self) -> None:
         """This rank failed and is exiting: wait for the verdict (rule 8 of the plan)."""
+        if not self.thread.is_alive():
+            return  # nobody left to judge it (the run directory was removed, or the watcher died)
         hold_s = self.bridge.hold_s if self.bridge is not None else 0.0  # multi-host: an exception is held back
         self.verdict_seen.wait(_plan.verdict_wait_s(self.config.parent_wait, self.config.ack_window, hold_s))
 
@@ -252,6 +255,10 @@ class Watcher:
                 break
             if self.heartbeat.children_changed.is_set():
                 self.heartbeat.write(obs.local_pids)
+            lost = obs.storage_lost()
+            if lost is not None:
+                self._stop_judging(lost)
+                return
             if woken or full_look:
                 obs.scan()
             verdict = self._judge(sched, woken or full_look, judge_hang, judge_remote)
@@ -261,6 +268,20 @@ class Watcher:
             obs.flush()
             self._peer_failure_known = obs.peer_failed()
             self._settle.looked(requested)
+
+    def _stop_judging(self, how: str) -> None:
+        """The run directory is gone: no success marker, failure record or acknowledgement
+        can be written or read any more, so a peer's end proves nothing. Judging on would
+        tear down a healthy job (a rank that finished cleanly could not say so); stop, and
+        say loudly that this rank is unprotected."""
+        if self.config.gil_timeout:
+            self.stacks.cancel_timer()
+        logger.error(
+            "peerwatch: rank %d is NOT protected any more: its run directory %s %s while the job runs (a /tmp "
+            "cleaner?). No record can be written or read there, so this rank stops watching its peers (a peer that "
+            "ends from now on is not taken for failed, and a failure is not acted on); training goes on. Give the job "
+            "a PEERWATCH_DIR that nothing cleans up while it runs.", self.rank, self.run_dir.path, how,
+        )
 
     def _schedule(self, inotify: bool) -> Schedule:
         shared = self.observer.remote is not None
@@ -337,15 +358,24 @@ class Watcher:
         # launcher's SIGTERM), and its heartbeat carries the step it stopped at.
         _exitwatch.arm_leaving(self.rank)
         self._final_heartbeat()
-        plan = _plan.plan(_plan.Situation(
+        situation = _plan.Situation(
             self_rank=self.rank, failed_rank=verdict.rank, cause=verdict.cause, verdict_exit_code=verdict.exit_code,
             own_exit_code=self._outcome.failed_code, in_watch=self.in_watch > 0,
             live_local_ranks=tuple(self.observer.live_local_ranks()), wrote_verdict=wrote,
             grace_s=self.config.grace, ack_window_s=self.config.ack_window,
-        ))
+        )
+        plan = _plan.plan(situation)
         leave_by = time.monotonic() + plan.stay_s
+        if not self._acknowledge(leave_by):
+            # Rule 9: the run directory cannot be written; a peer's missing ack is no evidence.
+            plan = _plan.plan(dataclasses.replace(situation, ack_written=False))
+            if plan.blind:
+                logger.error(
+                    "peerwatch: rank %d could not write its acknowledgement to %s: it waits up to %gs for its peers "
+                    "to leave by themselves before it signals any (never the other enforcers, ranks %s)",
+                    self.rank, self.run_dir.path, plan.ack_window_s, ", ".join(map(str, plan.trusted)) or "none",
+                )
         self.stacks.arm_last_resort(plan.last_resort_s)
-        self._acknowledge(leave_by)
         if self.bridge is not None:
             self.bridge.on_verdict(verdict)  # other hosts tear down too (at most ~1 s; after our ack)
         self._announce(verdict, plan)
@@ -373,9 +403,10 @@ class Watcher:
         self._settle.release()
         return verdict, wrote
 
-    def _acknowledge(self, leave_by: float) -> None:
+    def _acknowledge(self, leave_by: float) -> bool:
+        """Write this rank's acknowledgement; False if it could not be written."""
         ack = Ack(rank=self.rank, pid=os.getpid(), time_ns=time.time_ns(), deadline_ns=int(leave_by * 1e9))
-        self.observer.write_event(rank_file("ack", self.rank), ack)
+        return self.observer.write_event(rank_file("ack", self.rank), ack)
 
     def _announce(self, verdict: Verdict, plan: _plan.Plan) -> None:
         if verdict.rank != self.rank:
@@ -388,7 +419,7 @@ class Watcher:
     def _carry_out(self, verdict: Verdict, plan: _plan.Plan, leave_by: float) -> None:
         c = self.config
         if plan.enforcer:
-            _enforce.tear_down_peers(self.observer, verdict, c.ack_window, c.grace)
+            _enforce.tear_down_peers(self.observer, verdict, plan.ack_window_s, c.grace, set(plan.trusted))
         if not plan.stay:
             _enforce.tear_down_own_children(self.rank, self.observer.local_pids(), c.grace)
         if plan.write_report:

@@ -198,3 +198,28 @@ def test_a_failed_rank_waits_at_exit_for_parent_wait_ack_window_a_settle_and_the
 def test_the_exiting_main_thread_gives_the_watcher_grace_the_ack_window_and_two_seconds() -> None:
     assert _plan.leave_join_s(grace_s=5.0, ack_window_s=1.0) == 8.0
     assert _plan.leave_join_s(grace_s=0.5, ack_window_s=2.0) == 4.5
+
+
+# -- rule 9: a blind enforcer (its own acknowledgement could not be written) -------------
+
+
+def test_an_enforcer_whose_ack_was_written_waits_the_ack_window_and_trusts_no_one() -> None:
+    p = plan(situation())
+    assert p.enforcer and not p.blind
+    assert p.ack_window_s == 1.0 and p.trusted == ()
+
+
+def test_a_blind_enforcer_waits_two_graces_more_and_never_signals_the_other_enforcers() -> None:
+    p = plan(situation(ack_written=False, live_local_ranks=(0, 1, 3, 4, 5)))
+    assert p.blind and p.enforcer
+    assert p.ack_window_s == 1.0 + _plan.BLIND_GRACES * 5.0
+    assert p.trusted == (1, 3)  # the other enforcers; ranks 4 and 5 must still leave or be signalled
+    # Its own last resort moves out by as much: it must outlive its longer wait.
+    assert p.last_resort_s == plan(situation()).last_resort_s + _plan.BLIND_GRACES * 5.0
+    assert _plan.pending([0, 1, 3, 4, 5], 0, gone={4}, acked=set(), trusted=set(p.trusted)) == (5,)
+
+
+def test_a_rank_that_does_not_enforce_is_never_blind() -> None:
+    p = plan(situation(self_rank=4, ack_written=False, live_local_ranks=(0, 1, 3, 4)))
+    assert not p.enforcer and not p.blind and p.trusted == ()
+    assert p.last_resort_s == plan(situation(self_rank=4, live_local_ranks=(0, 1, 3, 4))).last_resort_s
