@@ -13,9 +13,11 @@ which any thread may call (one byte down a non-blocking pipe).
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import select
+import stat
 import time
 from typing import Dict, List, Optional, Set, Tuple
 
@@ -85,6 +87,27 @@ class Observer:
         self._unwritten: List[Tuple[str, ExitStatus]] = []
         self._oom_kills_at_start = oom_kill_count()
         self._folders: Optional[FolderWatch] = None
+        self.write_failed = False  # a record of this rank could not be written (a full disk...)
+        try:
+            self._events_id = _dir_id(run_dir.join(EVENTS))  # to tell when the run directory is removed
+        except OSError:
+            self._events_id = None
+
+    def storage_lost(self) -> Optional[str]:
+        """How the run directory was lost (removed, or replaced by another one), or None.
+
+        Nothing written there from now on reaches a peer, and nothing a peer writes
+        (success markers included) reaches us: a peer's end proves nothing any more.
+        """
+        if self._events_id is None:
+            return None
+        try:
+            now = _dir_id(self.run_dir.join(EVENTS))
+        except OSError:
+            return None  # cannot tell: judged as before
+        if now is None:
+            return "was removed"
+        return None if now == self._events_id else "was replaced by another directory"
 
     # -- waking and sleeping ---------------------------------------------------------
 
@@ -376,6 +399,10 @@ class Observer:
         try:
             return self.run_dir.write(EVENTS, name, encode(record), valid=lambda data: decode(cls, data) is not None)
         except OSError as e:
+            if not self.write_failed:
+                self.write_failed = True  # said loudly once: records of this rank may be missing from now on
+                logger.error("peerwatch: rank %d: protection degraded: cannot write to %s: %s", self.me.rank,
+                             self.run_dir.path, e.strerror or e)
             logger.error("peerwatch: rank %d could not write %s: %s", self.me.rank, name, e)
             return False
 
@@ -487,6 +514,18 @@ class Observer:
             beat.step, beat.progress_ns, beat.paused, state,
             in_collective=beat.in_collective, watcher_silent=silent, where=beat.where,
         )
+
+
+def _dir_id(path: str) -> Optional[Tuple[int, int]]:
+    """(st_dev, st_ino) of the directory at ``path``; None if there is none there (gone, or
+    something else in its place). Raises OSError when it cannot be told (EACCES...)."""
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except OSError as e:
+        if e.errno in (errno.ENOENT, errno.ENOTDIR):
+            return None
+        raise
+    return (st.st_dev, st.st_ino) if stat.S_ISDIR(st.st_mode) else None
 
 
 __all__ = ["Observer"]
