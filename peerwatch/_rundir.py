@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import logging
 import os
 import stat
@@ -63,17 +64,67 @@ def parse_rank_file(name: str) -> Optional[Tuple[str, int]]:
 
 
 def base_dir() -> str:
-    """Where run directories live on this host when nothing says otherwise."""
-    runtime = os.environ.get("XDG_RUNTIME_DIR", "")
-    if runtime and os.path.isdir(runtime):
-        try:
-            st = os.stat(runtime)
-            if st.st_uid == os.geteuid() and not st.st_mode & 0o022:
-                return os.path.join(runtime, "peerwatch")
-        except OSError:
-            pass
+    """Where run directories live on this host when nothing says otherwise: a place no
+    other user can occupy first. ``$XDG_RUNTIME_DIR/peerwatch`` (or systemd's
+    ``/run/user/<uid>``) where there is one of ours; else ``$TMPDIR/peerwatch-<uid>`` (or
+    under ``/tmp``). In a world-writable ``/tmp`` another user may have made that name
+    first (a directory of theirs, a symlink): then ``peerwatch-<uid>-2`` ... ``-4``, with a
+    warning naming the squatter. Every rank of this user on this host picks the same."""
+    uid = os.geteuid()
+    for runtime in (os.environ.get("XDG_RUNTIME_DIR", ""), f"/run/user/{uid}"):
+        if runtime and _private_dir(runtime):
+            return os.path.join(runtime, "peerwatch")
     tmp = os.environ.get("TMPDIR", "") or "/tmp"
-    return os.path.join(tmp, f"peerwatch-{os.geteuid()}")
+    first = os.path.join(tmp, f"peerwatch-{uid}")
+    for path in [first] + [f"{first}-{n}" for n in range(2, 5)]:
+        why = _squatted(path)
+        if why is None:
+            if path != first:
+                _warn_base_once(first, path)
+            return path
+        _squatters[path] = why
+    return first  # every name taken: prepare() says why, loudly
+
+
+_squatters: Dict[str, str] = {}  # a base name another user took first -> why it cannot be used
+_warned_bases: Set[str] = set()
+
+
+def _private_dir(path: str) -> bool:
+    """A real directory of ours that nobody else can write to."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & 0o022
+
+
+def _squatted(path: str) -> Optional[str]:
+    """Why ``path`` cannot be our base (None: it is ours, or free for us to make)."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        return f"cannot be read ({e.strerror})"
+    if stat.S_ISLNK(st.st_mode):
+        return f"is a symbolic link owned by uid {st.st_uid}"
+    if not stat.S_ISDIR(st.st_mode):
+        return "is not a directory"
+    if st.st_uid != os.geteuid():
+        return f"is owned by uid {st.st_uid}"
+    if st.st_mode & 0o022:
+        return f"is group- or world-writable (mode {stat.S_IMODE(st.st_mode):o})"
+    return None
+
+
+def _warn_base_once(first: str, chosen: str) -> None:
+    if chosen in _warned_bases:
+        return
+    _warned_bases.add(chosen)
+    logger.warning("peerwatch: %s %s (another user made it first); run directories go to %s instead. Set "
+                   "XDG_RUNTIME_DIR or PEERWATCH_DIR to a directory of yours to avoid this",
+                   first, _squatters.get(first, "cannot be used"), chosen)
 
 
 NEW_RUN = "new run led by this process"  # resolve()'s `how` when nothing in the environment names a run
@@ -322,6 +373,27 @@ def stale_because(
     return None
 
 
+def lock_path(path: str) -> str:
+    """The lock ``prepare`` holds while it creates or sets aside the run directory ``path``:
+    beside it (``<path>.lock``) where that folder is ours alone, else in the base
+    (``<base>/locks/<hash of path>.lock``): in a folder others can write (a sticky
+    ``/tmp``), another user could make ``<path>.lock`` first and hold it, or own it."""
+    path = os.path.abspath(path)
+    if _private_dir(os.path.dirname(path)):
+        return path + ".lock"
+    base = base_dir()
+    locks = os.path.join(base, "locks")
+    for folder in (base, locks):
+        try:
+            os.mkdir(folder, 0o700)
+        except FileExistsError:
+            pass
+        except OSError as e:
+            raise RunDirError(folder, f"cannot be created ({e.strerror})") from None
+        check_trusted(folder)
+    return os.path.join(locks, hashlib.sha256(path.encode()).hexdigest()[:32] + ".lock")
+
+
 class RunDir:
     """One run directory on this host. Reads are tolerant; writes are atomic.
 
@@ -518,7 +590,7 @@ class RunDir:
             check_trusted(parent)
         import filelock
 
-        lock = filelock.FileLock(self.path + ".lock", timeout=30)
+        lock = filelock.FileLock(lock_path(self.path), timeout=30)
         try:
             with lock:
                 self.close()
