@@ -74,6 +74,9 @@ class Config:
     gil_timeout: float = GIL_TIMEOUT_S
     strict: bool = False
     use_pidfd: bool = True
+    # A surviving rank's exception that follows a peer's failure (gloo's "Connection reset
+    # by peer") goes to its stack file; verbose prints its traceback too (docs/report.md).
+    verbose: bool = False
     # Beyond one host (docs/multi-node.md).
     store: Any = None  # "host:port", a torch.distributed Store, "off"; None: the job's own (MASTER_ADDR/PORT)
     run_id: Optional[str] = None  # names the job on every host; None: from the launcher's environment
@@ -348,6 +351,7 @@ _OPTIONS: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "gil_timeout": ("PEERWATCH_GIL_TIMEOUT", _duration("gil_timeout")),
     "strict": ("PEERWATCH_STRICT", _flag),
     "use_pidfd": ("PEERWATCH_PIDFD", _flag),
+    "verbose": ("PEERWATCH_VERBOSE", _flag),
     "store": ("PEERWATCH_STORE", _store),
     "run_id": ("PEERWATCH_RUN_ID", _run_id),
     "peer_timeout": ("PEERWATCH_PEER_TIMEOUT", _duration("peer_timeout")),

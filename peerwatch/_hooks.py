@@ -28,7 +28,7 @@ import traceback
 from types import TracebackType
 from typing import Any, Callable, Optional, Type
 
-from . import _exitwatch, _stacks, _teardown
+from . import _exitwatch, _stacks, _teardown, _terminal
 from ._errors import PeerFailure
 from ._plan import SETTLE_S
 from ._records import EXCEPTION, EXIT, MAX_TRACEBACK_CHARS, Failure, Verdict
@@ -217,15 +217,39 @@ def _excepthook(registry: Registry, previous: Callable[..., Any]) -> Callable[..
             record_exception(w, exc, tb)
             previous(exc_type, exc, tb)
             return
-        previous(exc_type, exc, tb)
-        # No exit from here: a hook up the chain (torch's) may have swapped sys.stderr and
-        # prints only when we return. The watcher ends the process with the verdict's code.
-        logger.error(
-            "peerwatch: the exception above in rank %d followed the failure of rank %d (%s); "
-            "exiting with code %d", w.rank, verdict.rank, verdict.detail, verdict.exit_code,
-        )
+        # A peer failed first. The watcher has said so in one line and ends the process
+        # with the verdict's code (no exit from here: a hook up the chain, torch's, may
+        # have swapped sys.stderr and prints only when we return).
+        tell_consequence(w, verdict, exc_type, exc, tb, previous)
 
     return excepthook
+
+
+def tell_consequence(
+    w: Watcher, verdict: Verdict, exc_type: Type[BaseException], exc: BaseException, tb: Optional[TracebackType],
+    previous: Callable[..., Any],
+) -> None:
+    """A surviving rank's uncaught exception after the failure of ``verdict.rank``.
+
+    What a collective raises then (gloo's "Connection reset by peer") is an echo of that
+    failure: its traceback goes to this rank's stack file, and is printed only with
+    ``verbose``. Any other exception may be a fault of its own: it is printed, followed
+    (in the same stream, so below it whatever buffers it) by a line that says what it
+    came after.
+    """
+    me = _terminal.who(w.rank, w.me.pid, w.me.host)
+    failed = _terminal.who(verdict.rank, verdict.pid, verdict.host)
+    kept = _terminal.keep_consequence(w.stacks.file, me, failed, exc_type, exc, tb)
+    if from_collective(exc, tb) and not w.config.verbose:
+        return
+    previous(exc_type, exc, tb)
+    stream = sys.stderr if sys.stderr is not None else sys.__stderr__
+    if stream is not None:
+        try:
+            stream.write(_terminal.consequence_line(me, failed, w.run_dir.stack_path(w.rank) if kept else None) + "\n")
+            stream.flush()
+        except (OSError, ValueError):
+            pass
 
 
 def _threading_excepthook(registry: Registry, previous: Callable[[Any], Any]) -> Callable[[Any], None]:
@@ -354,5 +378,5 @@ def install_interrupt_handler(registry: Registry) -> bool:
 
 __all__ = [
     "Registry", "arm_exit_status", "consequence_of_peer_failure", "exit_status", "install_hooks", "install_interrupt_handler",
-    "qualified_name", "record_exception",
+    "qualified_name", "record_exception", "tell_consequence",
 ]

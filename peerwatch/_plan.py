@@ -17,8 +17,11 @@ functions answer. Rules (numbered as in the tests):
    go). Enforcers wait for acknowledgements, signal the peers that gave none, and rewrite
    the report. Every rank doing it made teardown O(N^2) (N=128: 11-14 s of CPU on
    2 cores); three keep it O(N) with spares for a frozen enforcer.
-4. **The report.** Enforcers and the rank that wrote the verdict write the report; only
-   the writer of the verdict prints its summary (one summary per job and host).
+4. **The report.** Enforcers and the rank that wrote the verdict write the report; one
+   rank per job and host prints its summary, after the cause: a failing rank that is
+   leaving by itself (it recorded its own exception or exit, and is alive on this host)
+   prints it once its main thread has left, below its own traceback; otherwise the
+   writer of the verdict prints it.
 5. **The ack window.** Peers get ``ack_window`` to acknowledge. While acknowledgements
    keep arriving the machine is busy rather than the peers stuck (128 ranks on 2 cores
    take a while to be scheduled): the window stretches to ``ack_window / 4`` after the
@@ -76,6 +79,9 @@ class Situation:
     grace_s: float
     ack_window_s: float
     ack_written: bool = True  # this rank's own acknowledgement reached the run directory (rule 9)
+    # The failed rank, another one, recorded its own failure and is alive on this host:
+    # it prints the summary itself (rule 4).
+    failed_rank_speaks: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,13 +125,15 @@ def plan(s: Situation) -> Plan:
     enforcer = s.self_rank in chosen
     blind = enforcer and not s.ack_written
     extra_s = BLIND_GRACES * s.grace_s if blind else 0.0
+    speaks = s.cause in _LEAVES_BY_ITSELF and (s.own_exit_code is not None if mine else s.failed_rank_speaks)
+    print_summary = (mine and speaks) or (s.wrote_verdict and not speaks)
     return Plan(
         exit_code=exit_code(s.self_rank, s.failed_rank, s.verdict_exit_code, s.own_exit_code),
         interrupt_main=interrupt,
         stay_s=s.grace_s if stay else 0.0,
         enforcer=enforcer,
-        write_report=enforcer or s.wrote_verdict,
-        print_summary=s.wrote_verdict,
+        write_report=enforcer or s.wrote_verdict or print_summary,
+        print_summary=print_summary,
         last_resort_s=s.ack_window_s + extra_s + LAST_RESORT_GRACES * s.grace_s + LAST_RESORT_EXTRA_S,
         ack_window_s=s.ack_window_s + extra_s,
         blind=blind,

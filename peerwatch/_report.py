@@ -25,6 +25,7 @@ from ._records import (
     signal_name,
 )
 from ._rundir import EVENTS, HEARTBEATS, REPORT_FILE, VERDICT_FILE, RunDir, rank_file
+from ._terminal import who
 
 REPORT_VERSION = 1
 
@@ -209,8 +210,10 @@ def exit_text(r: Dict[str, Any]) -> str:
     return text
 
 
-def summary(report: Dict[str, Any]) -> str:
-    """A short human summary: the root cause first, then what happened to every rank."""
+def summary(report: Dict[str, Any], traceback: bool = True) -> str:
+    """A short human summary: the root cause first, then what happened to every rank.
+    ``traceback=False`` leaves out the failing rank's traceback (printed just above by
+    the failing rank itself)."""
     v = report.get("verdict")
     lines = []
     if v is None and report["outcome"] == "succeeded":
@@ -221,8 +224,7 @@ def summary(report: Dict[str, Any]) -> str:
         lines.append(f"peerwatch: no failure recorded in {report['run_dir']} (outcome: {report['outcome']})")
     else:
         how = v.get("detail") or v.get("cause")
-        where = f" (pid {v['pid']}, {v.get('host')})" if v.get("pid") else ""
-        lines.append(f"peerwatch: rank {v['rank']}{where} failed first: {how}")
+        lines.append(f"peerwatch: {who(v['rank'], v.get('pid'), v.get('host'))} failed first: {how}")
         extra = f"cause: {v['cause']}, ranks exit with code {v['exit_code']}"
         if v.get("signal"):
             extra += f", signal {v['signal']}"
@@ -244,8 +246,8 @@ def summary(report: Dict[str, Any]) -> str:
         if r.get("unwatched"):
             lines.append(f"  rank {r['rank']} cannot be watched or signalled from here: {r['unwatched']}")
         if r.get("not_signalled"):
-            lines.append(f"  rank {r['rank']} (pid {r['pid']}) could not be verified, not signalled: {r['not_signalled']}")
-    if v is not None and v.get("traceback"):
+            lines.append(f"  {who(r['rank'], r['pid'], r.get('host'))} could not be verified, not signalled: {r['not_signalled']}")
+    if traceback and v is not None and v.get("traceback"):
         tb = v["traceback"].rstrip().splitlines()
         lines.append("  traceback of the failing rank (last lines):")
         lines.extend("    " + line for line in tb[-8:])

@@ -26,13 +26,13 @@ import threading
 import time
 from typing import Optional, Tuple
 
-from . import _bridge, _decide, _enforce, _exitwatch, _launchers, _plan, _report, _sharedfs, _teardown
+from . import _bridge, _decide, _enforce, _exitwatch, _launchers, _plan, _report, _sharedfs, _teardown, _terminal
 from ._config import Config
 from ._errors import PeerFailure
 from ._heartbeat import HeartbeatWriter, Progress
 from ._identity import is_local
 from ._observer import Observer
-from ._records import WATCHER_DEATH, Ack, Failure, Registration, Success, Verdict, WatcherDeath, encode
+from ._records import EXCEPTION, WATCHER_DEATH, Ack, Failure, Registration, Success, Verdict, WatcherDeath, encode
 from ._rundir import EVENTS, VERDICT_FILE, RunDir, rank_file
 from ._schedule import Schedule
 from ._sources import pidfd_supported
@@ -363,6 +363,7 @@ class Watcher:
             own_exit_code=self._outcome.failed_code, in_watch=self.in_watch > 0,
             live_local_ranks=tuple(self.observer.live_local_ranks()), wrote_verdict=wrote,
             grace_s=self.config.grace, ack_window_s=self.config.ack_window,
+            failed_rank_speaks=self._speaks(verdict),
         )
         plan = _plan.plan(situation)
         leave_by = time.monotonic() + plan.stay_s
@@ -403,18 +404,30 @@ class Watcher:
         self._settle.release()
         return verdict, wrote
 
+    def _speaks(self, verdict: Verdict) -> bool:
+        """The failed rank (another one) recorded its own failure and is alive on this host:
+        it prints the summary below its own traceback (rule 4 of the plan)."""
+        obs = self.observer
+        own = obs.events.get(rank_file("failure", verdict.rank))
+        reg = obs.registrations.get(verdict.rank)
+        return (
+            verdict.rank != self.rank and isinstance(own, Failure) and reg is not None and own.pid == reg.pid
+            and verdict.rank in obs.live_local_ranks()
+        )
+
     def _acknowledge(self, leave_by: float) -> bool:
         """Write this rank's acknowledgement; False if it could not be written."""
         ack = Ack(rank=self.rank, pid=os.getpid(), time_ns=time.time_ns(), deadline_ns=int(leave_by * 1e9))
         return self.observer.write_event(rank_file("ack", self.rank), ack)
 
     def _announce(self, verdict: Verdict, plan: _plan.Plan) -> None:
+        """The one line this rank says when a peer failed (the failing rank's own words are
+        its traceback, and the summary)."""
         if verdict.rank != self.rank:
-            logger.error(
-                "peerwatch: rank %d%s %s; cause: %s. Tearing down rank %d (pid %d), exit code %d.",
-                verdict.rank, f" (pid {verdict.pid} on {verdict.host})" if verdict.pid else "",
-                verdict.detail, verdict.cause, self.rank, os.getpid(), plan.exit_code,
-            )
+            logger.error("%s", _terminal.stop_line(
+                _terminal.who(verdict.rank, verdict.pid, verdict.host), verdict.detail or verdict.cause,
+                _terminal.who(self.rank, self.me.pid, self.me.host), plan.exit_code,
+            ))
 
     def _carry_out(self, verdict: Verdict, plan: _plan.Plan, leave_by: float) -> None:
         c = self.config
@@ -422,18 +435,24 @@ class Watcher:
             _enforce.tear_down_peers(self.observer, verdict, plan.ack_window_s, c.grace, set(plan.trusted))
         if not plan.stay:
             _enforce.tear_down_own_children(self.rank, self.observer.local_pids(), c.grace)
+        mine = verdict.rank == self.rank
         if plan.write_report:
             if plan.enforcer and _launchers.launcher_of(self.me, os.environ) is None:
                 # The peers are leaving: their exit codes, seen rather than expected.
                 # (Under torchrun and mp.spawn the launcher stops everyone at once.)
                 self._await_peers_gone(time.monotonic() + c.grace)
-            self._write_report(plan.print_summary)
+            self._write_report(plan.print_summary and not (mine and plan.stay))
         if plan.stay:
             # The main thread is leaving by itself (PeerFailure, or its own exception); at
             # exit it sets `main_left` and waits for us. If it is stuck, we end it.
             if not self.main_left.wait(max(0.0, leave_by - time.monotonic())):
-                logger.error("peerwatch: rank %d did not leave within %gs of the verdict; exiting with code %d",
-                             self.rank, c.grace, plan.exit_code)
+                logger.error("peerwatch: %s did not leave within %gs of the verdict; exiting with code %d",
+                             _terminal.who(self.rank, self.me.pid, self.me.host), c.grace, plan.exit_code)
+            if plan.print_summary and mine:
+                # Our own traceback is out now (a hook up the chain, torch's, holds it back
+                # until the main thread has left it): the summary follows it, without
+                # repeating it.
+                self._write_report(True, traceback=verdict.cause != EXCEPTION)
             _enforce.tear_down_own_children(self.rank, self.observer.local_pids(), c.grace)
 
     def _await_peers_gone(self, deadline: float) -> None:
@@ -455,11 +474,11 @@ class Watcher:
         except Exception:  # noqa: BLE001 - the heartbeat must never stop a teardown or an exit
             logger.debug("peerwatch: rank %d could not write its last heartbeat", self.rank, exc_info=True)
 
-    def _write_report(self, print_summary: bool) -> None:
+    def _write_report(self, print_summary: bool, traceback: bool = True) -> None:
         try:
             report = _report.write(self.run_dir)
             if print_summary:
-                logger.error("%s", _report.summary(report))
+                logger.error("%s", _report.summary(report, traceback=traceback))
         except OSError as e:
             logger.error("peerwatch: rank %d could not write the report: %s", self.rank, e)
         except Exception:  # noqa: BLE001 - a report must never stop the teardown

@@ -21,9 +21,11 @@ The callback adds what only Lightning knows::
   in ``trainer.test()`` say, no longer tears the job down; ``mark_success=False``
   leaves it to the end of the process or of ``peerwatch.watch()``);
 - an exception in this rank is recorded as soon as Lightning sees it
-  (``on_exception``), before Lightning's own teardown, so peers learn it at once;
-- the verdict is reported through Lightning's logging (logger ``lightning.pytorch``),
-  prefixed with the rank, on every rank, before the rank is torn down.
+  (``on_exception``), before Lightning's own teardown, so peers learn it at once.
+
+At a failure each surviving rank says one line, peerwatch's own (``peerwatch: rank 0
+(pid 812 on vm) stops with exit code 3: rank 2 (pid 815 on vm) failed first (...)``);
+the callback adds none.
 
 Lightning's own ``_ChildProcessObserver`` (rank 0 polls its children every 5 s and
 SIGKILLs everything when one exited non-zero) is quieted once there is a verdict,
@@ -33,25 +35,16 @@ rank's exit code (the observer would make rank 0 exit 137).
 
 from __future__ import annotations
 
-import logging
 from typing import Any, Optional
 
 try:
-    from lightning.fabric.utilities.rank_zero import rank_prefixed_message
     from lightning.pytorch.callbacks import Callback
-
-    _LIGHTNING_LOGGER = "lightning.pytorch"
 except ImportError:  # the older package name
-    from lightning_fabric.utilities.rank_zero import rank_prefixed_message  # type: ignore[no-redef]
     from pytorch_lightning.callbacks import Callback  # type: ignore[no-redef,assignment]
-
-    _LIGHTNING_LOGGER = "pytorch_lightning"
 
 import peerwatch
 
 from . import torch as _pw_torch
-
-log = logging.getLogger(_LIGHTNING_LOGGER)
 
 
 class PeerWatch(Callback):  # type: ignore[misc]
@@ -76,7 +69,6 @@ class PeerWatch(Callback):  # type: ignore[misc]
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         self.watcher = peerwatch.current() or self._install(trainer)
-        peerwatch.add_verdict_listener(self._report_verdict)
 
     def _install(self, trainer: Any) -> Optional[peerwatch.Handle]:
         options = {"rank": trainer.global_rank, "world_size": trainer.world_size, **self.options}
@@ -102,19 +94,6 @@ class PeerWatch(Callback):  # type: ignore[misc]
         handle = peerwatch.current()
         if handle is not None and handle.verdict is None:
             peerwatch.record_exception(exception)
-
-    def _report_verdict(self, verdict: peerwatch.Verdict) -> None:
-        watcher = peerwatch.current()
-        if watcher is None:
-            return
-        if verdict.rank == watcher.rank:
-            message = f"peerwatch: this rank failed first ({verdict.detail}); the other ranks are being torn down"
-        else:
-            message = (
-                f"peerwatch: rank {verdict.rank} failed ({verdict.detail}); stopping this rank"
-                f" with exit code {verdict.exit_code}"
-            )
-        log.error(rank_prefixed_message(f"{message}. Report: {watcher.report_path}", watcher.rank))
 
 
 __all__ = ["PeerWatch"]

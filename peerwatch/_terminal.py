@@ -1,0 +1,84 @@
+"""What peerwatch prints on a terminal when a rank fails, and how it names a rank.
+
+At a failure a person should read the cause once, first: the failing rank's own output
+and traceback, then one peerwatch block (the verdict, the table of ranks, where the
+report is), and from each other rank at most one short line. So:
+
+- every message names a rank the same way, ``rank 2 (pid 22122 on vm)`` (:func:`who`);
+- a surviving rank says one line (:func:`stop_line`), written by its watcher;
+- the exception a surviving rank raises because a peer failed (gloo's "Connection reset
+  by peer", ...) is not printed: its traceback goes to the rank's stack file, which the
+  report names (:func:`keep_consequence`); ``verbose`` (``PEERWATCH_VERBOSE=1``) prints
+  it too, followed by a line that says what it followed (:func:`consequence_line`);
+- the summary block is printed once per host, after the failing rank's own traceback
+  (:func:`peerwatch._plan.plan`, rule 4).
+
+Pure but for :func:`keep_consequence`, which writes to a file it is given.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+from types import TracebackType
+from typing import IO, Optional, Type
+
+SHORT_CHARS = 160  # a failure's detail in a one-line message is cut to this many characters
+
+
+def who(rank: int, pid: Optional[int] = None, host: Optional[str] = None) -> str:
+    """``rank 2 (pid 22122 on vm)``: the one spelling of a rank in every message."""
+    if pid is None:
+        return f"rank {rank}"
+    return f"rank {rank} (pid {pid} on {host})" if host else f"rank {rank} (pid {pid})"
+
+
+def short(text: str, limit: int = SHORT_CHARS) -> str:
+    """The first line of ``text``, cut to ``limit`` characters (an exception's message may
+    hold a whole C++ backtrace)."""
+    lines = text.strip().splitlines()
+    first = lines[0] if lines else ""
+    if len(first) > limit or len(lines) > 1:
+        return first[: limit - 3].rstrip() + "..."
+    return first
+
+
+def stop_line(failed: str, detail: str, me: str, exit_code: int) -> str:
+    """The one line a surviving rank prints when it acts on the verdict on ``failed``."""
+    return f"peerwatch: {me} stops with exit code {exit_code}: {failed} failed first ({short(detail)})"
+
+
+def consequence_line(me: str, failed: str, kept_in: Optional[str]) -> str:
+    """Printed after a surviving rank's exception that followed a peer's failure, when it
+    is printed at all (``verbose``, or an exception that did not come from a collective)."""
+    where = f"; kept in {kept_in}" if kept_in else ""
+    return f"peerwatch: {me}: this exception came after {failed} failed first{where}"
+
+
+def keep_consequence(
+    file: Optional[IO[str]], me: str, failed: str,
+    exc_type: Type[BaseException], exc: BaseException, tb: Optional[TracebackType],
+) -> bool:
+    """Append the traceback of an exception that followed a peer's failure to this rank's
+    stack file (open for writing; faulthandler dumps into it too). False if it could not."""
+    if file is None:
+        return False
+    text = "".join(traceback.format_exception(exc_type, exc, tb))
+    # The report reads a signal's name from faulthandler's "Fatal Python error: " in this
+    # file (a crash's last words): an exception's message must not look like one.
+    text = text.replace("Fatal Python error: ", "Fatal Python error - ")
+    try:
+        file.write(f"peerwatch: {me}: exception raised after {failed} failed first (not printed; "
+                   f"PEERWATCH_VERBOSE=1 prints it):\n{text}\n")
+        file.flush()
+        return True
+    except (OSError, ValueError):
+        return False
+
+
+def verbose_env() -> bool:
+    """``PEERWATCH_VERBOSE`` as a flag, for code that runs without a :class:`Config`."""
+    return os.environ.get("PEERWATCH_VERBOSE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+__all__ = ["SHORT_CHARS", "consequence_line", "keep_consequence", "short", "stop_line", "verbose_env", "who"]
