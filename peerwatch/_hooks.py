@@ -136,13 +136,15 @@ _COLLECTIVE_PATHS = (os.path.join("torch", "distributed", ""), os.path.join("tor
 
 def from_collective(exc: BaseException, tb: Optional[TracebackType]) -> bool:
     """Was ``exc`` raised by torch.distributed (a collective, DDP's reducer, the store)?
-    By its type's module, a frame of torch.distributed or DDP, or the backend's words
-    (DDP's reducer raises from C++, inside backward(), with no such frame)."""
+    By its type's module, the frame it was raised in (torch.distributed or DDP), or the
+    backend's words (DDP's reducer raises from C++, inside backward(), with no such
+    frame). Only the innermost frame counts: under DDP every training step runs inside
+    DDP's forward(), and a user's own exception raised there is no collective's."""
     if type(exc).__module__.startswith("torch.distributed"):
         return True
-    for frame, _ in traceback.walk_tb(tb):
-        if any(part in frame.f_code.co_filename for part in _COLLECTIVE_PATHS):
-            return True
+    frames = list(traceback.walk_tb(tb))
+    if frames and any(part in frames[-1][0].f_code.co_filename for part in _COLLECTIVE_PATHS):
+        return True
     return bool(_ECHO_TEXT.search(str(exc)[:2000]))
 
 

@@ -33,6 +33,31 @@ def test_what_torch_distributed_raises_is_told_by_its_words_type_or_frames() -> 
     assert not from_collective(KeyError("step"), None)
 
 
+def test_a_users_exception_raised_inside_ddps_forward_is_no_collectives() -> None:
+    """Under DDP every training step runs inside torch/nn/parallel/distributed.py's
+    forward(): the frame an exception is raised in tells, not the frames it passed."""
+    ddp = {}
+    exec(compile("def forward(step):\n    return step()\n", "/venv/torch/nn/parallel/distributed.py", "exec"), ddp)
+    dist = {}
+    exec(compile("def wait():\n    raise RuntimeError('timed out')\n", "/venv/torch/distributed/c10d.py", "exec"), dist)
+
+    def training_step() -> None:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    own = _raised_by(lambda: ddp["forward"](training_step))
+    assert not from_collective(own, own.__traceback__)
+    collective = _raised_by(lambda: ddp["forward"](dist["wait"]))
+    assert from_collective(collective, collective.__traceback__)
+
+
+def _raised_by(call) -> BaseException:  # type: ignore[no-untyped-def]
+    try:
+        call()
+    except BaseException as e:  # noqa: BLE001 - the test wants the traceback
+        return e
+    raise AssertionError("it did not raise")
+
+
 @pytest.mark.torch
 @pytest.mark.timeout(120)
 def test_a_rank_sigkilled_inside_its_collectives_is_the_cause_not_a_peer_whose_read_failed(make_job) -> None:
