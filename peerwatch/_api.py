@@ -14,7 +14,7 @@ import time
 from types import TracebackType
 from typing import Any, Callable, Optional, Type
 
-from . import _hooks, _identity, _launchers, _rundir, _sharedfs
+from . import _hooks, _identity, _launchers, _rundir, _sharedfs, _terminal
 from ._config import Config
 from ._errors import PeerFailure, RunDirError
 from ._records import Registration, Verdict
@@ -148,7 +148,7 @@ def _start(config: Config) -> Watcher:
     os.environ["PEERWATCH_DIR"] = path
     watcher = Watcher(config, rd, reg, stacks, _hooks.install_interrupt_handler(_registry))
     rd.publish_registration(reg)
-    logger.info("peerwatch: rank %d (pid %d) is watching its peers in %s (%s)", rank, me.pid, path, how)
+    logger.info("peerwatch: %s is watching its peers in %s (%s)", _terminal.who(rank, reg.pid, reg.host), path, how)
     return watcher
 
 

@@ -46,7 +46,7 @@ import threading
 import time
 from typing import Any, Callable, Dict, List, Mapping, Optional, Set, Tuple
 
-from . import _identity
+from . import _identity, _terminal
 from ._config import Config, LauncherFacts
 from ._election import Election, UpFlag, connected_elsewhere
 from ._hosts import (
@@ -406,9 +406,11 @@ class _VerdictWaiter:
             logger.error("peerwatch: the verdict from another host cannot be written into %s: %s", run_dir.path, e)
             return
         if written:
-            where = f" (pid {verdict.pid} on {verdict.host})" if verdict.pid else (f" (on {verdict.host})" if verdict.host else "")
-            logger.error("peerwatch: verdict from another host: rank %d%s %s; cause: %s. Tearing down the ranks "
-                         "of host %s.", verdict.rank, where, verdict.detail, verdict.cause, _identity.hostname())
+            failed = _terminal.who(verdict.rank, verdict.pid, verdict.host)
+            if verdict.pid is None and verdict.host:
+                failed += f" (on {verdict.host})"
+            logger.error("peerwatch: verdict from another host: %s %s; cause: %s. Tearing down the ranks "
+                         "of host %s.", failed, verdict.detail, verdict.cause, _identity.hostname())
 
 
 class Bridge:

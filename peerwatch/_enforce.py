@@ -15,7 +15,7 @@ import os
 import time
 from typing import AbstractSet, List
 
-from . import _identity, _plan, _teardown
+from . import _identity, _plan, _teardown, _terminal
 from ._identity import is_local
 from ._observer import Observer
 from ._records import Heartbeat, NotSignalled, Registration, Verdict
@@ -98,7 +98,7 @@ def _peer_and_tree(
 def _not_signalled(obs: Observer, reg: Registration, reason: str) -> None:
     """Say, in the log and for the report, that a peer could not be verified and was not signalled."""
     logger.warning(
-        "peerwatch: rank %d (pid %d) could not be verified, not signalled: %s", reg.rank, reg.pid, reason,
+        "peerwatch: %s could not be verified, not signalled: %s", _terminal.who(reg.rank, reg.pid, reg.host), reason,
     )
     record = NotSignalled(rank=reg.rank, pid=reg.pid, time_ns=time.time_ns(), reason=reason, observed_by=obs.me.rank)
     obs.write_event(rank_file("unsignalled", reg.rank), record)

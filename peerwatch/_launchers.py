@@ -46,7 +46,7 @@ import threading
 import time
 from typing import Callable, List, Mapping, Optional, Protocol
 
-from . import _identity, _report, _rundir, _teardown
+from . import _identity, _report, _rundir, _teardown, _terminal
 from ._identity import is_local
 from ._records import LOST, Failure, Registration, Verdict
 
@@ -217,7 +217,7 @@ def _launcher_gone(w: RankLink, launcher: Launcher, exit_code: int) -> None:
         "reap or report this rank"
     )
     rank = w.me.rank
-    logger.error("peerwatch: rank %d (pid %d): %s. Failing this rank.", rank, os.getpid(), message)
+    logger.error("peerwatch: %s: %s. Failing this rank.", _terminal.who(rank, os.getpid(), w.me.host), message)
     # The verdict on this failure ends the rank at once (rule 2 of the plan: its main
     # thread is not leaving by itself).
     w.record_failure(Failure(

@@ -21,7 +21,7 @@ import stat
 import time
 from typing import Dict, List, Optional, Set, Tuple
 
-from . import _decide, _identity, _rundir, _sharedfs
+from . import _decide, _identity, _rundir, _sharedfs, _terminal
 from ._heartbeat import Progress, main_thread_position
 from ._records import (
     EVENT_TYPES,
@@ -221,9 +221,9 @@ class Observer:
             self._peer_gone(rank)
             return
         logger.warning(
-            "peerwatch: rank %d: its pidfd of rank %d (pid %d), fd %s, was %s by the application (os.closerange, "
+            "peerwatch: rank %d: its pidfd of %s, fd %s, was %s by the application (os.closerange, "
             "dup2?); rank %d still runs, so it is watched through a new pidfd (fd %d)",
-            self.me.rank, rank, peer.reg.pid, fd, why, rank, peer.pidfd,
+            self.me.rank, _terminal.who(rank, peer.reg.pid, peer.reg.host), fd, why, rank, peer.pidfd,
         )
 
     def check_fds(self, every_pidfd: bool = False) -> None:

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from harness import Job, Proc, by_rank
 
+from peerwatch._identity import hostname
 from peerwatch._rundir import HEARTBEATS, rank_file
 
 pytestmark = pytest.mark.timeout(90)
@@ -120,7 +121,7 @@ def test_a_rank_that_execed_is_reported_not_signalled(make_job) -> None:
         job.kill_all()
     assert entry["state"] == "not_signalled", entry
     assert "stack file" in entry["not_signalled"], entry
-    assert "rank 2 (pid %d) could not be verified, not signalled" % pid in job.log_path(0).read_text()
+    assert f"rank 2 (pid {pid} on {hostname()}) could not be verified, not signalled" in job.log_path(0).read_text()
 
 
 @pytest.mark.skipif(shutil.which("unshare") is None or os.geteuid() != 0,

@@ -105,6 +105,31 @@ def test_enforcers_and_the_verdicts_writer_write_the_report_only_the_writer_prin
     assert writer.write_report and writer.print_summary
 
 
+@pytest.mark.parametrize("cause", [EXCEPTION, EXIT])
+def test_a_failing_rank_that_speaks_for_itself_prints_the_summary_below_its_traceback(cause: str) -> None:
+    """It recorded its own exception or exit and is leaving by itself: it prints the
+    summary once its main thread has left (its traceback is out then), and the writer of
+    the verdict, another rank, does not: one summary, after the cause."""
+    failing = plan(situation(self_rank=2, failed_rank=2, cause=cause, own_exit_code=1, live_local_ranks=(0, 1, 2)))
+    assert failing.print_summary and failing.write_report and failing.stay
+    writer = plan(situation(cause=cause, wrote_verdict=True, failed_rank_speaks=True))
+    assert writer.write_report and not writer.print_summary
+    both = plan(situation(self_rank=2, failed_rank=2, cause=cause, own_exit_code=1, wrote_verdict=True))
+    assert both.print_summary
+
+
+@pytest.mark.parametrize("cause", [SIGNAL, VANISHED, HANG, LOST])
+def test_the_writer_prints_the_summary_of_a_rank_that_cannot(cause: str) -> None:
+    """A dead rank, a hung one, another host: the writer of the verdict prints it."""
+    assert plan(situation(cause=cause, wrote_verdict=True, failed_rank_speaks=True)).print_summary
+    assert not plan(situation(self_rank=2, failed_rank=2, cause=cause, own_exit_code=None)).print_summary
+
+
+def test_the_writer_prints_the_summary_of_an_exit_seen_by_the_parent() -> None:
+    """os._exit(3): the parent saw the exit status, the rank said nothing itself."""
+    assert plan(situation(cause=EXIT, wrote_verdict=True, failed_rank_speaks=False)).print_summary
+
+
 # -- rule 5: the ack window ----------------------------------------------------------------
 
 
