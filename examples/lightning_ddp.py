@@ -7,7 +7,7 @@ How to run:
     FAIL_HOW=raise python examples/lightning_ddp.py   # rank 1 raises instead
     FAIL_RANK=-1 python examples/lightning_ddp.py     # nobody fails: trains STEPS steps, exits 0
 
-    DEVICES (3), FAIL_RANK (1; -1: none), FAIL_STEP (20), FAIL_HOW (kill, raise, exit), STEPS (60)
+    DEVICES (3), FAIL_RANK (1; -1: none), FAIL_STEP (20), FAIL_HOW (kill, raise, exit, os_exit), STEPS (60)
 
 The one line at the top is all it takes: rank 0 runs it before Lightning's subprocess
 launcher starts ranks 1..N-1, which inherit PEERWATCH_DIR and join rank 0's run. The
@@ -15,9 +15,8 @@ PeerWatch callback is optional: it records progress every batch, marks the rank 
 the end of fit, and reports the verdict through Lightning's logging.
 
 What you will see when a rank fails: the surviving ranks, blocked in DDP's gradient
-all_reduce, each log "peerwatch: rank 1 (pid ...) killed by SIGKILL; ... Tearing down
-rank 0" and, through Lightning, "[rank: 0] peerwatch: rank 1 failed (killed by SIGKILL)";
-the report follows (`peerwatch report DIR` prints it again), and every process is gone
+all_reduce, each log one line, "peerwatch: rank 0 (pid ... on ...) stops with exit code
+137: rank 1 (pid ... on ...) failed first (killed by SIGKILL)"; the report follows (`peerwatch report DIR` prints it again), and every process is gone
 within milliseconds. Every rank exits with the failing rank's exit code: 137 for a
 SIGKILL (rank 0 is rank 1's parent and reads how it died), 1 for an exception, 3 for
 sys.exit(3). When rank 0 itself is SIGKILLed, only its own parent (your shell) knows
@@ -63,6 +62,8 @@ class Regression(L.LightningModule):
                 raise RuntimeError("CUDA error: an illegal memory access was encountered (simulated)")
             if FAIL_HOW == "exit":
                 sys.exit(3)
+            if FAIL_HOW == "os_exit":
+                os._exit(3)  # no exception, no exit hook: only rank 0, its parent, sees the code
             os.kill(os.getpid(), signal.SIGKILL)
         x, y = batch
         loss = torch.nn.functional.mse_loss(self.net(x), y)

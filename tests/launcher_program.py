@@ -16,7 +16,9 @@ Environment:
                    ``crashed-at``: time.monotonic() right before it raises)
     LP_STEPS       steps to train (default: until killed); after a torchrun restart: 10
     LP_TERM_HANDLER  worker: 1: catch SIGTERM and go on (to save a checkpoint later)
-    LP_FAIL_RANK   lightning: this rank raises once it is READY
+    LP_FAIL_RANK   lightning, worker: this rank fails once every rank is READY (worker:
+                   mid-training, while the others wait for it in all_reduce)
+    LP_FAIL_HOW    how it fails: ``raise`` (default: RuntimeError) or ``os_exit`` (os._exit(3))
     LP_CLEANUP_S   lightning: then it takes this long to leave (a ``finally:`` block)
     LP_OBSERVER_PERIOD  lightning: seconds between looks of Lightning's _ChildProcessObserver (5)
 """
@@ -101,16 +103,30 @@ def worker() -> None:
     train_loop(rank, world)
 
 
+def fail_now(rank: int) -> None:
+    """This rank fails, as LP_FAIL_HOW says, once every rank is READY."""
+    world = int(os.environ.get("LP_WORLD", "2"))
+    deadline = time.monotonic() + 60
+    while count_ready() < world and time.monotonic() < deadline:
+        time.sleep(0.01)
+    if os.environ.get("LP_FAIL_HOW", "raise") == "os_exit":
+        os._exit(3)
+    raise RuntimeError(f"rank {rank} failed on purpose")
+
+
 def train_loop(rank: int, world: int) -> None:
     import torch
     import torch.distributed as dist
 
     t = torch.ones(4)
     block = os.environ.get("LP_BLOCK", "allreduce")
+    fail_rank = int(os.environ.get("LP_FAIL_RANK", "-1"))
     for step in range(steps()):
         dist.all_reduce(t)
         if step == READY_AT_STEP:
             ready(rank)
+            if rank == fail_rank:
+                fail_now(rank)
             if block == "store":
                 store = dist.distributed_c10d._get_default_store()
                 store.wait(["set-by-a-rank-that-died"], TIMEOUT)
@@ -177,7 +193,7 @@ def lightning(callback: bool) -> None:
             if self.global_step == READY_AT_STEP:
                 ready(self.global_rank)
                 if self.global_rank == fail_rank:
-                    raise RuntimeError(f"rank {fail_rank} failed on purpose")
+                    fail_now(fail_rank)
                 if os.environ.get("LP_BLOCK") == "store":
                     import torch.distributed as dist
 
