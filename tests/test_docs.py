@@ -194,6 +194,62 @@ def test_quickstart_commands_print_the_documented_log(tmp_path: Path, no_leaks: 
     assert (verdict["rank"], verdict["cause"], verdict["exit_code"]) == (1, "exception", 1)
 
 
+# -- (b2) every failure output the docs show is what the command prints ---------------------
+
+OUTPUT = re.compile(r"^<!-- output: (?P<command>.+?) -->\n```text\n(?P<body>.*?)^```", re.S | re.M)
+OUTPUT_TIMEOUT_S = 120.0
+
+
+def output_blocks() -> List[Tuple[str, str, str]]:
+    """``(page, command, shown output)`` of every block marked ``<!-- output: COMMAND -->``:
+    the terminal output COMMAND prints, run from the repository's root (trimmed: every
+    line shown must be printed; every line peerwatch prints must be shown)."""
+    found = []
+    for page in sorted(DOCS.glob("*.md")):
+        for m in OUTPUT.finditer(page.read_text()):
+            found.append((page.name, m.group("command"), m.group("body")))
+    return found
+
+
+def test_the_docs_show_the_failure_outputs_of_lightning_and_torchrun() -> None:
+    commands = [command for _, command, _ in output_blocks()]
+    assert any("lightning_ddp.py" in c for c in commands) and any("torchrun " in c for c in commands), commands
+
+
+@pytest.mark.torch
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("page,command,shown", output_blocks(), ids=[f"{p}:{c.split('python ')[-1][:40]}" for p, c, _ in
+                                                                      output_blocks()])
+def test_a_documented_output_is_what_its_command_prints(page: str, command: str, shown: str, tmp_path: Path,
+                                                        no_leaks: str) -> None:
+    """Pids, hosts, paths, numbers aside: each line the page shows is printed, and each
+    line peerwatch prints (its messages and its summary) is on the page. A changed
+    message fails here until the page shows what is printed now."""
+    pytest.importorskip("torch")
+    if "lightning" in command:
+        pytest.importorskip("lightning")
+    env = clean_env(tmp_path, MASTER_PORT=str(free_port()))
+    result = run(["bash", "-c", command], env, ROOT, timeout=OUTPUT_TIMEOUT_S)
+    printed = result.stdout.splitlines()
+    actual = {_normalized(line) for line in printed}
+    documented = {_normalized(line) for line in shown.splitlines() if line.strip()}
+    missing = [line for line in shown.splitlines() if line.strip() and _normalized(line) not in actual]
+    unshown = [line for line in printed if _ours(line) and _normalized(line) not in documented]
+    assert not missing and not unshown, (
+        f"docs/{page}, the output of `{command}`:\n"
+        + "shown, not printed:\n  " + "\n  ".join(missing)
+        + "\nprinted by peerwatch, not shown:\n  " + "\n  ".join(unshown)
+        + f"\n--- what it printed ({len(printed)} lines) ---\n{result.stdout[-8000:]}"
+    )
+
+
+def _ours(line: str) -> bool:
+    """A line of peerwatch's: a message, or a line of its summary block."""
+    return line.startswith("peerwatch:") or bool(re.match(
+        r"^  (cause: |failed at |rank +pid +state|report: |traceback of the failing rank|\s*\d+\s+\d+\s+\w+\s+\S+\s+\S+$)",
+        line))
+
+
 # -- (c) every example runs ----------------------------------------------------------------
 
 FAST = {"FAIL_STEP": "3", "STEPS": "10"}  # fail early, and a run without a failure is short
@@ -234,7 +290,8 @@ def test_example_lightning_ddp(tmp_path: Path, no_leaks: str) -> None:
     env = example_env(tmp_path, DEVICES="2", MASTER_PORT=str(free_port()))
     result = run([sys.executable, str(EXAMPLES / "lightning_ddp.py")], env, tmp_path)
     assert result.returncode == 128 + signal.SIGKILL, result.stdout[-6000:]
-    assert "[rank: 0] peerwatch: rank 1 failed (killed by SIGKILL)" in result.stdout, result.stdout[-6000:]
+    assert re.search(r"^peerwatch: rank 0 \(pid \d+ on .+\) stops with exit code 137: rank 1 \(pid \d+ on .+\) "
+                     r"failed first \(killed by SIGKILL\)$", result.stdout, re.M), result.stdout[-6000:]
     assert [(v["rank"], v["cause"], v["signal"]) for v in verdicts(tmp_path)] == [(1, "signal", "SIGKILL")]
 
 
