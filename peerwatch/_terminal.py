@@ -18,7 +18,6 @@ Pure but for :func:`keep_consequence`, which writes to a file it is given.
 
 from __future__ import annotations
 
-import os
 import traceback
 from types import TracebackType
 from typing import IO, Optional, Type
@@ -76,9 +75,4 @@ def keep_consequence(
         return False
 
 
-def verbose_env() -> bool:
-    """``PEERWATCH_VERBOSE`` as a flag, for code that runs without a :class:`Config`."""
-    return os.environ.get("PEERWATCH_VERBOSE", "").strip().lower() in ("1", "true", "yes", "on")
-
-
-__all__ = ["SHORT_CHARS", "consequence_line", "keep_consequence", "short", "stop_line", "verbose_env", "who"]
+__all__ = ["SHORT_CHARS", "consequence_line", "keep_consequence", "short", "stop_line", "who"]
