@@ -437,10 +437,9 @@ class Watcher:
             _enforce.tear_down_own_children(self.rank, self.observer.local_pids(), c.grace)
         mine = verdict.rank == self.rank
         if plan.write_report:
-            if plan.enforcer and _launchers.launcher_of(self.me, os.environ) is None:
-                # The peers are leaving: their exit codes, seen rather than expected.
-                # (Under torchrun and mp.spawn the launcher stops everyone at once.)
-                self._await_peers_gone(time.monotonic() + c.grace)
+            # Written now, while the peers are still leaving (their exit codes expected, not
+            # yet seen): waiting for them would let this rank's own training run on.
+            # ``peerwatch report`` rebuilds from the records, with the codes as they happened.
             self._write_report(plan.print_summary and not (mine and plan.stay))
         if plan.stay:
             # The main thread is leaving by itself (PeerFailure, or its own exception); at
@@ -454,18 +453,6 @@ class Watcher:
                 # repeating it.
                 self._write_report(True, traceback=verdict.cause != EXCEPTION)
             _enforce.tear_down_own_children(self.rank, self.observer.local_pids(), c.grace)
-
-    def _await_peers_gone(self, deadline: float) -> None:
-        """Wait (until ``deadline``) for the local peers to end, learning how they ended."""
-        obs = self.observer
-        while True:
-            obs.scan()
-            obs.flush()
-            living = [r for r in obs.peers if r not in obs.gone]
-            left = deadline - time.monotonic()
-            if not living or left <= 0:
-                return
-            obs.wait(min(left, 0.05))
 
     def _final_heartbeat(self) -> None:
         """The step this rank stopped at: for the report and ``peerwatch status``."""
