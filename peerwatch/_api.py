@@ -139,7 +139,7 @@ def _start(config: Config) -> Watcher:
         time_ns=time.time_ns(), world_size=config.world_size, local_rank=config.local_rank,
         argv=" ".join(sys.argv)[:500],
     )
-    rd.prepare(reg, _process_start_ns())
+    rd.prepare(reg, _identity.start_time_ns())
     from . import _gc  # old run directories under the default base: once per process, never raises
 
     _gc.auto(how)
@@ -150,16 +150,6 @@ def _start(config: Config) -> Watcher:
     rd.publish_registration(reg)
     logger.info("peerwatch: %s is watching its peers in %s (%s)", _terminal.who(rank, reg.pid, reg.host), path, how)
     return watcher
-
-
-def _process_start_ns() -> int:
-    """When this process started, on the wall clock (to tell records of earlier runs)."""
-    import psutil
-
-    try:
-        return int(psutil.Process().create_time() * 1e9)
-    except psutil.Error:
-        return time.time_ns()
 
 
 def current_verdict() -> Optional[Verdict]:

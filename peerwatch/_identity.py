@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import time
 from typing import Optional
 
 from ._records import Registration
@@ -122,6 +123,21 @@ def seems_alive(reg: Registration) -> bool:
     if is_local(reg):
         return is_same_process(reg.pid, reg.start_ticks, reg.uid)
     return not (reg.host == hostname() and reg.boot_id != boot_id())
+
+
+def start_time_ns() -> int:
+    """When this process started, on the wall clock, to about a clock tick (10 ms).
+    (psutil's create_time adds the boot time of /proc/stat, in whole seconds: up to a
+    second early, enough to take a run that ended just before this process for one that
+    ended after it started.)"""
+    info = probe(os.getpid())
+    try:
+        boot_ns = time.time_ns() - time.clock_gettime_ns(time.CLOCK_BOOTTIME)
+        if info is None:
+            raise OSError("no /proc")
+        return boot_ns + info.start_ticks * 1_000_000_000 // os.sysconf("SC_CLK_TCK")
+    except (AttributeError, OSError, ValueError):
+        return time.time_ns()  # no CLOCK_BOOTTIME or /proc: "now" only errs towards a new run
 
 
 def self_info() -> ProcessInfo:

@@ -193,7 +193,7 @@ MAX_RUNS_PER_NAME = 1000  # -2 ... -1000; then the last one is set aside as befo
 
 def _past_ended_runs(path: str) -> str:
     """``path``, or the first of ``path-2``, ``path-3``, ... not holding an earlier run that ended."""
-    started_ns = _process_start_ns()
+    started_ns = _identity.start_time_ns()
     candidate = path
     for n in range(2, MAX_RUNS_PER_NAME + 1):
         if not _ended_before(candidate, started_ns):
@@ -220,16 +220,6 @@ def _ended_before(path: str, started_ns: int) -> bool:
         return all(r in successes and successes[r].time_ns < started_ns for r in regs)
     except OSError:
         return False
-
-
-def _process_start_ns() -> int:
-    """When this process started, on the wall clock."""
-    import psutil
-
-    try:
-        return int(psutil.Process().create_time() * 1e9)
-    except psutil.Error:
-        return time.time_ns()
 
 
 def process_key(pid: int) -> str:
