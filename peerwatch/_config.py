@@ -84,6 +84,9 @@ class Config:
     shared_fs: str = "auto"  # "on"/"off": is the run directory shared by the hosts? auto: the mount table says
     # Signs what peerwatch writes to the store (docs/security.md); from store_secret or store_secret_file.
     store_secret: Optional[bytes] = dataclasses.field(default=None, repr=False)
+    # Run once per host after a verdict (docs/notify.md): a shell command, or (a keyword
+    # argument only) a callable ``f(verdict, report_path)``.
+    on_verdict: Any = None
     sources: Tuple[Tuple[str, str], ...] = ()
 
     @property
@@ -325,6 +328,16 @@ def _shared_fs(raw: Any) -> str:
         raise ValueError("expected auto, on or off") from None
 
 
+def _on_verdict(raw: Any) -> Any:
+    if callable(raw):
+        return raw
+    if not isinstance(raw, str):
+        raise ValueError("expected a shell command (a string) or a callable f(verdict, report_path)")
+    if not raw.strip():
+        raise ValueError("must not be empty")
+    return raw
+
+
 def _path(raw: Any) -> str:
     text = os.fspath(raw)
     if not text:
@@ -358,6 +371,7 @@ _OPTIONS: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "shared_fs": ("PEERWATCH_SHARED_FS", _shared_fs),
     "store_secret": ("PEERWATCH_STORE_SECRET", _secret),
     "store_secret_file": ("PEERWATCH_STORE_SECRET_FILE", _secret_file),
+    "on_verdict": ("PEERWATCH_ON_VERDICT", _on_verdict),
 }
 _OPTION_NAMES = frozenset(_OPTIONS)
 

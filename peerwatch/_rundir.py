@@ -710,6 +710,37 @@ class RunDir:
             except FileNotFoundError:
                 pass
 
+    def claim(self, sub: str, name: str) -> bool:
+        """Create the empty file ``sub/name`` (``sub`` made 0700 if missing); True for the
+        one process that created it, False for every other (``O_EXCL``): who does a thing
+        once per run and host. Raises OSError to the caller."""
+        with self._dir("") as top:
+            try:
+                os.mkdir(sub, 0o700, dir_fd=top)
+            except FileExistsError:
+                pass
+        with self._dir(sub) as dir_fd:
+            try:
+                fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                             dir_fd=dir_fd)
+            except FileExistsError:
+                return False
+            os.close(fd)
+            return True
+
+    def append(self, name: str, data: bytes) -> None:
+        """Append ``data`` to the file ``name`` of the run directory in one ``write(2)`` on an
+        ``O_APPEND`` descriptor: lines of several processes never interleave (one small
+        write each). Raises OSError to the caller (a short write too)."""
+        with self._dir("") as top:
+            fd = os.open(name, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                         dir_fd=top)
+            try:
+                if os.write(fd, data) != len(data):
+                    raise OSError(errno.EIO, f"short write to {name}")
+            finally:
+                os.close(fd)
+
     # -- reading -------------------------------------------------------------------
 
     def read_bytes(self, sub: str, name: str, limit: int = MAX_RECORD_BYTES) -> Optional[bytes]:

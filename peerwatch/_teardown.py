@@ -313,6 +313,9 @@ def _name(sig: int) -> str:
 
 def flush_and_exit(code: int) -> None:
     """Leave now with ``code``: flush what people must see, then ``os._exit``."""
+    from . import _notify
+
+    _notify.kill_running()  # an on_verdict command outlives no rank that started it
     for handler in logging.getLogger("peerwatch").handlers + logging.getLogger().handlers:
         try:
             handler.flush()

@@ -31,6 +31,7 @@ from ._config import Config
 from ._errors import PeerFailure
 from ._heartbeat import HeartbeatWriter, Progress
 from ._identity import is_local
+from ._notify import start_hook
 from ._observer import Observer
 from ._records import EXCEPTION, WATCHER_DEATH, Ack, Failure, Registration, Success, Verdict, WatcherDeath, encode
 from ._rundir import EVENTS, VERDICT_FILE, RunDir, rank_file
@@ -441,6 +442,9 @@ class Watcher:
             # yet seen): waiting for them would let this rank's own training run on.
             # ``peerwatch report`` rebuilds from the records, with the codes as they happened.
             self._write_report(plan.print_summary and not (mine and plan.stay))
+        # Someone is told, once per host: by an enforcer, after the report; it runs while
+        # this rank finishes its share, for at most grace.
+        hook = start_hook(c.on_verdict, self.run_dir, verdict, self.rank, c.grace) if plan.enforcer else None
         if plan.stay:
             # The main thread is leaving by itself (PeerFailure, or its own exception); at
             # exit it sets `main_left` and waits for us. If it is stuck, we end it.
@@ -453,6 +457,8 @@ class Watcher:
                 # repeating it.
                 self._write_report(True, traceback=verdict.cause != EXCEPTION)
             _enforce.tear_down_own_children(self.rank, self.observer.local_pids(), c.grace)
+        if hook is not None:
+            hook.finish()
 
     def _final_heartbeat(self) -> None:
         """The step this rank stopped at: for the report and ``peerwatch status``."""

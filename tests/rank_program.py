@@ -54,6 +54,22 @@ import fault_behaviours
 import peerwatch
 
 
+def _install_options(rank: int) -> dict:
+    """``RP_ON_VERDICT_FILE=PATH``: an on_verdict callable that appends a JSON line (the
+    rank that ran it, the verdict's rank and cause, the report's path) to PATH."""
+    path = os.environ.get("RP_ON_VERDICT_FILE")
+    if not path:
+        return {}
+
+    def on_verdict(verdict: object, report_path: str) -> None:
+        line = {"by": rank, "rank": getattr(verdict, "rank"), "cause": getattr(verdict, "cause"),  # noqa: B009
+                "report": report_path, "report_exists": os.path.exists(report_path)}
+        with open(path, "a") as f:
+            f.write(json.dumps(line) + "\n")
+
+    return {"on_verdict": on_verdict}
+
+
 def parse_behaviours(items: list[str]) -> dict[int, tuple[str, float]]:
     out = {}
     for item in items:
@@ -187,7 +203,7 @@ def main() -> None:
         return
     rank = int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")))
     if args.api in ("install", "both"):
-        peerwatch.install()
+        peerwatch.install(**_install_options(rank))
     children = []
     if args.style == "lightning" and rank == 0:
         for child_rank in range(1, args.world):
