@@ -14,7 +14,7 @@ import time
 from types import TracebackType
 from typing import Any, Callable, Optional, Type
 
-from . import _hooks, _identity, _launchers, _rundir, _sharedfs, _terminal
+from . import _eventlog, _hooks, _identity, _launchers, _rundir, _sharedfs, _terminal
 from ._config import Config
 from ._errors import PeerFailure, RunDirError
 from ._records import Registration, Verdict
@@ -148,6 +148,8 @@ def _start(config: Config) -> Watcher:
     os.environ["PEERWATCH_DIR"] = path
     watcher = Watcher(config, rd, reg, stacks, _hooks.install_interrupt_handler(_registry))
     rd.publish_registration(reg)
+    _eventlog.bind(rd, rank)
+    _eventlog.record(rd, _rundir.RANKS, _rundir.rank_file("rank", rank), reg, rank)
     logger.info("peerwatch: %s is watching its peers in %s (%s)", _terminal.who(rank, reg.pid, reg.host), path, how)
     return watcher
 

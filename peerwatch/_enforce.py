@@ -15,7 +15,7 @@ import os
 import time
 from typing import AbstractSet, List
 
-from . import _identity, _plan, _teardown, _terminal
+from . import _eventlog, _identity, _plan, _teardown, _terminal
 from ._identity import is_local
 from ._observer import Observer
 from ._records import Heartbeat, NotSignalled, Registration, Verdict
@@ -43,6 +43,8 @@ def tear_down_peers(
         reason = f"rank {verdict.rank} failed ({verdict.cause}) and this process did not leave by itself"
         _teardown.terminate(targets, grace_s, reason)
         _teardown.close_all(targets)
+    # The peers' last records (exits written as SIGTERM ended them) reach the event log.
+    _eventlog.sweep(obs.run_dir, obs.me.rank)
 
 
 def _await_acks(obs: Observer, ack_window_s: float, trusted: AbstractSet[int]) -> List[int]:
@@ -64,7 +66,7 @@ def _await_acks(obs: Observer, ack_window_s: float, trusted: AbstractSet[int]) -
 def _peer_and_tree(
     obs: Observer, reg: Registration, finished: AbstractSet[int], peer_pids: AbstractSet[int], tree: dict,
 ) -> List[_teardown.Target]:
-    target = _teardown.make_target(reg.pid, reg.start_ticks, reg.uid, f"rank {reg.rank}")
+    target = _teardown.make_target(reg.pid, reg.start_ticks, reg.uid, f"rank {reg.rank}", rank=reg.rank)
     if target is None:
         info = _identity.probe(reg.pid)
         if info is not None and not info.dead and info.start_ticks == reg.start_ticks and info.uid != reg.uid:

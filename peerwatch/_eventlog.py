@@ -40,7 +40,7 @@ from ._records import (
     returncode_exit_code,
     signal_name,
 )
-from ._rundir import EVENTS, RANKS, VERDICT_FILE, RunDir, parse_rank_file
+from ._rundir import EVENTS, RANKS, VERDICT_FILE, RunDir, parse_rank_file, rank_file
 
 logger = logging.getLogger("peerwatch")
 
@@ -207,7 +207,7 @@ def leaving(code: int) -> None:
     rd, rank = bound(), bound_rank()
     if rd is None or rank is None:
         return
-    name = f"exit-{rank}.json"
+    name = rank_file("exit", rank)
     try:
         if not rd.claim(LOGGED, f"{EVENTS}.{name}"):
             return

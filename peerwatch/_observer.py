@@ -21,7 +21,7 @@ import stat
 import time
 from typing import Dict, List, Optional, Set, Tuple
 
-from . import _decide, _identity, _rundir, _sharedfs, _terminal
+from . import _decide, _eventlog, _identity, _rundir, _sharedfs, _terminal
 from ._heartbeat import Progress, main_thread_position
 from ._records import (
     EVENT_TYPES,
@@ -273,6 +273,8 @@ class Observer:
             record = self._read_event(name)
             if record is not None:
                 self.events[name] = record
+                if _eventlog.wanted_from_scan(name, record):  # written at exit, where its writer could not log it
+                    _eventlog.record(self.run_dir, EVENTS, name, record, self.me.rank)
         if not self.use_pidfd:
             for rank, peer in self.peers.items():
                 if rank not in self.gone and not peer.check_alive():
@@ -397,7 +399,10 @@ class Observer:
         """Write a record into ``events/`` (first writer wins); False if it was not ours."""
         cls = type(record)
         try:
-            return self.run_dir.write(EVENTS, name, encode(record), valid=lambda data: decode(cls, data) is not None)
+            wrote = self.run_dir.write(EVENTS, name, encode(record), valid=lambda data: decode(cls, data) is not None)
+            if wrote:
+                _eventlog.record(self.run_dir, EVENTS, name, record, self.me.rank)
+            return wrote
         except OSError as e:
             if not self.write_failed:
                 self.write_failed = True  # said loudly once: records of this rank may be missing from now on

@@ -42,6 +42,7 @@ class Target:
     uid: int
     label: str  # "rank 3" or "pid 812, a child of rank 3": for people
     pidfd: Optional[int] = None
+    rank: Optional[int] = None  # the rank it is (not a descendant's): for the event log
 
     def close(self) -> None:
         if self.pidfd is not None:
@@ -49,7 +50,7 @@ class Target:
             self.pidfd = None
 
 
-def make_target(pid: int, start_ticks: int, uid: int, label: str) -> Optional[Target]:
+def make_target(pid: int, start_ticks: int, uid: int, label: str, rank: Optional[int] = None) -> Optional[Target]:
     """A target for pid if it is alive and is the process that started at start_ticks."""
     if pid <= 1 or pid == os.getpid() or uid != os.geteuid():
         return None
@@ -64,7 +65,7 @@ def make_target(pid: int, start_ticks: int, uid: int, label: str) -> Optional[Ta
         if pidfd is not None:
             os.close(pidfd)
         return None
-    return Target(pid, start_ticks, uid, label, pidfd)
+    return Target(pid, start_ticks, uid, label, pidfd, rank)
 
 
 def stack_file_problem(path: str) -> Optional[str]:
@@ -215,6 +216,10 @@ def send(target: Target, sig: int, reason: str) -> bool:
         return False
     if sig != STACKS_SIGNAL:
         logger.warning("peerwatch: sent %s to %s (pid %d): %s", _name(sig), target.label, target.pid, reason)
+    from . import _eventlog
+
+    _eventlog.log("signal", target.rank, by=_eventlog.bound_rank(), pid=target.pid, signal=_name(sig),
+                  target=target.label, reason=reason)
     return True
 
 
@@ -254,10 +259,21 @@ def terminate(targets: Sequence[Target], grace: float, reason: str) -> Tuple[int
         if info is not None and info.state in ("T", "t"):
             send(t, signal.SIGCONT, "it is stopped; SIGTERM takes effect only once it runs")
     survivors = wait_gone(signalled, time.monotonic() + grace)
+    _log_gone(t for t in signalled if t not in survivors)
     for t in survivors:
         send(t, signal.SIGKILL, f"still alive {grace:g}s after SIGTERM")
-    wait_gone(survivors, time.monotonic() + 1.0)
+    left = wait_gone(survivors, time.monotonic() + 1.0)
+    _log_gone(t for t in survivors if t not in left)
     return len(signalled), len(survivors)
+
+
+def _log_gone(targets: Iterable[Target]) -> None:
+    """For the event log: the signalled ranks seen gone (a SIGKILLed rank writes no exit record)."""
+    from . import _eventlog
+
+    for t in targets:
+        if t.rank is not None:
+            _eventlog.log("gone", t.rank, by=_eventlog.bound_rank(), pid=t.pid)
 
 
 def _wait_dumps_taken(targets: Sequence[Target], deadline: float) -> None:
@@ -327,7 +343,9 @@ def flush_and_exit(code: int) -> None:
                 stream.flush()
         except Exception:  # noqa: BLE001, S110 - leaving must not fail
             pass
-    from . import _exitwatch  # records how this rank ended, where a teardown armed it
+    from . import _eventlog, _exitwatch  # records how this rank ended, where a teardown armed it
+
+    _eventlog.leaving(code)
 
     _exitwatch.leave(code)
 

@@ -29,12 +29,14 @@ from typing import Optional, Tuple
 from . import _bridge, _decide, _enforce, _exitwatch, _launchers, _plan, _report, _sharedfs, _teardown, _terminal
 from ._config import Config
 from ._errors import PeerFailure
+from ._eventlog import log as log_event
+from ._eventlog import sweep as sweep_events
 from ._heartbeat import HeartbeatWriter, Progress
 from ._identity import is_local
 from ._notify import start_hook
 from ._observer import Observer
 from ._records import EXCEPTION, WATCHER_DEATH, Ack, Failure, Registration, Success, Verdict, WatcherDeath, encode
-from ._rundir import EVENTS, VERDICT_FILE, RunDir, rank_file
+from ._rundir import EVENTS, REPORT_FILE, VERDICT_FILE, RunDir, rank_file
 from ._schedule import Schedule
 from ._sources import pidfd_supported
 from ._stacks import StackFile
@@ -355,6 +357,7 @@ class Watcher:
 
     def _act(self, verdict: Verdict) -> None:
         verdict, wrote = self._publish(verdict)
+        log_event("verdict_seen", self.rank, failed_rank=verdict.rank, wrote_verdict=wrote)
         # From now on this rank's end is recorded as it happens (the verdict's code, or a
         # launcher's SIGTERM), and its heartbeat carries the step it stopped at.
         _exitwatch.arm_leaving(self.rank)
@@ -388,6 +391,8 @@ class Watcher:
         self._carry_out(verdict, plan, leave_by)
         self._final_heartbeat()
         _launchers.before_exit(self.me, self.run_dir, verdict)  # under torchrun: the agent sees the failed worker first
+        if plan.enforcer:
+            sweep_events(self.run_dir, self.rank)  # the last records of peers that left meanwhile
         _teardown.flush_and_exit(plan.exit_code)
 
     def _publish(self, verdict: Verdict) -> Tuple[Verdict, bool]:
@@ -469,7 +474,9 @@ class Watcher:
 
     def _write_report(self, print_summary: bool, traceback: bool = True) -> None:
         try:
+            sweep_events(self.run_dir, self.rank)
             report = _report.write(self.run_dir)
+            log_event("report", self.rank, path=self.run_dir.join(REPORT_FILE), outcome=report["outcome"])
             if print_summary:
                 logger.error("%s", _report.summary(report, traceback=traceback))
         except OSError as e:

@@ -1,0 +1,93 @@
+"""The event log, RUN/events.jsonl, from real jobs: one JSON object per line, every event
+of the run's life, each record logged once."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+from typing import List
+
+import pytest
+from harness import Job
+
+pytestmark = pytest.mark.timeout(60)
+
+GRACE_S = 1.0
+ACK_S = 0.5
+STUCK_S = ACK_S + GRACE_S + 2.0
+
+
+def _lines(job: Job) -> List[dict]:
+    path = job.run_dir / "events.jsonl"
+    raw = path.read_bytes()
+    assert raw.endswith(b"\n")
+    lines = []
+    for line in raw.splitlines():
+        item = json.loads(line)  # every line parses on its own
+        assert isinstance(item, dict) and isinstance(item["ts"], int) and isinstance(item["event"], str), item
+        assert item["v"] == 1 and "rank" in item
+        lines.append(item)
+    return lines
+
+
+def _of(lines: List[dict], event: str) -> List[dict]:
+    return [e for e in lines if e["event"] == event]
+
+
+def test_a_killed_rank_and_a_stuck_one_give_the_whole_story(make_job) -> None:
+    # Rank 3 is SIGKILLed; rank 1 holds the GIL with SIGTERM blocked: it cannot acknowledge,
+    # so it is sent SIGTERM, then SIGKILL after grace.
+    job: Job = make_job(world=4, behave=["1=ignore_term+gil"]).start()
+    job.wait_ready()
+    job.wait_holding_gil(1)
+    job.kill(3)
+    job.wait_gone(within=STUCK_S + 2.0)
+    lines = _lines(job)
+    events = Counter(e["event"] for e in lines)
+
+    assert sorted(e["rank"] for e in _of(lines, "register")) == [0, 1, 2, 3]
+    (verdict,) = _of(lines, "verdict")
+    assert verdict["rank"] == 3 and verdict["cause"] == job.report()["verdict"]["cause"]
+    assert {e["rank"] for e in _of(lines, "verdict_seen")} >= {0, 2}
+    assert {e["rank"] for e in _of(lines, "ack")} >= {0, 2}
+    assert 1 not in {e["rank"] for e in _of(lines, "ack")}
+    signals = {(e["rank"], e["signal"]) for e in _of(lines, "signal")}
+    assert {(1, "SIGTERM"), (1, "SIGKILL")} <= signals, signals
+    assert all(e["by"] in (0, 2) for e in _of(lines, "signal"))
+    assert _of(lines, "report")
+    exits = {e["rank"]: e for e in _of(lines, "exit")}
+    assert {0, 2} <= set(exits), exits  # the survivors that left by themselves
+    assert exits[0]["exit_code"] == verdict["exit_code"]
+    # Each record once: one line per (event, rank) for the records of events/.
+    for kind in ("register", "verdict", "ack", "exit", "failure", "success"):
+        ranks = [e["rank"] for e in _of(lines, kind)]
+        assert len(ranks) == len(set(ranks)), (kind, ranks)
+    # In time order: registered, then the verdict, then the acks and signals.
+    first_verdict = verdict["ts"]
+    assert max(e["ts"] for e in _of(lines, "register")) < first_verdict
+    assert all(e["ts"] >= first_verdict for e in _of(lines, "signal") + _of(lines, "ack"))
+    assert events["verdict"] == 1
+
+
+def test_a_clean_run_logs_its_registrations_and_successes(make_job) -> None:
+    job: Job = make_job(world=2, api="watch", behave=["0=succeed@0.2", "1=succeed@0.2"]).start()
+    job.wait_ready()
+    job.wait_gone(within=10.0)
+    assert job.returncodes() == {0: 0, 1: 0}
+    lines = _lines(job)
+    assert sorted(e["rank"] for e in _of(lines, "register")) == [0, 1]
+    assert sorted(e["rank"] for e in _of(lines, "success")) == [0, 1]
+    assert not _of(lines, "verdict")
+
+
+def test_the_log_is_read_back_in_time_order(make_job, tmp_path: Path) -> None:
+    from peerwatch import _eventlog
+
+    job: Job = make_job(world=3).start()
+    job.wait_ready()
+    job.kill(1)
+    job.wait_gone(within=STUCK_S)
+    events = _eventlog.read(str(job.run_dir / "events.jsonl"))
+    assert [e["ts"] for e in events] == sorted(e["ts"] for e in events)
+    assert {e["event"] for e in events} >= {"register", "verdict", "verdict_seen", "ack", "report"}
