@@ -58,7 +58,12 @@ def _dir_or_newest(given: Optional[str]) -> str:
 
 
 def _report_cmd(args: argparse.Namespace) -> int:
-    report = _report.build(_open(_dir_or_newest(args.dir)))
+    rd = _open(_dir_or_newest(args.dir))
+    report = _report.build(rd)
+    if args.timeline:
+        from . import _timeline
+
+        _timeline.write(rd, args.timeline)
     if args.json:
         print(json.dumps(report, indent=2))
     else:
@@ -163,6 +168,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p = sub.add_parser("report", help="the root cause and what happened to every rank")
     p.add_argument("dir", nargs="?", help="a run directory (default: the newest on this host)")
     p.add_argument("--json", action="store_true", help="print report.json's schema instead of text")
+    p.add_argument("--timeline", metavar="FILE.svg", help="also draw the run's last seconds, one lane per rank, to FILE.svg")
     p.set_defaults(func=_report_cmd)
     p = sub.add_parser("status", help="a table of the ranks: pid, host, state, heartbeat age, step, exit")
     p.add_argument("dir", nargs="?", help="a run directory (default: the newest on this host)")
