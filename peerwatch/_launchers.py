@@ -7,8 +7,9 @@ The watcher calls in here at three fixed points; nothing here imports torch or L
     Marks ``PEERWATCH_DIR`` as exported by this process (so that a multiprocessing child
     of a process that installed peerwatch, an ``mp.spawn`` worker, does not take its
     parent for a peer: see :func:`peerwatch._rundir.resolve`), and watches the launcher.
-    Under torchrun and ``torch.multiprocessing.spawn`` the rank's parent is a launcher
-    that is not a rank: the agent, the main process. If it dies (SIGKILL, OOM killer),
+    Under torchrun (and ``accelerate launch --multi_gpu``, which runs torchrun's agent),
+    ``torch.multiprocessing.spawn`` and DeepSpeed the rank's parent is a launcher that is
+    not a rank: the agent, the main process, ``deepspeed.launcher.launch``. If it dies (SIGKILL, OOM killer),
     its workers are orphans that nothing will restart, reap or report; they are peers of
     each other, so their own watchers see nothing wrong, and they train on or hang in a
     collective. The launcher's death is therefore this rank's failure (cause ``lost``),
@@ -21,17 +22,19 @@ The watcher calls in here at three fixed points; nothing here imports torch or L
     subprocess launcher). Every 5 s it polls rank 0's children; seeing one exit non-zero
     (as torn-down ranks do) it SIGKILLs rank 0 and all the children: rank 0 would then exit
     137 whatever the verdict's code, and maybe before writing the report. Once there is a
-    verdict, peerwatch tears the job down itself. Under torchrun and mp.spawn it writes
-    the report at once (see ``before_exit``). Then it runs the verdict listeners (the Lightning callback
+    verdict, peerwatch tears the job down itself. Under a launcher that is no rank
+    (torchrun, mp.spawn, DeepSpeed) it writes the report at once (see ``before_exit``). Then it runs the verdict listeners (the Lightning callback
     reports through Lightning's logging).
 
 ``before_exit``
-    Under torchrun and mp.spawn, a surviving worker lets the launcher see the failed
-    worker first: it waits (at most ``AGENT_WAIT_S``) until the launcher has reaped it.
+    Under such a launcher, a surviving worker lets the launcher see the failed worker
+    first: it waits (at most ``AGENT_WAIT_S``; ``DEEPSPEED_AGENT_WAIT_S`` for DeepSpeed's,
+    which looks once a second) until the launcher has reaped it.
     The launcher then stops the other workers itself (SIGTERM, as without peerwatch), and
     names the right root cause. Survivors that left first would be reaped in the same
     poll: torchrun would name the lowest local rank as the root cause (its timestamps
-    have a one-second resolution), mp.spawn whichever sentinel it looks at first.
+    have a one-second resolution), mp.spawn whichever sentinel it looks at first, and
+    DeepSpeed's would exit with the code of whichever worker it polled first.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ import signal
 import sys
 import threading
 import time
-from typing import Callable, List, Mapping, Optional, Protocol
+from typing import Callable, Dict, List, Mapping, Optional, Protocol
 
 from . import _identity, _report, _rundir, _teardown, _terminal
 from ._identity import is_local
@@ -58,6 +61,12 @@ LAUNCHER_POLL_S = 0.1  # where pidfds are missing: how often the launcher is che
 VERDICT_WAIT_S = 2.0  # after the launcher's death, how long to wait for the verdict before leaving anyway
 LAUNCHER_GONE = "peerwatch.LauncherGone"  # the "exception" named in the failure record
 MP_PARENT = "multiprocessing parent (torch.multiprocessing.spawn)"
+TORCHRUN_AGENT = "torchrun agent"
+DEEPSPEED_LAUNCHER = "DeepSpeed launcher"
+DEEPSPEED_MODULE = "deepspeed.launcher.launch"  # `deepspeed` runs `python -u -m <this>` per host
+# DeepSpeed's launcher looks at its workers once a second (`time.sleep(1)` in its loop):
+# a surviving worker waits that long, and a little more, for it to reap the failed one.
+DEEPSPEED_AGENT_WAIT_S = 1.5
 
 _OBSERVER_MODULES = (
     "lightning.fabric.strategies.launchers.subprocess_script",
@@ -171,20 +180,41 @@ class LauncherWatch:
 
 
 def launcher_of(me: Registration, env: Mapping[str, str]) -> Optional[Launcher]:
-    """The launcher to watch: this rank's parent, under torchrun or as a multiprocessing
-    child (``mp.spawn``); ``None`` otherwise (Lightning's ranks 1..N-1 have rank 0, a
+    """The launcher to watch: this rank's parent, under torchrun, as a multiprocessing
+    child (``mp.spawn``) or under DeepSpeed's per-host launcher; ``None`` otherwise (Lightning's ranks 1..N-1 have rank 0, a
     peer, for parent; hand-started ranks a shell; Slurm's the step daemon, which ends
     its tasks itself)."""
     if env.get("TORCHELASTIC_RUN_ID"):
-        kind = "torchrun agent"
+        kind = TORCHRUN_AGENT  # also `accelerate launch --multi_gpu`: torchrun's agent in accelerate's process
     elif _rundir.is_multiprocessing_child():
         kind = MP_PARENT
+    elif is_deepspeed_launcher(me.ppid):
+        kind = DEEPSPEED_LAUNCHER
     else:
         return None
     info = _identity.probe(me.ppid)
     if info is None or info.dead:
         return Launcher(me.ppid, 0, me.uid, kind)  # already gone
     return Launcher(info.pid, info.start_ticks, info.uid, kind)
+
+
+_deepspeed_parents: Dict[int, bool] = {}  # ppid -> is DeepSpeed's launcher (read once: it may be gone later)
+
+
+def is_deepspeed_launcher(pid: int) -> bool:
+    """``pid`` runs ``python -m deepspeed.launcher.launch``, the process the ``deepspeed``
+    command starts on each host to start and poll its workers. It sets no variable of its
+    own that says so (``CROSS_RANK``, ``LOCAL_SIZE`` are generic names): its command line does."""
+    known = _deepspeed_parents.get(pid)
+    if known is None:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                args = f.read(65536).split(b"\0")
+        except OSError:
+            return False  # gone, or not Linux: then it is not watched
+        known = any(a == b"-m" and b == DEEPSPEED_MODULE.encode() for a, b in zip(args, args[1:]))
+        _deepspeed_parents[pid] = known
+    return known
 
 
 _PR_SET_PDEATHSIG, _PR_GET_PDEATHSIG = 1, 2
@@ -300,7 +330,8 @@ def before_exit(me: Registration, run_dir: _rundir.RunDir, verdict: Verdict) -> 
 
 
 def _let_agent_see_first(me: Registration, run_dir: _rundir.RunDir, verdict: Verdict) -> None:
-    if verdict.rank == me.rank or launcher_of(me, os.environ) is None:
+    launcher = launcher_of(me, os.environ)
+    if verdict.rank == me.rank or launcher is None:
         return
     failed = run_dir.read(_rundir.RANKS, _rundir.rank_file("rank", verdict.rank), Registration)
     if failed is None or not is_local(failed) or failed.ppid != me.ppid:
@@ -308,17 +339,18 @@ def _let_agent_see_first(me: Registration, run_dir: _rundir.RunDir, verdict: Ver
     agent = _identity.probe(me.ppid)
     if agent is None or agent.dead:
         return
-    deadline = time.monotonic() + AGENT_WAIT_S
+    wait_s = DEEPSPEED_AGENT_WAIT_S if launcher.kind == DEEPSPEED_LAUNCHER else AGENT_WAIT_S
+    deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:
         info = _identity.probe(failed.pid)
         if info is None or info.start_ticks != failed.start_ticks:
             logger.debug("peerwatch: rank %d: the agent reaped rank %d", me.rank, verdict.rank)
             return  # reaped: the agent saw it and is stopping the workers now
         time.sleep(AGENT_POLL_S)
-    logger.debug("peerwatch: rank %d: the agent did not reap rank %d within %gs", me.rank, verdict.rank, AGENT_WAIT_S)
+    logger.debug("peerwatch: rank %d: the agent did not reap rank %d within %gs", me.rank, verdict.rank, wait_s)
 
 
 __all__ = [
-    "AGENT_WAIT_S", "LAUNCHER_GONE", "Launcher", "LauncherWatch", "RankLink", "add_verdict_listener", "after_install", "before_exit",
-    "launcher_of", "on_verdict", "quiet_lightning_observer", "remove_verdict_listener",
+    "AGENT_WAIT_S", "DEEPSPEED_AGENT_WAIT_S", "DEEPSPEED_LAUNCHER", "LAUNCHER_GONE", "TORCHRUN_AGENT", "Launcher", "LauncherWatch", "RankLink", "add_verdict_listener", "after_install", "before_exit",
+    "is_deepspeed_launcher", "launcher_of", "on_verdict", "quiet_lightning_observer", "remove_verdict_listener",
 ]

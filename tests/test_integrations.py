@@ -72,6 +72,19 @@ def test_no_launcher_outside_torchrun_and_multiprocessing() -> None:
     assert found is not None and found.pid == me.ppid and found.kind == "torchrun agent"
 
 
+def test_deepspeed_launcher_is_known_by_its_command_line() -> None:
+    """`deepspeed` starts `python -u -m deepspeed.launcher.launch ...` on each host; that
+    process, and no other, is a DeepSpeed launcher (a real process with such arguments)."""
+    assert not _launchers.is_deepspeed_launcher(os.getpid())
+    argv = [sys.executable, "-c", "import sys; sys.stdin.read()", "-m", "deepspeed.launcher.launch", "--world_info=x"]
+    proc = subprocess.Popen(argv, stdin=subprocess.PIPE)
+    try:
+        assert _launchers.is_deepspeed_launcher(proc.pid)
+    finally:
+        proc.communicate(timeout=30)  # stdin closed: it ends
+    assert not _launchers.is_deepspeed_launcher(2**22 + 1)  # no such process
+
+
 def test_quiet_lightning_observer() -> None:
     pytest.importorskip("lightning")
     from lightning.fabric.strategies.launchers.subprocess_script import _ChildProcessObserver
