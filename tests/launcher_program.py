@@ -4,6 +4,8 @@ real launchers (Lightning, torchrun, torch.multiprocessing.spawn, ranks started 
     python launcher_program.py lightning [--callback]   Trainer(strategy="ddp", accelerator="cpu")
     python launcher_program.py worker                    a gloo rank (torchrun, or started by hand)
     python launcher_program.py spawn [--install-in-parent]   mp.spawn of LP_WORLD workers
+    python launcher_program.py accelerate                Accelerator(cpu=True), under ``accelerate launch``
+    python launcher_program.py deepspeed                 deepspeed.initialize on CPU (gloo), under ``deepspeed``
 
 Environment:
     LP_READY       folder: each rank writes ``rank-<i>`` (its pid) once it is training
@@ -16,7 +18,7 @@ Environment:
                    ``crashed-at``: time.monotonic() right before it raises)
     LP_STEPS       steps to train (default: until killed); after a torchrun restart: 10
     LP_TERM_HANDLER  worker: 1: catch SIGTERM and go on (to save a checkpoint later)
-    LP_FAIL_RANK   lightning, worker: this rank fails once every rank is READY (worker:
+    LP_FAIL_RANK   lightning, worker, accelerate, deepspeed: this rank fails once every rank is READY (worker:
                    mid-training, while the others wait for it in all_reduce)
     LP_FAIL_HOW    how it fails: ``raise`` (default: RuntimeError) or ``os_exit`` (os._exit(3))
     LP_CLEANUP_S   lightning: then it takes this long to leave (a ``finally:`` block)
@@ -160,6 +162,72 @@ def spawn(install_in_parent: bool) -> None:
     mp.spawn(spawn_worker, args=(world,), nprocs=world, join=True)
 
 
+# -- Hugging Face Accelerate, DeepSpeed -----------------------------------------------
+
+
+def accelerate_main() -> None:
+    if peerwatch_on():
+        import peerwatch
+
+        peerwatch.install()  # the one line, as in any script run by `accelerate launch`
+    import torch
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    model, optimizer = accelerator.prepare(model, optimizer)
+
+    def step_fn(x: "torch.Tensor", y: "torch.Tensor") -> None:
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        accelerator.backward(loss)  # DDP: the gradients' all_reduce, over gloo
+        optimizer.step()
+        optimizer.zero_grad()
+
+    model_loop(accelerator.process_index, step_fn)
+
+
+def deepspeed_main() -> None:
+    if peerwatch_on():
+        import peerwatch
+
+        peerwatch.install()
+    import deepspeed
+    import torch
+
+    deepspeed.init_distributed(dist_backend="gloo", timeout=TIMEOUT)
+    model = torch.nn.Linear(4, 1)
+    config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1}
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.01), config=config,
+    )
+
+    def step_fn(x: "torch.Tensor", y: "torch.Tensor") -> None:
+        loss = torch.nn.functional.mse_loss(engine(x), y)
+        engine.backward(loss)  # the gradients' all_reduce, over gloo
+        engine.step()
+
+    model_loop(engine.global_rank, step_fn)
+
+
+def model_loop(rank: int, step_fn: "object") -> None:
+    """Train a tiny model with ``step_fn(x, y)`` (one step, gradients all-reduced); READY,
+    LP_FAIL_RANK and LP_BLOCK as in train_loop."""
+    import torch
+    import torch.distributed as dist
+
+    fail_rank = int(os.environ.get("LP_FAIL_RANK", "-1"))
+    for step in range(steps()):
+        step_fn(torch.randn(4, 4), torch.randn(4, 1))  # type: ignore[operator]
+        if step == READY_AT_STEP:
+            ready(rank)
+            if rank == fail_rank:
+                fail_now(rank)
+            if os.environ.get("LP_BLOCK") == "store":
+                dist.distributed_c10d._get_default_store().wait(["set-by-a-rank-that-died"], TIMEOUT)
+        time.sleep(STEP_S)
+
+
 # -- Lightning ----------------------------------------------------------------------
 
 
@@ -224,11 +292,16 @@ def lightning(callback: bool) -> None:
 
 
 def main() -> None:
-    mode = sys.argv[1]
+    # DeepSpeed's launcher puts --local_rank=<i> before the script's own arguments.
+    mode = next(a for a in sys.argv[1:] if not a.startswith("--local_rank"))
     if mode == "worker":
         worker()
     elif mode == "spawn":
         spawn("--install-in-parent" in sys.argv)
+    elif mode == "accelerate":
+        accelerate_main()
+    elif mode == "deepspeed":
+        deepspeed_main()
     elif mode == "lightning":
         lightning("--callback" in sys.argv)
     else:
