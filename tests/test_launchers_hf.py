@@ -23,7 +23,10 @@ from launcher_jobs import PROGRAM, LauncherJob, exit_code, free_port
 pytestmark = [pytest.mark.torch]
 pytest.importorskip("torch")
 
-WITHIN_S = 2.0
+WITHIN_S = 2.0  # from the death to the last rank gone
+# Under DeepSpeed a survivor waits up to DEEPSPEED_AGENT_WAIT_S (1.5 s) for the launcher,
+# which looks once a second, to reap the dead rank: 0.5-1.0 s measured. A deadline.
+DEEPSPEED_WITHIN_S = 3.0
 LAUNCHER_EXIT_S = 30.0
 GRACE_S = 2.0
 SIGKILL_EXIT = 128 + signal.SIGKILL
@@ -152,7 +155,7 @@ def test_deepspeed_rank_sigkilled(tmp_path: Path) -> None:
         ranks = job.wait_ready(timeout=300)
         launch_process(job)
         job.kill(ranks[1])
-        assert job.wait_all_gone(WITHIN_S, but_launcher=True) <= WITHIN_S
+        assert job.wait_all_gone(DEEPSPEED_WITHIN_S, but_launcher=True) <= DEEPSPEED_WITHIN_S
         assert job.wait_launcher(LAUNCHER_EXIT_S) == 256 - signal.SIGKILL
         verdict = only_report(job)["verdict"]
         assert (verdict["rank"], verdict["cause"]) == (1, "vanished")
