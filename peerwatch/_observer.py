@@ -55,8 +55,12 @@ _WATCHED_EVENTS = {k: v for k, v in EVENT_TYPES.items() if k not in ("thread", "
 STACK_DUMP_LIMIT = 1 << 20  # bytes of a dead peer's stack file read for its last words
 CHILD_STATUS_WAIT_S = 0.05  # a dead child's status, when its pidfd fired before waitid sees it: at most
 # How often the watcher checks, unasked, that its descriptors are still its own (the wake
-# pipe, one pidfd in turn, inotify's): a few fstat calls, O(1) however many peers.
-FD_CHECK_S = 1.0
+# pipe, one pidfd in turn, inotify's): a few fstat calls and a read of /proc/self/fdinfo,
+# O(1) however many peers. Most takeovers show at once (a closed fd polls POLLNVAL,
+# /dev/null polls readable: both are checked when they fire); this look is for a pidfd
+# replaced by something that never becomes readable, which blinds this rank alone (its
+# peers still watch that process). Every second, it doubled the watcher's idle CPU.
+FD_CHECK_S = 5.0
 
 
 class Observer:
