@@ -78,20 +78,24 @@ class HeartbeatWriter:
         self._progress = progress
         self._with_position = with_position  # where the main thread is: only the hang judges use it
         self._lock = threading.Lock()
+        self._ending = False  # the rank is ending: its heartbeats are written whole (see write)
         self._file = InPlace(run_dir, HEARTBEATS, rank_file("rank", me.rank))
         self._seq = 0  # guarded by _lock
         self._children: Tuple[Tuple[int, int], ...] = ()  # guarded by _lock
         self.children_changed = threading.Event()
 
-    def write(self, peer_pids: Callable[[], AbstractSet[int]]) -> None:
+    def write(self, peer_pids: Callable[[], AbstractSet[int]], last: bool = False) -> None:
         """Write the heartbeat now. ``peer_pids``: the local peers' pids (not our children to
-        list), asked for only when the children are listed again."""
+        list), asked for only when the children are listed again. ``last``: the rank is
+        ending (the step it stopped at, for the report): written whole, by temp file and
+        rename, since the process may end in the middle of an in-place rewrite."""
         with self._lock:
             self._seq += 1
             if self.children_changed.is_set() or self._seq % CHILDREN_SCAN_EVERY == 1:
                 self.children_changed.clear()
                 self._children = tuple(_teardown.descendants(os.getpid(), os.geteuid(), set(peer_pids())))
-            self._write(self._record())
+            self._ending = self._ending or last  # from now on, whole files only
+            self._write(self._record(), atomic=self._ending)
 
     def _record(self) -> Heartbeat:
         where, waiting = main_thread_position() if self._with_position else ("", False)
@@ -102,10 +106,10 @@ class HeartbeatWriter:
             in_collective=waiting,
         )
 
-    def _write(self, beat: Heartbeat) -> None:
+    def _write(self, beat: Heartbeat, atomic: bool = False) -> None:
         rd = self._run_dir
         try:
-            if rd.shared:
+            if rd.shared or atomic:
                 rd.write(HEARTBEATS, rank_file("rank", self._me.rank), encode(beat), replace=True)
             else:
                 self._file.write(encode(beat))

@@ -468,7 +468,7 @@ class Watcher:
     def _final_heartbeat(self) -> None:
         """The step this rank stopped at: for the report and ``peerwatch status``."""
         try:
-            self.heartbeat.write(self.observer.local_pids)
+            self.heartbeat.write(self.observer.local_pids, last=True)
         except Exception:  # noqa: BLE001 - the heartbeat must never stop a teardown or an exit
             logger.debug("peerwatch: rank %d could not write its last heartbeat", self.rank, exc_info=True)
 
