@@ -19,12 +19,18 @@ import time
 from typing import AbstractSet, Callable, Optional, Tuple
 
 from . import _teardown
+from ._collectives import CollectiveReader, Counters, Entered
 from ._records import Heartbeat, Registration, encode
 from ._rundir import HEARTBEATS, InPlace, RunDir, rank_file
 
 logger = logging.getLogger("peerwatch")
 
 CHILDREN_SCAN_EVERY = 10  # heartbeats between snapshots of our own descendants (costs a /proc walk)
+# Heartbeats with unchanged collective counters before the flight recorder's entries are
+# read (tens of ms once its ring is full): once per stall, and never on a moving job
+# whose steps are shorter than this.
+ENTRIES_AFTER_BEATS = 2
+ENTRIES_KEPT = 3  # per process group, the last collectives published (a mismatch shows one back)
 _COLLECTIVE_PATHS = (os.sep + os.path.join("torch", "distributed") + os.sep,)
 
 
@@ -83,14 +89,49 @@ class HeartbeatWriter:
         self._seq = 0  # guarded by _lock
         self._children: Tuple[Tuple[int, int], ...] = ()  # guarded by _lock
         self.children_changed = threading.Event()
+        # torch's collective counters: read by the watcher thread only (write(read_counters=True)).
+        self._reader = CollectiveReader(me.rank)
+        self._counters: Counters = ()  # guarded by _lock, as the rest below
+        self._moved_ns: Optional[int] = None
+        self._still = 0  # heartbeats since the counters last changed
+        self._entered: Entered = ()
+        self._timeouts_read: set = set()  # groups whose collective timeout was looked for
 
-    def write(self, peer_pids: Callable[[], AbstractSet[int]], last: bool = False) -> None:
+    def collectives(self) -> Tuple[Counters, Optional[int], Entered, int]:
+        """This rank's counters as last published: (counters, moved_ns, entered, timeout_ms)."""
+        with self._lock:
+            return self._counters, self._moved_ns, self._entered, min(self._reader.timeout_ms.values(), default=0)
+
+    def _read_counters(self) -> None:
+        """Read the counters (the watcher thread, once a heartbeat); the entries once per stall."""
+        counters = self._reader.counters()
+        if counters is None:
+            return
+        # Movement is a rank entering a collective: a completion alone is not (a collective
+        # that fails with the timeout completes too).
+        entered_one = [(g, e) for g, e, _ in counters] != [(g, e) for g, e, _ in self._counters]
+        self._counters = counters
+        if entered_one:
+            self._moved_ns, self._still, self._entered = time.monotonic_ns(), 0, ()
+            new = {g for g, e, _ in counters if e > 0} - self._timeouts_read
+            if new:  # a new group: its timeout, while the recorder's ring is still short
+                self._timeouts_read |= new
+                self._reader.entered(counters, ENTRIES_KEPT)
+            return
+        self._still += 1
+        if self._still == ENTRIES_AFTER_BEATS:
+            self._entered = self._reader.entered(counters, ENTRIES_KEPT)
+
+    def write(self, peer_pids: Callable[[], AbstractSet[int]], read_counters: bool = False, last: bool = False) -> None:
         """Write the heartbeat now. ``peer_pids``: the local peers' pids (not our children to
-        list), asked for only when the children are listed again. ``last``: the rank is
-        ending (the step it stopped at, for the report): written whole, by temp file and
-        rename, since the process may end in the middle of an in-place rewrite."""
+        list), asked for only when the children are listed again. ``read_counters``: read
+        torch's collective counters first (the watcher thread's heartbeat only). ``last``:
+        the rank is ending (the step it stopped at, for the report): written whole, by temp
+        file and rename, since the process may end in the middle of an in-place rewrite."""
         with self._lock:
             self._seq += 1
+            if read_counters:
+                self._read_counters()
             if self.children_changed.is_set() or self._seq % CHILDREN_SCAN_EVERY == 1:
                 self.children_changed.clear()
                 self._children = tuple(_teardown.descendants(os.getpid(), os.geteuid(), set(peer_pids())))
@@ -98,12 +139,15 @@ class HeartbeatWriter:
             self._write(self._record(), atomic=self._ending)
 
     def _record(self) -> Heartbeat:
-        where, waiting = main_thread_position() if self._with_position else ("", False)
+        # Where the main thread is: for the hang judges, and once the counters stop moving.
+        stalled = self._still > 0 and bool(self._counters)
+        where, waiting = main_thread_position() if self._with_position or stalled else ("", False)
         p = self._progress
         return Heartbeat(
             rank=self._me.rank, pid=os.getpid(), time_ns=time.time_ns(), seq=self._seq, step=p.step,
             progress_ns=p.progress_ns, paused=p.paused > 0, children=self._children, where=where,
-            in_collective=waiting,
+            in_collective=waiting, collectives=self._counters, moved_ns=self._moved_ns, entered=self._entered,
+            pg_timeout_ms=min(self._reader.timeout_ms.values(), default=0),
         )
 
     def _write(self, beat: Heartbeat, atomic: bool = False) -> None:
