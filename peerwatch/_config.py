@@ -20,6 +20,8 @@ PARENT_WAIT_S = 0.1  # a dead rank's parent may know its exit status: let it spe
 DEFAULT_EXIT_CODE = 1  # exit code of torn-down ranks when the failing rank's code is unknown
 STARTUP_TIMEOUT_S = 0.0  # 0: off
 HANG_TIMEOUT_S = 0.0  # 0: off. No rank made progress (beat()) for this long: the job is hung
+HANG_AUTO = -1.0  # hang_timeout / hang_warn "auto": the threshold learnt from the job (peerwatch._diagnose)
+HANG_WARN_S = HANG_AUTO  # a diagnosis is logged when nothing moved for this long; 0: off
 GIL_TIMEOUT_S = 0.0  # 0: off. The watcher could not run for this long: faulthandler ends the rank
 PEER_TIMEOUT_S = 30.0  # another host (or the store) silent for this long: it is lost
 
@@ -36,6 +38,7 @@ MAX_SECONDS = {
     "parent_wait": HOUR_S,
     "startup_timeout": WEEK_S,
     "hang_timeout": WEEK_S,
+    "hang_warn": WEEK_S,
     "gil_timeout": WEEK_S,
     "peer_timeout": WEEK_S,
 }
@@ -70,7 +73,8 @@ class Config:
     startup_timeout: float = STARTUP_TIMEOUT_S
     startup_action: str = "warn"  # or "fail": what to do about ranks missing at startup_timeout
     thread_exceptions: str = "record"  # or "fail": an uncaught exception in another thread fails the rank
-    hang_timeout: float = HANG_TIMEOUT_S
+    hang_timeout: float = HANG_TIMEOUT_S  # HANG_AUTO: the learnt threshold
+    hang_warn: float = HANG_WARN_S  # HANG_AUTO: learnt; 0: off
     gil_timeout: float = GIL_TIMEOUT_S
     strict: bool = False
     use_pidfd: bool = True
@@ -161,7 +165,7 @@ class Config:
             raise ConfigError(
                 "heartbeat_interval", self.heartbeat_interval, self.source_of("heartbeat_interval"), "must be above 0"
             )
-        if self.hang_timeout and self.hang_timeout < 2 * self.heartbeat_interval:
+        if self.hang_timeout > 0 and self.hang_timeout < 2 * self.heartbeat_interval:
             raise ConfigError(
                 "hang_timeout", self.hang_timeout, self.source_of("hang_timeout"),
                 f"must be 0 (off) or at least twice heartbeat_interval ({self.heartbeat_interval:g}s)",
@@ -224,6 +228,18 @@ def _duration(option: str) -> Callable[[Any], float]:
                 "in milliseconds and timers of bounded range, and a longer one would stop the watcher"
             )
         return value
+
+    return parse
+
+
+def _hang_duration(option: str, off: str) -> Callable[[Any], float]:
+    """Seconds, ``auto`` (the threshold learnt from the job: HANG_AUTO) or ``off`` (0)."""
+    seconds = _duration(option)
+
+    def parse(raw: Any) -> float:
+        if isinstance(raw, str) and raw.strip().lower() in ("auto", off):
+            return HANG_AUTO if raw.strip().lower() == "auto" else 0.0
+        return seconds(raw)
 
     return parse
 
@@ -360,7 +376,8 @@ _OPTIONS: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "startup_timeout": ("PEERWATCH_STARTUP_TIMEOUT", _duration("startup_timeout")),
     "startup_action": ("PEERWATCH_STARTUP_ACTION", _startup_action),
     "thread_exceptions": ("PEERWATCH_THREAD_EXCEPTIONS", _thread_exceptions),
-    "hang_timeout": ("PEERWATCH_HANG_TIMEOUT", _duration("hang_timeout")),
+    "hang_timeout": ("PEERWATCH_HANG_TIMEOUT", _hang_duration("hang_timeout", "0")),
+    "hang_warn": ("PEERWATCH_HANG_WARN", _hang_duration("hang_warn", "off")),
     "gil_timeout": ("PEERWATCH_GIL_TIMEOUT", _duration("gil_timeout")),
     "strict": ("PEERWATCH_STRICT", _flag),
     "use_pidfd": ("PEERWATCH_PIDFD", _flag),

@@ -27,11 +27,18 @@ Rules, in order:
    gone silent (the GIL held in C code); a rank whose main thread is *not* waiting inside
    torch.distributed while others are (they wait for it); the rank with the lowest step;
    the one silent longest.
+   With ``hang_timeout=auto``, a diagnosis (peerwatch._diagnose, made by a judge at the
+   learnt threshold) of a stall still going on is the verdict: its first laggard, cause hang.
 7. Lost (shared-filesystem mode): a rank on another host whose heartbeat has not changed
    for ``peer_timeout``, by this host's monotonic clock, and that has no success marker
    nor any other record of how it ended, is lost (its host died, is cut off, or is
    frozen). The watcher writes a failure record (cause ``lost``) on its behalf, naming the
    host and its silent ranks, so that every host and the report see the same cause.
+
+8. Victims are not blamed: when the root cause found by rules 3-5 is a rank that died of
+   the collective timeout (an exception raised by torch.distributed, a SIGABRT or exit
+   code 134 from NCCL's watchdog) after a diagnosis of the stall still going on named
+   other ranks, the verdict names the diagnosed laggard, cause hang.
 
 Why rule 6 does not fire on a slow rank: in a synchronous job every rank waits for the
 slowest in each collective, so the job as a whole moves exactly as fast as its slowest
@@ -56,6 +63,7 @@ from ._records import (
     MISSING,
     SIGNAL,
     VANISHED,
+    Diagnosis,
     ExitStatus,
     Failure,
     Registration,
@@ -89,6 +97,11 @@ class Progress:
     in_collective: bool = False  # its main thread waits inside torch.distributed
     watcher_silent: bool = False  # its watcher has not written a heartbeat for a while (GIL held?)
     where: str = ""
+    # torch's collective counters as its heartbeat published them (peerwatch._collectives).
+    collectives: Tuple[Tuple[str, int, int], ...] = ()
+    entered: Tuple[Tuple[str, int, str, str], ...] = ()
+    moved_mono_ns: Optional[int] = None  # when they last changed, CLOCK_MONOTONIC
+    timeout_ms: int = 0  # the shortest collective timeout it saw (0: unknown)
 
 @dataclasses.dataclass(frozen=True)
 class Observed:
@@ -109,6 +122,8 @@ class Observed:
     # Ranks on other hosts (shared-filesystem mode) -> how long their heartbeat has not
     # changed, in ns of this host's monotonic clock. Only the ranks this watcher judges.
     remote_silence: Mapping[int, int] = dataclasses.field(default_factory=dict)
+    # Why the job stopped moving, as a judge of this host diagnosed it (peerwatch._diagnose).
+    diagnosis: Optional[Diagnosis] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,6 +132,7 @@ class Policy:
     default_exit_code: int
     hang_timeout_ns: int = 0  # 0: no hang detection
     peer_timeout_ns: int = 0  # 0: remote ranks are never judged lost
+    hang_auto: bool = False  # hang_timeout=auto: a diagnosis (made at the learnt threshold) ends the job
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,7 +177,8 @@ def decide(obs: Observed, policy: Policy) -> Decision:
     if first is None and obs.missing:
         return Decision(_missing(obs, policy))
     if first is None:
-        return Decision(_hang(obs, policy))
+        return Decision(_hang(obs, policy) or _diagnosed_hang(obs, policy))
+    first = _victim_of_hang(obs, first)
     if obs.oom_kills > 0 and (first.cause == VANISHED or first.signal == "SIGKILL"):
         first = dataclasses.replace(
             first, oom_suspected=True,
@@ -231,14 +248,15 @@ def _missing(obs: Observed, policy: Policy) -> Verdict:
 
 
 def _hang(obs: Observed, policy: Policy) -> Optional[Verdict]:
-    if not policy.hang_timeout_ns:
+    if policy.hang_timeout_ns <= 0:
         return None
     live = {r: p for r, p in obs.progress.items() if r not in obs.successes and r not in obs.gone}
     if not live or any(p.paused for p in live.values()):
         return None
-    beats = [p.progress_mono_ns for p in live.values() if p.progress_mono_ns is not None]
+    # Progress: a beat(), or torch's collective counters moving (no code change needed).
+    beats = [t for p in live.values() for t in (p.progress_mono_ns, p.moved_mono_ns) if t is not None]
     if not beats:
-        return None  # nobody reports progress (no beat() yet): nothing to judge by
+        return None  # nobody reports progress (no beat() nor collective yet): nothing to judge by
     silent_ns = obs.now_mono_ns - max(beats)
     if silent_ns < policy.hang_timeout_ns:
         return None
@@ -271,6 +289,53 @@ def _hang(obs: Observed, policy: Policy) -> Optional[Verdict]:
     return Verdict(
         **_base(obs, first), cause=HANG, exit_code=HANG_EXIT_CODE,
         failed_at_ns=obs.now_ns - silent_ns, detail=detail, laggards=laggards,
+    )
+
+
+# How a rank dies of the collective timeout: gloo raises (a collective exception), NCCL's
+# watchdog aborts the process (SIGABRT: returncode -6, or exit code 134 through a shell).
+_TIMEOUT_SIGNALS = ("SIGABRT",)
+_TIMEOUT_EXIT_CODES = (134,)
+
+
+def _current(d: Optional[Diagnosis]) -> bool:
+    return d is not None and d.resolved_ns is None and bool(d.laggards)
+
+
+def _diagnosed_hang(obs: Observed, policy: Policy) -> Optional[Verdict]:
+    """Rule 6, hang_timeout=auto: a diagnosis of the stall still going on is the verdict."""
+    d = obs.diagnosis
+    if not policy.hang_auto or d is None or not _current(d):
+        return None
+    rank = d.laggards[0]
+    if rank in obs.successes or rank in obs.gone:
+        return None
+    return Verdict(
+        **_base(obs, rank), cause=HANG, exit_code=HANG_EXIT_CODE, failed_at_ns=d.stalled_at_ns,
+        detail=d.detail, laggards=d.laggards,
+    )
+
+
+def _victim_of_hang(obs: Observed, first: Verdict) -> Verdict:
+    """Rule 8: a rank that dies of the collective timeout (gloo's exception, NCCL's abort)
+    after a diagnosis named another rank is its victim: the verdict names the laggard,
+    cause hang, and the dead rank is a consequence."""
+    d = obs.diagnosis
+    if d is None or not _current(d) or first.rank in d.laggards or first.failed_at_ns < d.time_ns:
+        return first
+    failure = obs.failures.get(first.rank)
+    timeout = (
+        (first.cause == EXCEPTION and failure is not None and failure.collective)
+        or first.signal in _TIMEOUT_SIGNALS
+        or (first.cause == EXIT and first.returncode in _TIMEOUT_EXIT_CODES)
+    )
+    if not timeout:
+        return first
+    how = first.detail or first.cause
+    return Verdict(
+        **_base(obs, d.laggards[0]), cause=HANG, exit_code=HANG_EXIT_CODE, failed_at_ns=d.stalled_at_ns,
+        detail=f"{d.detail}; rank {first.rank} then failed waiting for it ({how}): a consequence",
+        laggards=d.laggards,
     )
 
 

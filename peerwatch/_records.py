@@ -25,6 +25,7 @@ VANISHED = "vanished"  # the rank's process is gone and nobody knows how
 HANG = "hang"  # no rank made progress for hang_timeout; the verdict names the laggard
 LOST = "lost"
 MISSING = "missing"  # a rank never registered within startup_timeout (startup_action=fail)
+MISMATCH = "mismatch"  # a diagnosis: ranks disagree on the collective at one sequence number
 
 HANG_EXIT_CODE = 124  # as timeout(1): the job was ended for not moving
 
@@ -115,6 +116,14 @@ class Heartbeat:
     children: Tuple[Tuple[int, int], ...] = ()  # (pid, start_ticks) of this rank's descendants
     where: str = ""  # the main thread's innermost frame: "file:line in function"
     in_collective: bool = False  # the main thread is inside torch.distributed (waiting for peers)
+    # torch's collective counters, read by the watcher (peerwatch._collectives): per process
+    # group (group, last enqueued seq, last completed seq); when they last changed
+    # (CLOCK_MONOTONIC); once they stop moving, the last collectives entered
+    # (group, seq, op, sizes and dtypes); the shortest collective timeout seen (ms, 0: unknown).
+    collectives: Tuple[Tuple[str, int, int], ...] = ()
+    moved_ns: Optional[int] = None
+    entered: Tuple[Tuple[str, int, str, str], ...] = ()
+    pg_timeout_ms: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,6 +147,26 @@ class Verdict:
     detail: str = ""
     oom_suspected: bool = False
     laggards: Tuple[int, ...] = ()  # for a hang: the ranks holding the job up, most likely first
+
+
+@dataclasses.dataclass(frozen=True)
+class Diagnosis:
+    """Why the job stopped moving, said while it is stuck (events/diagnosis.json, first
+    writer wins; rewritten once with ``resolved_ns`` if the job moves again)."""
+
+    KIND = "diagnosis"
+    finding: str  # HANG or MISMATCH ("kind" in the report; a record's own "kind" says what record it is)
+    laggards: Tuple[int, ...]  # the ranks holding the job up (for a mismatch: the odd side)
+    entered: Tuple[int, ...]  # the ranks inside the collective, waiting
+    since_ns: int  # how long nothing had moved when it was made
+    stalled_at_ns: int  # when the job last moved (time_ns)
+    time_ns: int  # when it was made
+    made_by: int  # the rank whose watcher made it
+    detail: str
+    group: Optional[str] = None  # the collective it is stuck on: None where none is involved
+    seq: Optional[int] = None
+    op: Optional[str] = None
+    resolved_ns: Optional[int] = None  # the job moved again then: it was slow, not stuck
 
 
 @dataclasses.dataclass(frozen=True)
@@ -258,6 +287,8 @@ def _ranges(record: Any) -> bool:
         return record.pid > 0 and record.seq >= 0 and all(p > 0 and t >= 0 for p, t in record.children)
     if isinstance(record, NotSignalled):
         return record.pid > 0 and record.observed_by >= 0
+    if isinstance(record, Diagnosis):
+        return record.finding in (HANG, MISMATCH) and all(r >= 0 for r in record.laggards + record.entered)
     if isinstance(record, (Success, Ack)):
         return record.pid > 0
     return True
@@ -326,8 +357,8 @@ def signal_name(signum: int) -> str:
 
 
 __all__ = [
-    "EXCEPTION", "EXIT", "HANG", "LOST", "MISSING", "SIGNAL", "VANISHED",
-    "EVENT_TYPES", "Ack", "ExitStatus", "Failure", "Heartbeat", "NotSignalled", "Registration", "Success", "Verdict",
+    "EXCEPTION", "EXIT", "HANG", "LOST", "MISMATCH", "MISSING", "SIGNAL", "VANISHED",
+    "EVENT_TYPES", "Ack", "Diagnosis", "ExitStatus", "Failure", "Heartbeat", "NotSignalled", "Registration", "Success", "Verdict",
     "WATCHER_DEATH", "WatcherDeath",
     "HANG_EXIT_CODE", "MAX_RECORD_BYTES", "MAX_SIGNAL", "RECORD_VERSION", "decode", "encode", "in_range", "returncode_exit_code",
     "signal_name",

@@ -41,6 +41,7 @@ logger = logging.getLogger("peerwatch")
 
 RANKS, EVENTS, HEARTBEATS, STACKS, TMP = "ranks", "events", "heartbeats", "stacks", "tmp"
 VERDICT_FILE = "verdict.json"
+DIAGNOSIS_FILE = "diagnosis.json"  # events/: why the job stopped moving (peerwatch._diagnose)
 REPORT_FILE = "report.json"
 WARN_EACH = 10  # bad files warned about one by one, per folder, record kind and reason; then one summary
 _SUBDIRS = (RANKS, EVENTS, HEARTBEATS, STACKS, TMP)
@@ -929,6 +930,6 @@ class InPlace:
 
 
 __all__ = [
-    "InPlace", "EVENTS", "HEARTBEATS", "NEW_RUN", "OWNER_VAR", "RANKS", "REPORT_FILE", "STACKS", "TMP", "VERDICT_FILE",
+    "InPlace", "EVENTS", "HEARTBEATS", "NEW_RUN", "OWNER_VAR", "RANKS", "REPORT_FILE", "STACKS", "TMP", "VERDICT_FILE", "DIAGNOSIS_FILE",
     "RunDir", "base_dir", "check_ancestors", "check_trusted", "parse_rank_file", "is_multiprocessing_child", "process_key", "rank_file", "resolve", "safe_name",
 ]

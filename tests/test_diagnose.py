@@ -1,0 +1,210 @@
+"""The diagnosis of a stuck job (peerwatch._diagnose) and the verdict rules that use it
+(peerwatch._decide rules 6 with hang_timeout=auto, and 8): pure, no process."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, Optional, Tuple
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from peerwatch._decide import Observed, Policy, Progress, decide
+from peerwatch._diagnose import CAP_FRACTION, FACTOR, FLOOR_S, WARMUP_GAPS, RankState, Threshold, diagnose
+from peerwatch._records import EXCEPTION, HANG, HANG_EXIT_CODE, MISMATCH, Diagnosis, Failure, Registration
+
+pytestmark = pytest.mark.pure
+
+S = 1_000_000_000
+NOW = 100 * S
+AR = "gloo:all_reduce"
+F4 = "[[4]] Float"
+
+
+def rank(seq: int, *, moved: Optional[int] = NOW - 10 * S, entered: Tuple[Tuple[int, str, str], ...] = (),
+         **kw: object) -> RankState:
+    """A rank whose last collective of group "0" is ``seq``; ``entered``: (seq, op, shape)."""
+    return RankState(collectives=(("0", seq, seq - 1),), entered=tuple(("0", q, op, sh) for q, op, sh in entered),
+                     moved_mono_ns=moved, **kw)  # type: ignore[arg-type]
+
+
+def tail(last: int, op: str = AR, shape: str = F4) -> Tuple[Tuple[int, str, str], ...]:
+    return tuple((q, op, shape) for q in range(last - 2, last + 1))
+
+
+def test_a_rank_behind_is_the_laggard_and_the_others_entered():
+    ranks = {0: rank(21, entered=tail(21)), 1: rank(20, entered=tail(20), where="train.py:9 in step"),
+             2: rank(21, entered=tail(21))}
+    d = diagnose(ranks, NOW, 5 * S)
+    assert d is not None
+    assert (d.kind, d.laggards, d.entered, d.group, d.seq, d.op) == (HANG, (1,), (0, 2), "0", 21, AR)
+    assert d.since_ns == 10 * S
+    assert "rank 1 never entered gloo:all_reduce #21" in d.detail and "train.py:9 in step" in d.detail
+
+
+def test_nothing_before_the_threshold():
+    ranks = {0: rank(21), 1: rank(20)}
+    assert diagnose(ranks, NOW, 10 * S + 1) is None
+    assert diagnose(ranks, NOW, 10 * S) is not None
+
+
+def test_the_latest_movement_of_any_rank_counts_beats_included():
+    ranks = {0: rank(21), 1: rank(20, beat_mono_ns=NOW - S)}
+    assert diagnose(ranks, NOW, 5 * S) is None
+
+
+def test_no_diagnosis_while_a_rank_is_paused():
+    assert diagnose({0: rank(21), 1: rank(20, paused=True)}, NOW, 5 * S) is None
+
+
+def test_no_diagnosis_without_counters_ranks_that_never_imported_torch():
+    ranks = {0: RankState(beat_mono_ns=NOW - 50 * S), 1: RankState()}
+    assert diagnose(ranks, NOW, 5 * S) is None
+
+
+def test_everyone_at_the_same_collective_agreeing_is_nothing_to_name():
+    """Evaluation or checkpointing on every rank, between collectives."""
+    ranks = {r: rank(21, entered=tail(21)) for r in range(3)}
+    assert diagnose(ranks, NOW, 5 * S) is None
+
+
+def test_a_frozen_rank_is_the_laggard_even_inside_the_collective():
+    ranks = {0: rank(21), 1: rank(21, state="T"), 2: rank(21)}
+    d = diagnose(ranks, NOW, 5 * S)
+    assert d is not None and d.laggards == (1,) and "stopped (SIGSTOP)" in d.detail
+
+
+def test_an_other_op_at_the_same_seq_is_a_mismatch_naming_the_odd_rank():
+    """A rank that skipped one all_reduce reaches the final barrier while the others do
+    their last all_reduce: the same sequence number, another op."""
+    ranks = {0: rank(30, entered=tail(30)), 2: rank(30, entered=tail(30)),
+             1: rank(30, entered=tail(29) + ((30, "gloo:barrier", ""),))}
+    d = diagnose(ranks, NOW, 5 * S)
+    assert d is not None
+    assert (d.kind, d.laggards, d.entered, d.seq, d.op) == (MISMATCH, (1,), (0, 2), 30, AR)
+    assert "gloo:barrier" in d.detail
+
+
+def test_other_sizes_at_a_seq_one_rank_went_past_is_a_mismatch():
+    """gloo completes the smaller all_reduce on its rank: it moves on to the next one."""
+    odd = tail(21)[:-2] + ((21, AR, "[[1]] Float"), (22, AR, F4))
+    ranks = {0: rank(21, entered=tail(21)), 1: rank(22, entered=odd), 2: rank(21, entered=tail(21))}
+    d = diagnose(ranks, NOW, 5 * S)
+    assert d is not None and (d.kind, d.laggards, d.seq) == (MISMATCH, (1,), 21), d
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.dictionaries(st.integers(0, 7), st.integers(1, 50), min_size=1, max_size=8), st.integers(0, 20))
+def test_laggards_are_exactly_the_ranks_behind(seqs: Dict[int, int], since_s: int):
+    ranks = {r: rank(q, moved=NOW - since_s * S) for r, q in seqs.items()}
+    d = diagnose(ranks, NOW, 5 * S)
+    top = max(seqs.values())
+    behind = {r for r, q in seqs.items() if q < top}
+    if since_s < 5 or not behind:
+        assert d is None
+    else:
+        assert d is not None and set(d.laggards) == behind and set(d.entered) == set(seqs) - behind
+
+
+# -- the threshold ------------------------------------------------------------------
+
+
+def test_threshold_is_the_cap_before_the_warmup_then_five_times_the_longest_interval():
+    t = Threshold()
+    timeout_ms = 1_800_000  # gloo's default: 30 min
+    cap = int(timeout_ms * 1e6 * CAP_FRACTION)
+    t.observe(0)
+    for i in range(1, WARMUP_GAPS):
+        t.observe(i * 20 * S)
+    assert t.value_ns(timeout_ms) == cap
+    t.observe(WARMUP_GAPS * 20 * S)
+    assert t.value_ns(timeout_ms) == FACTOR * 20 * S
+
+
+def test_threshold_never_below_the_floor_nor_above_the_cap():
+    t = Threshold()
+    for i in range(WARMUP_GAPS + 1):
+        t.observe(i * S // 10)
+    assert t.value_ns(1_800_000) == int(FLOOR_S * S)
+    assert t.value_ns(10_000) == 5 * S  # a 10 s collective timeout: half of it
+
+
+def test_a_slow_phase_once_over_raises_the_threshold():
+    t = Threshold()
+    for i in range(WARMUP_GAPS + 1):
+        t.observe(i * S)
+    t.observe((WARMUP_GAPS + 100) * S)  # a 100 s checkpoint, then the job moved again
+    assert t.value_ns(1_800_000) == FACTOR * 100 * S
+
+
+def test_a_fixed_hang_warn_is_used_as_it_is():
+    assert Threshold(fixed_s=7.0).value_ns(10_000) == 7 * S
+
+
+# -- decide: hang_timeout=auto and victims ---------------------------------------------
+
+
+def reg(r: int) -> Registration:
+    return Registration(rank=r, pid=1000 + r, ppid=1, start_ticks=1, uid=1, host="h", boot_id="b", pidns="p", time_ns=1)
+
+
+DIAG = Diagnosis(finding=HANG, laggards=(1,), entered=(0, 2), since_ns=5 * S, stalled_at_ns=40 * S, time_ns=45 * S,
+                 made_by=0, detail="rank 1 never entered gloo:all_reduce #21", group="0", seq=21, op=AR)
+
+
+def obs(diagnosis: Optional[Diagnosis] = DIAG, failures: Tuple[Failure, ...] = (), now: int = 60 * S) -> Observed:
+    return Observed(self_rank=0, now_ns=now, registrations={r: reg(r) for r in range(3)}, successes=frozenset(),
+                    failures={f.rank: f for f in failures}, exit_statuses={}, gone={}, diagnosis=diagnosis,
+                    progress={r: Progress(None, None) for r in range(3)})
+
+
+def timeout_failure(r: int, t: int = 55 * S, collective: bool = True) -> Failure:
+    return Failure(rank=r, pid=1000 + r, time_ns=t, cause=EXCEPTION, exit_code=1, exception="RuntimeError",
+                   message="Timed out waiting 10000ms for recv operation to complete", collective=collective)
+
+
+POLICY = Policy(parent_wait_ns=S // 10, default_exit_code=1)
+
+
+def test_a_victim_of_the_collective_timeout_is_not_blamed():
+    v = decide(obs(failures=(timeout_failure(0),)), POLICY).verdict
+    assert v is not None
+    assert (v.rank, v.cause, v.exit_code, v.laggards) == (1, HANG, HANG_EXIT_CODE, (1,))
+    assert "rank 0 then failed waiting for it" in v.detail
+
+
+def test_without_a_diagnosis_the_timeout_is_the_verdict_as_before():
+    v = decide(obs(diagnosis=None, failures=(timeout_failure(0),)), POLICY).verdict
+    assert v is not None and (v.rank, v.cause) == (0, EXCEPTION)
+
+
+def test_a_resolved_diagnosis_blames_nobody():
+    resolved = dataclasses.replace(DIAG, resolved_ns=50 * S)
+    v = decide(obs(diagnosis=resolved, failures=(timeout_failure(0),)), POLICY).verdict
+    assert v is not None and (v.rank, v.cause) == (0, EXCEPTION)
+
+
+def test_an_exception_not_from_torch_distributed_is_its_own_cause():
+    v = decide(obs(failures=(timeout_failure(0, collective=False),)), POLICY).verdict
+    assert v is not None and (v.rank, v.cause) == (0, EXCEPTION)
+
+
+def test_the_laggard_failing_itself_is_the_verdict():
+    v = decide(obs(failures=(timeout_failure(1),)), POLICY).verdict
+    assert v is not None and (v.rank, v.cause) == (1, EXCEPTION)
+
+
+def test_an_nccl_watchdog_abort_after_a_diagnosis_is_a_victim_too():
+    from peerwatch._records import ExitStatus
+
+    o = dataclasses.replace(obs(), exit_statuses={2: ExitStatus(rank=2, pid=1002, time_ns=55 * S, returncode=-6,
+                                                                observed_by=0)})
+    v = decide(o, POLICY).verdict
+    assert v is not None and (v.rank, v.cause) == (1, HANG), v
+
+
+def test_hang_timeout_auto_makes_the_diagnosis_the_verdict():
+    assert decide(obs(), POLICY).verdict is None  # by default a diagnosis only warns
+    v = decide(obs(), dataclasses.replace(POLICY, hang_auto=True)).verdict
+    assert v is not None and (v.rank, v.cause, v.failed_at_ns, v.laggards) == (1, HANG, 40 * S, (1,))
