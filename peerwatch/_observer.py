@@ -19,7 +19,7 @@ import os
 import select
 import stat
 import time
-from typing import Dict, List, Optional, Set, Tuple
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 from . import _decide, _eventlog, _identity, _rundir, _sharedfs, _terminal
 from ._heartbeat import Progress, main_thread_position
@@ -28,6 +28,7 @@ from ._records import (
     HANG,
     MAX_TRACEBACK_CHARS,
     Ack,
+    Diagnosis,
     ExitStatus,
     Failure,
     Heartbeat,
@@ -37,7 +38,7 @@ from ._records import (
     decode,
     encode,
 )
-from ._rundir import EVENTS, HEARTBEATS, RANKS, VERDICT_FILE, RunDir, rank_file
+from ._rundir import DIAGNOSIS_FILE, EVENTS, HEARTBEATS, RANKS, VERDICT_FILE, RunDir, rank_file
 from ._sources import (
     FolderWatch,
     OwnedFd,
@@ -288,6 +289,8 @@ class Observer:
         rd = self.run_dir
         if name == VERDICT_FILE:
             return rd.read(EVENTS, name, Verdict)
+        if name == DIAGNOSIS_FILE:
+            return rd.read(EVENTS, name, Diagnosis)
         parsed = _rundir.parse_rank_file(name)
         cls = _WATCHED_EVENTS.get(parsed[0]) if parsed else None
         if parsed is None or cls is None:
@@ -415,6 +418,14 @@ class Observer:
             logger.error("peerwatch: rank %d could not write %s: %s", self.me.rank, name, e)
             return False
 
+    def write_event_replacing(self, name: str, record: object) -> bool:
+        """Replace a record in ``events/`` (the diagnosis, as it is resolved); False if it failed."""
+        try:
+            return self.run_dir.write(EVENTS, name, encode(record), replace=True)
+        except OSError as e:
+            logger.error("peerwatch: rank %d could not write %s: %s", self.me.rank, name, e)
+            return False
+
     def record_lost(self, lost: Tuple[Failure, ...]) -> None:
         """Shared filesystem: say on the lost ranks' behalf that they are lost (first record wins)."""
         for failure in lost:
@@ -472,9 +483,11 @@ class Observer:
 
     def observed(
         self, progress: Optional[Progress] = None, missing: Tuple[int, ...] = (), stale_after_s: float = 0.0,
+        own: Optional[Heartbeat] = None,
     ) -> _decide.Observed:
         """Everything known now, for decide(). ``progress``: this rank's own (hang judges
-        only; the peers' is read from their heartbeats then)."""
+        only; the peers' is read from their heartbeats then); ``own``: what this rank's
+        heartbeat last published of its collectives."""
         verdict = self.events.get(VERDICT_FILE)
         return _decide.Observed(
             self_rank=self.me.rank, now_ns=time.time_ns(), registrations=self.registrations,
@@ -482,8 +495,8 @@ class Observer:
             exit_statuses=self.of_kind(ExitStatus),  # type: ignore[arg-type]
             gone=self.gone, verdict=verdict if isinstance(verdict, Verdict) else None,
             oom_kills=self._oom_kills_since_start(),
-            progress=self._progress(progress, stale_after_s) if progress is not None else {},
-            now_mono_ns=time.monotonic_ns(), missing=missing,
+            progress=self._progress(progress, stale_after_s, own) if progress is not None else {},
+            now_mono_ns=time.monotonic_ns(), missing=missing, diagnosis=self.diagnosis(),
             remote_silence=self.remote.silence() if self.remote is not None else {},
         )
 
@@ -493,12 +506,18 @@ class Observer:
         now = oom_kill_count()
         return 0 if now is None else max(0, now - self._oom_kills_at_start)
 
-    def _progress(self, mine: Progress, stale_after_s: float) -> Dict[int, _decide.Progress]:
+    def diagnosis(self) -> Optional[Diagnosis]:
+        """The diagnosis written in events/ (by any judge of this host), if any."""
+        found = self.events.get(DIAGNOSIS_FILE)
+        return found if isinstance(found, Diagnosis) else None
+
+    def _progress(self, mine: Progress, stale_after_s: float, own: Optional[Heartbeat]) -> Dict[int, _decide.Progress]:
         """Every live local rank's last progress, from its heartbeat (ours from memory)."""
         where, waiting = main_thread_position()
         found = {
             self.me.rank: _decide.Progress(
-                mine.step, mine.progress_ns, mine.paused > 0, "R", in_collective=waiting, where=where
+                mine.step, mine.progress_ns, mine.paused > 0, "R", in_collective=waiting, where=where,
+                **(_collective_fields(own) if own is not None else {}),
             )
         }
         for rank, peer in self.peers.items():
@@ -521,8 +540,13 @@ class Observer:
         silent = time.time_ns() - beat.time_ns > stale_after_s * 1e9
         return _decide.Progress(
             beat.step, beat.progress_ns, beat.paused, state,
-            in_collective=beat.in_collective, watcher_silent=silent, where=beat.where,
+            in_collective=beat.in_collective, watcher_silent=silent, where=beat.where, **_collective_fields(beat),
         )
+
+
+def _collective_fields(beat: Heartbeat) -> Dict[str, Any]:
+    return {"collectives": beat.collectives, "entered": beat.entered, "moved_mono_ns": beat.moved_ns,
+            "timeout_ms": beat.pg_timeout_ms}
 
 
 def _dir_id(path: str) -> Optional[Tuple[int, int]]:

@@ -16,6 +16,7 @@ from ._exitwatch import EXIT_MESSAGE
 from ._records import (
     EVENT_TYPES,
     EXIT,
+    Diagnosis,
     ExitStatus,
     Failure,
     Heartbeat,
@@ -24,7 +25,7 @@ from ._records import (
     returncode_exit_code,
     signal_name,
 )
-from ._rundir import EVENTS, HEARTBEATS, REPORT_FILE, VERDICT_FILE, RunDir, rank_file
+from ._rundir import DIAGNOSIS_FILE, EVENTS, HEARTBEATS, REPORT_FILE, VERDICT_FILE, RunDir, rank_file
 from ._terminal import who
 
 REPORT_VERSION = 1
@@ -57,6 +58,7 @@ def build(rd: RunDir) -> Dict[str, Any]:
         "written_at_ns": time.time_ns(),
         "verdict": None,
         "ranks": ranks,
+        "diagnosis": diagnosis_entry(rd.read(EVENTS, DIAGNOSIS_FILE, Diagnosis)),
     }
     if verdict is not None:
         v = dataclasses.asdict(verdict)
@@ -150,6 +152,23 @@ def _rank_entry(
         "thread_exception": _thread_exception(events["thread"].get(rank)),
         "not_signalled": events["unsignalled"][rank].reason if state == NOT_SIGNALLED else None,
         "unwatched": _unwatched(reg),
+    }
+
+
+def diagnosis_entry(d: Optional[Diagnosis]) -> Optional[Dict[str, Any]]:
+    """The ``diagnosis`` object of report.json and ``peerwatch status --json`` (docs/report.md)."""
+    if d is None:
+        return None
+    return {
+        "kind": d.finding,
+        "laggards": list(d.laggards),
+        "entered": list(d.entered),
+        "collective": None if d.group is None else {"group": d.group, "seq": d.seq, "op": d.op},
+        "since": round(d.since_ns / 1e9, 3),
+        "detail": d.detail,
+        "diagnosed_at": _iso(d.time_ns),
+        "diagnosed_by": d.made_by,
+        "resolved_at": None if d.resolved_ns is None else _iso(d.resolved_ns),
     }
 
 
@@ -247,6 +266,10 @@ def summary(report: Dict[str, Any], traceback: bool = True) -> str:
             lines.append(f"  rank {r['rank']} cannot be watched or signalled from here: {r['unwatched']}")
         if r.get("not_signalled"):
             lines.append(f"  {who(r['rank'], r['pid'], r.get('host'))} could not be verified, not signalled: {r['not_signalled']}")
+    d = report.get("diagnosis")
+    if d is not None:
+        lines.append(f"  diagnosis ({d['kind']}{', resolved: the job moved again' if d.get('resolved_at') else ''}): "
+                     f"{d['detail']}")
     if traceback and v is not None and v.get("traceback"):
         tb = v["traceback"].rstrip().splitlines()
         lines.append("  traceback of the failing rank (last lines):")

@@ -27,7 +27,8 @@ import time
 from typing import Optional, Tuple
 
 from . import _bridge, _decide, _enforce, _exitwatch, _launchers, _plan, _report, _sharedfs, _teardown, _terminal
-from ._config import Config
+from ._config import HANG_AUTO, Config
+from ._diagnoser import Diagnoser, own_heartbeat
 from ._errors import PeerFailure
 from ._eventlog import log as log_event
 from ._eventlog import sweep as sweep_events
@@ -135,9 +136,12 @@ class Watcher:
         self.heartbeat = HeartbeatWriter(run_dir, me, self.progress, with_position=bool(config.hang_timeout))
         self._policy = _decide.Policy(
             parent_wait_ns=int(config.parent_wait * 1e9), default_exit_code=config.exit_code,
-            hang_timeout_ns=int(config.hang_timeout * 1e9),
+            hang_timeout_ns=int(max(config.hang_timeout, 0) * 1e9), hang_auto=config.hang_timeout == HANG_AUTO,
             peer_timeout_ns=int(config.peer_timeout * 1e9) if run_dir.shared else 0,
         )
+        # A diagnosis when nothing moves (on by default: hang_warn); hang_timeout=auto uses its threshold.
+        warn = config.hang_warn if config.hang_warn > 0 else None
+        self._diagnoser = Diagnoser(self.rank, warn, self.observer) if config.hang_warn or config.hang_timeout == HANG_AUTO else None
         self.thread = threading.Thread(target=self._main, name=f"peerwatch-rank{self.rank}", daemon=True)
         self._launcher_watch: Optional[_launchers.LauncherWatch] = None  # set by start()
         self.bridge = _bridge.Bridge.for_config(config, run_dir, me)  # other hosts, through the store
@@ -301,12 +305,14 @@ class Watcher:
 
     def _on_beat(self) -> Tuple[bool, bool]:
         """Heartbeat, GIL watchdog, the bridge; whether this rank judges hangs and other hosts."""
-        self.heartbeat.write(self.observer.local_pids)
+        self.heartbeat.write(self.observer.local_pids, read_counters=True)
         if self.config.gil_timeout and not self.verdict_seen.is_set():
             self.stacks.arm_gil_watchdog(self.config.gil_timeout)
         if self.bridge is not None:
             self.bridge.tick()
-        hang, remote = bool(self.config.hang_timeout), self.observer.remote is not None
+        # Diagnosis: judged only once this rank's collectives count (torch.distributed in use).
+        diagnosing = self._diagnoser is not None and bool(self.heartbeat.collectives()[0])
+        hang, remote = bool(self.config.hang_timeout) or diagnosing, self.observer.remote is not None
         if not (hang or remote):
             return False, False  # nothing to judge: no need to know who the judges are
         judge = self.rank in self.observer.live_local_ranks()[:HANG_JUDGES]
@@ -323,7 +329,10 @@ class Watcher:
             return None
         # decide() is pure, and tells us when the mere passing of time could change its
         # answer (recheck_at_ns, on the wall clock: converted to our monotonic one).
-        decision = _decide.decide(self._observed(judge_hang, missing), self._policy)
+        observed = self._observed(judge_hang, missing)
+        if judge_hang and self._diagnoser is not None:
+            observed = dataclasses.replace(observed, diagnosis=self._diagnoser.look(observed))
+        decision = _decide.decide(observed, self._policy)
         if decision.lost:
             # Shared filesystem: write the lost ranks' failures, then decide from what is written.
             obs.record_lost(decision.lost)
@@ -339,7 +348,8 @@ class Watcher:
 
     def _observed(self, judge_hang: bool, missing: Tuple[int, ...]) -> _decide.Observed:
         stale = STALE_BEATS * self.config.heartbeat_interval
-        return self.observer.observed(self.progress if judge_hang else None, missing, stale)
+        own = own_heartbeat(self.rank, self.me.pid, self.heartbeat.collectives()) if judge_hang else None
+        return self.observer.observed(self.progress if judge_hang else None, missing, stale, own)
 
     def _missing_ranks(self) -> Tuple[int, ...]:
         """Ranks expected on this host that have not registered by startup_timeout (to fail

@@ -73,6 +73,9 @@ def _report_cmd(args: argparse.Namespace) -> int:
 
 def _status_cmd(args: argparse.Namespace) -> int:
     rd = _open(_dir_or_newest(args.dir))
+    if args.json:
+        print(json.dumps(_report.build(rd), indent=2))
+        return 0
     if not args.watch:
         print(_status_text(rd))
         return 0
@@ -101,6 +104,10 @@ def _status_text(rd: RunDir) -> str:
         lines.append(f"{r['rank']:>4}  {str(r['pid']):>7}  {str(r['host'])[:16]:<16} {r['state']:<13} {age:>9}  "
                      f"{step:>8}  {_report.exit_text(r)}")
     lines.append(f"outcome: {report['outcome']}")
+    d = report.get("diagnosis")
+    if d is not None:
+        state = f"resolved at {d['resolved_at']}" if d.get("resolved_at") else f"after {d['since']:g}s without progress"
+        lines.append(f"diagnosis: {d['kind']} ({state}): {d['detail']}")
     lines.extend(_watcher_deaths(rd, {r["rank"]: r["pid"] for r in report["ranks"]}))
     return "\n".join(lines)
 
@@ -173,6 +180,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p = sub.add_parser("status", help="a table of the ranks: pid, host, state, heartbeat age, step, exit")
     p.add_argument("dir", nargs="?", help="a run directory (default: the newest on this host)")
     p.add_argument("--watch", action="store_true", help="refresh the table until Ctrl-C")
+    p.add_argument("--json", action="store_true", help="print the report's JSON (ranks, verdict, diagnosis) once")
     p.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes with --watch (1)")
     p.set_defaults(func=_status_cmd)
     p = sub.add_parser("ls", help="the run directories on this host, newest first")

@@ -1,0 +1,99 @@
+"""A hang judge's diagnosis, carried out: learn the threshold, diagnose (pure, in
+:mod:`peerwatch._diagnose`), write ``events/diagnosis.json`` (first writer wins, so the
+job logs it once), and say when the job moved again. Owned by the watcher thread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Dict, Optional
+
+from . import _decide, _diagnose
+from ._observer import Observer
+from ._records import Diagnosis, Heartbeat
+from ._rundir import DIAGNOSIS_FILE
+
+logger = logging.getLogger("peerwatch")
+
+MOVED_AFTER_NS = 1_000_000  # clock conversions (monotonic -> wall) are exact to well below this
+
+
+class Diagnoser:
+    def __init__(self, rank: int, fixed_s: Optional[float], observer: Observer) -> None:
+        self._rank = rank
+        self._observer = observer
+        self.threshold = _diagnose.Threshold(fixed_s)
+        self._mine: Optional[Diagnosis] = None  # the one this judge wrote, until resolved
+
+    def look(self, obs: _decide.Observed) -> Optional[Diagnosis]:
+        """Diagnose from what the hang judges observed; the diagnosis of the stall going
+        on (written by this judge or another one of this host), or None."""
+        ranks = self.ranks(obs)
+        last = _diagnose.last_move(ranks)
+        self.threshold.observe(last)
+        self._resolve(last, obs.now_ns, obs.now_mono_ns)
+        current = self._observer.diagnosis()
+        if current is not None and current.resolved_ns is None:
+            return current
+        timeout_ms = min((p.timeout_ms for p in obs.progress.values() if p.timeout_ms > 0), default=0)
+        found = _diagnose.diagnose(ranks, obs.now_mono_ns, self.threshold.value_ns(timeout_ms))
+        if found is None:
+            return current
+        record = Diagnosis(
+            finding=found.kind, laggards=found.laggards, entered=found.entered, since_ns=found.since_ns,
+            stalled_at_ns=obs.now_ns - found.since_ns, time_ns=obs.now_ns, made_by=self._rank,
+            detail=found.detail, group=found.group, seq=found.seq, op=found.op,
+        )
+        name = DIAGNOSIS_FILE
+        if current is not None:  # an earlier stall's, resolved: this one replaces it
+            wrote = self._observer.write_event_replacing(name, record)
+        else:
+            wrote = self._observer.write_event(name, record)
+        if wrote:
+            self._mine = record
+            self._observer.events[name] = record
+            logger.warning("peerwatch: %s: %s (diagnosed by rank %d; the job goes on)", found.kind, found.detail,
+                           self._rank)
+        else:
+            self._observer.events.pop(name, None)
+            self._observer.scan()
+        return self._observer.diagnosis()
+
+    def _resolve(self, last: Optional[int], now_ns: int, now_mono_ns: int) -> None:
+        """The job moved after this judge's diagnosis: say it was slow, not stuck."""
+        mine = self._mine
+        if mine is None or last is None:
+            return
+        last_wall_ns = now_ns - (now_mono_ns - last)  # the same instant on the wall clock
+        if last_wall_ns <= mine.stalled_at_ns + MOVED_AFTER_NS:
+            return
+        resolved = dataclasses.replace(mine, resolved_ns=now_ns)
+        if self._observer.write_event_replacing(DIAGNOSIS_FILE, resolved):
+            self._observer.events[DIAGNOSIS_FILE] = resolved
+            logger.warning("peerwatch: the job moved again %.1fs after it stopped: it was slow, not stuck (%s)",
+                           (now_ns - mine.stalled_at_ns) / 1e9, mine.detail)
+        self._mine = None
+
+    @staticmethod
+    def ranks(obs: _decide.Observed) -> Dict[int, _diagnose.RankState]:
+        live = {r: p for r, p in obs.progress.items() if r not in obs.successes and r not in obs.gone}
+        return {
+            r: _diagnose.RankState(
+                collectives=p.collectives, entered=p.entered, moved_mono_ns=p.moved_mono_ns,
+                beat_mono_ns=p.progress_mono_ns, paused=p.paused, state=p.state, watcher_silent=p.watcher_silent,
+                in_collective=p.in_collective, where=p.where,
+            )
+            for r, p in live.items()
+        }
+
+
+def own_heartbeat(rank: int, pid: int, counters: tuple) -> Heartbeat:
+    """This rank's collectives as its heartbeat publishes them (for observed())."""
+    collectives, moved_ns, entered, timeout_ms = counters
+    return Heartbeat(rank=rank, pid=pid, time_ns=time.time_ns(), seq=0, collectives=collectives, moved_ns=moved_ns,
+                     entered=entered, pg_timeout_ms=timeout_ms)
+
+
+__all__ = ["Diagnoser", "own_heartbeat"]

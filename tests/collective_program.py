@@ -1,0 +1,104 @@
+"""One rank of a small training job that never calls ``peerwatch.beat()``: the hang
+diagnosis must come from torch's collective counters alone. Started by
+tests/test_diagnosis.py and benchmarks/hang_diagnosis.py, never imported.
+
+    RANK=1 WORLD_SIZE=3 MASTER_ADDR=127.0.0.1 MASTER_PORT=29500 \\
+        python collective_program.py --world 3 --ready DIR --behave 1=loop@10
+
+Every rank installs peerwatch, joins a gloo group (collective timeout ``--timeout``) and
+trains: ``all_reduce`` of 4 floats, then ``--step-s`` seconds of "compute". Behaviours,
+``RANK=WHAT@STEP`` (from step STEP on):
+
+    loop         an infinite Python loop (the others wait in all_reduce)
+    skip         skip this step's all_reduce (the rank reaches the final barrier one
+                 collective early, while the others are in their last all_reduce)
+    size         all_reduce 1 float instead of 4 at this step
+    slow:S       every step from then on takes S seconds more
+    paused:S     one ``peerwatch.paused()`` phase of S seconds (the others wait at all_reduce)
+
+``--no-torch``: never import torch (a job of plain processes). ``--no-collectives``:
+join the group, then only "compute". Markers in ``--ready``: ``rank-<i>`` (the pid)
+after the first step; ``doing-<i>`` right before the behaviour starts; ``done-<i>`` at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import time
+
+import peerwatch
+
+
+def note(ready: str, name: str, text: str) -> None:
+    path = os.path.join(ready, name)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--world", type=int, required=True)
+    parser.add_argument("--ready", required=True)
+    parser.add_argument("--steps", type=int, default=0)
+    parser.add_argument("--step-s", type=float, default=0.02)
+    parser.add_argument("--timeout", type=float, default=120.0)
+    parser.add_argument("--behave", action="append", default=[])
+    parser.add_argument("--no-torch", action="store_true")
+    parser.add_argument("--no-collectives", action="store_true")
+    args = parser.parse_args()
+    rank = int(os.environ["RANK"])
+    peerwatch.install()
+    name, arg, at = "", "", -1
+    for item in args.behave:
+        r, _, what = item.partition("=")
+        if int(r) == rank:
+            action, _, when = what.partition("@")
+            name, _, arg = action.partition(":")
+            at = int(when or 0)
+    if args.no_torch:
+        for step in range(args.steps or 10**9):
+            if step == 0:
+                note(args.ready, f"rank-{rank}", str(os.getpid()))
+            time.sleep(args.step_s)
+        note(args.ready, f"done-{rank}", "")
+        return
+
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", rank=rank, world_size=args.world, timeout=datetime.timedelta(seconds=args.timeout))
+    t = torch.ones(4)
+    extra_s = 0.0
+    step = 0
+    while args.steps == 0 or step < args.steps:
+        skip = False
+        if step == at:
+            note(args.ready, f"doing-{rank}", str(os.getpid()))
+            if name == "loop":
+                n = 0
+                while True:  # pure Python: the interpreter switches threads, so the watcher runs
+                    n += 1
+            elif name == "skip":
+                skip = True
+            elif name == "slow":
+                extra_s = float(arg)
+            elif name == "paused":
+                with peerwatch.paused():
+                    time.sleep(float(arg))
+        if not args.no_collectives and not skip:
+            dist.all_reduce(torch.ones(1) if name == "size" and step == at else t)
+        if step == 0:
+            note(args.ready, f"rank-{rank}", str(os.getpid()))
+        time.sleep(args.step_s + extra_s)
+        step += 1
+    dist.barrier()
+    note(args.ready, f"done-{rank}", "")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
