@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import sys
 import time
 
 import peerwatch
@@ -64,7 +65,7 @@ def main() -> None:
             if step == 0:
                 note(args.ready, f"rank-{rank}", str(os.getpid()))
             time.sleep(args.step_s)
-        note(args.ready, f"done-{rank}", "")
+        note(args.ready, f"done-{rank}", "torch imported" if "torch" in sys.modules else "torch not imported")
         return
 
     import torch

@@ -1,0 +1,212 @@
+"""End to end: hangs diagnosed with no configuration and no ``beat()`` (3 ranks, gloo on CPU).
+
+Every rank runs ``collective_program.py``: all_reduce, a short sleep; it never calls
+``peerwatch.beat()``, so what the judges know comes from torch's collective counters,
+read by each watcher. One rank stops taking part (a Python loop, a skipped collective,
+another size, SIGSTOP) and the others wait for it, as in a real job. See docs/hangs.md.
+
+A diagnosis only warns by default, so a job that stays stuck is ended by the test
+(``kill_all``) once it has checked the diagnosis; the jobs that are expected to end do so
+by themselves, within deadlines. Every wait has a deadline.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Dict, Iterator, List, Optional, Sequence
+
+import pytest
+from harness import Job
+
+pytest.importorskip("torch.distributed")
+
+pytestmark = pytest.mark.timeout(120)
+
+PROGRAM = Path(__file__).with_name("collective_program.py")
+WORLD = 3
+WARN_S = 3.0  # PEERWATCH_HANG_WARN of most jobs here
+HEARTBEAT_S = 1.0
+START_S = 40.0  # three ranks importing torch and joining a gloo group on 2 loaded cores
+# The diagnosis comes WARN_S after the last movement, give or take the heartbeats that
+# carry the counters and the judges' look (one heartbeat each), and a loaded machine.
+DIAGNOSED_S = WARN_S + 3 * HEARTBEAT_S + 5.0
+AT_STEP = 20
+
+
+class DiagJob(Job):
+    def __init__(self, tmp: Path, steps: int, step_s: float, timeout_s: float, flags: Sequence[str], **kw: object):
+        super().__init__(tmp, world=WORLD, style="sibling", gloo=True, grace=1.0, **kw)  # type: ignore[arg-type]
+        self.steps, self.step_s, self.timeout_s, self.flags = steps, step_s, timeout_s, list(flags)
+
+    def _argv(self) -> List[str]:
+        argv = [sys.executable, str(PROGRAM), "--world", str(self.world), "--ready", str(self.ready_dir),
+                "--steps", str(self.steps), "--step-s", str(self.step_s), "--timeout", str(self.timeout_s), *self.flags]
+        for item in self.behave:
+            argv += ["--behave", item]
+        return argv
+
+    def diagnosis_record(self) -> Optional[dict]:
+        try:
+            return dict(json.loads((self.run_dir / "events" / "diagnosis.json").read_text()))
+        except (OSError, ValueError):
+            return None
+
+    def wait_diagnosis(self, within: float = DIAGNOSED_S) -> dict:
+        """The diagnosis, as ``peerwatch status --json`` shows it, once one is written."""
+        deadline = time.monotonic() + within
+        while self.diagnosis_record() is None:
+            ended = [p.label for p in self.all_procs() if p.gone()]
+            assert not ended, f"{', '.join(ended)} ended before a diagnosis\n{self.logs()}"
+            assert time.monotonic() < deadline, f"no diagnosis within {within}s\n{self.logs()}"
+            time.sleep(0.05)  # a file in a folder: no event to poll on here; the deadline bounds it
+        out = subprocess.run([sys.executable, "-m", "peerwatch", "status", str(self.run_dir), "--json"],
+                             capture_output=True, text=True, timeout=30)
+        assert out.returncode == 0, out.stderr
+        return dict(json.loads(out.stdout)["diagnosis"])
+
+    def lines(self, text: str) -> List[str]:
+        found = []
+        for rank in range(self.world):
+            found += [line for line in self.log_path(rank).read_text(errors="replace").splitlines() if text in line]
+        return found
+
+    def verdict(self) -> dict:
+        path = self.run_dir / "events" / "verdict.json"
+        assert path.exists(), f"no verdict was written\n{self.logs()}"
+        return dict(json.loads(path.read_text()))
+
+
+@pytest.fixture
+def make_job(tmp_path: Path, no_leaks: str) -> Iterator[Callable[..., DiagJob]]:
+    jobs: List[DiagJob] = []
+
+    def make(behave: Sequence[str] = (), steps: int = 0, step_s: float = 0.02, timeout_s: float = 120.0,
+             env: Optional[Dict[str, str]] = None, flags: Sequence[str] = ()) -> DiagJob:
+        full = {"PEERWATCH_HEARTBEAT": f"{HEARTBEAT_S:g}", "PEERWATCH_HANG_WARN": f"{WARN_S:g}", **(env or {})}
+        job = DiagJob(tmp_path, steps, step_s, timeout_s, flags, behave=behave, env=full, name=f"job{len(jobs)}")
+        jobs.append(job)
+        job.start()
+        return job
+
+    yield make
+    for job in jobs:
+        job.close()
+
+
+def _stuck_then_ended(job: DiagJob) -> None:
+    """The diagnosis only warned: the job is still stuck, every rank alive. End it."""
+    assert not any(p.gone() for p in job.all_procs()), job.logs()
+    assert not (job.run_dir / "events" / "verdict.json").exists(), job.logs()
+    job.kill_all()
+
+
+# -- a rank stops taking part ------------------------------------------------------------
+
+
+def test_a_rank_looping_in_python_is_named_by_the_collective_the_others_wait_in(make_job) -> None:
+    job = make_job(behave=[f"1=loop@{AT_STEP}"])
+    job.wait_ready(timeout=START_S)
+    d = job.wait_diagnosis()
+    assert (d["kind"], d["laggards"], d["entered"]) == ("hang", [1], [0, 2]), d
+    assert d["collective"] == {"group": "0", "seq": AT_STEP + 1, "op": "gloo:all_reduce"}, d
+    assert WARN_S <= d["since"] < WARN_S + 3 * HEARTBEAT_S, d
+    assert "collective_program.py" in d["detail"] and "in main" in d["detail"], d
+    assert len(job.lines("peerwatch: hang:")) == 1, job.logs()  # one line per job, not per rank
+    status = subprocess.run([sys.executable, "-m", "peerwatch", "status", str(job.run_dir)],
+                            capture_output=True, text=True, timeout=30).stdout
+    assert "diagnosis: hang" in status and "rank 1 never entered gloo:all_reduce" in status, status
+    _stuck_then_ended(job)
+
+
+def test_a_rank_that_skipped_one_collective_is_named_as_a_mismatch(make_job) -> None:
+    """It reaches the final barrier while the others are in their last all_reduce: the
+    same sequence number, another op."""
+    steps = 40
+    job = make_job(behave=[f"1=skip@{AT_STEP}"], steps=steps)
+    job.wait_ready(timeout=START_S)
+    d = job.wait_diagnosis()
+    assert (d["kind"], d["laggards"], d["entered"]) == ("mismatch", [1], [0, 2]), d
+    assert d["collective"] == {"group": "0", "seq": steps, "op": "gloo:all_reduce"}, d
+    assert "gloo:barrier" in d["detail"], d
+    _stuck_then_ended(job)
+
+
+def test_a_rank_calling_all_reduce_with_another_size_is_named_as_a_mismatch(make_job) -> None:
+    job = make_job(behave=[f"1=size@{AT_STEP}"])
+    job.wait_ready(timeout=START_S)
+    d = job.wait_diagnosis()
+    assert (d["kind"], d["laggards"], d["entered"]) == ("mismatch", [1], [0, 2]), d
+    assert d["collective"] == {"group": "0", "seq": AT_STEP + 1, "op": "gloo:all_reduce"}, d
+    assert "[[1]]" in d["detail"] and "[[4]]" in d["detail"], d
+    _stuck_then_ended(job)
+
+
+def test_a_sigstopped_rank_is_the_laggard(make_job) -> None:
+    job = make_job()
+    job.wait_ready(timeout=START_S)
+    job.kill(2, signal.SIGSTOP)
+    d = job.wait_diagnosis()
+    assert d["kind"] == "hang" and d["laggards"][0] == 2, d
+    assert "stopped (SIGSTOP)" in d["detail"], d
+    job.kill_all()
+
+
+def test_the_gloo_timeout_after_a_diagnosis_names_the_laggard_not_its_victims(make_job) -> None:
+    """The others' 10 s gloo timeout fires: before, the verdict named the first of them,
+    cause exception."""
+    job = make_job(behave=[f"1=loop@{AT_STEP}"], timeout_s=10.0)
+    job.wait_ready(timeout=START_S)
+    job.wait_diagnosis()
+    job.wait_gone(within=10.0 + 10.0)
+    v = job.verdict()
+    assert (v["rank"], v["cause"], v["exit_code"], v["laggards"]) == (1, "hang", 124, [1]), v
+    assert "then failed waiting for it" in v["detail"] and "Timed out" in v["detail"], v
+
+
+def test_hang_timeout_auto_ends_the_job_at_the_diagnosis(make_job) -> None:
+    job = make_job(behave=[f"1=loop@{AT_STEP}"], env={"PEERWATCH_HANG_TIMEOUT": "auto"})
+    job.wait_ready(timeout=START_S)
+    job.wait_gone(within=START_S)  # well before the 120 s gloo timeout
+    v = job.verdict()
+    assert (v["rank"], v["cause"], v["exit_code"], v["laggards"]) == (1, "hang", 124, [1]), v
+    assert job.exit_codes() == {0: 124, 1: 124, 2: 124}, job.logs()
+
+
+# -- no diagnosis -----------------------------------------------------------------------
+
+
+def _ends_cleanly(job: DiagJob, within: float) -> None:
+    job.wait_ready(timeout=START_S)
+    job.wait_gone(within=within)
+    assert job.returncodes() == {0: 0, 1: 0, 2: 0}, job.logs()
+    assert job.diagnosis_record() is None, job.diagnosis_record()
+    assert not job.lines("peerwatch: hang:") and not job.lines("peerwatch: mismatch:"), job.logs()
+
+
+def test_no_diagnosis_for_a_slow_but_moving_job_with_the_learnt_threshold(make_job) -> None:
+    """Steps of 2 s, a 10 s collective timeout: the threshold is at most 5 s, and the job
+    moves every 2 s."""
+    job = make_job(steps=8, step_s=2.0, timeout_s=10.0, env={"PEERWATCH_HANG_WARN": "auto"})
+    _ends_cleanly(job, within=8 * 2.0 + 20.0)
+
+
+def test_no_diagnosis_while_a_rank_is_in_a_long_paused_phase(make_job) -> None:
+    job = make_job(behave=["1=paused:8@10"], steps=30)
+    _ends_cleanly(job, within=8.0 + 20.0)
+
+
+def test_no_diagnosis_for_ranks_that_never_import_torch(make_job) -> None:
+    job = make_job(steps=300, flags=["--no-torch"])
+    _ends_cleanly(job, within=6.0 + 20.0)
+    for rank in range(WORLD):
+        assert (job.ready_dir / f"done-{rank}").read_text() == "torch not imported", job.logs()
+
+
+def test_no_diagnosis_for_a_job_without_collectives(make_job) -> None:
+    job = make_job(steps=300, flags=["--no-collectives"])
+    _ends_cleanly(job, within=6.0 + 20.0)
