@@ -480,7 +480,7 @@ _DURATION_VARS = {
     "grace": "PEERWATCH_GRACE", "ack_window": "PEERWATCH_ACK_WINDOW", "heartbeat_interval": "PEERWATCH_HEARTBEAT",
     "parent_wait": "PEERWATCH_PARENT_WAIT", "startup_timeout": "PEERWATCH_STARTUP_TIMEOUT",
     "hang_timeout": "PEERWATCH_HANG_TIMEOUT", "gil_timeout": "PEERWATCH_GIL_TIMEOUT",
-    "peer_timeout": "PEERWATCH_PEER_TIMEOUT",
+    "peer_timeout": "PEERWATCH_PEER_TIMEOUT", "hang_warn": "PEERWATCH_HANG_WARN",
 }
 
 

@@ -208,3 +208,30 @@ def test_hang_timeout_auto_makes_the_diagnosis_the_verdict():
     assert decide(obs(), POLICY).verdict is None  # by default a diagnosis only warns
     v = decide(obs(), dataclasses.replace(POLICY, hang_auto=True)).verdict
     assert v is not None and (v.rank, v.cause, v.failed_at_ns, v.laggards) == (1, HANG, 40 * S, (1,))
+
+
+# -- configuration -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("raw", "value"), [("auto", -1.0), ("AUTO", -1.0), ("off", 0.0), ("0", 0.0), ("12.5", 12.5)])
+def test_hang_warn_takes_seconds_auto_or_off(raw: str, value: float):
+    from peerwatch._config import Config
+
+    assert Config.resolve({}, env={"PEERWATCH_HANG_WARN": raw}).hang_warn == value
+
+
+def test_hang_warn_is_learnt_by_default_and_hang_timeout_takes_auto():
+    from peerwatch._config import HANG_AUTO, Config
+
+    assert Config.resolve({}, env={}).hang_warn == HANG_AUTO
+    assert Config.resolve({"hang_timeout": "auto"}, env={}).hang_timeout == HANG_AUTO
+    assert Config.resolve({}, env={}).hang_timeout == 0.0
+
+
+@pytest.mark.parametrize("raw", ["sometimes", "-3", "inf"])
+def test_a_bad_hang_warn_names_its_source(raw: str):
+    from peerwatch._config import Config
+    from peerwatch._errors import ConfigError
+
+    with pytest.raises(ConfigError, match="hang_warn"):
+        Config.resolve({}, env={"PEERWATCH_HANG_WARN": raw})
