@@ -305,7 +305,8 @@ class Watcher:
 
     def _on_beat(self) -> Tuple[bool, bool]:
         """Heartbeat, GIL watchdog, the bridge; whether this rank judges hangs and other hosts."""
-        self.heartbeat.write(self.observer.local_pids, read_counters=True)
+        # torch's collective counters: for the diagnosis, and as progress for hang_timeout.
+        self.heartbeat.write(self.observer.local_pids, read_counters=self._diagnoser is not None or bool(self.config.hang_timeout))
         if self.config.gil_timeout and not self.verdict_seen.is_set():
             self.stacks.arm_gil_watchdog(self.config.gil_timeout)
         if self.bridge is not None:
