@@ -168,11 +168,17 @@ def main() -> None:
         print(table(["what", "median", "runs"], [
             ["counters, one read (per heartbeat)", f"{statistics.median(reads):.1f} µs", str(len(reads))],
             ["entries, one read (once per stall)", f"{statistics.median(entries):.1f} ms", str(len(entries))],
-            ["step time, hang_warn=auto (counters read)", f"{statistics.median(r['step_ms'] for r in results['auto']):.3f} ms",
+            ["step time, hang_warn=auto (counters read, judges diagnose)", steps(results["auto"]),
              str(len(results["auto"]))],
-            ["step time, hang_warn=off (no reads)", f"{statistics.median(r['step_ms'] for r in results['off']):.3f} ms",
-             str(len(results["off"]))],
+            ["step time, hang_warn=off (no reads)", steps(results["off"]), str(len(results["off"]))],
         ]))
+        print("\nstep times per run (auto, off alternated):",
+              ", ".join(f"{a['step_ms']:.3f}/{o['step_ms']:.3f}" for a, o in zip(results["auto"], results["off"])))
+
+
+def steps(runs: List[Dict[str, float]]) -> str:
+    values = [r["step_ms"] for r in runs]
+    return f"{statistics.median(values):.3f} ms ({min(values):.3f}-{max(values):.3f})"
 
 
 if __name__ == "__main__":
