@@ -373,7 +373,28 @@ def test_the_encoding_on_disk_is_compact_json_with_version_1_and_its_kind_first(
     assert json.loads(encode(hb)) == {
         "version": 1, "kind": "heartbeat", "rank": 0, "pid": 5, "time_ns": 6, "seq": 7, "step": None,
         "progress_ns": None, "paused": False, "children": [[8, 9]], "where": "", "in_collective": False,
+        "collectives": [], "moved_ns": None, "entered": [], "pg_timeout_ms": 0,
     }
+
+
+def test_a_heartbeat_carries_the_collective_counters_and_one_without_them_still_reads():
+    from peerwatch._records import decode
+
+    hb = Heartbeat(rank=0, pid=5, time_ns=6, seq=7, collectives=(("0", 21, 20),), moved_ns=11,
+                   entered=(("0", 21, "gloo:all_reduce", "[[4]] Float"),), pg_timeout_ms=10_000)
+    assert decode(Heartbeat, encode(hb)) == hb
+    older = b'{"version":1,"kind":"heartbeat","rank":0,"pid":5,"time_ns":6,"seq":7}'
+    assert decode(Heartbeat, older) == Heartbeat(rank=0, pid=5, time_ns=6, seq=7)
+
+
+def test_a_diagnosis_record_round_trips_and_its_kind_is_the_record_type():
+    from peerwatch._records import HANG, Diagnosis, decode
+
+    d = Diagnosis(finding=HANG, laggards=(1,), entered=(0, 2), since_ns=3, stalled_at_ns=4, time_ns=7, made_by=0,
+                  detail="rank 1 never entered gloo:all_reduce #21", group="0", seq=21, op="gloo:all_reduce")
+    assert json.loads(encode(d))["kind"] == "diagnosis"
+    assert decode(Diagnosis, encode(d)) == d
+    assert decode(Diagnosis, encode(d).replace(b'"finding":"hang"', b'"finding":"bored"')) is None
 
 
 def test_a_record_written_by_hand_in_the_documented_format_is_read():
