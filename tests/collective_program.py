@@ -15,6 +15,7 @@ trains: ``all_reduce`` of 4 floats, then ``--step-s`` seconds of "compute". Beha
     size         all_reduce 1 float instead of 4 at this step
     slow:S       every step from then on takes S seconds more
     paused:S     one ``peerwatch.paused()`` phase of S seconds (the others wait at all_reduce)
+    sleep:S      one sleep of S seconds, not in paused() (a checkpoint nobody announced)
 
 ``--no-torch``: never import torch (a job of plain processes). ``--no-collectives``:
 join the group, then only "compute". Markers in ``--ready``: ``rank-<i>`` (the pid)
@@ -87,6 +88,8 @@ def main() -> None:
                 skip = True
             elif name == "slow":
                 extra_s = float(arg)
+            elif name == "sleep":
+                time.sleep(float(arg))
             elif name == "paused":
                 with peerwatch.paused():
                     time.sleep(float(arg))

@@ -177,6 +177,32 @@ def test_hang_timeout_auto_ends_the_job_at_the_diagnosis(make_job) -> None:
     assert job.exit_codes() == {0: 124, 1: 124, 2: 124}, job.logs()
 
 
+def test_hang_timeout_in_seconds_works_without_beat(make_job) -> None:
+    """The collectives entered are progress: before, without beat() there was nothing to
+    judge by and the job waited for gloo's timeout."""
+    job = make_job(behave=[f"1=loop@{AT_STEP}"], env={"PEERWATCH_HANG_TIMEOUT": "4", "PEERWATCH_HANG_WARN": "off"})
+    job.wait_ready(timeout=START_S)
+    job.wait_gone(within=START_S)
+    v = job.verdict()
+    assert (v["rank"], v["cause"], v["exit_code"]) == (1, "hang", 124), v
+    assert job.diagnosis_record() is None
+
+
+def test_a_stall_that_ends_is_resolved_and_the_job_goes_on(make_job) -> None:
+    """Rank 1 sleeps 7 s once, outside paused() (an unannounced checkpoint): diagnosed at
+    3 s, then resolved when it moves again; the job finishes cleanly."""
+    job = make_job(behave=["1=sleep:7@10"], steps=40)
+    job.wait_ready(timeout=START_S)
+    job.wait_gone(within=7.0 + 20.0)
+    assert job.returncodes() == {0: 0, 1: 0, 2: 0}, job.logs()
+    d = job.diagnosis_record()
+    assert d is not None and d["laggards"] == [1] and d["resolved_ns"] is not None, d
+    assert len(job.lines("it was slow, not stuck")) == 1, job.logs()
+    report = json.loads(subprocess.run([sys.executable, "-m", "peerwatch", "report", str(job.run_dir), "--json"],
+                                       capture_output=True, text=True, timeout=30).stdout)
+    assert report["diagnosis"]["resolved_at"] is not None and report["verdict"] is None, report
+
+
 # -- no diagnosis -----------------------------------------------------------------------
 
 
