@@ -27,9 +27,11 @@ logger = logging.getLogger("peerwatch")
 
 CHILDREN_SCAN_EVERY = 10  # heartbeats between snapshots of our own descendants (costs a /proc walk)
 # Heartbeats with unchanged collective counters before the flight recorder's entries are
-# read (tens of ms once its ring is full): once per stall, and never on a moving job
-# whose steps are shorter than this.
+# read (tens of ms once its ring is full): once per stall, after at least this many and
+# twice the longest quiet spell seen so far, so never on a job that keeps moving, however
+# slow its steps.
 ENTRIES_AFTER_BEATS = 2
+ENTRIES_WARMUP_MOVES = 10  # quiet spells before this many movements (start-up, compiling) are not learnt
 ENTRIES_KEPT = 3  # per process group, the last collectives published (a mismatch shows one back)
 _COLLECTIVE_PATHS = (os.sep + os.path.join("torch", "distributed") + os.sep,)
 
@@ -94,6 +96,8 @@ class HeartbeatWriter:
         self._counters: Counters = ()  # guarded by _lock, as the rest below
         self._moved_ns: Optional[int] = None
         self._still = 0  # heartbeats since the counters last changed
+        self._longest_still = 0  # the most heartbeats the counters stayed unchanged before moving again
+        self._moves = 0  # how many times they moved
         self._entered: Entered = ()
         self._timeouts_read: set = set()  # groups whose collective timeout was looked for
 
@@ -112,6 +116,9 @@ class HeartbeatWriter:
         entered_one = [(g, e) for g, e, _ in counters] != [(g, e) for g, e, _ in self._counters]
         self._counters = counters
         if entered_one:
+            self._moves += 1
+            if self._moves > ENTRIES_WARMUP_MOVES:
+                self._longest_still = max(self._longest_still, self._still)
             self._moved_ns, self._still, self._entered = time.monotonic_ns(), 0, ()
             new = {g for g, e, _ in counters if e > 0} - self._timeouts_read
             if new:  # a new group: its timeout, while the recorder's ring is still short
@@ -119,7 +126,7 @@ class HeartbeatWriter:
                 self._reader.entered(counters, ENTRIES_KEPT)
             return
         self._still += 1
-        if self._still == ENTRIES_AFTER_BEATS:
+        if self._still == max(ENTRIES_AFTER_BEATS, 2 * self._longest_still):
             self._entered = self._reader.entered(counters, ENTRIES_KEPT)
 
     def write(self, peer_pids: Callable[[], AbstractSet[int]], read_counters: bool = False, last: bool = False) -> None:
