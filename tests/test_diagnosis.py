@@ -191,7 +191,7 @@ def test_hang_timeout_in_seconds_works_without_beat(make_job) -> None:
 def test_a_stall_that_ends_is_resolved_and_the_job_goes_on(make_job) -> None:
     """Rank 1 sleeps 7 s once, outside paused() (an unannounced checkpoint): diagnosed at
     3 s, then resolved when it moves again; the job finishes cleanly."""
-    job = make_job(behave=["1=sleep:7@10"], steps=40)
+    job = make_job(behave=["1=sleep:7@10"], steps=200)  # ~4 s of steps after: the judges look again
     job.wait_ready(timeout=START_S)
     job.wait_gone(within=7.0 + 20.0)
     assert job.returncodes() == {0: 0, 1: 0, 2: 0}, job.logs()
