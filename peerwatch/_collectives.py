@@ -11,6 +11,10 @@ Costs, measured (torch 2.13, gloo; benchmarks/hang_diagnosis.py): the counters
 (``includeCollectives=True``, up to 2000 per process) take tens of milliseconds once the
 ring is full, so they are read only when the counters have stopped moving, once per
 stall, to say which op and sizes each rank is waiting in.
+
+Only the last enqueued count is taken as movement: gloo marks a collective completed
+lazily (the last one may read as not completed long after it was), and a collective
+that fails with the timeout reads as completed too.
 """
 
 from __future__ import annotations
