@@ -194,8 +194,11 @@ def test_cli_status_watch_refreshes_until_ctrl_c_and_ls_reads_well(make_job) -> 
     listing = _cli("ls", "--base", str(job.tmp)).stdout.splitlines()
     assert listing[0].split()[:3] == ["changed", "outcome", "ranks"], listing
     assert " 2 ranks " in listing[1] and "ranks ranks" not in listing[1], listing
+    # SIGINT as at a terminal: a shell runs a background job (a CI script's, say) with it
+    # ignored, and the child would inherit that and never see Ctrl-C.
     watch = subprocess.Popen([sys.executable, "-m", "peerwatch", "status", str(job.run_dir), "--watch", "--interval",
-                              "0.1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                              "0.1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         tables, seen = 0, ""
         deadline = time.monotonic() + 20
