@@ -370,9 +370,8 @@ class Watcher:
         verdict, wrote = self._publish(verdict)
         log_event("verdict_seen", self.rank, failed_rank=verdict.rank, wrote_verdict=wrote)
         # From now on this rank's end is recorded as it happens (the verdict's code, or a
-        # launcher's SIGTERM), and its heartbeat carries the step it stopped at.
+        # launcher's SIGTERM).
         _exitwatch.arm_leaving(self.rank)
-        self._final_heartbeat()
         situation = _plan.Situation(
             self_rank=self.rank, failed_rank=verdict.rank, cause=verdict.cause, verdict_exit_code=verdict.exit_code,
             own_exit_code=self._outcome.failed_code, in_watch=self.in_watch > 0,
@@ -395,6 +394,9 @@ class Watcher:
         if self.bridge is not None:
             self.bridge.on_verdict(verdict)  # other hosts tear down too (at most ~1 s; after our ack)
         self._announce(verdict, plan)
+        # The step it stopped at, for the report: after the ack, which the peers wait for
+        # (a whole-file write costs a few ms on a busy host).
+        self._final_heartbeat()
         _launchers.on_verdict(self.me, self.run_dir, verdict)  # Lightning's observer must not SIGKILL us meanwhile
         self.stacks.dump()
         if plan.interrupt_main:
