@@ -17,7 +17,6 @@ from ._rundir import DIAGNOSIS_FILE
 
 logger = logging.getLogger("peerwatch")
 
-MOVED_AFTER_NS = 1_000_000  # clock conversions (monotonic -> wall) are exact to well below this
 
 
 class Diagnoser:
@@ -26,6 +25,7 @@ class Diagnoser:
         self._observer = observer
         self.threshold = _diagnose.Threshold(fixed_s)
         self._mine: Optional[Diagnosis] = None  # the one this judge wrote, until resolved
+        self._mine_last: Optional[int] = None  # the job's last move when it was written (CLOCK_MONOTONIC)
 
     def look(self, obs: _decide.Observed) -> Optional[Diagnosis]:
         """Diagnose from what the hang judges observed; the diagnosis of the stall going
@@ -33,7 +33,7 @@ class Diagnoser:
         ranks = self.ranks(obs)
         last = _diagnose.last_move(ranks)
         self.threshold.observe(last)
-        self._resolve(last, obs.now_ns, obs.now_mono_ns)
+        self._resolve(last, obs.now_ns)
         current = self._observer.diagnosis()
         if current is not None and current.resolved_ns is None:
             return current
@@ -52,7 +52,7 @@ class Diagnoser:
         else:
             wrote = self._observer.write_event(name, record)
         if wrote:
-            self._mine = record
+            self._mine, self._mine_last = record, last
             self._observer.events[name] = record
             logger.warning("peerwatch: %s: %s (diagnosed by rank %d; the job goes on)", found.kind, found.detail,
                            self._rank)
@@ -61,13 +61,15 @@ class Diagnoser:
             self._observer.scan()
         return self._observer.diagnosis()
 
-    def _resolve(self, last: Optional[int], now_ns: int, now_mono_ns: int) -> None:
+    def _resolve(self, last: Optional[int], now_ns: int) -> None:
         """The job moved after this judge's diagnosis: say it was slow, not stuck."""
         mine = self._mine
         if mine is None or last is None:
             return
-        last_wall_ns = now_ns - (now_mono_ns - last)  # the same instant on the wall clock
-        if last_wall_ns <= mine.stalled_at_ns + MOVED_AFTER_NS:
+        # Compared on the one clock the moves are stamped with: converted to the wall
+        # clock, the same instant differed by however long the thread was descheduled
+        # between reading the two clocks (over 1 ms on a loaded host: a false "moved").
+        if self._mine_last is not None and last <= self._mine_last:
             return
         resolved = dataclasses.replace(mine, resolved_ns=now_ns)
         if self._observer.write_event_replacing(DIAGNOSIS_FILE, resolved):
