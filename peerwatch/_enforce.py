@@ -43,8 +43,9 @@ def tear_down_peers(
         reason = f"rank {verdict.rank} failed ({verdict.cause}) and this process did not leave by itself"
         _teardown.terminate(targets, grace_s, reason)
         _teardown.close_all(targets)
-    # The peers' last records (exits written as SIGTERM ended them) reach the event log.
-    _eventlog.sweep(obs.run_dir, obs.me.rank)
+        # The last records of the peers it ended (exits written as SIGTERM ended them)
+        # reach the event log.
+        _eventlog.sweep(obs.run_dir, obs.me.rank)
 
 
 def _await_acks(obs: Observer, ack_window_s: float, trusted: AbstractSet[int]) -> List[int]:

@@ -12,8 +12,8 @@ interleave. A record of ``events/`` (a failure, an acknowledgement...) is logged
 run: the one process that creates ``logged/<folder>.<name>`` (``O_EXCL``) logs it. Its
 writer does that at once; records written where Python cannot log them (at exit, by the
 C extension :mod:`peerwatch._exitstatus`) are logged by the peers that read them, by
-sweeps of the enforcers (after their teardown, at the report, as they leave) and by the
-leaving rank itself, which knows its own code.
+sweeps (an enforcer's that signalled peers, after its teardown; the first enforcer's,
+as it leaves) and by the leaving rank itself, which knows its own code.
 
 Never raises: a log that cannot be written is said once at DEBUG; the teardown goes on.
 """
@@ -156,7 +156,7 @@ def describe(rec: object) -> Optional[tuple]:
 
 def sweep(rd: RunDir, by: Optional[int]) -> int:
     """Log every record of ``events/`` (and the registrations) not logged yet; how many
-    this call logged. For the enforcers, whose peers' last records were written where
+    this call logged. For an enforcer, whose peers' last records were written where
     Python could not log them. Never raises."""
     logged = 0
     try:

@@ -87,6 +87,7 @@ class HeartbeatWriter:
         self._with_position = with_position  # where the main thread is: only the hang judges use it
         self._lock = threading.Lock()
         self._ending = False  # the rank is ending: its heartbeats are written whole (see write)
+        self._last_step: Optional[int] = None  # the step of the last heartbeat written while ending
         self._file = InPlace(run_dir, HEARTBEATS, rank_file("rank", me.rank))
         self._seq = 0  # guarded by _lock
         self._children: Tuple[Tuple[int, int], ...] = ()  # guarded by _lock
@@ -136,6 +137,8 @@ class HeartbeatWriter:
         the rank is ending (the step it stopped at, for the report): written whole, by temp
         file and rename, since the process may end in the middle of an in-place rewrite."""
         with self._lock:
+            if last and self._ending and self._progress.step == self._last_step:
+                return  # already written at this step (a whole-file write costs a few ms at teardown)
             self._seq += 1
             if read_counters:
                 self._read_counters()
@@ -143,7 +146,10 @@ class HeartbeatWriter:
                 self.children_changed.clear()
                 self._children = tuple(_teardown.descendants(os.getpid(), os.geteuid(), set(peer_pids())))
             self._ending = self._ending or last  # from now on, whole files only
-            self._write(self._record(), atomic=self._ending)
+            beat = self._record()
+            if self._ending:
+                self._last_step = beat.step
+            self._write(beat, atomic=self._ending)
 
     def _record(self) -> Heartbeat:
         # Where the main thread is: for the hang judges, and once the counters stop moving.

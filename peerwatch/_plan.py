@@ -17,11 +17,14 @@ functions answer. Rules (numbered as in the tests):
    go). Enforcers wait for acknowledgements, signal the peers that gave none, and rewrite
    the report. Every rank doing it made teardown O(N^2) (N=128: 11-14 s of CPU on
    2 cores); three keep it O(N) with spares for a frozen enforcer.
-4. **The report.** Enforcers and the rank that wrote the verdict write the report; one
-   rank per job and host prints its summary, after the cause: a failing rank that is
-   leaving by itself (it recorded its own exception or exit, and is alive on this host)
-   prints it once its main thread has left, below its own traceback; otherwise the
-   writer of the verdict prints it.
+4. **The report.** One rank per host writes the report as the teardown begins, the
+   first enforcer, and it alone logs the records of the run's last moments to the event
+   log before it leaves (each report and sweep costs a few ms of CPU that the peers,
+   leaving at the same moment, wait for); and one rank per job prints the summary, after
+   the cause, writing the report to build it: a failing rank that is leaving by itself
+   (it recorded its own exception or exit, and is alive on this host) prints it once its
+   main thread has left, below its own traceback; otherwise the writer of the verdict
+   prints it.
 5. **The ack window.** Peers get ``ack_window`` to acknowledge. While acknowledgements
    keep arriving the machine is busy rather than the peers stuck (128 ranks on 2 cores
    take a while to be scheduled): the window stretches to ``ack_window / 4`` after the
@@ -90,8 +93,9 @@ class Plan:
     interrupt_main: bool  # raise PeerFailure in the main thread (it is inside watch())
     stay_s: float  # how long the main thread may take to leave by itself (0: leave now)
     enforcer: bool
-    write_report: bool
+    write_report: bool  # now, as the teardown begins (a summary after the main thread left is written then)
     print_summary: bool
+    sweep_records: bool  # log the records not logged yet to the event log before leaving (rule 4)
     last_resort_s: float  # faulthandler ends the process after this, whatever happens
     ack_window_s: float = 0.0  # how long an enforcer waits for its peers (rule 5; rule 9 when blind)
     blind: bool = False  # rule 9: an enforcer that cannot trust a missing ack file
@@ -127,13 +131,18 @@ def plan(s: Situation) -> Plan:
     extra_s = BLIND_GRACES * s.grace_s if blind else 0.0
     speaks = s.cause in _LEAVES_BY_ITSELF and (s.own_exit_code is not None if mine else s.failed_rank_speaks)
     print_summary = (mine and speaks) or (s.wrote_verdict and not speaks)
+    first_enforcer = chosen[:1] == (s.self_rank,)
+    # A failing rank that stays prints its summary (and writes the report) once its main
+    # thread has left; written now too only where it is the one writer of this host.
+    summary_now = print_summary and not (mine and stay)
     return Plan(
         exit_code=exit_code(s.self_rank, s.failed_rank, s.verdict_exit_code, s.own_exit_code),
         interrupt_main=interrupt,
         stay_s=s.grace_s if stay else 0.0,
         enforcer=enforcer,
-        write_report=enforcer or s.wrote_verdict or print_summary,
+        write_report=first_enforcer or summary_now,
         print_summary=print_summary,
+        sweep_records=first_enforcer,
         last_resort_s=s.ack_window_s + extra_s + LAST_RESORT_GRACES * s.grace_s + LAST_RESORT_EXTRA_S,
         ack_window_s=s.ack_window_s + extra_s,
         blind=blind,

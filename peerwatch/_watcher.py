@@ -37,6 +37,7 @@ from ._identity import is_local
 from ._notify import start_hook
 from ._observer import Observer
 from ._records import EXCEPTION, WATCHER_DEATH, Ack, Failure, Registration, Success, Verdict, WatcherDeath, encode
+from ._records import warm as warm_record_types
 from ._rundir import EVENTS, REPORT_FILE, VERDICT_FILE, RunDir, rank_file
 from ._schedule import Schedule
 from ._sources import pidfd_supported
@@ -249,6 +250,7 @@ class Watcher:
     def _run(self) -> None:
         obs = self.observer
         sched = self._schedule(obs.start(self.thread.name))
+        warm_record_types()  # now, not at a teardown
         while not self.done.is_set():
             now = time.monotonic()
             beat = sched.beat_due(now)
@@ -404,7 +406,7 @@ class Watcher:
         self._carry_out(verdict, plan, leave_by)
         self._final_heartbeat()
         _launchers.before_exit(self.me, self.run_dir, verdict)  # under torchrun: the agent sees the failed worker first
-        if plan.enforcer:
+        if plan.sweep_records:
             sweep_events(self.run_dir, self.rank)  # the last records of peers that left meanwhile
         _teardown.flush_and_exit(plan.exit_code)
 
@@ -460,9 +462,9 @@ class Watcher:
             # yet seen): waiting for them would let this rank's own training run on.
             # ``peerwatch report`` rebuilds from the records, with the codes as they happened.
             self._write_report(plan.print_summary and not (mine and plan.stay))
-        # Someone is told, once per host: by an enforcer, after the report; it runs while
+        # Someone is told, once per host: by a writer of the report, after it; it runs while
         # this rank finishes its share, for at most grace.
-        hook = start_hook(c.on_verdict, self.run_dir, verdict, self.rank, c.grace) if plan.enforcer else None
+        hook = start_hook(c.on_verdict, self.run_dir, verdict, self.rank, c.grace) if plan.write_report else None
         if plan.stay:
             # The main thread is leaving by itself (PeerFailure, or its own exception); at
             # exit it sets `main_left` and waits for us. If it is stuck, we end it.
@@ -487,7 +489,6 @@ class Watcher:
 
     def _write_report(self, print_summary: bool, traceback: bool = True) -> None:
         try:
-            sweep_events(self.run_dir, self.rank)
             report = _report.write(self.run_dir)
             log_event("report", self.rank, path=self.run_dir.join(REPORT_FILE), outcome=report["outcome"])
             if print_summary:

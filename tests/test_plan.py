@@ -96,13 +96,23 @@ def test_a_rank_that_is_not_live_does_not_enforce() -> None:
 # -- rule 4: the report -----------------------------------------------------------------
 
 
-def test_enforcers_and_the_verdicts_writer_write_the_report_only_the_writer_prints_it() -> None:
-    enforcer = plan(situation(self_rank=0))
-    assert enforcer.write_report and not enforcer.print_summary
+def test_the_first_enforcer_writes_the_report_and_sweeps_the_log_the_verdicts_writer_prints_it() -> None:
+    first = plan(situation(self_rank=0))
+    assert first.write_report and first.sweep_records and not first.print_summary
+    for spare in (1, 3):  # the other enforcers: signalling only (each report costs the peers CPU)
+        other = plan(situation(self_rank=spare, live_local_ranks=(0, 1, 3, 4, 7)))
+        assert other.enforcer and not other.write_report and not other.sweep_records
     bystander = plan(situation(self_rank=7, live_local_ranks=(0, 1, 3, 4, 7)))
     assert not bystander.enforcer and not bystander.write_report and not bystander.print_summary
     writer = plan(situation(self_rank=7, live_local_ranks=(0, 1, 3, 4, 7), wrote_verdict=True))
-    assert writer.write_report and writer.print_summary
+    assert writer.write_report and writer.print_summary and not writer.sweep_records
+    spare_writer = plan(situation(self_rank=1, live_local_ranks=(0, 1, 3, 4, 7), wrote_verdict=True))
+    assert spare_writer.write_report and not spare_writer.sweep_records
+
+
+def test_the_failed_rank_is_first_enforcer_only_when_alone() -> None:
+    alone = plan(situation(self_rank=2, failed_rank=2, live_local_ranks=(2,)))
+    assert alone.write_report and alone.sweep_records
 
 
 @pytest.mark.parametrize("cause", [EXCEPTION, EXIT])
@@ -111,7 +121,10 @@ def test_a_failing_rank_that_speaks_for_itself_prints_the_summary_below_its_trac
     summary once its main thread has left (its traceback is out then), and the writer of
     the verdict, another rank, does not: one summary, after the cause."""
     failing = plan(situation(self_rank=2, failed_rank=2, cause=cause, own_exit_code=1, live_local_ranks=(0, 1, 2)))
-    assert failing.print_summary and failing.write_report and failing.stay
+    # It writes the report once its main thread has left, to build the summary: not now.
+    assert failing.print_summary and not failing.write_report and failing.stay
+    alone = plan(situation(self_rank=2, failed_rank=2, cause=cause, own_exit_code=1, live_local_ranks=(2,)))
+    assert alone.print_summary and alone.write_report  # the one writer of its host: now too
     writer = plan(situation(cause=cause, wrote_verdict=True, failed_rank_speaks=True))
     assert writer.write_report and not writer.print_summary
     both = plan(situation(self_rank=2, failed_rank=2, cause=cause, own_exit_code=1, wrote_verdict=True))
