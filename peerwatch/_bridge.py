@@ -88,7 +88,11 @@ logger = logging.getLogger("peerwatch")
 
 STATE_FILE = "bridge.json"  # what the bridge sees, for people and tests: written, never read back
 WAIT_CHUNK_S = 3600.0  # the verdict waiter's blocking wait, renewed (a timeout logs in torch's C++)
-PUBLISH_BUDGET_S = 1.0  # the teardown never waits longer than this for the store
+PUBLISH_BUDGET_S = 1.0  # the teardown never waits longer than this for the store...
+# ... plus this where it takes the bridge over (its holder died) and must connect first: a
+# new TCPStore connection took over a second on a loaded 2-core host, and a verdict not
+# published before peer_timeout makes the other hosts call this one lost, not its rank dead.
+TAKEOVER_CONNECT_S = 1.0
 STOP_BUDGET_S = 1.0  # stop() joins the bridge's threads for at most this long
 GATE_POLL_S = 1.0  # how often the waiter, waiting for the beat thread's torch import, looks at stopped
 
@@ -549,14 +553,16 @@ class Bridge:
         if self.running and not self.connected:
             logger.info("peerwatch: the store at %s is unreachable: the verdict stays on this host", self.address)
             return
+        connect_s = 0.0
         if not self.running:
             # The holder may be the rank that just died: if the lock is free, we are the
             # bridge now, for as long as it takes to publish (torch must be loaded already).
             if not torch_loaded() or not self._resolve_late() or not self._election.take():
                 return
+            connect_s = TAKEOVER_CONNECT_S
         publish = functools.partial(publish_verdict, prefix=self.prefix, data=encode(verdict), seal=self._seal)
         try:
-            kept = self._store_client().call(publish, PUBLISH_BUDGET_S)
+            kept = self._store_client().call(publish, PUBLISH_BUDGET_S, connect_s=connect_s)
         except Exception as e:  # noqa: BLE001 - the store's errors are many; the teardown goes on
             logger.warning("peerwatch: could not publish the verdict through the store within %gs: %s",
                            PUBLISH_BUDGET_S, e)

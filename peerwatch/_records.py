@@ -235,11 +235,9 @@ def decode(cls: Type[R], data: bytes) -> Optional[R]:
     if type(version) is not int or version != RECORD_VERSION or body.get("kind") != cls.KIND:  # type: ignore[attr-defined]
         return None
     values = {}
-    for name, expected, required in _fields(cls):
+    for name, expected in _fields(cls):
         if name not in body:
-            if required:
-                return None
-            continue
+            continue  # its default; a required field missing fails in cls() below
         value = _check(body[name], expected)
         if value is _INVALID:
             return None
@@ -300,8 +298,10 @@ def in_range(record: Any) -> bool:
     they are a failure's, return codes -64..255. A record out of range was not written by
     peerwatch and is treated as malformed: it would otherwise make every rank exit 0 on a
     failure (exit code 256) or name a process that is no rank."""
-    if getattr(record, "rank", 0) < 0 or getattr(record, "time_ns", 0) < 0:
-        return False
+    for name in ("rank", "time_ns"):
+        value = getattr(record, name, None)
+        if value is not None and value < 0:
+            return False
     return _ranges(record)
 
 
@@ -336,19 +336,16 @@ def _check(value: Any, expected: Any) -> Any:
     return _INVALID
 
 
-_FIELDS: Dict[type, Tuple[Tuple[str, Any, bool], ...]] = {}
+_FIELDS: Dict[type, Tuple[Tuple[str, Any], ...]] = {}
 
 
-def _fields(cls: type) -> Tuple[Tuple[str, Any, bool], ...]:
-    """(name, type, required) of each field of a record class; worked out once per class
+def _fields(cls: type) -> Tuple[Tuple[str, Any], ...]:
+    """(name, type) of each field of a record class; worked out once per class
     (``get_type_hints`` costs about a millisecond: see :func:`warm`)."""
     found = _FIELDS.get(cls)
     if found is None:
         hints = typing.get_type_hints(cls)
-        found = _FIELDS[cls] = tuple(
-            (f.name, hints[f.name], f.default is dataclasses.MISSING)
-            for f in dataclasses.fields(cls)  # type: ignore[arg-type]
-        )
+        found = _FIELDS[cls] = tuple((f.name, hints[f.name]) for f in dataclasses.fields(cls))  # type: ignore[arg-type]
     return found
 
 

@@ -394,7 +394,7 @@ class Watcher:
                 )
         self.stacks.arm_last_resort(plan.last_resort_s)
         if self.bridge is not None:
-            self.bridge.on_verdict(verdict)  # other hosts tear down too (at most ~1 s; after our ack)
+            self.bridge.on_verdict(verdict)  # other hosts tear down too (at most ~1 s, 2 s taking over; after our ack)
         self._announce(verdict, plan)
         # The step it stopped at, for the report: after the ack, which the peers wait for
         # (a whole-file write costs a few ms on a busy host).

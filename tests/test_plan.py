@@ -108,6 +108,10 @@ def test_the_first_enforcer_writes_the_report_and_sweeps_the_log_the_verdicts_wr
     assert writer.write_report and writer.print_summary and not writer.sweep_records
     spare_writer = plan(situation(self_rank=1, live_local_ranks=(0, 1, 3, 4, 7), wrote_verdict=True))
     assert spare_writer.write_report and not spare_writer.sweep_records
+    # Inside watch() the writer stays (PeerFailure is raised in its main thread), but the
+    # summary is not its own traceback's: it writes and prints at once.
+    in_watch = plan(situation(self_rank=7, live_local_ranks=(0, 1, 3, 4, 7), wrote_verdict=True, in_watch=True))
+    assert in_watch.stay and in_watch.write_report and in_watch.print_summary
 
 
 def test_the_failed_rank_is_first_enforcer_only_when_alone() -> None:

@@ -12,17 +12,22 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from peerwatch._records import (
+    HANG,
     HANG_EXIT_CODE,
     MAX_RECORD_BYTES,
     MAX_SIGNAL,
+    MISMATCH,
     RECORD_VERSION,
     Ack,
+    Diagnosis,
     ExitStatus,
     Failure,
     Heartbeat,
+    NotSignalled,
     Registration,
     Success,
     Verdict,
+    WatcherDeath,
     decode,
     encode,
     in_range,
@@ -492,3 +497,60 @@ def test_heartbeat_children_must_be_processes():
     assert decode(Heartbeat, _with(Heartbeat, children=[[0, 5]])) is None
     assert decode(Heartbeat, _with(Heartbeat, children=[[7, -1]])) is None
     assert decode(Heartbeat, _with(Heartbeat, children=[[7, 5]])) is not None
+
+
+# Each range at its edges: the last value in it decodes, the first one out does not.
+_EDGES = [
+    # (record type, field, last value in range, first value out of it)
+    (Registration, "pid", 1, 0), (Registration, "ppid", 0, -1), (Registration, "start_ticks", 0, -1),
+    (Registration, "uid", 0, -1), (Registration, "local_rank", 0, -1), (Registration, "rank", 0, -1),
+    (Registration, "world_size", 4, 3),  # minimal()'s rank is 3: its world holds at least 4 ranks
+    (Failure, "pid", 0, -1), (Failure, "exit_code", 1, 0), (Failure, "exit_code", 255, 256),
+    (ExitStatus, "pid", 1, 0), (ExitStatus, "observed_by", 0, -1),
+    (ExitStatus, "returncode", -MAX_SIGNAL, -MAX_SIGNAL - 1), (ExitStatus, "returncode", 255, 256),
+    (Verdict, "exit_code", 1, 0), (Verdict, "exit_code", 255, 256), (Verdict, "detected_by", 0, -1),
+    (Verdict, "pid", 0, -1), (Verdict, "returncode", -MAX_SIGNAL, -MAX_SIGNAL - 1), (Verdict, "returncode", 255, 256),
+    (Verdict, "laggards", [0], [-1]),
+    (Heartbeat, "pid", 1, 0), (Heartbeat, "seq", 0, -1), (Heartbeat, "children", [[1, 0]], [[0, 0]]),
+    (Heartbeat, "children", [[1, 0]], [[1, -1]]), (Heartbeat, "time_ns", 0, -1),
+    (Success, "pid", 1, 0), (Ack, "pid", 1, 0), (Success, "rank", 0, -1), (Success, "time_ns", 0, -1),
+    (NotSignalled, "pid", 1, 0), (NotSignalled, "observed_by", 0, -1),
+    (Diagnosis, "laggards", [0], [-1]), (Diagnosis, "entered", [0], [-1]), (Diagnosis, "finding", MISMATCH, "slow"),
+]
+
+
+def _edge_body(cls: type, **fields: Any) -> bytes:
+    body = minimal(cls)
+    if cls is Diagnosis:
+        body.update(finding=HANG, laggards=[], entered=[])
+    body.update(fields)
+    return dumps(body)
+
+
+@pytest.mark.parametrize(("cls", "name", "inside", "outside"), _EDGES,
+                         ids=[f"{c.__name__}.{n}={o}" for c, n, _, o in _EDGES])
+def test_each_range_holds_its_edge_and_refuses_the_next_value(cls, name, inside, outside):
+    assert decode(cls, _edge_body(cls, **{name: inside})) is not None
+    assert decode(cls, _edge_body(cls, **{name: outside})) is None
+
+
+def test_in_range_answers_true_or_false():
+    assert in_range(Success(rank=1, pid=2, time_ns=3)) is True
+    assert in_range(Success(rank=-1, pid=2, time_ns=3)) is False
+    assert in_range(WatcherDeath(rank=1, pid=2, time_ns=3, exception="E", message="m")) is True  # no rule of its own
+
+
+def test_a_required_field_missing_is_refused_and_an_optional_one_takes_its_default():
+    body = minimal(Failure)
+    assert decode(Failure, dumps(body)) == Failure(**{k: v for k, v in body.items() if k not in ("version", "kind")})
+    del body["cause"]
+    assert decode(Failure, dumps(body)) is None
+
+
+def test_warm_works_out_every_record_type():
+    from peerwatch import _records
+
+    _records._FIELDS.clear()
+    _records.warm()
+    assert {Registration, Success, Failure, ExitStatus, Ack, Heartbeat, Verdict, Diagnosis,
+            NotSignalled} <= set(_records._FIELDS)
