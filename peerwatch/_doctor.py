@@ -439,8 +439,8 @@ def _carrying(token: str) -> List[int]:
     return found
 
 
-def run_self_test(world: int = WORLD, victim: int = VICTIM) -> Dict[str, Any]:
-    """Run the job, SIGKILL rank ``victim``, measure. Returns the result with its checks."""
+def _self_test_mode() -> Tuple[int, str, str]:
+    """The GPUs, the self-test's mode and its label: the most this machine can run."""
     torch_here = True
     try:
         import torch  # noqa: F401
@@ -450,56 +450,80 @@ def run_self_test(world: int = WORLD, victim: int = VICTIM) -> Dict[str, Any]:
     mode = "nccl" if gpus >= 2 else "cuda" if gpus == 1 else "gloo" if torch_here else "python"
     label = {"nccl": f"NCCL on {gpus} GPUs", "cuda": "gloo, ranks holding CUDA memory on 1 GPU",
              "gloo": "gloo on CPU", "python": "plain Python ranks (no torch)"}[mode]
-    tmp = tempfile.mkdtemp(prefix="peerwatch-doctor-")
-    run, ready = os.path.join(tmp, "run"), os.path.join(tmp, "ready")
-    os.mkdir(ready)
-    token = uuid.uuid4().hex
-    env = {k: v for k, v in os.environ.items() if k not in _FOREIGN_ENV}
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env.update({
-        ID_VAR: token, "PEERWATCH_DIR": run, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
-        "WORLD_SIZE": str(world), "PYTHONUNBUFFERED": "1",
-        "PYTHONPATH": os.pathsep.join([here, *filter(None, [os.environ.get("PYTHONPATH")])]),
-    })
-    result: Dict[str, Any] = {"mode": mode, "label": label, "world": world, "killed_rank": victim, "run_dir": run}
-    checks: List[Check] = []
-    result["checks"] = checks
-    before = _gpu_free() if gpus else []
-    procs: Dict[int, subprocess.Popen] = {}
-    pidfds: Dict[int, int] = {}
-    log = open(os.path.join(tmp, "ranks.log"), "wb")
-    try:
-        for rank in range(world):
-            procs[rank] = subprocess.Popen(
-                [sys.executable, "-m", "peerwatch._doctor", "--rank", mode, ready],
-                env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank)), stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+    return gpus, mode, label
+
+
+class _SelfTest:
+    """One run of the self-test: its files, its ranks and its result, shared by its steps."""
+
+    def __init__(self, world: int, victim: int) -> None:
+        self.world, self.victim = world, victim
+        self.gpus, self.mode, label = _self_test_mode()
+        self.tmp = tempfile.mkdtemp(prefix="peerwatch-doctor-")
+        self.run, self.ready = os.path.join(self.tmp, "run"), os.path.join(self.tmp, "ready")
+        os.mkdir(self.ready)
+        self.token = uuid.uuid4().hex
+        self.env = {k: v for k, v in os.environ.items() if k not in _FOREIGN_ENV}
+        here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        self.env.update({
+            ID_VAR: self.token, "PEERWATCH_DIR": self.run, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+            "WORLD_SIZE": str(world), "PYTHONUNBUFFERED": "1",
+            "PYTHONPATH": os.pathsep.join([here, *filter(None, [os.environ.get("PYTHONPATH")])]),
+        })
+        self.result: Dict[str, Any] = {"mode": self.mode, "label": label, "world": world, "killed_rank": victim,
+                                       "run_dir": self.run}
+        self.checks: List[Check] = []
+        self.result["checks"] = self.checks
+        self.before = _gpu_free() if self.gpus else []
+        self.procs: Dict[int, subprocess.Popen] = {}
+        self.pidfds: Dict[int, int] = {}
+        self.log = open(os.path.join(self.tmp, "ranks.log"), "wb")
+
+    def start_ranks(self) -> None:
+        """Start the ranks, each with a pidfd where the kernel has them."""
+        # Filled in place: a rank that fails to start still leaves the ones before it to close().
+        for rank in range(self.world):
+            self.procs[rank] = subprocess.Popen(
+                [sys.executable, "-m", "peerwatch._doctor", "--rank", self.mode, self.ready],
+                env=dict(self.env, RANK=str(rank), LOCAL_RANK=str(rank)), stdin=subprocess.DEVNULL,
+                stdout=self.log, stderr=self.log,
             )
             if hasattr(os, "pidfd_open"):
                 try:
-                    pidfds[rank] = os.pidfd_open(procs[rank].pid)
+                    self.pidfds[rank] = os.pidfd_open(self.procs[rank].pid)
                 except OSError:
                     pass
+
+    def wait_ready(self) -> bool:
+        """Wait for every rank to say it is ready; False (and a ``start`` failure) if one does not."""
         deadline = time.monotonic() + READY_TIMEOUT_S
-        while len([n for n in os.listdir(ready) if n.startswith("rank-")]) < world:
-            ended = {r: p.returncode for r, p in procs.items() if p.poll() is not None}
+        while len([n for n in os.listdir(self.ready) if n.startswith("rank-")]) < self.world:
+            ended = {r: p.returncode for r, p in self.procs.items() if p.poll() is not None}
             if ended or time.monotonic() > deadline:
                 why = f"ranks ended early: {ended}" if ended else f"not every rank was ready within {READY_TIMEOUT_S:.0f} s"
-                checks.append(Check("start", FAIL, f"the job did not start: {why} (log: {log.name})",
-                                    "the self-test could not run", "read the log; run `peerwatch doctor --no-self-test`"))
-                return result
-            select.select(list(pidfds.values()), [], [], POLL_S)
-        held = _gpu_free() if gpus else []
+                self.checks.append(Check("start", FAIL, f"the job did not start: {why} (log: {self.log.name})",
+                                         "the self-test could not run", "read the log; run `peerwatch doctor --no-self-test`"))
+                return False
+            select.select(list(self.pidfds.values()), [], [], POLL_S)
+        return True
+
+    def kill_victim(self) -> float:
+        """SIGKILL the victim; returns when, on the monotonic clock."""
         # The victim is our own child, not yet reaped: its pid (and pidfd) is still it.
         killed_at = time.monotonic()
-        if victim in pidfds:
-            signal.pidfd_send_signal(pidfds[victim], signal.SIGKILL)
+        if self.victim in self.pidfds:
+            signal.pidfd_send_signal(self.pidfds[self.victim], signal.SIGKILL)
         else:
-            procs[victim].send_signal(signal.SIGKILL)
+            self.procs[self.victim].send_signal(signal.SIGKILL)
+        return killed_at
+
+    def wait_gone(self, killed_at: float) -> Dict[int, float]:
+        """When each rank ended (pidfd readable, or polled without one), until all did or the timeout."""
         gone_at: Dict[int, float] = {}
         deadline = killed_at + GONE_TIMEOUT_S
-        without_pidfd = [r for r in procs if r not in pidfds]
-        while len(gone_at) < world and time.monotonic() < deadline:
-            waiting = {fd: r for r, fd in pidfds.items() if r not in gone_at}
+        without_pidfd = [r for r in self.procs if r not in self.pidfds]
+        while len(gone_at) < self.world and time.monotonic() < deadline:
+            waiting = {fd: r for r, fd in self.pidfds.items() if r not in gone_at}
             polling = any(r not in gone_at for r in without_pidfd)
             timeout = POLL_S if polling else min(0.5, max(0.0, deadline - time.monotonic()))
             readable, _, _ = select.select(list(waiting), [], [], timeout)
@@ -507,54 +531,83 @@ def run_self_test(world: int = WORLD, victim: int = VICTIM) -> Dict[str, Any]:
             for fd in readable:
                 gone_at[waiting[fd]] = now
             for r in without_pidfd:
-                if r not in gone_at and procs[r].poll() is not None:
+                if r not in gone_at and self.procs[r].poll() is not None:
                     gone_at[r] = now
-        survivors = [r for r in procs if r not in gone_at]
+        return gone_at
+
+    def reap(self, gone_at: Dict[int, float]) -> Tuple[List[int], Dict[int, int]]:
+        """Kill the ranks still running, wait for every rank: the survivors and the exit codes."""
+        survivors = [r for r in self.procs if r not in gone_at]
         for r in survivors:
-            procs[r].kill()  # our children: the test failed, clean up
-        codes = {r: p.wait() for r, p in procs.items()}
-        result["exit_codes"] = {str(r): c for r, c in codes.items()}
+            self.procs[r].kill()  # our children: the test failed, clean up
+        codes = {r: p.wait() for r, p in self.procs.items()}
+        self.result["exit_codes"] = {str(r): c for r, c in codes.items()}
+        return survivors, codes
+
+    def check_teardown(self, survivors: List[int], gone_at: Dict[int, float], killed_at: float) -> Check:
+        """Every rank gone after the kill, and how fast; records the times in the result."""
         if survivors:
-            result["teardown_ms"] = None
-            checks.append(Check("teardown", FAIL, f"ranks {survivors} were still running {GONE_TIMEOUT_S:.0f} s after rank "
-                                f"{victim} was killed (now killed by the doctor)", "peerwatch did not tear the job down here",
-                                f"read {log.name} and report it"))
-        else:
-            last = max(gone_at.values()) - killed_at
-            result["teardown_ms"] = round(last * 1e3, 1)
-            result["gone_ms"] = {str(r): round((t - killed_at) * 1e3, 1) for r, t in sorted(gone_at.items())}
-            status = OK if last <= GONE_WARN_S else WARN
-            checks.append(Check("teardown", status, f"every rank gone {last * 1e3:.0f} ms after rank {victim} was SIGKILLed",
-                                "without peerwatch the others would wait in the collective for its timeout (minutes)",
-                                "" if status == OK else "the machine may be overloaded; run it again"))
-        report_check, verdict = _check_report(run, victim)
-        checks.append(_check_exit_codes(codes, victim, verdict))
-        checks.append(report_check)
-        left = _carrying(token)
+            self.result["teardown_ms"] = None
+            return Check("teardown", FAIL, f"ranks {survivors} were still running {GONE_TIMEOUT_S:.0f} s after rank "
+                         f"{self.victim} was killed (now killed by the doctor)", "peerwatch did not tear the job down here",
+                         f"read {self.log.name} and report it")
+        last = max(gone_at.values()) - killed_at
+        self.result["teardown_ms"] = round(last * 1e3, 1)
+        self.result["gone_ms"] = {str(r): round((t - killed_at) * 1e3, 1) for r, t in sorted(gone_at.items())}
+        status = OK if last <= GONE_WARN_S else WARN
+        return Check("teardown", status, f"every rank gone {last * 1e3:.0f} ms after rank {self.victim} was SIGKILLed",
+                     "without peerwatch the others would wait in the collective for its timeout (minutes)",
+                     "" if status == OK else "the machine may be overloaded; run it again")
+
+    def check_leftovers(self) -> Check:
+        left = _carrying(self.token)
         for pid in left:  # carries our unique id: started by this self-test, nothing else
             try:
                 os.kill(pid, signal.SIGKILL)
             except OSError:
                 pass
-        result["leftover_pids"] = left
-        checks.append(Check("leftovers", FAIL if left else OK,
-                            f"processes left: {left} (now killed)" if left else "no process of the job left",
-                            "" if not left else "a rank or a child of one outlived the teardown", "" if not left else "report it"))
-        if gpus:
-            checks.append(_check_gpu_memory(before, held, killed_at, result))
-        return result
-    finally:
-        for fd in pidfds.values():
+        self.result["leftover_pids"] = left
+        return Check("leftovers", FAIL if left else OK,
+                     f"processes left: {left} (now killed)" if left else "no process of the job left",
+                     "" if not left else "a rank or a child of one outlived the teardown", "" if not left else "report it")
+
+    def close(self) -> None:
+        """Close the pidfds, kill what still runs, close the log; keep the files only when a check failed."""
+        for fd in self.pidfds.values():
             os.close(fd)
-        for p in procs.values():
+        for p in self.procs.values():
             if p.poll() is None:
                 p.kill()
                 p.wait()
-        log.close()
-        if all(c.status != FAIL for c in checks) and checks:
-            shutil.rmtree(tmp, ignore_errors=True)
+        self.log.close()
+        if all(c.status != FAIL for c in self.checks) and self.checks:
+            shutil.rmtree(self.tmp, ignore_errors=True)
         else:
-            result["kept"] = tmp
+            self.result["kept"] = self.tmp
+
+
+def run_self_test(world: int = WORLD, victim: int = VICTIM) -> Dict[str, Any]:
+    """Run the job, SIGKILL rank ``victim``, measure. Returns the result with its checks."""
+    test = _SelfTest(world, victim)
+    checks = test.checks
+    try:
+        test.start_ranks()
+        if not test.wait_ready():
+            return test.result
+        held = _gpu_free() if test.gpus else []
+        killed_at = test.kill_victim()
+        gone_at = test.wait_gone(killed_at)
+        survivors, codes = test.reap(gone_at)
+        checks.append(test.check_teardown(survivors, gone_at, killed_at))
+        report_check, verdict = _check_report(test.run, victim)
+        checks.append(_check_exit_codes(codes, victim, verdict))
+        checks.append(report_check)
+        checks.append(test.check_leftovers())
+        if test.gpus:
+            checks.append(_check_gpu_memory(test.before, held, killed_at, test.result))
+        return test.result
+    finally:
+        test.close()
 
 
 def _check_report(run: str, victim: int) -> Tuple[Check, Dict[str, Any]]:
