@@ -49,7 +49,7 @@ import threading
 import time
 from typing import Callable, Dict, List, Mapping, Optional, Protocol
 
-from . import _identity, _report, _rundir, _teardown, _terminal
+from . import _identity, _rundir, _teardown, _terminal
 from ._identity import is_local
 from ._records import LOST, Failure, Registration, Verdict
 
@@ -276,19 +276,12 @@ def remove_verdict_listener(listener: VerdictListener) -> None:
             _listeners.remove(listener)
 
 
-def on_verdict(me: Registration, run_dir: _rundir.RunDir, verdict: Verdict) -> None:
+def on_verdict(verdict: Verdict) -> None:
     """Called by the watcher thread once it acts on a verdict. Never raises."""
     try:
         quiet_lightning_observer()
     except Exception:  # noqa: BLE001
         logger.exception("peerwatch: could not quiet Lightning's child process observer")
-    if verdict.rank != me.rank and launcher_of(me, os.environ) is not None:
-        # torchrun's agent and mp.spawn's main process SIGTERM the surviving workers as soon
-        # as they have seen the failed one: the report cannot wait for our teardown's end.
-        try:
-            _report.write(run_dir)
-        except Exception:  # noqa: BLE001
-            logger.exception("peerwatch: rank %d could not write the report", me.rank)
     with _listeners_lock:
         listeners = list(_listeners)
     for listener in listeners:
@@ -319,6 +312,13 @@ def quiet_lightning_observer() -> int:
 
 
 # -- before exit ---------------------------------------------------------------------
+
+
+def ends_workers_early(me: Registration, verdict: Verdict) -> bool:
+    """Will this rank's launcher end it before its teardown is done? torchrun's agent and
+    mp.spawn's main process SIGTERM the surviving workers as soon as they have seen the
+    failed one: the report cannot wait for the end of the teardown."""
+    return verdict.rank != me.rank and launcher_of(me, os.environ) is not None
 
 
 def before_exit(me: Registration, run_dir: _rundir.RunDir, verdict: Verdict) -> None:
@@ -352,5 +352,5 @@ def _let_agent_see_first(me: Registration, run_dir: _rundir.RunDir, verdict: Ver
 
 __all__ = [
     "AGENT_WAIT_S", "DEEPSPEED_AGENT_WAIT_S", "DEEPSPEED_LAUNCHER", "LAUNCHER_GONE", "TORCHRUN_AGENT", "Launcher", "LauncherWatch", "RankLink", "add_verdict_listener", "after_install", "before_exit",
-    "is_deepspeed_launcher", "launcher_of", "on_verdict", "quiet_lightning_observer", "remove_verdict_listener",
+    "ends_workers_early", "is_deepspeed_launcher", "launcher_of", "on_verdict", "quiet_lightning_observer", "remove_verdict_listener",
 ]

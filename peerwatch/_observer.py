@@ -18,6 +18,7 @@ import logging
 import os
 import select
 import stat
+import threading
 import time
 from typing import Any, Dict, List, Optional, Set, Tuple
 
@@ -131,6 +132,17 @@ class Observer:
     def stop(self) -> None:
         if self._folders is not None:
             self._folders.stop()
+
+    def stop_watching_folders(self) -> None:
+        """No more wakes from the folders, for a rank that acts on a verdict and looks at
+        them no more: every rank that leaves adds a record to ``events/`` (its
+        acknowledgement, its exit) that each watching rank's inotify threads read, which at
+        N = 128 on 2 cores was about 20 ms of CPU per rank, half of its teardown. Stopped
+        from a thread of its own (watchdog joins its reader); stop() has nothing left to do."""
+        folders, self._folders = self._folders, None
+        if folders is not None and folders.active:
+            name = f"{self._folder_args[0]}-stop" if self._folder_args else "peerwatch-inotify-stop"
+            threading.Thread(target=folders.stop, name=name, daemon=True).start()
 
     def _new_wake_pipe(self) -> Tuple[OwnedFd, OwnedFd]:
         r, w = os.pipe()

@@ -392,6 +392,8 @@ class Watcher:
                     "to leave by themselves before it signals any (never the other enforcers, ranks %s)",
                     self.rank, self.run_dir.path, plan.ack_window_s, ", ".join(map(str, plan.trusted)) or "none",
                 )
+        if not plan.enforcer:
+            self.observer.stop_watching_folders()  # it looks at the run directory no more
         self.stacks.arm_last_resort(plan.last_resort_s)
         if self.bridge is not None:
             self.bridge.on_verdict(verdict)  # other hosts tear down too (at most ~1 s, 2 s taking over; after our ack)
@@ -399,7 +401,9 @@ class Watcher:
         # The step it stopped at, for the report: after the ack, which the peers wait for
         # (a whole-file write costs a few ms on a busy host).
         self._final_heartbeat()
-        _launchers.on_verdict(self.me, self.run_dir, verdict)  # Lightning's observer must not SIGKILL us meanwhile
+        _launchers.on_verdict(verdict)  # Lightning's observer must not SIGKILL us meanwhile
+        if plan.write_report and _launchers.ends_workers_early(self.me, verdict):
+            self._write_report(False)  # now, before a launcher's SIGTERM; again after the teardown
         self.stacks.dump()
         if plan.interrupt_main:
             _teardown.raise_in_main_thread(PeerFailure.bound_to(verdict), self.interrupt_installed)
