@@ -76,9 +76,13 @@ def test_deepspeed_launcher_is_known_by_its_command_line() -> None:
     """`deepspeed` starts `python -u -m deepspeed.launcher.launch ...` on each host; that
     process, and no other, is a DeepSpeed launcher (a real process with such arguments)."""
     assert not _launchers.is_deepspeed_launcher(os.getpid())
-    argv = [sys.executable, "-c", "import sys; sys.stdin.read()", "-m", "deepspeed.launcher.launch", "--world_info=x"]
-    proc = subprocess.Popen(argv, stdin=subprocess.PIPE)
+    argv = [sys.executable, "-c", "import sys; print('up', flush=True); sys.stdin.read()", "-m",
+            "deepspeed.launcher.launch", "--world_info=x"]
+    proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     try:
+        # Once it speaks it has exec'd: before, its command line is still this process's
+        # (seen under load: the child not yet exec'd when Popen returned).
+        assert proc.stdout is not None and proc.stdout.readline() == b"up\n"
         assert _launchers.is_deepspeed_launcher(proc.pid)
     finally:
         proc.communicate(timeout=30)  # stdin closed: it ends
