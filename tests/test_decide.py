@@ -29,6 +29,7 @@ from peerwatch._records import (
     MISSING,
     SIGNAL,
     VANISHED,
+    Diagnosis,
     ExitStatus,
     Failure,
     Registration,
@@ -917,3 +918,96 @@ def test_a_lost_record_written_by_another_host_is_followed_not_written_again():
 def test_an_earlier_failure_is_the_cause_and_nothing_is_written_for_a_lost_rank():
     d = judge({2: PEER_S}, failures=[failure(1, t=WALL - 2 * PEER_S)])
     assert (d.verdict.rank, d.verdict.cause, d.lost) == (1, EXCEPTION, ())
+
+
+# -- hang_timeout=auto: a diagnosis is the verdict; the collective timeout's victims are not blamed
+
+AUTO = dataclasses.replace(POLICY, hang_auto=True)
+STALLED_AT = 5_000_000_000
+DIAGNOSED_AT = 8_000_000_000
+
+
+def diagnosis(laggards: Tuple[int, ...] = (2,), resolved_ns: Optional[int] = None) -> Diagnosis:
+    return Diagnosis(
+        finding=HANG, laggards=laggards, entered=(0, 1, 3), since_ns=3_000_000_000, stalled_at_ns=STALLED_AT,
+        time_ns=DIAGNOSED_AT, made_by=0, detail="rank 2 never entered all_reduce #7", resolved_ns=resolved_ns,
+    )
+
+
+def diagnosed(d: Optional[Diagnosis] = None, **kw: Any) -> Observed:
+    return dataclasses.replace(observed(**kw), diagnosis=diagnosis() if d is None else d)
+
+
+def test_a_current_diagnosis_is_the_verdict_under_hang_auto():
+    v = decide(diagnosed(), AUTO).verdict
+    assert v is not None
+    assert (v.rank, v.pid, v.cause, v.exit_code, v.failed_at_ns) == (2, 1002, HANG, HANG_EXIT_CODE, STALLED_AT)
+    assert (v.detail, v.laggards, v.detected_by) == ("rank 2 never entered all_reduce #7", (2,), 0)
+
+
+def test_the_first_laggard_is_named():
+    v = decide(diagnosed(diagnosis(laggards=(3, 1))), AUTO).verdict
+    assert v is not None and v.rank == 3 and v.laggards == (3, 1)
+
+
+@pytest.mark.parametrize("d", [diagnosis(resolved_ns=9_000_000_000), diagnosis(laggards=())],
+                         ids=["resolved", "no-laggard"])
+def test_a_diagnosis_that_is_over_or_names_nobody_is_no_verdict(d):
+    assert decide(diagnosed(d), AUTO).verdict is None
+
+
+def test_a_diagnosis_is_no_verdict_without_hang_auto_or_once_its_laggard_finished():
+    assert decide(diagnosed(), POLICY).verdict is None
+    assert decide(diagnosed(successes=[2]), AUTO).verdict is None
+
+
+def _victim(first: Observed) -> Optional[Verdict]:
+    return decide(first, AUTO).verdict
+
+
+def test_a_rank_failing_in_a_collective_after_the_diagnosis_is_its_victim():
+    f = failure(1, DIAGNOSED_AT + 1_000_000, collective=True, message="Connection closed by peer")
+    v = _victim(diagnosed(failures=[f]))
+    assert v is not None and (v.rank, v.cause, v.exit_code, v.failed_at_ns) == (2, HANG, HANG_EXIT_CODE, STALLED_AT)
+    assert v.laggards == (2,) and v.detail.startswith("rank 2 never entered all_reduce #7; rank 1 then failed")
+    assert "a consequence" in v.detail
+
+
+def test_a_victim_at_the_moment_of_the_diagnosis_is_still_one_and_before_it_is_not():
+    at = failure(1, DIAGNOSED_AT, collective=True)
+    v = _victim(diagnosed(failures=[at]))
+    assert v is not None and v.rank == 2
+    before = failure(1, DIAGNOSED_AT - 1, collective=True)
+    v = _victim(diagnosed(failures=[before]))
+    assert v is not None and (v.rank, v.cause) == (1, EXCEPTION)
+
+
+def test_an_exception_outside_a_collective_is_its_own_cause():
+    v = _victim(diagnosed(failures=[failure(1, DIAGNOSED_AT + 1)]))
+    assert v is not None and (v.rank, v.cause) == (1, EXCEPTION)
+
+
+def test_the_laggard_failing_itself_is_named_with_its_own_cause():
+    v = _victim(diagnosed(failures=[failure(2, DIAGNOSED_AT + 1, collective=True)]))
+    assert v is not None and (v.rank, v.cause) == (2, EXCEPTION)
+
+
+@pytest.mark.parametrize(("returncode", "victim"), [(-6, True), (134, True), (-9, False), (135, False), (1, False)],
+                         ids=["SIGABRT", "exit-134", "SIGKILL", "exit-135", "exit-1"])
+def test_nccls_abort_is_a_victims_death_other_deaths_are_causes(returncode, victim):
+    """NCCL's watchdog aborts the process at the collective timeout: SIGABRT, or 134
+    through a shell. Any other death is its own cause."""
+    v = _victim(diagnosed(statuses=[status(1, DIAGNOSED_AT + 1, returncode)]))
+    assert v is not None
+    assert (v.rank == 2 and v.cause == HANG) if victim else (v.rank == 1 and v.cause != HANG)
+
+
+def test_a_victims_detail_says_how_it_died():
+    v = _victim(diagnosed(statuses=[status(1, DIAGNOSED_AT + 1, -6)]))
+    assert v is not None and "rank 1 then failed waiting for it (killed by SIGABRT" in v.detail
+
+
+def test_a_resolved_diagnosis_has_no_victims():
+    f = failure(1, DIAGNOSED_AT + 1, collective=True)
+    v = _victim(diagnosed(diagnosis(resolved_ns=DIAGNOSED_AT), failures=[f]))
+    assert v is not None and (v.rank, v.cause) == (1, EXCEPTION)
