@@ -111,51 +111,9 @@ class Config:
         if unknown:
             name = sorted(unknown)[0]
             raise ConfigError(name, options[name], "keyword argument", "unknown option")
-        values: dict[str, Any] = {}
-        sources: dict[str, str] = {}
-        for name, (env_var, parse) in _OPTIONS.items():
-            if name in options and options[name] is not None:
-                raw, source = options[name], "keyword argument"
-            elif env.get(env_var, "") != "":
-                raw, source = env[env_var], f"environment variable {env_var}"
-            else:
-                continue
-            try:
-                values[name] = parse(raw)
-            except (TypeError, ValueError, OverflowError) as e:
-                raise ConfigError(name, SECRET_SHOWN if name == "store_secret" else raw, source, str(e)) from None
-            sources[name] = source
-        if "disable" in values:
-            values["enabled"] = not values.pop("disable")
-            sources["enabled"] = sources.pop("disable")
-        if "store_secret_file" in values:
-            if "store_secret" in values:
-                raise ConfigError("store_secret_file", options.get("store_secret_file") or env.get("PEERWATCH_STORE_SECRET_FILE"),
-                                  sources["store_secret_file"],
-                                  f"store_secret is set too ({sources['store_secret']}): set one of them")
-            values["store_secret"] = values.pop("store_secret_file")
-            sources["store_secret"] = sources.pop("store_secret_file")
-        for name, var_names in (
-            ("rank", _RANK_VARS),
-            ("world_size", _WORLD_VARS),
-            ("local_rank", _LOCAL_RANK_VARS),
-            ("local_world_size", _LOCAL_WORLD_VARS),
-        ):
-            if name in values:
-                continue
-            for var in var_names:
-                if env.get(var, "") != "":
-                    source = f"environment variable {var}"
-                    try:
-                        values[name] = _non_negative_int(env[var])
-                    except ValueError as e:
-                        raise ConfigError(name, env[var], source, str(e)) from None
-                    sources[name] = source
-                    break
-        if "rank" not in values and "local_rank" in values and env.get("NODE_RANK", "0") == "0":
-            # Lightning's subprocess launcher sets LOCAL_RANK and NODE_RANK, not RANK.
-            values["rank"] = values["local_rank"]
-            sources["rank"] = sources["local_rank"]
+        values, sources = _given_values(options, env)
+        _fold_aliases(values, sources, options, env)
+        _launcher_ranks(values, sources, env)
         config = cls(**values, sources=tuple(sorted(sources.items())))
         config._validate()
         return config
@@ -391,6 +349,65 @@ _OPTIONS: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "on_verdict": ("PEERWATCH_ON_VERDICT", _on_verdict),
 }
 _OPTION_NAMES = frozenset(_OPTIONS)
+
+
+def _given_values(options: Mapping[str, Any], env: Mapping[str, str]) -> tuple[dict[str, Any], dict[str, str]]:
+    """Each option the user gave, parsed: a keyword argument first, then its ``PEERWATCH_*`` variable."""
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    for name, (env_var, parse) in _OPTIONS.items():
+        if name in options and options[name] is not None:
+            raw, source = options[name], "keyword argument"
+        elif env.get(env_var, "") != "":
+            raw, source = env[env_var], f"environment variable {env_var}"
+        else:
+            continue
+        try:
+            values[name] = parse(raw)
+        except (TypeError, ValueError, OverflowError) as e:
+            raise ConfigError(name, SECRET_SHOWN if name == "store_secret" else raw, source, str(e)) from None
+        sources[name] = source
+    return values, sources
+
+
+def _fold_aliases(values: dict[str, Any], sources: dict[str, str], options: Mapping[str, Any],
+                  env: Mapping[str, str]) -> None:
+    """``disable`` becomes ``enabled``; ``store_secret_file`` becomes ``store_secret`` (not both)."""
+    if "disable" in values:
+        values["enabled"] = not values.pop("disable")
+        sources["enabled"] = sources.pop("disable")
+    if "store_secret_file" in values:
+        if "store_secret" in values:
+            raise ConfigError("store_secret_file", options.get("store_secret_file") or env.get("PEERWATCH_STORE_SECRET_FILE"),
+                              sources["store_secret_file"],
+                              f"store_secret is set too ({sources['store_secret']}): set one of them")
+        values["store_secret"] = values.pop("store_secret_file")
+        sources["store_secret"] = sources.pop("store_secret_file")
+
+
+def _launcher_ranks(values: dict[str, Any], sources: dict[str, str], env: Mapping[str, str]) -> None:
+    """Rank and sizes the user did not give, from the launchers' variables (RANK, LOCAL_RANK, ...)."""
+    for name, var_names in (
+        ("rank", _RANK_VARS),
+        ("world_size", _WORLD_VARS),
+        ("local_rank", _LOCAL_RANK_VARS),
+        ("local_world_size", _LOCAL_WORLD_VARS),
+    ):
+        if name in values:
+            continue
+        for var in var_names:
+            if env.get(var, "") != "":
+                source = f"environment variable {var}"
+                try:
+                    values[name] = _non_negative_int(env[var])
+                except ValueError as e:
+                    raise ConfigError(name, env[var], source, str(e)) from None
+                sources[name] = source
+                break
+    if "rank" not in values and "local_rank" in values and env.get("NODE_RANK", "0") == "0":
+        # Lightning's subprocess launcher sets LOCAL_RANK and NODE_RANK, not RANK.
+        values["rank"] = values["local_rank"]
+        sources["rank"] = sources["local_rank"]
 
 
 # -- launcher facts: beyond one host -------------------------------------------------------

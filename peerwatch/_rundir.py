@@ -611,24 +611,40 @@ class RunDir:
         self._hold(self.path)  # read what was checked, not what the path names a moment later
         mine = self.read(RANKS, rank_file("rank", reg.rank), Registration)
         if mine is not None and (mine.host, mine.pidns) != (reg.host, reg.pidns):
-            # Another host's (or container's) record is never judged stale: we cannot see
-            # its processes. Without shared mode a run directory belongs to one host; with
-            # it, a rank's slot held by another host means a directory of an earlier job.
-            if self.shared is not None:
-                raise RunDirError(
-                    self.path,
-                    f"rank {reg.rank} is registered here by host {mine.host} ({mine.pidns}), whose processes "
-                    "this host cannot see: the directory is shared by the hosts (" + self.shared + "), so "
-                    "give each job a new PEERWATCH_DIR (e.g. with the job id in it)",
-                )
-            raise RunDirError(
-                self.path,
-                f"rank {reg.rank} is registered here by host {mine.host} ({mine.pidns}): a run directory "
-                "belongs to one host; on a shared filesystem give each host its own PEERWATCH_DIR, "
-                "or set shared_fs=on",
-            )
+            raise self._held_by_another_host(reg, mine)
         regs = self.registrations()
         live = {r.rank: r for r in regs.values() if r.rank != reg.rank and _identity.seems_alive(r)}
+        self._refuse_if_shared(reg, mine, live)
+        stale_reason = stale_because(reg, mine, regs, bool(live), self._successes(), process_start_ns,
+                                     self.read(EVENTS, VERDICT_FILE, Verdict))
+        if stale_reason is None:
+            return
+        aside = f"{self.path}.stale-{time.time_ns()}"
+        logger.warning("peerwatch: %s is from an earlier run (%s); moved it to %s", self.path, stale_reason, aside)
+        self.close()  # the descriptors would follow it aside
+        os.rename(self.path, aside)
+
+    def _held_by_another_host(self, reg: Registration, mine: Registration) -> RunDirError:
+        # Another host's (or container's) record is never judged stale: we cannot see
+        # its processes. Without shared mode a run directory belongs to one host; with
+        # it, a rank's slot held by another host means a directory of an earlier job.
+        if self.shared is not None:
+            return RunDirError(
+                self.path,
+                f"rank {reg.rank} is registered here by host {mine.host} ({mine.pidns}), whose processes "
+                "this host cannot see: the directory is shared by the hosts (" + self.shared + "), so "
+                "give each job a new PEERWATCH_DIR (e.g. with the job id in it)",
+            )
+        return RunDirError(
+            self.path,
+            f"rank {reg.rank} is registered here by host {mine.host} ({mine.pidns}): a run directory "
+            "belongs to one host; on a shared filesystem give each host its own PEERWATCH_DIR, "
+            "or set shared_fs=on",
+        )
+
+    def _refuse_if_shared(self, reg: Registration, mine: Optional[Registration],
+                          live: Dict[int, Registration]) -> None:
+        """Raise when a live process of this run or another job holds what this rank would take."""
         if mine is not None and (mine.pid, mine.start_ticks) != (reg.pid, reg.start_ticks):
             if _identity.is_same_process(mine.pid, mine.start_ticks, mine.uid) and mine.boot_id == reg.boot_id:
                 raise RunDirError(
@@ -653,14 +669,6 @@ class RunDir:
                 f"it holds a live run of world size {theirs} (ranks {others}), and this rank's world size is "
                 f"{reg.world_size}: two jobs share this run directory; give each its own PEERWATCH_DIR",
             )
-        stale_reason = stale_because(reg, mine, regs, bool(live), self._successes(), process_start_ns,
-                                     self.read(EVENTS, VERDICT_FILE, Verdict))
-        if stale_reason is None:
-            return
-        aside = f"{self.path}.stale-{time.time_ns()}"
-        logger.warning("peerwatch: %s is from an earlier run (%s); moved it to %s", self.path, stale_reason, aside)
-        self.close()  # the descriptors would follow it aside
-        os.rename(self.path, aside)
 
     # -- writing -------------------------------------------------------------------
 
