@@ -94,8 +94,9 @@ class Observer:
         self._oom_kills_at_start = oom_kill_count()
         self._folders: Optional[FolderWatch] = None
         self.write_failed = False  # a record of this rank could not be written (a full disk...)
+        self._events_path = run_dir.join(EVENTS)  # stat'ed on every wake-up: joined once
         try:
-            self._events_id = _dir_id(run_dir.join(EVENTS))  # to tell when the run directory is removed
+            self._events_id = _dir_id(self._events_path)  # to tell when the run directory is removed
         except OSError:
             self._events_id = None
 
@@ -108,7 +109,7 @@ class Observer:
         if self._events_id is None:
             return None
         try:
-            now = _dir_id(self.run_dir.join(EVENTS))
+            now = _dir_id(self._events_path)
         except OSError:
             return None  # cannot tell: judged as before
         if now is None:

@@ -92,6 +92,8 @@ class Settle:
             return self._requested
 
     def looked(self, upto: int) -> None:
+        if upto <= self._settled:  # the watcher is _settled's one writer: read without the lock
+            return  # (on every turn of the loop; a request is rare)
         with self._cond:
             self._settled = max(self._settled, upto)
             self._cond.notify_all()
@@ -275,7 +277,8 @@ class Watcher:
                 self._act(verdict)
                 return
             obs.flush()
-            self._peer_failure_known = obs.peer_failed()
+            if woken or full_look or judge_remote:  # what peer_failed() reads changes only then
+                self._peer_failure_known = obs.peer_failed()
             self._settle.looked(requested)
 
     def _stop_judging(self, how: str) -> None:
