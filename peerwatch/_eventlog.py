@@ -25,7 +25,7 @@ import logging
 import os
 import threading
 import time
-from typing import Any, Dict, List, Optional, Tuple
+from typing import AbstractSet, Any, Dict, List, Optional, Set, Tuple
 
 from ._records import (
     EVENT_TYPES,
@@ -160,7 +160,7 @@ def sweep(rd: RunDir, by: Optional[int]) -> int:
     Python could not log them. Never raises."""
     logged = 0
     try:
-        for name, rec in _records(rd):
+        for name, rec in _records(rd, _claimed(rd)):
             sub = RANKS if isinstance(rec, Registration) else EVENTS
             logged += record(rd, sub, name, rec, by)
     except OSError as e:
@@ -168,19 +168,28 @@ def sweep(rd: RunDir, by: Optional[int]) -> int:
     return logged
 
 
-def _records(rd: RunDir) -> List[Tuple[str, object]]:
+def _claimed(rd: RunDir) -> Set[str]:
+    """The claim markers there are: a record claimed already is neither read nor claimed
+    again (one listing, where a claim tried on each costs a locked create: hundreds at N=128)."""
+    return set(rd.names(LOGGED))
+
+
+def _records(rd: RunDir, claimed: AbstractSet[str] = frozenset()) -> List[Tuple[str, object]]:
+    """The records of ranks/ and events/ whose claim marker is not in ``claimed``."""
     found: List[Tuple[str, object]] = []
     for prefix, rank, name in rd.entries(RANKS):
-        if prefix == "rank":
+        if prefix == "rank" and f"{RANKS}.{name}" not in claimed:
             reg = rd.read(RANKS, name, Registration)
             if reg is not None and reg.rank == rank:
                 found.append((name, reg))
     for prefix, rank, name in rd.entries(EVENTS):
         cls = EVENT_TYPES.get(prefix)
-        rec = rd.read(EVENTS, name, cls) if cls is not None else None
+        if cls is None or f"{EVENTS}.{name}" in claimed:
+            continue
+        rec = rd.read(EVENTS, name, cls)
         if rec is not None and getattr(rec, "rank", None) == rank:
             found.append((name, rec))
-    verdict = rd.read(EVENTS, VERDICT_FILE, Verdict)
+    verdict = rd.read(EVENTS, VERDICT_FILE, Verdict) if f"{EVENTS}.{VERDICT_FILE}" not in claimed else None
     if verdict is not None:
         found.append((VERDICT_FILE, verdict))
     return found

@@ -691,6 +691,7 @@ class RunDir:
     ) -> bool:
         tmp = f"{name}.{os.getpid()}.{threading.get_ident()}.{time.monotonic_ns()}"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=tmp_dir)
+        moved = False  # renamed into place: no temp name is left to remove
         try:
             try:
                 view = memoryview(data)
@@ -700,6 +701,7 @@ class RunDir:
                 os.close(fd)
             if replace:
                 os.replace(tmp, name, src_dir_fd=tmp_dir, dst_dir_fd=dir_fd)
+                moved = True
                 return True
             try:
                 os.link(tmp, name, src_dir_fd=tmp_dir, dst_dir_fd=dir_fd, follow_symlinks=False)
@@ -712,22 +714,31 @@ class RunDir:
                 return False
             self.warn_once(self.join(sub, name), "is not a valid record; replaced by this rank's")
             os.replace(tmp, name, src_dir_fd=tmp_dir, dst_dir_fd=dir_fd)
+            moved = True
             return self.read_bytes(sub, name) == data
         finally:
-            try:
-                os.unlink(tmp, dir_fd=tmp_dir)
-            except FileNotFoundError:
-                pass
+            if not moved:  # an unlink locks tmp/ even when it finds nothing: 128 ranks at a teardown
+                try:
+                    os.unlink(tmp, dir_fd=tmp_dir)
+                except FileNotFoundError:
+                    pass
 
     def claim(self, sub: str, name: str) -> bool:
         """Create the empty file ``sub/name`` (``sub`` made 0700 if missing); True for the
         one process that created it, False for every other (``O_EXCL``): who does a thing
         once per run and host. Raises OSError to the caller."""
+        try:
+            return self._create(sub, name)
+        except FileNotFoundError:  # sub is missing: made once, not tried on every claim (a mkdir
+            pass  # locks the run directory even when sub exists, and claims come 128 at once)
         with self._dir("") as top:
             try:
                 os.mkdir(sub, 0o700, dir_fd=top)
             except FileExistsError:
                 pass
+        return self._create(sub, name)
+
+    def _create(self, sub: str, name: str) -> bool:
         with self._dir(sub) as dir_fd:
             try:
                 fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
@@ -818,17 +829,20 @@ class RunDir:
         rank = getattr(record, "rank", None)
         return self.world_size is None or not isinstance(rank, int) or rank < self.world_size
 
-    def entries(self, sub: str) -> Iterator[Tuple[str, int, str]]:
-        """(prefix, rank, name) of the rank files in sub; other entries are skipped."""
+    def names(self, sub: str) -> List[str]:
+        """Every name in folder ``sub``; none if it is missing or cannot be listed (warned)."""
         try:
             with self._dir(sub) as dir_fd:
-                names = os.listdir(dir_fd)
+                return os.listdir(dir_fd)
         except FileNotFoundError:
-            return
+            return []
         except OSError as e:
             self.warn_once(self.join(sub), f"cannot be listed ({e.strerror})")
-            return
-        for name in names:
+            return []
+
+    def entries(self, sub: str) -> Iterator[Tuple[str, int, str]]:
+        """(prefix, rank, name) of the rank files in sub; other entries are skipped."""
+        for name in self.names(sub):
             parsed = parse_rank_file(name)
             if parsed is not None:
                 yield parsed[0], parsed[1], name
