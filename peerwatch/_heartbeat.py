@@ -107,6 +107,11 @@ class HeartbeatWriter:
         with self._lock:
             return self._counters, self._moved_ns, self._entered, min(self._reader.timeout_ms.values(), default=0)
 
+    def counts_collectives(self) -> bool:
+        """True once torch's collective counters were read (the watcher thread, which
+        writes them: no lock needed)."""
+        return bool(self._counters)
+
     def _read_counters(self) -> None:
         """Read the counters (the watcher thread, once a heartbeat); the entries once per stall."""
         counters = self._reader.counters()

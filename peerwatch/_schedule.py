@@ -68,7 +68,8 @@ class Schedule:
 
     def due(self, now: float) -> bool:
         """A recheck or the end of a hold has come."""
-        return any(d is not None and now >= d for d in (self.recheck, self.hold))
+        recheck, hold = self.recheck, self.hold  # (no generator: asked on every turn of the loop)
+        return (recheck is not None and now >= recheck) or (hold is not None and now >= hold)
 
     def startup_over(self, now: float) -> bool:
         """True once, when ``startup_timeout`` has passed."""

@@ -266,18 +266,21 @@ class Watcher:
                 break
             if self.heartbeat.children_changed.is_set():
                 self.heartbeat.write(obs.local_pids)
-            lost = obs.storage_lost()
+            lost = obs.storage_lost()  # on every turn: a rank must say at once that it is unprotected
             if lost is not None:
                 self._stop_judging(lost)
                 return
-            if woken or full_look:
-                obs.scan()
-            verdict = self._judge(sched, woken or full_look, judge_hang, judge_remote)
-            if verdict is not None:
-                self._act(verdict)
-                return
-            obs.flush()
-            if woken or full_look or judge_remote:  # what peer_failed() reads changes only then
+            looked, now = woken or full_look, time.monotonic()
+            missing = self._missing_ranks() if sched.startup_over(now) else ()
+            # An idle turn (a heartbeat, nothing seen, nothing due) has nothing to judge.
+            if looked or judge_hang or missing or sched.due(now):
+                if looked:
+                    obs.scan()
+                verdict = self._judge(sched, judge_hang, judge_remote, missing)
+                if verdict is not None:
+                    self._act(verdict)
+                    return
+                obs.flush()
                 self._peer_failure_known = obs.peer_failed()
             self._settle.looked(requested)
 
@@ -317,22 +320,18 @@ class Watcher:
         if self.bridge is not None:
             self.bridge.tick()
         # Diagnosis: judged only once this rank's collectives count (torch.distributed in use).
-        diagnosing = self._diagnoser is not None and bool(self.heartbeat.collectives()[0])
+        diagnosing = self._diagnoser is not None and self.heartbeat.counts_collectives()
         hang, remote = bool(self.config.hang_timeout) or diagnosing, self.observer.remote is not None
         if not (hang or remote):
             return False, False  # nothing to judge: no need to know who the judges are
         judge = self.rank in self.observer.live_local_ranks()[:HANG_JUDGES]
         return hang and judge, remote and judge
 
-    def _judge(self, sched: Schedule, looked: bool, judge_hang: bool, judge_remote: bool) -> Optional[Verdict]:
-        """Decide if anything that could change the answer happened; the verdict to act on."""
+    def _judge(self, sched: Schedule, judge_hang: bool, judge_remote: bool, missing: Tuple[int, ...]) -> Optional[Verdict]:
+        """Decide from what was observed; the verdict to act on."""
         obs = self.observer
-        now = time.monotonic()
-        missing = self._missing_ranks() if sched.startup_over(now) else ()
         if judge_remote:
             obs.read_remote()
-        if not (looked or judge_hang or missing or sched.due(now)):
-            return None
         # decide() is pure, and tells us when the mere passing of time could change its
         # answer (recheck_at_ns, on the wall clock: converted to our monotonic one).
         observed = self._observed(judge_hang, missing)
