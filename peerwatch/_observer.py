@@ -384,7 +384,7 @@ class Observer:
         returncode = child_returncode(peer.reg.pid, CHILD_STATUS_WAIT_S) if peer.reg.ppid == os.getpid() else None
         dump = b""
         if returncode is None:
-            dump = self.run_dir.read_bytes(_rundir.STACKS, rank_file("rank", rank, ".txt"), limit=STACK_DUMP_LIMIT) or b""
+            dump = self.run_dir.read_bytes(_rundir.STACKS, _rundir.stack_name(rank), limit=STACK_DUMP_LIMIT) or b""
             signum = fatal_signal_in(dump)
             returncode = -signum if signum else None
         starved = gil_timeout_in(dump) if returncode is None else None

@@ -53,6 +53,11 @@ def rank_file(prefix: str, rank: int, suffix: str = ".json") -> str:
     return f"{prefix}-{rank:05d}{suffix}"
 
 
+def stack_name(rank: int) -> str:
+    """The name of rank ``rank``'s stack file in ``stacks/``: its one home."""
+    return rank_file("rank", rank, ".txt")
+
+
 def parse_rank_file(name: str) -> Optional[Tuple[str, int]]:
     """``"failure-00003.json"`` -> ``("failure", 3)``; anything else -> ``None``."""
     stem, dot, ext = name.rpartition(".")
@@ -433,11 +438,11 @@ class RunDir:
 
     def stack_path(self, rank: int) -> str:
         """Where rank ``rank`` keeps its stack file (open for faulthandler as long as it runs); for people."""
-        return self.join(STACKS, rank_file("rank", rank, ".txt"))
+        return self.join(STACKS, stack_name(rank))
 
     def stack_at(self, rank: int) -> str:
         """Rank ``rank``'s stack file, through the held descriptor (see :meth:`at`): to open or check it."""
-        return self.at(STACKS, rank_file("rank", rank, ".txt"))
+        return self.at(STACKS, stack_name(rank))
 
     def close(self) -> None:
         """Let go of the directory descriptors (a later operation opens the path again)."""
@@ -953,5 +958,5 @@ class InPlace:
 
 __all__ = [
     "InPlace", "EVENTS", "HEARTBEATS", "NEW_RUN", "OWNER_VAR", "RANKS", "REPORT_FILE", "STACKS", "TMP", "VERDICT_FILE", "DIAGNOSIS_FILE",
-    "RunDir", "base_dir", "check_ancestors", "check_trusted", "parse_rank_file", "is_multiprocessing_child", "process_key", "rank_file", "resolve", "safe_name",
+    "RunDir", "base_dir", "check_ancestors", "check_trusted", "parse_rank_file", "is_multiprocessing_child", "process_key", "rank_file", "resolve", "safe_name", "stack_name",
 ]

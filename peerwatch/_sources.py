@@ -96,11 +96,6 @@ def still_running(reg: Registration) -> bool:
     return info is not None and not info.dead and info.start_ticks == reg.start_ticks
 
 
-def is_local(reg: Registration) -> bool:
-    """A registration is of this host if boot id and PID namespace are ours."""
-    return reg.boot_id == _identity.boot_id() and reg.pidns == _identity.pid_namespace()
-
-
 class Peer:
     """A local peer we watch: its registration and, where the OS has them, a pidfd.
 
@@ -347,6 +342,6 @@ class FolderWatch:
 
 
 __all__ = [
-    "FolderWatch", "OwnedFd", "Peer", "child_returncode", "fatal_signal_in", "fd_identity", "gil_timeout_in", "is_local",
+    "FolderWatch", "OwnedFd", "Peer", "child_returncode", "fatal_signal_in", "fd_identity", "gil_timeout_in",
     "oom_kill_count", "pidfd_pid", "pidfd_supported", "still_running",
 ]
