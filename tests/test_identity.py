@@ -76,7 +76,10 @@ def test_probe_of_a_live_child(cat):
     info = probe(cat.pid)
     assert info is not None
     assert (info.pid, info.ppid, info.uid) == (cat.pid, os.getpid(), os.getuid())
-    assert info.state in ("R", "S")
+    # Alive: running, sleeping, or (just forked, its exec still faulting pages in from disk
+    # under load) in uninterruptible sleep: 'D' was seen in a fresh-clone run with burners.
+    assert info.state in ("R", "S", "D")
+    assert not info.dead
     assert info.start_ticks >= self_info().start_ticks
     assert is_same_process(cat.pid, info.start_ticks, info.uid)
 
