@@ -149,7 +149,7 @@ def test_command_name_with_spaces_and_parentheses(tmp_path):
         wait_for(lambda: psutil.Process(proc.pid).name() == "x) Z 1 (y", "the child to exec")
         info = probe(proc.pid)
         assert info is not None
-        assert info.state in ("R", "S")
+        assert info.state in ("R", "S", "D")  # not the "Z" of the name: alive (see test_probe_of_a_live_child)
         assert info.ppid == os.getpid()
         assert is_same_process(proc.pid, info.start_ticks, os.getuid())
     finally:
