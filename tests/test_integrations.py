@@ -120,6 +120,8 @@ def test_rank_and_world_size_from_a_process_group(tmp_path: Any) -> None:
         "assert t.rank_and_world_size() is None\n"
         f"dist.init_process_group('gloo', init_method='file://{tmp_path}/store', rank=0, world_size=1)\n"
         "print(t.rank_and_world_size(), t.options_from_process_group({}), t.options_from_process_group({'rank': 0}))\n"
+        "sys.stdout.flush()\n"
+        "dist.destroy_process_group()\n"  # not left to the exit: gloo can abort there (test_collectives)
     )
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "PEERWATCH_RANK")}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
