@@ -28,7 +28,9 @@ Rules, in order:
    torch.distributed while others are (they wait for it); the rank with the lowest step;
    the one silent longest.
    With ``hang_timeout=auto``, a diagnosis (peerwatch._diagnose, made by a judge at the
-   learnt threshold) of a stall still going on is the verdict: its first laggard, cause hang.
+   learnt threshold) of a stall still going on is the verdict: its first laggard, cause hang,
+   from the diagnosis' ``end_at_ns`` on (at once for a hang or a mismatch; for laggards
+   that are busy, not stuck, near the collective timeout).
 7. Lost (shared-filesystem mode): a rank on another host whose heartbeat has not changed
    for ``peer_timeout``, by this host's monotonic clock, and that has no success marker
    nor any other record of how it ended, is lost (its host died, is cut off, or is
@@ -54,7 +56,9 @@ from __future__ import annotations
 import dataclasses
 from typing import AbstractSet, Dict, List, Mapping, Optional, Tuple
 
+from ._activity import Activity
 from ._records import (
+    BUSY,
     EXCEPTION,
     EXIT,
     HANG,
@@ -102,6 +106,7 @@ class Progress:
     entered: Tuple[Tuple[str, int, str, str], ...] = ()
     moved_mono_ns: Optional[int] = None  # when they last changed, CLOCK_MONOTONIC
     timeout_ms: int = 0  # the shortest collective timeout it saw (0: unknown)
+    activity: Optional[Activity] = None  # its signs of work while its counters stand still
 
 @dataclasses.dataclass(frozen=True)
 class Observed:
@@ -177,7 +182,8 @@ def decide(obs: Observed, policy: Policy) -> Decision:
     if first is None and obs.missing:
         return Decision(_missing(obs, policy))
     if first is None:
-        return Decision(_hang(obs, policy) or _diagnosed_hang(obs, policy))
+        hang = _hang(obs, policy)
+        return Decision(hang) if hang is not None else _diagnosed_hang(obs, policy)
     first = _victim_of_hang(obs, first)
     if obs.oom_kills > 0 and (first.cause == VANISHED or first.signal == "SIGKILL"):
         first = dataclasses.replace(
@@ -302,18 +308,25 @@ def _current(d: Optional[Diagnosis]) -> bool:
     return d is not None and d.resolved_ns is None and bool(d.laggards)
 
 
-def _diagnosed_hang(obs: Observed, policy: Policy) -> Optional[Verdict]:
-    """Rule 6, hang_timeout=auto: a diagnosis of the stall still going on is the verdict."""
+def _diagnosed_hang(obs: Observed, policy: Policy) -> Decision:
+    """Rule 6, hang_timeout=auto: a diagnosis of the stall still going on is the verdict,
+    from its ``end_at_ns`` on (at once for a hang; near the collective timeout for busy
+    laggards, so a checkpoint or an evaluation is never ended early)."""
     d = obs.diagnosis
     if not policy.hang_auto or d is None or not _current(d):
-        return None
+        return Decision(None)
     rank = d.laggards[0]
     if rank in obs.successes or rank in obs.gone:
-        return None
-    return Verdict(
+        return Decision(None)
+    if d.end_at_ns is not None and obs.now_ns < d.end_at_ns:
+        return Decision(None, recheck_at_ns=d.end_at_ns)
+    detail = d.detail
+    if d.finding == BUSY:
+        detail += f"; ended by hang_timeout=auto after {(obs.now_ns - d.stalled_at_ns) / 1e9:.0f}s, before the collective timeout"
+    return Decision(Verdict(
         **_base(obs, rank), cause=HANG, exit_code=HANG_EXIT_CODE, failed_at_ns=d.stalled_at_ns,
-        detail=d.detail, laggards=d.laggards,
-    )
+        detail=detail, laggards=d.laggards,
+    ))
 
 
 def _victim_of_hang(obs: Observed, first: Verdict) -> Verdict:

@@ -7,7 +7,8 @@ has moved for the warning threshold:
 
 1. No diagnosis while any rank is inside ``paused()``, or when no rank publishes counters
    (the ranks never imported torch.distributed: ``beat()`` and ``hang_timeout`` remain).
-2. A frozen rank (state T or D) or one whose watcher went silent is a laggard first.
+2. A frozen rank (state T, or D with no bytes moving) or one whose watcher went silent is
+   a laggard first.
 3. In a process group where the ranks' last sequence numbers differ, the ranks at the
    highest one *entered* it and wait; the others never reached it: they are the
    laggards (``hang``, with the group, seq and op).
@@ -16,12 +17,23 @@ has moved for the warning threshold:
 5. Everyone at the same sequence number, agreeing, nobody frozen: nothing to name (all
    ranks are outside collectives: evaluation, checkpointing, data loading on every
    rank), no diagnosis.
+6. Busy or stuck (:func:`busy_evidence`): a hang's laggard that shows signs of work over
+   its last samples (its main thread on the CPU at several different places, its other
+   threads on the CPU, bytes read or written, descendants on the CPU) is ``busy``: a checkpoint, an
+   evaluation, a slow loader. The finding says so, with the evidence, and
+   ``hang_timeout=auto`` ends such a job only at ``BUSY_END_FRACTION`` of the collective
+   timeout (it still ends before the watchdog, with the right blame). A laggard with no
+   sign of work (blocked on a lock, asleep, spinning on the same lines without I/O,
+   frozen, or in another collective) is stuck: ``hang``, ended at once under ``auto``.
+   A laggard that has published too few samples to tell yet is waited for.
 
 The threshold (:class:`Threshold`) is learnt from the job's own intervals between two
 movements (any rank's counters or ``beat()``): after ``WARMUP_GAPS`` of them, it is
 ``FACTOR`` times the longest seen, at least ``FLOOR_S``, and at most ``CAP_FRACTION`` of the
 process group's collective timeout (so it comes well before the timeout kills the job).
-Before the warm-up it is the cap. Why it does not fire on slow steps, evaluation or
+Before the warm-up it is ``FLOOR_S`` (at most the cap): a job that hangs right after its
+first collectives is diagnosed within about a minute, and rule 6 keeps a busy laggard
+from being ended that early. Why it does not fire on slow steps, evaluation or
 checkpointing: a step is one interval, so slow steps raise the threshold as they come
 (a step would have to get five times longer than the longest so far, and over a
 minute, at once); a phase without collectives on every rank is rule 5 (nothing to
@@ -36,13 +48,23 @@ from __future__ import annotations
 import dataclasses
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
-from ._records import HANG, MISMATCH
+from ._activity import Activity
+from ._records import BUSY, HANG, MISMATCH
 
 FACTOR = 5  # as NVIDIA's resiliency extension: 5x the longest interval seen
 FLOOR_S = 60.0  # never below a minute (unless the collective timeout is shorter)
 CAP_FRACTION = 0.5  # at most half the process group's collective timeout
 DEFAULT_CAP_S = 300.0  # when the timeout is not known
 WARMUP_GAPS = 10  # intervals seen before the learnt value is trusted
+ASSUMED_TIMEOUT_S = 2 * DEFAULT_CAP_S  # the collective timeout, when no rank has said it
+BUSY_END_FRACTION = 0.9  # hang_timeout=auto ends busy laggards at this share of the collective timeout
+# Signs of work (rule 6), over a laggard's last samples (peerwatch._activity.WINDOW):
+BUSY_SAMPLES = 3  # fewer samples than this: too early to tell (the judge waits)
+BUSY_CPU_SHARE = 0.05  # the main thread on the CPU this share of the time...
+BUSY_PLACES = 4  # ...seen at this many different stacks (or at every sample, if fewer): not one loop
+BUSY_OTHER_SHARE = 0.10  # or its other threads (torch's intra-op pool...) on the CPU this share of a core
+BUSY_IO_BYTES = 256 * 1024  # or bytes read or written by its threads (more than a progress bar)
+BUSY_CHILDREN_SHARE = 0.10  # or its descendants (data loader workers...) on the CPU this share of a core
 FROZEN_STATES = {"T": "stopped (SIGSTOP)", "t": "stopped by a debugger", "D": "in uninterruptible sleep (I/O)"}
 
 
@@ -59,6 +81,7 @@ class RankState:
     watcher_silent: bool = False
     in_collective: bool = False
     where: str = ""
+    activity: Optional[Activity] = None  # its signs of work while its counters stand still
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +96,8 @@ class Found:
     group: Optional[str] = None
     seq: Optional[int] = None
     op: Optional[str] = None
+    end_after_ns: int = 0  # hang_timeout=auto ends the job this long after the last move (busy: near the timeout)
+    busy: Tuple[int, ...] = ()  # the laggards that show signs of work
 
 
 def last_move(ranks: Mapping[int, RankState]) -> Optional[int]:
@@ -81,8 +106,9 @@ def last_move(ranks: Mapping[int, RankState]) -> Optional[int]:
     return max(times, default=None)
 
 
-def diagnose(ranks: Mapping[int, RankState], now_mono_ns: int, threshold_ns: int) -> Optional[Found]:
-    """The diagnosis if nothing has moved for ``threshold_ns``; None otherwise."""
+def diagnose(ranks: Mapping[int, RankState], now_mono_ns: int, threshold_ns: int, timeout_ms: int = 0) -> Optional[Found]:
+    """The diagnosis if nothing has moved for ``threshold_ns``; None otherwise.
+    ``timeout_ms``: the shortest collective timeout (0: unknown), for rule 6's end."""
     if threshold_ns <= 0 or not ranks or any(s.paused for s in ranks.values()):
         return None
     counted = {r: s for r, s in ranks.items() if s.collectives}
@@ -92,7 +118,8 @@ def diagnose(ranks: Mapping[int, RankState], now_mono_ns: int, threshold_ns: int
     since = now_mono_ns - last
     if since < threshold_ns:
         return None
-    frozen = sorted(r for r, s in ranks.items() if s.state in FROZEN_STATES or s.watcher_silent)
+    evidence = {r: busy_evidence(s) for r, s in ranks.items()}
+    frozen = sorted(r for r, s in ranks.items() if _frozen(s, evidence[r]))
     mismatch = _mismatch(counted)
     if mismatch is not None:
         return dataclasses.replace(mismatch, since_ns=since)
@@ -103,11 +130,55 @@ def diagnose(ranks: Mapping[int, RankState], now_mono_ns: int, threshold_ns: int
     laggards = tuple(frozen) + tuple(r for r in behind if r not in frozen)
     if not laggards:
         return None  # every rank entered it and none is frozen: nothing to name
+    if any(evidence[r] is None for r in laggards):
+        return None  # a laggard has too few samples to tell busy from stuck yet: look again
     op = _op_at(counted, entered, group, seq)
+    busy = tuple(r for r in laggards if evidence[r])
+    detail = _hang_detail(ranks, laggards, entered, group, seq, op, since)
+    if busy:
+        detail += "; " + "; ".join(f"rank {r} is busy, not stuck ({evidence[r]})" for r in busy)
     return Found(
-        kind=HANG, laggards=laggards, entered=tuple(r for r in entered if r not in frozen), since_ns=since,
-        detail=_hang_detail(ranks, laggards, entered, group, seq, op, since), group=group, seq=seq, op=op,
+        kind=BUSY if busy else HANG, laggards=laggards, entered=tuple(r for r in entered if r not in frozen),
+        since_ns=since, detail=detail, group=group, seq=seq, op=op, busy=busy,
+        end_after_ns=int(BUSY_END_FRACTION * _timeout_ns(timeout_ms)) if busy else 0,
     )
+
+
+def busy_evidence(s: RankState) -> Optional[str]:
+    """Rule 6: what shows that a rank works while its counters stand still ("" if nothing
+    does: it is stuck); None if it has published too few samples to tell yet."""
+    a = s.activity
+    if s.state in ("T", "t") or s.watcher_silent or a is None:
+        return ""  # frozen, unseen, or a rank that publishes no samples (not judged by them)
+    if a.samples < BUSY_SAMPLES or a.span_ms <= 0:
+        return None
+    signs = []
+    if a.cpu_ms >= BUSY_CPU_SHARE * a.span_ms and a.places >= min(BUSY_PLACES, a.samples):
+        signs.append(f"its main thread on the CPU {_share(a.cpu_ms, a.span_ms)} of the time, at {a.places} places")
+    if a.other_cpu_ms >= BUSY_OTHER_SHARE * a.span_ms:
+        signs.append(f"its other threads on the CPU {_share(a.other_cpu_ms, a.span_ms)} of the time")
+    if a.io_bytes >= BUSY_IO_BYTES:
+        signs.append(f"{_size(a.io_bytes)} read or written")
+    if a.children_cpu_ms >= BUSY_CHILDREN_SHARE * a.span_ms:
+        signs.append(f"its child processes on the CPU {_share(a.children_cpu_ms, a.span_ms)} of the time")
+    return ", ".join(signs) + f" in the last {a.span_ms / 1000:.0f}s" if signs else ""
+
+
+def _frozen(s: RankState, evidence: Optional[str]) -> bool:
+    """Rule 2: stopped, or in uninterruptible sleep with nothing moving, or unseen."""
+    return s.state in ("T", "t") or s.watcher_silent or (s.state == "D" and not evidence)
+
+
+def _timeout_ns(timeout_ms: int) -> int:
+    return int(timeout_ms * 1e6) if timeout_ms > 0 else int(ASSUMED_TIMEOUT_S * 1e9)
+
+
+def _share(part_ms: int, whole_ms: int) -> str:
+    return f"{100 * part_ms / whole_ms:.0f}%"
+
+
+def _size(n: int) -> str:
+    return f"{n / 1e6:.1f} MB" if n >= 100_000 else f"{n / 1e3:.0f} kB"
 
 
 def _seqs(counted: Mapping[int, RankState]) -> Dict[str, Dict[int, int]]:
@@ -186,7 +257,7 @@ def _hang_detail(
 ) -> str:
     first = ranks[laggards[0]]
     why = []
-    if first.state in FROZEN_STATES:
+    if first.state in FROZEN_STATES and (first.state != "D" or not busy_evidence(first)):
         why.append(f"its process is {FROZEN_STATES[first.state]}")
     if first.watcher_silent:
         why.append("its watcher cannot run (the GIL is held?)")
@@ -228,8 +299,11 @@ class Threshold:
             return int(self.fixed_s * 1e9)
         cap_ns = int(timeout_ms * 1e6 * CAP_FRACTION) if timeout_ms > 0 else int(DEFAULT_CAP_S * 1e9)
         if self.gaps < WARMUP_GAPS:
-            return cap_ns
+            return min(int(FLOOR_S * 1e9), cap_ns)
         return min(max(FACTOR * self.longest_ns, int(FLOOR_S * 1e9)), cap_ns)
 
 
-__all__ = ["CAP_FRACTION", "FACTOR", "FLOOR_S", "Found", "RankState", "Threshold", "WARMUP_GAPS", "diagnose", "last_move"]
+__all__ = [
+    "BUSY_END_FRACTION", "CAP_FRACTION", "FACTOR", "FLOOR_S", "Found", "RankState", "Threshold", "WARMUP_GAPS",
+    "busy_evidence", "diagnose", "last_move",
+]

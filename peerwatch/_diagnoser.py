@@ -12,7 +12,7 @@ from typing import Dict, Optional
 
 from . import _decide, _diagnose
 from ._observer import Observer
-from ._records import Diagnosis, Heartbeat
+from ._records import BUSY, Diagnosis
 from ._rundir import DIAGNOSIS_FILE
 
 logger = logging.getLogger("peerwatch")
@@ -20,46 +20,59 @@ logger = logging.getLogger("peerwatch")
 
 
 class Diagnoser:
-    def __init__(self, rank: int, fixed_s: Optional[float], observer: Observer) -> None:
+    def __init__(self, rank: int, fixed_s: Optional[float], observer: Observer, auto: bool = False) -> None:
         self._rank = rank
         self._observer = observer
+        self._auto = auto  # hang_timeout=auto: the diagnosis ends the job (at its end_at_ns)
         self.threshold = _diagnose.Threshold(fixed_s)
         self._mine: Optional[Diagnosis] = None  # the one this judge wrote, until resolved
         self._mine_last: Optional[int] = None  # the job's last move when it was written (CLOCK_MONOTONIC)
 
     def look(self, obs: _decide.Observed) -> Optional[Diagnosis]:
         """Diagnose from what the hang judges observed; the diagnosis of the stall going
-        on (written by this judge or another one of this host), or None."""
+        on (written by this judge or another one of this host), or None. A busy finding
+        is looked at again every time: its laggard may stop working (then it is a hang)."""
         ranks = self.ranks(obs)
         last = _diagnose.last_move(ranks)
         self.threshold.observe(last)
         self._resolve(last, obs.now_ns)
         current = self._observer.diagnosis()
-        if current is not None and current.resolved_ns is None:
+        if current is not None and current.resolved_ns is None and current.finding != BUSY:
             return current
         timeout_ms = min((p.timeout_ms for p in obs.progress.values() if p.timeout_ms > 0), default=0)
-        found = _diagnose.diagnose(ranks, obs.now_mono_ns, self.threshold.value_ns(timeout_ms))
-        if found is None:
-            return current
+        found = _diagnose.diagnose(ranks, obs.now_mono_ns, self.threshold.value_ns(timeout_ms), timeout_ms)
+        if found is None or (current is not None and current.resolved_ns is None and found.kind == BUSY):
+            return current  # nothing, or still busy: the record written stands
+        stalled_at_ns = obs.now_ns - found.since_ns
         record = Diagnosis(
             finding=found.kind, laggards=found.laggards, entered=found.entered, since_ns=found.since_ns,
-            stalled_at_ns=obs.now_ns - found.since_ns, time_ns=obs.now_ns, made_by=self._rank,
+            stalled_at_ns=stalled_at_ns, time_ns=obs.now_ns, made_by=self._rank,
             detail=found.detail, group=found.group, seq=found.seq, op=found.op,
+            end_at_ns=stalled_at_ns + found.end_after_ns if found.kind == BUSY else obs.now_ns,
         )
         name = DIAGNOSIS_FILE
-        if current is not None:  # an earlier stall's, resolved: this one replaces it
+        if current is not None:  # an earlier stall's, resolved, or a busy laggard now stuck: this one replaces it
             wrote = self._observer.write_event_replacing(name, record)
         else:
             wrote = self._observer.write_event(name, record)
         if wrote:
             self._mine, self._mine_last = record, last
             self._observer.events[name] = record
-            logger.warning("peerwatch: %s: %s (diagnosed by rank %d; the job goes on)", found.kind, found.detail,
-                           self._rank)
+            logger.warning("peerwatch: %s: %s (diagnosed by rank %d; %s)", found.kind, found.detail, self._rank,
+                           self._what_next(record))
         else:
             self._observer.events.pop(name, None)
             self._observer.scan()
         return self._observer.diagnosis()
+
+    def _what_next(self, record: Diagnosis) -> str:
+        """What the log line promises: the job goes on, or when it ends."""
+        if not self._auto:
+            return "the job goes on; hang_timeout=auto would end it"
+        if record.finding != BUSY:
+            return "hang_timeout=auto ends the job now"
+        at = time.strftime("%H:%M:%S", time.localtime((record.end_at_ns or record.time_ns) / 1e9))
+        return f"the job goes on; hang_timeout=auto ends it at {at} if nothing moves, before the collective timeout"
 
     def _resolve(self, last: Optional[int], now_ns: int) -> None:
         """The job moved after this judge's diagnosis: say it was slow, not stuck."""
@@ -85,17 +98,10 @@ class Diagnoser:
             r: _diagnose.RankState(
                 collectives=p.collectives, entered=p.entered, moved_mono_ns=p.moved_mono_ns,
                 beat_mono_ns=p.progress_mono_ns, paused=p.paused, state=p.state, watcher_silent=p.watcher_silent,
-                in_collective=p.in_collective, where=p.where,
+                in_collective=p.in_collective, where=p.where, activity=p.activity,
             )
             for r, p in live.items()
         }
 
 
-def own_heartbeat(rank: int, pid: int, counters: tuple) -> Heartbeat:
-    """This rank's collectives as its heartbeat publishes them (for observed())."""
-    collectives, moved_ns, entered, timeout_ms = counters
-    return Heartbeat(rank=rank, pid=pid, time_ns=time.time_ns(), seq=0, collectives=collectives, moved_ns=moved_ns,
-                     entered=entered, pg_timeout_ms=timeout_ms)
-
-
-__all__ = ["Diagnoser", "own_heartbeat"]
+__all__ = ["Diagnoser"]

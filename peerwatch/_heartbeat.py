@@ -19,6 +19,7 @@ import time
 from typing import AbstractSet, Callable, Optional, Tuple
 
 from . import _teardown
+from ._activity import ActivitySampler
 from ._collectives import CollectiveReader, Counters, Entered
 from ._records import Heartbeat, Registration, encode
 from ._rundir import HEARTBEATS, InPlace, RunDir, rank_file
@@ -101,11 +102,14 @@ class HeartbeatWriter:
         self._moves = 0  # how many times they moved
         self._entered: Entered = ()
         self._timeouts_read: set = set()  # groups whose collective timeout was looked for
+        self._activity = ActivitySampler()  # sampled while the counters stand still (busy or stuck?)
+        self._published: Optional[Heartbeat] = None  # the last record written, guarded by _lock
 
-    def collectives(self) -> Tuple[Counters, Optional[int], Entered, int]:
-        """This rank's counters as last published: (counters, moved_ns, entered, timeout_ms)."""
+    def published(self) -> Optional[Heartbeat]:
+        """This rank's heartbeat as last written (its collectives and signs of work, for
+        a judge judging itself); None before the first one."""
         with self._lock:
-            return self._counters, self._moved_ns, self._entered, min(self._reader.timeout_ms.values(), default=0)
+            return self._published
 
     def counts_collectives(self) -> bool:
         """True once torch's collective counters were read (the watcher thread, which
@@ -126,6 +130,7 @@ class HeartbeatWriter:
             if self._moves > ENTRIES_WARMUP_MOVES:
                 self._longest_still = max(self._longest_still, self._still)
             self._moved_ns, self._still, self._entered = time.monotonic_ns(), 0, ()
+            self._activity.reset()
             new = {g for g, e, _ in counters if e > 0} - self._timeouts_read
             if new:  # a new group: its timeout, while the recorder's ring is still short
                 self._timeouts_read |= new
@@ -150,22 +155,27 @@ class HeartbeatWriter:
             if self.children_changed.is_set() or self._seq % CHILDREN_SCAN_EVERY == 1:
                 self.children_changed.clear()
                 self._children = tuple(_teardown.descendants(os.getpid(), os.geteuid(), set(peer_pids())))
+            if read_counters and self._still > 0:
+                self._activity.sample(self._children)
             self._ending = self._ending or last  # from now on, whole files only
             beat = self._record()
             if self._ending:
                 self._last_step = beat.step
+            self._published = beat
             self._write(beat, atomic=self._ending)
 
     def _record(self) -> Heartbeat:
         # Where the main thread is: for the hang judges, and once the counters stop moving.
         stalled = self._still > 0 and bool(self._counters)
         where, waiting = main_thread_position() if self._with_position or stalled else ("", False)
+        activity = self._activity.current()
         p = self._progress
         return Heartbeat(
             rank=self._me.rank, pid=os.getpid(), time_ns=time.time_ns(), seq=self._seq, step=p.step,
             progress_ns=p.progress_ns, paused=p.paused > 0, children=self._children, where=where,
             in_collective=waiting, collectives=self._counters, moved_ns=self._moved_ns, entered=self._entered,
             pg_timeout_ms=min(self._reader.timeout_ms.values(), default=0),
+            activity=activity.as_tuple() if stalled and activity is not None else (),
         )
 
     def _write(self, beat: Heartbeat, atomic: bool = False) -> None:

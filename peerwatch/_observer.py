@@ -23,6 +23,7 @@ import time
 from typing import Any, Dict, List, Optional, Set, Tuple
 
 from . import _decide, _eventlog, _identity, _rundir, _sharedfs, _terminal
+from ._activity import Activity
 from ._heartbeat import Progress, main_thread_position
 from ._records import (
     EVENT_TYPES,
@@ -559,7 +560,7 @@ class Observer:
 
 def _collective_fields(beat: Heartbeat) -> Dict[str, Any]:
     return {"collectives": beat.collectives, "entered": beat.entered, "moved_mono_ns": beat.moved_ns,
-            "timeout_ms": beat.pg_timeout_ms}
+            "timeout_ms": beat.pg_timeout_ms, "activity": Activity.of(beat.activity)}
 
 
 def _dir_id(path: str) -> Optional[Tuple[int, int]]:

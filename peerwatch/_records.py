@@ -26,6 +26,7 @@ HANG = "hang"  # no rank made progress for hang_timeout; the verdict names the l
 LOST = "lost"
 MISSING = "missing"  # a rank never registered within startup_timeout (startup_action=fail)
 MISMATCH = "mismatch"  # a diagnosis: ranks disagree on the collective at one sequence number
+BUSY = "busy"  # a diagnosis: the laggards are working (CPU on new lines, I/O, busy children), not stuck
 
 HANG_EXIT_CODE = 124  # as timeout(1): the job was ended for not moving
 
@@ -124,6 +125,9 @@ class Heartbeat:
     moved_ns: Optional[int] = None
     entered: Tuple[Tuple[str, int, str, str], ...] = ()
     pg_timeout_ms: int = 0
+    # While the counters stand still, the rank's signs of work over its last samples
+    # (peerwatch._activity.Activity, in its field order); () when it has none to show.
+    activity: Tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,7 +159,7 @@ class Diagnosis:
     writer wins; rewritten once with ``resolved_ns`` if the job moves again)."""
 
     KIND = "diagnosis"
-    finding: str  # HANG or MISMATCH ("kind" in the report; a record's own "kind" says what record it is)
+    finding: str  # HANG, MISMATCH or BUSY ("kind" in the report; a record's own "kind" says what record it is)
     laggards: Tuple[int, ...]  # the ranks holding the job up (for a mismatch: the odd side)
     entered: Tuple[int, ...]  # the ranks inside the collective, waiting
     since_ns: int  # how long nothing had moved when it was made
@@ -167,6 +171,9 @@ class Diagnosis:
     seq: Optional[int] = None
     op: Optional[str] = None
     resolved_ns: Optional[int] = None  # the job moved again then: it was slow, not stuck
+    # When hang_timeout=auto ends the job if nothing moves (time_ns): at once for a hang or a
+    # mismatch, shortly before the collective timeout for busy laggards. None: at once.
+    end_at_ns: Optional[int] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -282,11 +289,12 @@ def _ranges(record: Any) -> bool:
             and _returncode_ok(record.returncode) and all(r >= 0 for r in record.laggards)
         )
     if isinstance(record, Heartbeat):
-        return record.pid > 0 and record.seq >= 0 and all(p > 0 and t >= 0 for p, t in record.children)
+        return (record.pid > 0 and record.seq >= 0 and all(p > 0 and t >= 0 for p, t in record.children)
+                and all(v >= 0 for v in record.activity))
     if isinstance(record, NotSignalled):
         return record.pid > 0 and record.observed_by >= 0
     if isinstance(record, Diagnosis):
-        return record.finding in (HANG, MISMATCH) and all(r >= 0 for r in record.laggards + record.entered)
+        return record.finding in (HANG, MISMATCH, BUSY) and all(r >= 0 for r in record.laggards + record.entered)
     if isinstance(record, (Success, Ack)):
         return record.pid > 0
     return True
@@ -370,7 +378,7 @@ def signal_name(signum: int) -> str:
 
 
 __all__ = [
-    "EXCEPTION", "EXIT", "HANG", "LOST", "MISMATCH", "MISSING", "SIGNAL", "VANISHED",
+    "BUSY", "EXCEPTION", "EXIT", "HANG", "LOST", "MISMATCH", "MISSING", "SIGNAL", "VANISHED",
     "EVENT_TYPES", "Ack", "Diagnosis", "ExitStatus", "Failure", "Heartbeat", "NotSignalled", "Registration", "Success", "Verdict",
     "WATCHER_DEATH", "WatcherDeath",
     "HANG_EXIT_CODE", "MAX_RECORD_BYTES", "MAX_SIGNAL", "RECORD_VERSION", "decode", "encode", "in_range", "returncode_exit_code", "warm",

@@ -28,7 +28,7 @@ from typing import Optional, Tuple
 
 from . import _bridge, _decide, _enforce, _exitwatch, _launchers, _plan, _report, _sharedfs, _teardown, _terminal
 from ._config import HANG_AUTO, Config
-from ._diagnoser import Diagnoser, own_heartbeat
+from ._diagnoser import Diagnoser
 from ._errors import PeerFailure
 from ._eventlog import log as log_event
 from ._eventlog import sweep as sweep_events
@@ -144,7 +144,8 @@ class Watcher:
         )
         # A diagnosis when nothing moves (on by default: hang_warn); hang_timeout=auto uses its threshold.
         warn = config.hang_warn if config.hang_warn > 0 else None
-        self._diagnoser = Diagnoser(self.rank, warn, self.observer) if config.hang_warn or config.hang_timeout == HANG_AUTO else None
+        auto = config.hang_timeout == HANG_AUTO
+        self._diagnoser = Diagnoser(self.rank, warn, self.observer, auto) if config.hang_warn or auto else None
         self.thread = threading.Thread(target=self._main, name=f"peerwatch-rank{self.rank}", daemon=True)
         self._launcher_watch: Optional[_launchers.LauncherWatch] = None  # set by start()
         self.bridge = _bridge.Bridge.for_config(config, run_dir, me)  # other hosts, through the store
@@ -353,7 +354,7 @@ class Watcher:
 
     def _observed(self, judge_hang: bool, missing: Tuple[int, ...]) -> _decide.Observed:
         stale = STALE_BEATS * self.config.heartbeat_interval
-        own = own_heartbeat(self.rank, self.me.pid, self.heartbeat.collectives()) if judge_hang else None
+        own = self.heartbeat.published() if judge_hang else None
         return self.observer.observed(self.progress if judge_hang else None, missing, stale, own)
 
     def _missing_ranks(self) -> Tuple[int, ...]:

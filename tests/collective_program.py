@@ -16,6 +16,10 @@ trains: ``all_reduce`` of 4 floats, then ``--step-s`` seconds of "compute". Beha
     slow:S       every step from then on takes S seconds more
     paused:S     one ``peerwatch.paused()`` phase of S seconds (the others wait at all_reduce)
     sleep:S      one sleep of S seconds, not in paused() (a checkpoint nobody announced)
+    checkpoint:S S seconds of writing a file (CPU and bytes written), not in paused()
+    evaluate:S   S seconds of evaluating a small model (its stack moves; no I/O), not in paused()
+    workers:S    S seconds of waiting for a worker process that computes (a data loader's)
+    lock         block forever on a lock it already holds (no CPU, no I/O: stuck)
 
 ``--no-torch``: never import torch (a job of plain processes). ``--no-collectives``:
 join the group, then only "compute". Markers in ``--ready``: ``rank-<i>`` (the pid)
@@ -26,8 +30,10 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import multiprocessing
 import os
 import sys
+import threading
 import time
 
 import peerwatch
@@ -39,6 +45,49 @@ def note(ready: str, name: str, text: str) -> None:
     with open(tmp, "w") as f:
         f.write(text)
     os.replace(tmp, path)
+
+
+def checkpoint(path: str, seconds: float) -> None:
+    """Like torch.save of a large model, without paused(): serialise (CPU), write (bytes)."""
+    import torch
+
+    end = time.monotonic() + seconds
+    state = {f"layer{i}": torch.randn(256, 256) for i in range(8)}
+    with open(path, "wb") as f:
+        while time.monotonic() < end:
+            for tensor in state.values():
+                f.write(tensor.numpy().tobytes())
+            f.seek(0)
+
+
+def evaluate(seconds: float) -> None:
+    """An evaluation loop: batches made in Python, a model's forward, a metric."""
+    import torch
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.LayerNorm(128),
+                                torch.nn.Linear(128, 64), torch.nn.Tanh(), torch.nn.Linear(64, 10))
+    end = time.monotonic() + seconds
+    correct = 0
+    with torch.no_grad():
+        while time.monotonic() < end:
+            batch = torch.stack([torch.full((64,), float(i % 7)) for i in range(32)])
+            labels = torch.tensor([i % 10 for i in range(32)])
+            out = model(batch)
+            correct += int((out.argmax(dim=1) == labels).sum())
+
+
+def _worker(seconds: float) -> None:
+    end = time.monotonic() + seconds
+    n = 0
+    while time.monotonic() < end:
+        n += 1
+
+
+def wait_for_workers(seconds: float) -> None:
+    """Like a data loader's main thread: blocked, while its worker process computes."""
+    worker = multiprocessing.get_context("fork").Process(target=_worker, args=(seconds,))
+    worker.start()
+    worker.join()
 
 
 def main() -> None:
@@ -90,6 +139,16 @@ def main() -> None:
                 extra_s = float(arg)
             elif name == "sleep":
                 time.sleep(float(arg))
+            elif name == "checkpoint":
+                checkpoint(os.path.join(args.ready, f"checkpoint-{rank}.bin"), float(arg))
+            elif name == "evaluate":
+                evaluate(float(arg))
+            elif name == "workers":
+                wait_for_workers(float(arg))
+            elif name == "lock":
+                lock = threading.Lock()
+                lock.acquire()
+                lock.acquire()
             elif name == "paused":
                 with peerwatch.paused():
                     time.sleep(float(arg))

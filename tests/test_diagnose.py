@@ -10,9 +10,20 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from peerwatch._activity import Activity
 from peerwatch._decide import Observed, Policy, Progress, decide
-from peerwatch._diagnose import CAP_FRACTION, FACTOR, FLOOR_S, WARMUP_GAPS, RankState, Threshold, diagnose
-from peerwatch._records import EXCEPTION, HANG, HANG_EXIT_CODE, MISMATCH, Diagnosis, Failure, Registration
+from peerwatch._diagnose import (
+    BUSY_END_FRACTION,
+    CAP_FRACTION,
+    FACTOR,
+    FLOOR_S,
+    WARMUP_GAPS,
+    RankState,
+    Threshold,
+    busy_evidence,
+    diagnose,
+)
+from peerwatch._records import BUSY, EXCEPTION, HANG, HANG_EXIT_CODE, MISMATCH, Diagnosis, Failure, Registration
 
 pytestmark = pytest.mark.pure
 
@@ -110,14 +121,16 @@ def test_laggards_are_exactly_the_ranks_behind(seqs: Dict[int, int], since_s: in
 # -- the threshold ------------------------------------------------------------------
 
 
-def test_threshold_is_the_cap_before_the_warmup_then_five_times_the_longest_interval():
+def test_threshold_is_the_floor_before_the_warmup_then_five_times_the_longest_interval():
+    """Before the job's rhythm is learnt, a minute (an early hang is diagnosed in about a
+    minute, not at half the collective timeout); rule 6 keeps busy laggards from being ended."""
     t = Threshold()
     timeout_ms = 1_800_000  # gloo's default: 30 min
-    cap = int(timeout_ms * 1e6 * CAP_FRACTION)
     t.observe(0)
     for i in range(1, WARMUP_GAPS):
         t.observe(i * 20 * S)
-    assert t.value_ns(timeout_ms) == cap
+    assert t.value_ns(timeout_ms) == int(FLOOR_S * S)
+    assert t.value_ns(20_000) == int(20_000 * 1e6 * CAP_FRACTION)  # a short collective timeout: its half
     t.observe(WARMUP_GAPS * 20 * S)
     assert t.value_ns(timeout_ms) == FACTOR * 20 * S
 
@@ -235,3 +248,92 @@ def test_a_bad_hang_warn_names_its_source(raw: str):
 
     with pytest.raises(ConfigError, match="hang_warn"):
         Config.resolve({}, env={"PEERWATCH_HANG_WARN": raw})
+
+
+# -- rule 6: busy or stuck ------------------------------------------------------------
+
+SPAN_MS = 7_000
+
+
+def act(cpu_ms: int = 0, io_bytes: int = 0, children_cpu_ms: int = 0, places: int = 1, samples: int = 7,
+        other_cpu_ms: int = 0) -> Activity:
+    return Activity(span_ms=SPAN_MS, cpu_ms=cpu_ms, places=places, other_cpu_ms=other_cpu_ms, io_bytes=io_bytes,
+                    children_cpu_ms=children_cpu_ms, samples=samples)
+
+
+@pytest.mark.parametrize("activity, busy", [
+    (act(), False),  # blocked on a lock, asleep: no CPU, no bytes
+    (act(cpu_ms=7_000, places=2), False),  # spinning on the same lines
+    (act(cpu_ms=7_000, places=2, io_bytes=1_000), False),  # ... printing a little
+    (act(cpu_ms=7_000, places=7), True),  # evaluating in Python: its stack moves
+    (act(cpu_ms=3_000, places=2, other_cpu_ms=4_000), True),  # evaluating a model: torch's threads compute
+    (act(cpu_ms=7_000, places=1, other_cpu_ms=100), False),  # a GPU sync spinning, other threads idle
+    (act(cpu_ms=200, places=7), False),  # a few short wake-ups: under 5 % of the time
+    (act(cpu_ms=5_000, places=1, io_bytes=300_000_000), True),  # writing a checkpoint
+    (act(children_cpu_ms=14_000), True),  # waiting for data loader workers that work
+    (act(children_cpu_ms=100), False),  # idle workers
+    (act(cpu_ms=3_000, places=3, samples=3), True),  # a short window: every sample at another place
+    (act(cpu_ms=3_000, places=2, samples=3), False),
+])
+def test_busy_or_stuck_from_the_signs_of_work(activity: Activity, busy: bool):
+    assert bool(busy_evidence(RankState(activity=activity))) is busy
+
+
+def test_too_few_samples_to_tell_and_no_samples_at_all():
+    assert busy_evidence(RankState(activity=act(samples=2))) is None  # wait for more
+    assert busy_evidence(RankState(activity=None)) == ""  # a rank that publishes none: judged as before
+    busy = act(cpu_ms=7_000, places=7, io_bytes=10**9)
+    assert busy_evidence(RankState(activity=busy, state="T")) == ""  # stopped: whatever it did before
+    assert busy_evidence(RankState(activity=busy, watcher_silent=True)) == ""
+
+
+def test_a_busy_laggard_is_reported_busy_with_its_evidence_and_an_end_near_the_timeout():
+    ranks = {0: rank(20, activity=act(cpu_ms=6_000, io_bytes=300_000_000), where="train.py:40 in save"),
+             1: rank(21), 2: rank(21)}
+    d = diagnose(ranks, NOW, 5 * S, timeout_ms=1_800_000)
+    assert d is not None
+    assert (d.kind, d.laggards, d.busy) == (BUSY, (0,), (0,)), d
+    assert "rank 0 is busy, not stuck" in d.detail and "300.0 MB read or written" in d.detail, d.detail
+    assert d.end_after_ns == int(BUSY_END_FRACTION * 1_800 * S)
+
+
+def test_a_laggard_that_does_not_work_is_a_hang_ended_at_once():
+    ranks = {0: rank(20, activity=act(cpu_ms=7_000, places=2)), 1: rank(21), 2: rank(21)}
+    d = diagnose(ranks, NOW, 5 * S, timeout_ms=1_800_000)
+    assert d is not None and (d.kind, d.laggards, d.busy, d.end_after_ns) == (HANG, (0,), (), 0), d
+
+
+def test_a_laggard_with_too_few_samples_is_waited_for():
+    ranks = {0: rank(20, activity=act(samples=2)), 1: rank(21)}
+    assert diagnose(ranks, NOW, 5 * S) is None
+
+
+def test_uninterruptible_sleep_with_bytes_moving_is_busy_not_frozen():
+    writing = act(io_bytes=50_000_000)
+    d = diagnose({0: rank(20, state="D", activity=writing), 1: rank(21)}, NOW, 5 * S)
+    assert d is not None and d.kind == BUSY and "uninterruptible" not in d.detail, d
+    d = diagnose({0: rank(20, state="D", activity=act()), 1: rank(21)}, NOW, 5 * S)
+    assert d is not None and d.kind == HANG and "uninterruptible" in d.detail, d
+
+
+def _busy_diagnosis(end_at_ns: Optional[int]) -> Diagnosis:
+    return Diagnosis(finding=BUSY, laggards=(0,), entered=(1,), since_ns=60 * S, stalled_at_ns=NOW - 60 * S,
+                     time_ns=NOW - S, made_by=1, detail="rank 0 is busy", end_at_ns=end_at_ns)
+
+
+def test_auto_ends_a_busy_laggard_only_at_its_end():
+    regs = {r: Registration(rank=r, pid=100 + r, ppid=1, start_ticks=1, uid=0, host="h", boot_id="b", pidns="p",
+                            time_ns=0) for r in (0, 1)}
+    policy = Policy(parent_wait_ns=S, default_exit_code=1, hang_auto=True)
+
+    def at(now: int, end: Optional[int]):
+        obs = Observed(self_rank=1, now_ns=now, registrations=regs, successes=set(), failures={}, exit_statuses={},
+                       gone={}, diagnosis=_busy_diagnosis(end))
+        return decide(obs, policy)
+
+    early = at(NOW, NOW + 100 * S)
+    assert early.verdict is None and early.recheck_at_ns == NOW + 100 * S
+    late = at(NOW + 100 * S, NOW + 100 * S)
+    assert late.verdict is not None and (late.verdict.rank, late.verdict.cause) == (0, HANG)
+    assert "before the collective timeout" in late.verdict.detail
+    assert at(NOW, None).verdict is not None  # a record from before end_at_ns: at once, as then

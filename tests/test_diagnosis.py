@@ -209,6 +209,57 @@ def test_a_stall_that_ends_is_resolved_and_the_job_goes_on(make_job) -> None:
     assert report["diagnosis"]["resolved_at"] is not None and report["verdict"] is None, report
 
 
+# -- busy or stuck (rule 6 of peerwatch._diagnose) ----------------------------------------
+
+AUTO = {"PEERWATCH_HANG_TIMEOUT": "auto"}
+
+
+@pytest.mark.parametrize("behaviour, evidence", [
+    ("checkpoint:12", "read or written"),  # rank 1 writes a file alone, CPU and bytes
+    ("evaluate:12", "other threads on the CPU"),  # rank 1 evaluates a model alone: torch computes, no I/O
+    ("workers:12", "child processes"),  # rank 1 waits for a worker process that computes
+])
+def test_a_busy_laggard_is_reported_busy_and_auto_lets_the_job_finish(make_job, behaviour: str, evidence: str) -> None:
+    """Before, hang_timeout=auto ended these jobs (exit 124) at the diagnosis, and the log
+    line said "the job goes on"."""
+    job = make_job(behave=[f"1={behaviour}@{AT_STEP}"], steps=200, env=AUTO)
+    job.wait_ready(timeout=START_S)
+    job.wait_gone(within=12.0 + 30.0)
+    assert job.returncodes() == {0: 0, 1: 0, 2: 0}, job.logs()
+    d = job.diagnosis_record()
+    assert d is not None and (d["finding"], d["laggards"]) == ("busy", [1]), d
+    assert d["resolved_ns"] is not None and evidence in d["detail"], d
+    said = job.lines("peerwatch: busy:")
+    assert said and all("hang_timeout=auto ends it at" in line and "the job goes on" in line for line in said), said
+    assert not (job.run_dir / "events" / "verdict.json").exists()
+
+
+def test_a_laggard_blocked_on_a_lock_is_stuck_and_auto_ends_it_at_once(make_job) -> None:
+    job = make_job(behave=[f"1=lock@{AT_STEP}"], env=AUTO)
+    job.wait_ready(timeout=START_S)
+    job.wait_gone(within=DIAGNOSED_S + 10.0)
+    v = job.verdict()
+    assert (v["rank"], v["cause"], v["exit_code"], v["laggards"]) == (1, "hang", 124, [1]), v
+    assert "busy" not in v["detail"], v
+    said = job.lines("peerwatch: hang:")
+    assert said and all("hang_timeout=auto ends the job now" in line for line in said), said
+
+
+def test_a_busy_laggard_is_ended_by_auto_before_the_collective_timeout(make_job) -> None:
+    """A checkpoint longer than the collective timeout: ended at 90 % of it, naming the
+    laggard, before gloo's timeout makes victims of the others."""
+    timeout_s = 25.0
+    job = make_job(behave=[f"1=checkpoint:600@{AT_STEP}"], timeout_s=timeout_s, env=AUTO)
+    job.wait_ready(timeout=START_S)
+    job.wait_gone(within=timeout_s + 20.0)
+    v = job.verdict()
+    assert (v["rank"], v["cause"], v["exit_code"], v["laggards"]) == (1, "hang", 124, [1]), v
+    assert "busy, not stuck" in v["detail"], v
+    d = job.diagnosis_record()
+    assert d is not None and d["finding"] == "busy", d
+    assert d["end_at_ns"] - d["stalled_at_ns"] == pytest.approx(0.9 * timeout_s * 1e9, rel=0.01), d
+
+
 # -- no diagnosis -----------------------------------------------------------------------
 
 

@@ -1,0 +1,165 @@
+"""What a rank is doing while the job does not move: the signs of work the host shows.
+
+A laggard that works (writes a checkpoint, evaluates, waits for data loader workers that
+decode) and one that is stuck (blocked on a lock, spinning on the same lines, frozen)
+look the same to the collective counters. They differ in what the kernel counts for
+them. While this rank's counters stand still, its watcher samples, once a heartbeat:
+
+- its main thread's CPU time (``/proc/self/task/<tid>/stat``), and the main thread's
+  stack (code objects and lines): how many different places it was seen at;
+- the CPU time of its other threads (torch's intra-op pool computing a forward, a
+  checkpoint thread), peerwatch's own threads excepted;
+- the bytes its threads read and wrote (``/proc/self/io``: files, pipes, sockets),
+  peerwatch's own threads excepted (their /proc walks and heartbeats);
+- the CPU time of its descendants (data loader workers, a compiler, a ``tar``).
+
+A thread blocked on a lock, asleep, or waiting in a collective shows none of these; a
+thread spinning on the same lines shows CPU at one or two places only. The watcher samples
+where the GIL lets it, which is mostly where C code released it (a torch op): an
+evaluation on the CPU shows as few places, but as CPU in torch's own threads.
+
+and publishes the figures over the last ``WINDOW`` samples with its heartbeat, so a judge
+on any host can tell (peerwatch._diagnose.busy_evidence, pure). Each sample costs two
+small /proc reads, one per descendant, and a walk of the main thread's frames: tens of
+microseconds, and only while the counters stand still.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import threading
+import time
+from collections import deque
+from typing import Deque, Dict, Iterable, List, Optional, Tuple
+
+WINDOW = 8  # samples (heartbeats) the published figures cover
+_TICK_MS = 1000.0 / (os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100)
+
+
+@dataclasses.dataclass(frozen=True)
+class Activity:
+    """A rank's signs of work over its last samples (one shape from sampler to judge)."""
+
+    span_ms: int  # the time the figures cover
+    cpu_ms: int  # CPU time of the main thread in it
+    places: int  # different stacks the main thread was seen at
+    other_cpu_ms: int  # CPU time of the process's other threads (not peerwatch's)
+    io_bytes: int  # bytes its threads read and wrote (not peerwatch's)
+    children_cpu_ms: int  # CPU time of the rank's descendants
+    samples: int
+
+    def as_tuple(self) -> Tuple[int, ...]:
+        return dataclasses.astuple(self)
+
+    @classmethod
+    def of(cls, values: Tuple[int, ...]) -> Optional["Activity"]:
+        """From a heartbeat's ``activity`` field; None when it holds none (or not ours)."""
+        if len(values) != len(dataclasses.fields(cls)) or any(v < 0 for v in values):
+            return None
+        return cls(*values)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Sample:
+    mono_ns: int
+    cpu_ms: float
+    other_cpu_ms: float
+    io_bytes: int
+    children_cpu_ms: float
+    place: int
+
+
+class ActivitySampler:
+    """Samples this process's signs of work. Owned by the watcher thread."""
+
+    def __init__(self) -> None:
+        self._samples: Deque[_Sample] = deque(maxlen=WINDOW + 1)
+        self._tid = threading.main_thread().native_id
+        self._children_cpu: Dict[Tuple[int, int], float] = {}  # child -> CPU ms last read (one that exits keeps its share)
+
+    def reset(self) -> None:
+        """The counters moved: what came before says nothing of the next stall."""
+        self._samples.clear()
+        self._children_cpu.clear()
+
+    def sample(self, children: Iterable[Tuple[int, int]]) -> None:
+        main = _cpu_ms(f"/proc/self/task/{self._tid}/stat") or 0.0
+        ours = _own_threads()
+        own_cpu = sum(_cpu_ms(f"/proc/self/task/{tid}/stat") or 0.0 for tid in ours)
+        own_io = sum(_io_bytes(f"/proc/self/task/{tid}/io") or 0 for tid in ours)
+        for child in children:
+            used = _cpu_ms(f"/proc/{child[0]}/stat", child[1])
+            if used is not None:
+                self._children_cpu[child] = used
+        self._samples.append(_Sample(
+            mono_ns=time.monotonic_ns(), cpu_ms=main,
+            other_cpu_ms=(_cpu_ms("/proc/self/stat") or 0.0) - main - own_cpu,
+            io_bytes=(_io_bytes("/proc/self/io") or 0) - own_io,
+            children_cpu_ms=sum(self._children_cpu.values()), place=_main_stack_key(),
+        ))
+
+    def current(self) -> Optional[Activity]:
+        """The figures over the samples kept; None before two of them."""
+        if len(self._samples) < 2:
+            return None
+        first, last = self._samples[0], self._samples[-1]
+        return Activity(
+            span_ms=max(0, (last.mono_ns - first.mono_ns) // 1_000_000),
+            cpu_ms=max(0, round(last.cpu_ms - first.cpu_ms)),
+            places=len({s.place for s in list(self._samples)[1:]}),
+            other_cpu_ms=max(0, round(last.other_cpu_ms - first.other_cpu_ms)),
+            io_bytes=max(0, last.io_bytes - first.io_bytes),
+            children_cpu_ms=max(0, round(last.children_cpu_ms - first.children_cpu_ms)),
+            samples=len(self._samples) - 1,
+        )
+
+
+def _own_threads() -> List[int]:
+    """Native ids of peerwatch's threads (its watcher, launcher, bridge, and the folder
+    watches' watchdog threads): their /proc walks and heartbeats are not the rank's work."""
+    return [
+        t.native_id for t in threading.enumerate()
+        if t.native_id is not None and t is not threading.main_thread()
+        and (t.name.startswith("peerwatch") or type(t).__module__.startswith("watchdog"))
+    ]
+
+
+def _cpu_ms(path: str, start_ticks: Optional[int] = None) -> Optional[float]:
+    """utime + stime of a task, in ms; None if it is gone (or another process now)."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+        fields = data[data.rfind(b")") + 2 :].split()
+        if start_ticks is not None and int(fields[19]) != start_ticks:
+            return None
+        return (int(fields[11]) + int(fields[12])) * _TICK_MS
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _io_bytes(path: str) -> Optional[int]:
+    """rchar + wchar of a task: every byte it read or wrote, cached or not."""
+    try:
+        with open(path, "rb") as f:
+            total = 0
+            for line in f.read().splitlines():
+                if line.startswith((b"rchar:", b"wchar:")):
+                    total += int(line.split()[1])
+            return total
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _main_stack_key() -> int:
+    """The main thread's whole stack (code objects and lines) as one number."""
+    frame = sys._current_frames().get(threading.main_thread().ident or 0)
+    places = []
+    while frame is not None:
+        places.append((id(frame.f_code), frame.f_lineno))
+        frame = frame.f_back
+    return hash(tuple(places))
+
+
+__all__ = ["WINDOW", "Activity", "ActivitySampler"]
