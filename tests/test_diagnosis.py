@@ -24,6 +24,8 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence
 import pytest
 from harness import Job
 
+from peerwatch._diagnose import FLOOR_S
+
 pytest.importorskip("torch.distributed")
 
 pytestmark = pytest.mark.timeout(120)
@@ -258,6 +260,16 @@ def test_a_busy_laggard_is_ended_by_auto_before_the_collective_timeout(make_job)
     d = job.diagnosis_record()
     assert d is not None and d["finding"] == "busy", d
     assert d["end_at_ns"] - d["stalled_at_ns"] == pytest.approx(0.9 * timeout_s * 1e9, rel=0.01), d
+
+
+def test_an_early_hang_is_diagnosed_in_about_a_minute_with_no_configuration(make_job) -> None:
+    """Rank 1 blocks after 30 collectives, gloo's default 30-minute timeout, nothing set:
+    before, the threshold was half the timeout until 10 movements were learnt (900 s)."""
+    job = make_job(behave=["1=lock@30"], timeout_s=1800.0, env={"PEERWATCH_HANG_WARN": "auto"})
+    job.wait_ready(timeout=START_S)
+    d = job.wait_diagnosis(within=FLOOR_S + DIAGNOSED_S + 10.0)
+    assert (d["kind"], d["laggards"]) == ("hang", [1]), d
+    _stuck_then_ended(job)
 
 
 # -- no diagnosis -----------------------------------------------------------------------
