@@ -124,6 +124,11 @@ class Heartbeat:
     moved_ns: Optional[int] = None
     entered: Tuple[Tuple[str, int, str, str], ...] = ()
     pg_timeout_ms: int = 0
+    # Whether those counters are read (peerwatch._collectives.STATES: "read", "waiting",
+    # "none", "failing", "off"; "" in a record of an older peerwatch), and for "failing",
+    # why (one short line). A rank whose counters are not read is invisible to the diagnosis.
+    collectives_state: str = ""
+    collectives_error: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
