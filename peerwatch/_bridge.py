@@ -47,6 +47,7 @@ import time
 from typing import Any, Callable, Dict, List, Mapping, Optional, Set, Tuple
 
 from . import _identity, _terminal
+from ._collectives import torch_loaded
 from ._config import Config, LauncherFacts
 from ._election import Election, UpFlag, connected_elsewhere
 from ._hosts import (
@@ -70,7 +71,7 @@ from ._hosts import (
 )
 from ._records import Failure, Registration, Verdict, decode, encode
 from ._rundir import EVENTS, RANKS, VERDICT_FILE, RunDir, rank_file
-from ._store_client import StoreClient, connect, import_torch, torch_loaded
+from ._store_client import StoreClient, connect, import_torch
 from ._store_protocol import (
     NO_SEAL,
     VERDICT,

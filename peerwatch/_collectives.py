@@ -2,9 +2,18 @@
 read from the watcher thread: progress that needs no ``beat()``.
 
 ``import peerwatch`` never imports torch: these are read only once the application has
-imported ``torch.distributed`` itself (it is then in ``sys.modules``), and every call is
-guarded: a torch without the flight recorder, or one whose output we cannot parse, is
-said once in the log, and the job is judged by ``beat()`` alone.
+imported ``torch.distributed`` itself, and every call is guarded. Never silently off: the
+reader's :attr:`CollectiveReader.state` (published with every heartbeat, shown by
+``peerwatch status``) says whether the counters are read, and:
+
+- while ``torch`` or ``torch.distributed`` is not imported, or is still being imported
+  (``install()`` comes before ``import torch``: a heartbeat lands in the middle of it,
+  where ``torch.distributed`` is in ``sys.modules`` but its C module not yet), it is
+  ``waiting``, and looked at again on the next heartbeat;
+- only once both have finished importing and the flight recorder is truly missing (an
+  older torch, a build without distributed) is it ``none``, said once in the log, for good;
+- a read that fails (raises, or output we cannot parse) is ``failing``, said once in the
+  log, and tried again on every heartbeat.
 
 Costs, measured (torch 2.13, gloo; benchmarks/hang_diagnosis.py): the counters
 (``includeCollectives=False``) take a few microseconds per heartbeat. The entries
@@ -22,7 +31,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 logger = logging.getLogger("peerwatch")
 
@@ -34,34 +43,54 @@ Counters = Tuple[Tuple[str, int, int], ...]
 # (group, seq, op, sizes and dtypes) of the collective a rank last entered in each group.
 Entered = Tuple[Tuple[str, int, str, str], ...]
 
+# Whether this rank's collectives are read (Heartbeat.collectives_state, ``peerwatch status``).
+READ = "read"  # the last read of the counters worked
+WAITING = "waiting"  # torch.distributed not imported, or still importing: looked at again next heartbeat
+NONE = "none"  # torch finished importing and has no flight recorder: never read
+FAILING = "failing"  # the last read failed (its reason in CollectiveReader.error): tried again next heartbeat
+OFF = "off"  # not asked for: hang_warn is off and there is no hang_timeout
+STATES = (READ, WAITING, NONE, FAILING, OFF)
+MAX_ERROR_CHARS = 120  # the reason of a failing read, as published: one short line
+
 
 class CollectiveReader:
-    """Reads this process's collective counters. Owned by the watcher thread."""
+    """Reads this process's collective counters. Owned by the watcher thread (``state``
+    and ``error`` too)."""
 
     def __init__(self, rank: int) -> None:
         self._rank = rank
-        self._said = False  # the one log line of a missing or failing API
+        self._said: Set[str] = set()  # the states already said in the log (once each)
+        # None: not known yet (torch not imported, or importing); []: no flight recorder, for good.
         self._dumps: Optional[List[Callable[..., Any]]] = None
+        self.state = WAITING
+        self.error = ""  # why the last read failed (state FAILING), at most MAX_ERROR_CHARS
         self.timeout_ms: Dict[str, int] = {}  # group -> its collective timeout, as the entries say
 
     def available(self) -> bool:
-        """True once torch.distributed is imported and has a flight recorder we can read."""
+        """True once torch.distributed has finished importing and has a flight recorder we
+        can call. False while it is not imported or still importing (``state`` WAITING:
+        asked again next time), and for good where it has none (``state`` NONE)."""
         if self._dumps is None:
-            if "torch.distributed" not in sys.modules:
+            self._dumps = flight_recorder()
+            if self._dumps is None:
                 return False  # the application has not imported it (yet): never import it ourselves
-            module = sys.modules.get(_C10D)
-            self._dumps = [getattr(module, name) for name in _DUMPS if callable(getattr(module, name, None))]
             if not self._dumps:
-                self._say("torch.distributed has no flight recorder here (no _dump_fr_trace_json)")
+                self.state = NONE
+                self._say(NONE, "torch.distributed has no flight recorder here (no _dump_fr_trace_json)")
         return bool(self._dumps)
 
     def counters(self) -> Optional[Counters]:
-        """Every process group's counters now; None where they cannot be read."""
+        """Every process group's counters now; None where they cannot be read (``state``
+        says why: WAITING, NONE or FAILING)."""
         if not self.available():
             return None
+        bodies = self._read(False)
+        if bodies is None:
+            return None
         groups: Dict[str, Tuple[int, int]] = {}
-        for body in self._read(False):
-            for group, status in (body.get("pg_status") or {}).items():
+        for body in bodies:
+            by_group = body.get("pg_status")
+            for group, status in (by_group.items() if isinstance(by_group, dict) else ()):
                 try:
                     groups[str(group)] = (int(status["last_enqueued_collective"]), int(status["last_completed_collective"]))
                 except (KeyError, TypeError, ValueError):
@@ -73,7 +102,7 @@ class CollectiveReader:
         (up to its last enqueued seq): read only when the counters stopped moving (costly)."""
         wanted = {g: e for g, e, _ in counters if e > 0}
         found: Dict[Tuple[str, int], Tuple[str, str]] = {}
-        for body in self._read(True):
+        for body in self._read(True) or ():
             for entry in body.get("entries") or ():
                 try:
                     group, seq = str(entry["pg_id"]), int(entry["collective_seq_id"])
@@ -86,24 +115,63 @@ class CollectiveReader:
                     continue
         return tuple((g, s, op, shape) for (g, s), (op, shape) in sorted(found.items()))
 
-    def _read(self, entries: bool) -> List[Dict[str, Any]]:
-        out = []
+    def _read(self, entries: bool) -> Optional[List[Dict[str, Any]]]:
+        """What each dump says; None if none could be read (``state`` FAILING, tried again
+        on the next call). One that reads is enough (a CUDA build has two)."""
+        out, error = [], ""
         for dump in self._dumps or ():
             try:
-                raw = dump(includeCollectives=entries, onlyActive=False)
-                body = json.loads(raw)
-                if isinstance(body, dict):
-                    out.append(body)
+                body = json.loads(dump(includeCollectives=entries, onlyActive=False))
             except Exception as e:  # noqa: BLE001 - torch's internals: whatever they raise, training goes on
-                self._say(f"its flight recorder could not be read ({type(e).__name__}: {e})")
-        return out
+                error = f"{type(e).__name__}: {e}"
+                continue
+            if isinstance(body, dict):
+                out.append(body)
+            else:
+                error = f"not a JSON object ({type(body).__name__})"
+        if out:
+            if self.state == FAILING:
+                logger.info("peerwatch: rank %d: its flight recorder is read again", self._rank)
+            self.state, self.error = READ, ""
+            return out
+        self.state, self.error = FAILING, _short(error or "no dump")
+        self._say(FAILING, f"its flight recorder could not be read ({self.error}; tried again every heartbeat)")
+        return None
 
-    def _say(self, why: str) -> None:
-        if not self._said:
-            self._said = True
+    def _say(self, state: str, why: str) -> None:
+        if state not in self._said:
+            self._said.add(state)
             logger.warning(
                 "peerwatch: rank %d: %s; hangs are found only with hang_timeout and peerwatch.beat()", self._rank, why,
             )
+
+
+def flight_recorder() -> Optional[List[Callable[..., Any]]]:
+    """The flight recorder's dump functions of the torch this process imported; None while
+    ``torch`` or ``torch.distributed`` is not imported, or is still being imported (the
+    watcher thread runs beside the application's ``import torch``); [] once both have
+    finished importing and there are none. Never imports anything."""
+    if not torch_loaded():
+        return None
+    c10d = sys.modules.get(_C10D) or getattr(sys.modules.get("torch._C"), "_distributed_c10d", None)
+    return [getattr(c10d, name) for name in _DUMPS if callable(getattr(c10d, name, None))]
+
+
+def torch_loaded() -> bool:
+    """torch and torch.distributed are imported, completely (not under way in another
+    thread). importlib marks a module whose code is still running (``spec._initializing``):
+    it is in ``sys.modules`` from its first line, what it imports later not yet."""
+    for name in ("torch", "torch.distributed"):
+        module = sys.modules.get(name)
+        if module is None or getattr(getattr(module, "__spec__", None), "_initializing", False):
+            return False
+    return True
+
+
+def _short(text: str) -> str:
+    """One line of at most MAX_ERROR_CHARS (an exception's message may be a page)."""
+    line = " ".join(text.split())
+    return line if len(line) <= MAX_ERROR_CHARS else line[: MAX_ERROR_CHARS - 3] + "..."
 
 
 def _shape(entry: Dict[str, Any]) -> str:
@@ -113,4 +181,5 @@ def _shape(entry: Dict[str, Any]) -> str:
     return f"{sizes} {','.join(map(str, dtypes))}".strip() if sizes or dtypes else ""
 
 
-__all__ = ["CollectiveReader", "Counters", "Entered"]
+__all__ = ["FAILING", "MAX_ERROR_CHARS", "NONE", "OFF", "READ", "STATES", "WAITING", "CollectiveReader", "Counters", "Entered",
+           "flight_recorder", "torch_loaded"]

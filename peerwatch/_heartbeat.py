@@ -20,7 +20,7 @@ from typing import AbstractSet, Callable, Optional, Tuple
 
 from . import _teardown
 from ._activity import ActivitySampler
-from ._collectives import CollectiveReader, Counters, Entered
+from ._collectives import FAILING, OFF, CollectiveReader, Counters, Entered
 from ._records import Heartbeat, Registration, encode
 from ._rundir import HEARTBEATS, InPlace, RunDir, rank_file
 
@@ -81,7 +81,9 @@ class HeartbeatWriter:
     record), which keeps an idle watcher cheap.
     """
 
-    def __init__(self, run_dir: RunDir, me: Registration, progress: Progress, with_position: bool) -> None:
+    def __init__(
+        self, run_dir: RunDir, me: Registration, progress: Progress, with_position: bool, read_collectives: bool = True,
+    ) -> None:
         self._run_dir = run_dir
         self._me = me
         self._progress = progress
@@ -93,7 +95,9 @@ class HeartbeatWriter:
         self._seq = 0  # guarded by _lock
         self._children: Tuple[Tuple[int, int], ...] = ()  # guarded by _lock
         self.children_changed = threading.Event()
-        # torch's collective counters: read by the watcher thread only (write(read_counters=True)).
+        # torch's collective counters: read by the watcher thread only (write(read_counters=True)),
+        # where the diagnosis or hang_timeout needs them (read_collectives).
+        self._read_collectives = read_collectives
         self._reader = CollectiveReader(me.rank)
         self._counters: Counters = ()  # guarded by _lock, as the rest below
         self._moved_ns: Optional[int] = None
@@ -120,6 +124,10 @@ class HeartbeatWriter:
         """Read the counters (the watcher thread, once a heartbeat); the entries once per stall."""
         counters = self._reader.counters()
         if counters is None:
+            if self._reader.state == FAILING and self._counters:
+                # Counters no longer read must not look like counters that stopped: the
+                # judges would take this rank for a laggard. Unread, it is left out.
+                self._counters, self._entered, self._still = (), (), 0
             return
         # Movement is a rank entering a collective: a completion alone is not (a collective
         # that fails with the timeout completes too).
@@ -150,7 +158,7 @@ class HeartbeatWriter:
             if last and self._ending and self._progress.step == self._last_step:
                 return  # already written at this step (a whole-file write costs a few ms at teardown)
             self._seq += 1
-            if read_counters:
+            if read_counters and self._read_collectives:
                 self._read_counters()
             if self.children_changed.is_set() or self._seq % CHILDREN_SCAN_EVERY == 1:
                 self.children_changed.clear()
@@ -176,6 +184,7 @@ class HeartbeatWriter:
             in_collective=waiting, collectives=self._counters, moved_ns=self._moved_ns, entered=self._entered,
             pg_timeout_ms=min(self._reader.timeout_ms.values(), default=0),
             activity=activity.as_tuple() if stalled and activity is not None else (),
+            collectives_state=self._reader.state if self._read_collectives else OFF, collectives_error=self._reader.error,
         )
 
     def _write(self, beat: Heartbeat, atomic: bool = False) -> None:

@@ -128,6 +128,11 @@ class Heartbeat:
     # While the counters stand still, the rank's signs of work over its last samples
     # (peerwatch._activity.Activity, in its field order); () when it has none to show.
     activity: Tuple[int, ...] = ()
+    # Whether those counters are read (peerwatch._collectives.STATES: "read", "waiting",
+    # "none", "failing", "off"; "" in a record of an older peerwatch), and for "failing",
+    # why (one short line). A rank whose counters are not read is invisible to the diagnosis.
+    collectives_state: str = ""
+    collectives_error: str = ""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -147,6 +147,9 @@ def _rank_entry(
         "stack_file": stack if _non_empty(stack) else None,
         "last_heartbeat_ns": beat.time_ns if beat else None,
         "step": beat.step if beat else None,
+        # Whether its collective counters are read: a rank whose are not is invisible to the diagnosis.
+        "collectives_state": (beat.collectives_state or None) if beat else None,
+        "collectives_error": (beat.collectives_error or None) if beat else None,
         "ended_at_ns": ended_at,
         "acked_verdict": rank in events["ack"],
         "thread_exception": _thread_exception(events["thread"].get(rank)),

@@ -21,7 +21,6 @@ import functools
 import logging
 import queue
 import socket
-import sys
 import threading
 import time
 from typing import Any, Callable, Generic, List, Optional, Set, TypeVar
@@ -173,15 +172,6 @@ def connect(endpoint: Any, timeout: float) -> Any:
                          timeout=datetime.timedelta(seconds=timeout))
 
 
-def torch_loaded() -> bool:
-    """torch and torch.distributed are imported, completely (not under way in another thread)."""
-    for name in ("torch", "torch.distributed"):
-        module = sys.modules.get(name)
-        if module is None or getattr(getattr(module, "__spec__", None), "_initializing", False):
-            return False
-    return True
-
-
 def import_torch() -> None:
     """Import torch.distributed from a bridge thread without breaking the application's own
     import of torch. ``import torch.distributed`` would take the submodule's import lock
@@ -194,4 +184,4 @@ def import_torch() -> None:
     import torch.distributed  # noqa: F401
 
 
-__all__ = ["StoreClient", "StoreOverrun", "connect", "import_torch", "torch_loaded"]
+__all__ = ["StoreClient", "StoreOverrun", "connect", "import_torch"]

@@ -136,7 +136,9 @@ class Watcher:
         use_pidfd = config.use_pidfd and pidfd_supported()
         remote = _sharedfs.RemoteWatch(run_dir, config.heartbeat_interval, config.peer_timeout) if run_dir.shared else None
         self.observer = Observer(run_dir, me, use_pidfd, remote)
-        self.heartbeat = HeartbeatWriter(run_dir, me, self.progress, with_position=bool(config.hang_timeout))
+        # torch's collective counters: for the diagnosis (hang_warn), and as progress for hang_timeout.
+        self.heartbeat = HeartbeatWriter(run_dir, me, self.progress, with_position=bool(config.hang_timeout),
+                                         read_collectives=bool(config.hang_warn or config.hang_timeout))
         self._policy = _decide.Policy(
             parent_wait_ns=int(config.parent_wait * 1e9), default_exit_code=config.exit_code,
             hang_timeout_ns=int(max(config.hang_timeout, 0) * 1e9), hang_auto=config.hang_timeout == HANG_AUTO,
@@ -314,8 +316,7 @@ class Watcher:
 
     def _on_beat(self) -> Tuple[bool, bool]:
         """Heartbeat, GIL watchdog, the bridge; whether this rank judges hangs and other hosts."""
-        # torch's collective counters: for the diagnosis, and as progress for hang_timeout.
-        self.heartbeat.write(self.observer.local_pids, read_counters=self._diagnoser is not None or bool(self.config.hang_timeout))
+        self.heartbeat.write(self.observer.local_pids, read_counters=True)
         if self.config.gil_timeout and not self.verdict_seen.is_set():
             self.stacks.arm_gil_watchdog(self.config.gil_timeout)
         if self.bridge is not None:

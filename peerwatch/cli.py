@@ -13,6 +13,7 @@ import time
 from typing import Any, Dict, List, Optional
 
 from . import _report, _rundir
+from ._collectives import FAILING, NONE
 from ._errors import RunDirError
 from ._records import WATCHER_DEATH, Heartbeat, WatcherDeath
 from ._rundir import EVENTS, HEARTBEATS, RunDir, rank_file
@@ -95,21 +96,41 @@ def _status_text(rd: RunDir) -> str:
     one that ended (an ended run's ages do not grow)."""
     report = _report.build(rd)
     now = time.time_ns()
-    lines = [f"{'rank':>4}  {'pid':>7}  {'host':<16} {'state':<13} {'heartbeat':>9}  {'step':>8}  exit"]
+    lines = [f"{'rank':>4}  {'pid':>7}  {'host':<16} {'state':<13} {'heartbeat':>9}  {'step':>8}  {'collectives':<11}  exit"]
+    blind = []
     for r in report["ranks"]:
         beat = rd.read(HEARTBEATS, rank_file("rank", r["rank"]), Heartbeat)
         end = r.get("ended_at_ns") if r["state"] != "running" else None
         age = f"{max(0, (end or now) - beat.time_ns) / 1e9:.1f}s" if beat else "-"
         step = "-" if not beat or beat.step is None else str(beat.step)
+        collectives = r.get("collectives_state") or "-"
         lines.append(f"{r['rank']:>4}  {str(r['pid']):>7}  {str(r['host'])[:16]:<16} {r['state']:<13} {age:>9}  "
-                     f"{step:>8}  {_report.exit_text(r)}")
+                     f"{step:>8}  {collectives:<11}  {_report.exit_text(r)}")
+        note = _not_read(r)
+        if note is not None:
+            blind.append(note)
     lines.append(f"outcome: {report['outcome']}")
     d = report.get("diagnosis")
     if d is not None:
         state = f"resolved at {d['resolved_at']}" if d.get("resolved_at") else f"after {d['since']:g}s without progress"
         lines.append(f"diagnosis: {d['kind']} ({state}): {d['detail']}")
+    lines.extend(blind)
     lines.extend(_watcher_deaths(rd, {r["rank"]: r["pid"] for r in report["ranks"]}))
     return "\n".join(lines)
+
+
+def _not_read(r: Dict[str, Any]) -> Optional[str]:
+    """A line for a rank whose collective counters were asked for and are not read: the
+    hang diagnosis cannot see it, and nothing else would say so (docs/hangs.md)."""
+    state = r.get("collectives_state")
+    if state == NONE:
+        why = "its torch has no flight recorder"
+    elif state == FAILING:
+        why = f"its flight recorder cannot be read ({r.get('collectives_error') or '?'}; tried again every heartbeat)"
+    else:
+        return None
+    return (f"rank {r['rank']}: collectives not read: {why}; the hang diagnosis cannot see this rank "
+            "(hang_timeout and peerwatch.beat() still can)")
 
 
 def _watcher_deaths(rd: RunDir, pids: Dict[int, Any]) -> List[str]:

@@ -379,6 +379,7 @@ def test_the_encoding_on_disk_is_compact_json_with_version_1_and_its_kind_first(
         "version": 1, "kind": "heartbeat", "rank": 0, "pid": 5, "time_ns": 6, "seq": 7, "step": None,
         "progress_ns": None, "paused": False, "children": [[8, 9]], "where": "", "in_collective": False,
         "collectives": [], "moved_ns": None, "entered": [], "pg_timeout_ms": 0, "activity": [],
+        "collectives_state": "", "collectives_error": "",
     }
 
 
@@ -386,10 +387,15 @@ def test_a_heartbeat_carries_the_collective_counters_and_one_without_them_still_
     from peerwatch._records import decode
 
     hb = Heartbeat(rank=0, pid=5, time_ns=6, seq=7, collectives=(("0", 21, 20),), moved_ns=11,
-                   entered=(("0", 21, "gloo:all_reduce", "[[4]] Float"),), pg_timeout_ms=10_000)
+                   entered=(("0", 21, "gloo:all_reduce", "[[4]] Float"),), pg_timeout_ms=10_000,
+                   collectives_state="read")
     assert decode(Heartbeat, encode(hb)) == hb
+    failing = Heartbeat(rank=0, pid=5, time_ns=6, seq=7, collectives_state="failing", collectives_error="RuntimeError: x")
+    assert decode(Heartbeat, encode(failing)) == failing
+    # Written by a peerwatch before collectives_state: it reads, its state unknown ("").
     older = b'{"version":1,"kind":"heartbeat","rank":0,"pid":5,"time_ns":6,"seq":7}'
     assert decode(Heartbeat, older) == Heartbeat(rank=0, pid=5, time_ns=6, seq=7)
+    assert decode(Heartbeat, older).collectives_state == ""  # type: ignore[union-attr]
 
 
 def test_a_diagnosis_record_round_trips_and_its_kind_is_the_record_type():

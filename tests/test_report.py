@@ -140,7 +140,8 @@ def test_cli_report_status_and_ls(make_job) -> None:
     assert as_json["verdict"]["exit_code"] == 5
     status = _cli("status", str(job.run_dir))
     assert status.returncode == 0 and "outcome: failed" in status.stdout
-    assert status.stdout.splitlines()[0].split() == ["rank", "pid", "host", "state", "heartbeat", "step", "exit"]
+    assert status.stdout.splitlines()[0].split() == ["rank", "pid", "host", "state", "heartbeat", "step", "collectives",
+                                                   "exit"]
     listing = _cli("ls", "--base", str(job.tmp))
     assert listing.returncode == 0 and str(job.run_dir) in listing.stdout and "rank 1 exit" in listing.stdout
 
