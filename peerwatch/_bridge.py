@@ -9,6 +9,13 @@ with its own connection, blocks in ``wait`` on the verdict key, so a verdict mad
 host reaches this one in one round trip; it is written into the local
 ``events/verdict.json`` and the local watchers act on it as on a local one.
 
+While this host's ranks stand still (its hang judges say so in ``RUN/stall.json``, see
+:mod:`._summary`), the beat says so too (``<seq>s``), the interval also sets this host's
+summary in ``diag/<i>`` (when it is new, then at most every ``refresh_ns``), and reads, as
+often, the summaries of the other hosts whose beat says they stand still (one
+``multi_get``); it writes them, each host's last move turned into this host's clock once
+per stall, into ``RUN/stalls-remote.json`` for the judges. A job that moves costs nothing more.
+
 What the bridge writes locally is only ever a record (a verdict from the store, or a
 ``Failure`` with cause ``lost`` when a host or the store falls silent for ``peer_timeout``,
 by the rules of :mod:`._hosts`); the decision stays in :mod:`._decide`, and only local
@@ -46,7 +53,7 @@ import threading
 import time
 from typing import Any, Callable, Dict, List, Mapping, Optional, Set, Tuple
 
-from . import _identity, _terminal
+from . import _identity, _summary, _terminal
 from ._collectives import torch_loaded
 from ._config import Config, LauncherFacts
 from ._election import Election, UpFlag, connected_elsewhere
@@ -67,10 +74,11 @@ from ._hosts import (
     op_timeout_s,
     report_store_lost,
     settle_deadline,
+    stalled_hosts,
     store_silent_for,
 )
 from ._records import Failure, Registration, Verdict, decode, encode
-from ._rundir import EVENTS, RANKS, VERDICT_FILE, RunDir, rank_file
+from ._rundir import EVENTS, RANKS, REMOTE_STALLS_FILE, STALL_FILE, VERDICT_FILE, RunDir, rank_file
 from ._store_client import StoreClient, connect, import_torch
 from ._store_protocol import (
     NO_SEAL,
@@ -96,6 +104,7 @@ PUBLISH_BUDGET_S = 1.0  # the teardown never waits longer than this for the stor
 TAKEOVER_CONNECT_S = 1.0
 STOP_BUDGET_S = 1.0  # stop() joins the bridge's threads for at most this long
 GATE_POLL_S = 1.0  # how often the waiter, waiting for the beat thread's torch import, looks at stopped
+STALL_FRESH_BEATS = 3  # RUN/stall.json older than this many heartbeats (+1 s): the judges stopped writing it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,6 +189,12 @@ class _BeatLoop:
         self._ranks_mtime: Optional[int] = None
         self._state: Dict[str, Any] = {}  # the last bridge.json written
         self._up = UpFlag(link.run_dir)
+        # The hang diagnosis across hosts: our stall as last published, and the other hosts'.
+        self._stall_token: Optional[str] = None
+        self._stall_published_ns = 0
+        self._stalls_read_ns = 0
+        self._remote: Dict[int, Tuple[str, int, bytes]] = {}  # host -> (its stall, its last move on our clock, summary)
+        self._remote_file = False  # RUN/stalls-remote.json names hosts
 
     def run(self) -> None:
         """The beat thread's body."""
@@ -217,16 +232,72 @@ class _BeatLoop:
             self.job_ending = True
         me = self._host_to_announce()
         link = self.link
-        plan = Exchange(link.prefix, self.index, self.ident, beat_value(self._seq(), self.job_ending), me,
-                        dict(self.hosts), link.facts.expected_hosts, link.seal)
+        stall = self._local_stall()
+        now_ns = time.monotonic_ns()
+        publish, read = self._stall_plan(stall, now_ns)
+        plan = Exchange(link.prefix, self.index, self.ident,
+                        beat_value(self._seq(), self.job_ending, stalled=stall is not None and self.index is not None),
+                        me, dict(self.hosts), link.facts.expected_hosts, link.seal,
+                        stall=stall.to_json() if stall is not None and publish else None, read_stalls=read)
         peer_timeout = link.config.peer_timeout
         seen = link.client.call(functools.partial(exchange, x=plan), interval_deadline_s(peer_timeout),
                                 connect_allowance_s(peer_timeout))
         self._learn(seen, me)
         self._judge(seen.beats)
+        if plan.stall is not None and stall is not None:
+            self._stall_token, self._stall_published_ns = stall.stall, now_ns
+        self._take_stalls(stall is not None, seen, read, now_ns)
         self.connected = True
         self._up.set(True)
         self._write_state(connected=True)
+
+    # -- the hang diagnosis across hosts ----------------------------------------------------
+
+    def _local_stall(self) -> Optional[_summary.Summary]:
+        """This host's stall, as its hang judges last wrote it (None: its ranks move)."""
+        run_dir = self.link.run_dir
+        fresh_ns = int((STALL_FRESH_BEATS * self.link.config.heartbeat_interval + 1.0) * 1e9)
+        try:
+            if time.time_ns() - os.stat(run_dir.join(STALL_FILE)).st_mtime_ns > fresh_ns:
+                return None
+        except OSError:
+            return None
+        data = run_dir.read_bytes("", STALL_FILE, limit=_summary.MAX_SUMMARY_BYTES)
+        return _summary.Summary.from_json(data) if data else None
+
+    def _stall_plan(self, stall: Optional[_summary.Summary], now_ns: int) -> Tuple[bool, bool]:
+        """Publish our summary, read the others'? A new stall at once, then at most every
+        refresh; the others' also as soon as another host starts to stand still."""
+        if stall is None:
+            return False, False
+        every = _summary.refresh_ns(stall.threshold_ms, int(self.link.config.heartbeat_interval * 1e9))
+        publish = stall.stall != self._stall_token or now_ns - self._stall_published_ns >= every
+        new = set(stalled_hosts(self.liveness.values)) - set(self._remote)
+        return publish, now_ns - self._stalls_read_ns >= every or bool(new)
+
+    def _take_stalls(self, stalled: bool, seen: Seen, read: bool, now_ns: int) -> None:
+        """Keep the other hosts' stalls (each one's last move on our clock, fixed per stall)
+        and hand them to the judges in RUN/stalls-remote.json."""
+        before = dict(self._remote)
+        still = set(stalled_hosts(seen.beats)) if stalled else set()
+        self._remote = {j: v for j, v in self._remote.items() if j in still}
+        for j, data in seen.stalls.items() if read else ():
+            summary = _summary.Summary.from_json(data) if data is not None else None
+            if summary is None or j not in still:
+                continue
+            old = self._remote.get(j)
+            moved = old[1] if old is not None and old[0] == summary.stall else now_ns - summary.age_ms * 1_000_000
+            self._remote[j] = (summary.stall, moved, bytes(data))  # type: ignore[arg-type]
+        if read:
+            self._stalls_read_ns = now_ns
+        if not (read or self._remote != before or (self._remote_file and not self._remote)):
+            return
+        body = {"hosts": [[moved, data.decode("utf-8", "replace")] for _, moved, data in self._remote.values()]}
+        try:
+            self.link.run_dir.write("", REMOTE_STALLS_FILE, json.dumps(body).encode(), replace=True)
+            self._remote_file = bool(self._remote)
+        except OSError as e:
+            logger.debug("peerwatch: cannot write %s: %s", REMOTE_STALLS_FILE, e)  # the judges see this host only
 
     def _host_to_announce(self) -> Optional[HostInfo]:
         """Our host/<i>, when it is to be (re)written: first, and when the local ranks changed."""

@@ -324,8 +324,8 @@ def _diagnosed_hang(obs: Observed, policy: Policy) -> Decision:
     if d.finding == BUSY:
         detail += f"; ended by hang_timeout=auto after {(obs.now_ns - d.stalled_at_ns) / 1e9:.0f}s, before the collective timeout"
     return Decision(Verdict(
-        **_base(obs, rank), cause=HANG, exit_code=HANG_EXIT_CODE, failed_at_ns=d.stalled_at_ns,
-        detail=detail, laggards=d.laggards,
+        **_base(obs, rank, dict(d.hosts).get(rank)), cause=HANG, exit_code=HANG_EXIT_CODE,
+        failed_at_ns=d.stalled_at_ns, detail=detail, laggards=d.laggards,
     ))
 
 
@@ -346,7 +346,8 @@ def _victim_of_hang(obs: Observed, first: Verdict) -> Verdict:
         return first
     how = first.detail or first.cause
     return Verdict(
-        **_base(obs, d.laggards[0]), cause=HANG, exit_code=HANG_EXIT_CODE, failed_at_ns=d.stalled_at_ns,
+        **_base(obs, d.laggards[0], dict(d.hosts).get(d.laggards[0])), cause=HANG, exit_code=HANG_EXIT_CODE,
+        failed_at_ns=d.stalled_at_ns,
         detail=f"{d.detail}; rank {first.rank} then failed waiting for it ({how}): a consequence",
         laggards=d.laggards,
     )
@@ -377,12 +378,13 @@ def exit_code_for(returncode: Optional[int], policy: Policy) -> int:
     return code if 0 < code <= 255 else policy.default_exit_code
 
 
-def _base(obs: Observed, rank: int) -> dict:
+def _base(obs: Observed, rank: int, host: Optional[str] = None) -> dict:
+    """``host``: where the rank is, if it is not registered here (another host's, named by its summary)."""
     reg = obs.registrations.get(rank)
     return {
         "rank": rank,
         "pid": reg.pid if reg else None,
-        "host": reg.host if reg else None,
+        "host": reg.host if reg else host,
         "detected_by": obs.self_rank,
         "detected_at_ns": obs.now_ns,
     }

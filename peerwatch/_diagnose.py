@@ -27,6 +27,10 @@ has moved for the warning threshold:
    frozen, or in another collective) is stuck: ``hang``, ended at once under ``auto``.
    A laggard that has published too few samples to tell yet is waited for.
 
+Ranks of other hosts come in as the ranks of this one (peerwatch._summary turns each
+host's summary from the store into them, its host named): the rules are the same, and a
+finding names each rank's host where ranks of several hosts are judged.
+
 The threshold (:class:`Threshold`) is learnt from the job's own intervals between two
 movements (any rank's counters or ``beat()``): after ``WARMUP_GAPS`` of them, it is
 ``FACTOR`` times the longest seen, at least ``FLOOR_S``, and at most ``CAP_FRACTION`` of the
@@ -82,6 +86,7 @@ class RankState:
     in_collective: bool = False
     where: str = ""
     activity: Optional[Activity] = None  # its signs of work while its counters stand still
+    host: str = ""  # its host, where ranks of several hosts are judged together (peerwatch._summary)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,7 +125,7 @@ def diagnose(ranks: Mapping[int, RankState], now_mono_ns: int, threshold_ns: int
         return None
     evidence = {r: busy_evidence(s) for r, s in ranks.items()}
     frozen = sorted(r for r, s in ranks.items() if _frozen(s, evidence[r]))
-    mismatch = _mismatch(counted)
+    mismatch = _mismatch(counted, ranks)
     if mismatch is not None:
         return dataclasses.replace(mismatch, since_ns=since)
     stuck = _stuck(counted)
@@ -136,7 +141,7 @@ def diagnose(ranks: Mapping[int, RankState], now_mono_ns: int, threshold_ns: int
     busy = tuple(r for r in laggards if evidence[r])
     detail = _hang_detail(ranks, laggards, entered, group, seq, op, since)
     if busy:
-        detail += "; " + "; ".join(f"rank {r} is busy, not stuck ({evidence[r]})" for r in busy)
+        detail += "; " + "; ".join(f"{_ranks([r], ranks)} is busy, not stuck ({evidence[r]})" for r in busy)
     return Found(
         kind=BUSY if busy else HANG, laggards=laggards, entered=tuple(r for r in entered if r not in frozen),
         since_ns=since, detail=detail, group=group, seq=seq, op=op, busy=busy,
@@ -217,7 +222,7 @@ def _op_at(counted: Mapping[int, RankState], ranks: Sequence[int], group: Option
     return None
 
 
-def _mismatch(counted: Mapping[int, RankState]) -> Optional[Found]:
+def _mismatch(counted: Mapping[int, RankState], ranks: Mapping[int, RankState]) -> Optional[Found]:
     """Rule 4: at some (group, seq) that every rank of the group has published, two sides
     disagree on op, sizes or dtypes."""
     seqs = _seqs(counted)
@@ -229,26 +234,40 @@ def _mismatch(counted: Mapping[int, RankState]) -> Optional[Found]:
         for rank in sorted(by_rank):
             found = _entry(counted[rank], group, seq)
             if found is None:
-                return None if len(sides) < 2 else _mismatch_found(group, seq, sides)
+                return None if len(sides) < 2 else _mismatch_found(group, seq, sides, ranks)
             sides.setdefault(found, []).append(rank)
         if len(sides) >= 2:
-            return _mismatch_found(group, seq, sides)
+            return _mismatch_found(group, seq, sides, ranks)
     return None
 
 
-def _mismatch_found(group: str, seq: int, sides: Dict[Tuple[str, str], List[int]]) -> Found:
+def _mismatch_found(
+    group: str, seq: int, sides: Dict[Tuple[str, str], List[int]], states: Mapping[int, RankState],
+) -> Found:
     ordered = sorted(sides.items(), key=lambda kv: (-len(kv[1]), kv[1][0]))
     (major_key, major), rest = ordered[0], ordered[1:]
     odd = tuple(sorted(r for _, ranks in rest for r in ranks))
-    parts = [f"{_ranks(ranks)} {op} {shape}".rstrip() for (op, shape), ranks in ordered]
+    parts = [f"{_ranks(ranks, states)} {op} {shape}".rstrip() for (op, shape), ranks in ordered]
     detail = (f"ranks disagree on collective #{seq} of process group {group}: " + "; ".join(parts)
-              + f": {_ranks(odd)} called another collective (skipped or reordered one?)")
+              + f": {_ranks(odd, states)} called another collective (skipped or reordered one?)")
     return Found(kind=MISMATCH, laggards=odd, entered=tuple(major), since_ns=0, detail=detail,
                  group=group, seq=seq, op=major_key[0])
 
 
-def _ranks(ranks: Sequence[int]) -> str:
-    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+MAX_NAMED = 16  # ranks a finding lists by number in one place (the others are counted)
+
+
+def _ranks(ranks: Sequence[int], states: Optional[Mapping[int, RankState]] = None) -> str:
+    """"ranks 2, 3", or, where ranks carry their host, "ranks 2, 3 on host b and rank 0 on host a"."""
+    by_host: Dict[str, List[int]] = {}
+    for r in ranks:
+        s = states.get(r) if states is not None else None
+        by_host.setdefault(s.host if s is not None else "", []).append(r)
+    parts = []
+    for host, rs in by_host.items():
+        listed = ", ".join(map(str, rs[:MAX_NAMED])) + (f" and {len(rs) - MAX_NAMED} more" if len(rs) > MAX_NAMED else "")
+        parts.append(("rank " if len(rs) == 1 else "ranks ") + listed + (f" on host {host}" if host else ""))
+    return " and ".join(parts)
 
 
 def _hang_detail(
@@ -264,12 +283,12 @@ def _hang_detail(
     if first.where:
         why.append(f"at {first.where}" + (" (inside torch.distributed)" if first.in_collective else ""))
     where = f" ({', '.join(why)})" if why else ""
-    text = f"nothing moved for {since_ns / 1e9:.1f}s: {_ranks(laggards)} never entered"
+    text = f"nothing moved for {since_ns / 1e9:.1f}s: {_ranks(laggards, ranks)} never entered"
     if group is None:
-        return f"nothing moved for {since_ns / 1e9:.1f}s: {_ranks(laggards)} holds the job up{where}"
+        return f"nothing moved for {since_ns / 1e9:.1f}s: {_ranks(laggards, ranks)} holds the job up{where}"
     text += f" {op or 'collective'} #{seq} of process group {group}"
     if entered:
-        text += f", which {_ranks(entered)} wait in"
+        text += f", which {_ranks(entered, ranks)} wait in"
     return text + f"; rank {laggards[0]}{where or ' is elsewhere'}"
 
 

@@ -1,27 +1,38 @@
 """A hang judge's diagnosis, carried out: learn the threshold, diagnose (pure, in
 :mod:`peerwatch._diagnose`), write ``events/diagnosis.json`` (first writer wins, so the
 job logs it once), and say when the job moved again. Owned by the watcher thread.
+
+Across hosts: while this host's ranks stand still, the judge writes their summary
+(:mod:`peerwatch._summary`) into ``RUN/stall.json`` for the store bridge to publish, and
+judges the other hosts' ranks beside its own from ``RUN/stalls-remote.json``, which the
+bridge writes from the summaries it read (their last move already on this host's clock).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
+import os
 import time
 from typing import Dict, Optional
 
-from . import _decide, _diagnose
+from . import _decide, _diagnose, _identity, _summary
 from ._observer import Observer
 from ._records import BUSY, Diagnosis
-from ._rundir import DIAGNOSIS_FILE
+from ._rundir import DIAGNOSIS_FILE, REMOTE_STALLS_FILE, STALL_FILE
 
 logger = logging.getLogger("peerwatch")
-
+REMOTE_FRESH_S = 10.0  # stalls-remote.json older than this (plus two refreshes) is the past: left out
 
 
 class Diagnoser:
-    def __init__(self, rank: int, fixed_s: Optional[float], observer: Observer, auto: bool = False) -> None:
+    def __init__(
+        self, rank: int, fixed_s: Optional[float], observer: Observer, auto: bool = False, interval_s: float = 1.0,
+    ) -> None:
         self._rank = rank
+        self._interval_ns = int(interval_s * 1e9)
+        self._stall_written = False  # RUN/stall.json says this host stands still
         self._observer = observer
         self._auto = auto  # hang_timeout=auto: the diagnosis ends the job (at its end_at_ns)
         self.threshold = _diagnose.Threshold(fixed_s)
@@ -32,14 +43,14 @@ class Diagnoser:
         """Diagnose from what the hang judges observed; the diagnosis of the stall going
         on (written by this judge or another one of this host), or None. A busy finding
         is looked at again every time: its laggard may stop working (then it is a hang)."""
-        ranks = self.ranks(obs)
+        timeout_ms = min((p.timeout_ms for p in obs.progress.values() if p.timeout_ms > 0), default=0)
+        ranks = self._with_other_hosts(self.ranks(obs), obs.now_mono_ns, self.threshold.value_ns(timeout_ms))
         last = _diagnose.last_move(ranks)
         self.threshold.observe(last)
         self._resolve(last, obs.now_ns)
         current = self._observer.diagnosis()
         if current is not None and current.resolved_ns is None and current.finding != BUSY:
             return current
-        timeout_ms = min((p.timeout_ms for p in obs.progress.values() if p.timeout_ms > 0), default=0)
         found = _diagnose.diagnose(ranks, obs.now_mono_ns, self.threshold.value_ns(timeout_ms), timeout_ms)
         if found is None or (current is not None and current.resolved_ns is None and found.kind == BUSY):
             return current  # nothing, or still busy: the record written stands
@@ -49,6 +60,7 @@ class Diagnoser:
             stalled_at_ns=stalled_at_ns, time_ns=obs.now_ns, made_by=self._rank,
             detail=found.detail, group=found.group, seq=found.seq, op=found.op,
             end_at_ns=stalled_at_ns + found.end_after_ns if found.kind == BUSY else obs.now_ns,
+            hosts=tuple((r, ranks[r].host) for r in found.laggards if ranks[r].host),
         )
         name = DIAGNOSIS_FILE
         if current is not None:  # an earlier stall's, resolved, or a busy laggard now stuck: this one replaces it
@@ -64,6 +76,55 @@ class Diagnoser:
             self._observer.events.pop(name, None)
             self._observer.scan()
         return self._observer.diagnosis()
+
+    def _with_other_hosts(
+        self, local: Dict[int, _diagnose.RankState], now_mono_ns: int, threshold_ns: int,
+    ) -> Dict[int, _diagnose.RankState]:
+        """This host's ranks, and, while they stand still, the other hosts' that do too
+        (each rank with its host named). Says the former to the bridge (RUN/stall.json)."""
+        host = _identity.hostname()
+        summary = _summary.summarize(local, host, now_mono_ns, threshold_ns)
+        if summary is None:
+            if self._stall_written:  # it moved again: the bridge stops saying it stands still
+                self._stall_written = not self._write(STALL_FILE, b"{}")
+            return local
+        self._stall_written = self._write(STALL_FILE, summary.to_json()) or self._stall_written
+        remote = self._remote(summary.threshold_ms)
+        if not remote:
+            return local
+        remote.update({r: dataclasses.replace(s, host=host) for r, s in local.items()})
+        return remote
+
+    def _remote(self, threshold_ms: int) -> Dict[int, _diagnose.RankState]:
+        """The other hosts' ranks, from RUN/stalls-remote.json (the bridge's); {} if there is
+        none, or it is stale (the bridge stopped), or it is not ours."""
+        run_dir = self._observer.run_dir
+        path = run_dir.join(REMOTE_STALLS_FILE)
+        fresh_ns = int(REMOTE_FRESH_S * 1e9) + 2 * _summary.refresh_ns(threshold_ms, self._interval_ns)
+        try:
+            if time.time_ns() - os.stat(path).st_mtime_ns > fresh_ns:
+                return {}
+        except OSError:
+            return {}
+        data = run_dir.read_bytes("", REMOTE_STALLS_FILE)
+        out: Dict[int, _diagnose.RankState] = {}
+        try:
+            hosts = json.loads(data.decode("utf-8"))["hosts"] if data else []
+            for moved_mono_ns, text in hosts:
+                summary = _summary.Summary.from_json(str(text).encode())
+                if summary is not None and isinstance(moved_mono_ns, int):
+                    out.update(_summary.remote_ranks(summary, moved_mono_ns))
+        except (UnicodeDecodeError, ValueError, TypeError, KeyError):
+            run_dir.warn_once(path, "is not a list of other hosts' stalls; ignored")
+            return {}
+        return out
+
+    def _write(self, name: str, data: bytes) -> bool:
+        try:
+            return self._observer.run_dir.write("", name, data, replace=True)
+        except OSError as e:
+            logger.debug("peerwatch: cannot write %s: %s", name, e)  # the other hosts will not see this stall
+            return False
 
     def _what_next(self, record: Diagnosis) -> str:
         """What the log line promises: the job goes on, or when it ends."""

@@ -70,9 +70,18 @@ def ranks_text(ranks: Tuple[int, ...]) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
 
 
-def beat_value(seq: int, done: bool) -> bytes:
-    """What a host writes into ``beat/<i>``: a new value each time, ``done:`` once it ended well."""
-    return (DONE if done else b"") + str(seq).encode()
+STALLED = b"s"  # a beat that ends so: that host's ranks stand still, its summary is in diag/<i>
+
+
+def beat_value(seq: int, done: bool, stalled: bool = False) -> bytes:
+    """What a host writes into ``beat/<i>``: a new value each time, ``done:`` once it ended
+    well, ``s`` at the end while its ranks stand still (its stall summary is in the store)."""
+    return (DONE if done else b"") + str(seq).encode() + (STALLED if stalled else b"")
+
+
+def stalled_hosts(beats: Mapping[int, Optional[bytes]]) -> List[int]:
+    """The hosts whose last beat says their ranks stand still (their summaries are to read)."""
+    return sorted(j for j, v in beats.items() if v is not None and v.endswith(STALLED))
 
 
 class Liveness:
@@ -238,7 +247,7 @@ def lost_store_failure(
 
 
 __all__ = [
-    "CONNECT_BACKOFF_MAX_S", "DONE", "REMOTE_SETTLE_S", "HostInfo", "Liveness", "beat_value", "connect_allowance_s",
+    "CONNECT_BACKOFF_MAX_S", "DONE", "REMOTE_SETTLE_S", "STALLED", "stalled_hosts", "HostInfo", "Liveness", "beat_value", "connect_allowance_s",
     "host_ident",
     "hosts_to_declare_lost", "hosts_to_read", "interval_deadline_s", "lost_host_failure", "lost_store_failure",
     "may_be_echo", "next_backoff_s", "op_timeout_s", "peers_to_watch", "ranks_text", "report_store_lost",

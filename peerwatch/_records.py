@@ -179,6 +179,9 @@ class Diagnosis:
     # When hang_timeout=auto ends the job if nothing moves (time_ns): at once for a hang or a
     # mismatch, shortly before the collective timeout for busy laggards. None: at once.
     end_at_ns: Optional[int] = None
+    # (rank, host) of the laggards on other hosts, as their hosts' summaries named them
+    # (peerwatch._summary): a verdict names the host of a rank not registered here.
+    hosts: Tuple[Tuple[int, str], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -42,6 +42,10 @@ logger = logging.getLogger("peerwatch")
 RANKS, EVENTS, HEARTBEATS, STACKS, TMP = "ranks", "events", "heartbeats", "stacks", "tmp"
 VERDICT_FILE = "verdict.json"
 DIAGNOSIS_FILE = "diagnosis.json"  # events/: why the job stopped moving (peerwatch._diagnose)
+# This host's stall as its hang judges see it (peerwatch._summary), for the store bridge to
+# publish, and the other hosts' stalls as the bridge read them, for the judges.
+STALL_FILE = "stall.json"
+REMOTE_STALLS_FILE = "stalls-remote.json"
 REPORT_FILE = "report.json"
 WARN_EACH = 10  # bad files warned about one by one, per folder, record kind and reason; then one summary
 _SUBDIRS = (RANKS, EVENTS, HEARTBEATS, STACKS, TMP)
@@ -958,5 +962,6 @@ class InPlace:
 
 __all__ = [
     "InPlace", "EVENTS", "HEARTBEATS", "NEW_RUN", "OWNER_VAR", "RANKS", "REPORT_FILE", "STACKS", "TMP", "VERDICT_FILE", "DIAGNOSIS_FILE",
+    "REMOTE_STALLS_FILE", "STALL_FILE",
     "RunDir", "base_dir", "check_ancestors", "check_trusted", "parse_rank_file", "is_multiprocessing_child", "process_key", "rank_file", "resolve", "safe_name", "stack_name",
 ]

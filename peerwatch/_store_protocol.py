@@ -6,11 +6,13 @@ Every key lives under ``peerwatch/<run_id>/``::
     index/<id>   the index of a host (by boot id, PID namespace and run directory): a
                  successor bridge on that host takes the same one
     host/<i>     JSON: hostname, boot id, PID namespace, ranks of host i
-    beat/<i>     host i's heartbeat: "<seq>", or "done:<seq>" once a rank there succeeded
+    beat/<i>     host i's heartbeat: "<seq>", or "done:<seq>" once a rank there succeeded;
+                 "<seq>s" while its ranks stand still (its summary is in diag/<i>)
+    diag/<i>     host i's stall summary (peerwatch._summary), while its ranks stand still
     verdict      the first verdict of the job (compare_set: the first writer wins)
 
-With a store secret (``store_secret``, docs/security.md), ``host/<i>``, ``beat/<i>`` and
-``verdict`` hold ``pw-hmac1:<HMAC-SHA256 of key and value, hex>:<value>`` (:class:`Seal`);
+With a store secret (``store_secret``, docs/security.md), ``host/<i>``, ``beat/<i>``,
+``diag/<i>`` and ``verdict`` hold ``pw-hmac1:<HMAC-SHA256 of key and value, hex>:<value>`` (:class:`Seal`);
 a value that is not signed so is read as "not there", with one warning per kind of key.
 ``hosts`` and ``index/<id>`` stay unsigned (counters: whoever forges them can only make the
 bridges disagree about who is who, which ends as a lost host, never as a chosen verdict).
@@ -29,7 +31,7 @@ import logging
 import threading
 from typing import Any, Dict, List, Mapping, Optional, Set
 
-from ._hosts import HostInfo, hosts_to_read, peers_to_watch, roster_incomplete
+from ._hosts import HostInfo, hosts_to_read, peers_to_watch, roster_incomplete, stalled_hosts
 
 logger = logging.getLogger("peerwatch")
 
@@ -47,6 +49,10 @@ def host_key(index: int) -> str:
 
 def beat_key(index: int) -> str:
     return f"beat/{index}"
+
+
+def diag_key(index: int) -> str:
+    return f"diag/{index}"
 
 
 class Seal:
@@ -110,6 +116,8 @@ class Exchange:
     hosts: Mapping[int, HostInfo]  # the hosts known so far (a copy)
     expected: Optional[int]  # how many hosts the launcher says the job has
     seal: Seal = NO_SEAL
+    stall: Optional[bytes] = None  # our stall summary to publish in diag/<i> (peerwatch._summary), or None
+    read_stalls: bool = False  # read the summaries of the hosts whose beat says they stand still
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,6 +129,7 @@ class Seen:
     new_hosts: Dict[int, HostInfo]
     beats: Dict[int, Optional[bytes]]  # every watched host's beat (None: not there)
     requests: int
+    stalls: Dict[int, Optional[bytes]] = dataclasses.field(default_factory=dict)  # diag/<j> of stalled hosts, if read
 
 
 def register(c: Any, prefix: str, ident: str) -> int:
@@ -142,6 +151,10 @@ def exchange(c: Any, x: Exchange) -> Seen:
     if index is None:
         index, requests = register(c, x.prefix, x.ident), 3
     seal = x.seal
+    if x.stall is not None:  # before the beat that says it is there: a multi_get waits for a missing key
+        key = x.prefix + diag_key(index)
+        c.set(key, seal.sign(key, x.stall))
+        requests += 1
     key = x.prefix + beat_key(index)
     c.set(key, seal.sign(key, x.beat))
     requests += 1
@@ -168,7 +181,14 @@ def exchange(c: Any, x: Exchange) -> Seen:
         values: List[Optional[bytes]] = c.multi_get(keys)
         beats = {j: seal.open(key, v) for j, key, v in zip(others, keys, values)}
         requests += 1
-    return Seen(index, x.index is None, new_hosts, beats, requests)
+    stalls: Dict[int, Optional[bytes]] = {}
+    stalled = stalled_hosts(beats) if x.read_stalls else []
+    if stalled:  # a hang's diagnosis on this host needs what the others' ranks do (docs/multi-node.md)
+        keys = [x.prefix + diag_key(j) for j in stalled]
+        values = c.multi_get(keys)
+        stalls = {j: seal.open(key, v) for j, key, v in zip(stalled, keys, values)}
+        requests += 1
+    return Seen(index, x.index is None, new_hosts, beats, requests, stalls)
 
 
 def read_host(c: Any, prefix: str, index: int, seal: Seal = NO_SEAL) -> HostInfo:
@@ -206,6 +226,6 @@ def poll_verdict(c: Any, prefix: str, seal: Seal = NO_SEAL) -> Optional[bytes]:
 
 
 __all__ = [
-    "HOSTS", "NO_SEAL", "SIGNED", "VERDICT", "Exchange", "Seal", "Seen", "beat_key", "exchange", "host_key", "index_key", "poll_verdict",
+    "HOSTS", "NO_SEAL", "SIGNED", "VERDICT", "Exchange", "Seal", "Seen", "beat_key", "diag_key", "exchange", "host_key", "index_key", "poll_verdict",
     "publish_verdict", "read_host", "register", "send_beat",
 ]

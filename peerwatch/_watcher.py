@@ -147,7 +147,7 @@ class Watcher:
         # A diagnosis when nothing moves (on by default: hang_warn); hang_timeout=auto uses its threshold.
         warn = config.hang_warn if config.hang_warn > 0 else None
         auto = config.hang_timeout == HANG_AUTO
-        self._diagnoser = Diagnoser(self.rank, warn, self.observer, auto) if config.hang_warn or auto else None
+        self._diagnoser = Diagnoser(self.rank, warn, self.observer, auto, config.heartbeat_interval) if config.hang_warn or auto else None
         self.thread = threading.Thread(target=self._main, name=f"peerwatch-rank{self.rank}", daemon=True)
         self._launcher_watch: Optional[_launchers.LauncherWatch] = None  # set by start()
         self.bridge = _bridge.Bridge.for_config(config, run_dir, me)  # other hosts, through the store

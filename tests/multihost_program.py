@@ -14,8 +14,10 @@ they are all gone. Killing it kills the whole simulated host.
 host), then behaves: ``sleep`` (the default: beat until torn down),
 ``succeed_on:NAME`` (finish cleanly once ``READY/NAME`` exists), ``raise_on:NAME``
 (raise RuntimeError once it exists), ``torch`` (import
-torch.distributed, note ``READY/torch-<rank>``, then sleep), or ``gloo`` (join a gloo
-process group of every rank, note ``READY/pg-<rank>``, all_reduce in a loop).
+torch.distributed, note ``READY/torch-<rank>``, then sleep), ``gloo`` (join a gloo
+process group of every rank, note ``READY/pg-<rank>``, all_reduce in a loop), or
+``gloo:loop_at=STEP`` (the same, but after STEP all_reduces, loop in Python forever,
+asleep, without a beat: a laggard stuck outside the collectives its peers wait in).
 """
 
 from __future__ import annotations
@@ -91,8 +93,15 @@ def rank_main(args: argparse.Namespace) -> None:
         dist.init_process_group("gloo", rank=rank, world_size=int(os.environ["WORLD_SIZE"]),
                                 timeout=datetime.timedelta(seconds=60))
         note(args.ready, f"pg-{rank}", "")
+        loop_at = int(arg.split("=", 1)[1]) if arg.startswith("loop_at=") else None
         t = torch.ones(1)
+        step = 0
         while True:
+            if step == loop_at:
+                note(args.ready, f"looping-{rank}", "")
+                while True:  # stuck in Python: never enters the next collective
+                    time.sleep(0.05)
+            step += 1
             dist.all_reduce(t)  # fails within milliseconds when a peer on any host dies
             peerwatch.beat()
             time.sleep(0.01)

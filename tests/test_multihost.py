@@ -349,13 +349,14 @@ class Cluster:
         """Cut the isolated host off: the cluster's end of its link goes down."""
         subprocess.run(["ip", "-n", self.netns[0], "link", "set", self._veth, "down"], check=True, timeout=10)
 
-    def start(self, behave: Sequence[str] = (), serve: bool = True) -> Cluster:
+    def start(self, behave: Sequence[str] = (), serve: bool = True, env: Optional[Dict[str, str]] = None) -> Cluster:
         base = {k: v for k, v in os.environ.items() if k not in _FOREIGN_ENV}
         base.update(
             PEERWATCH_HEARTBEAT=str(HEARTBEAT_S), PEERWATCH_PEER_TIMEOUT=str(PEER_TIMEOUT_S),
             PEERWATCH_GRACE=str(GRACE_S), PEERWATCH_RUN_ID=self.run_id, PYTHONUNBUFFERED="1",
             MASTER_PORT=str(self.port), GLOO_SOCKET_IFNAME="lo",
         )
+        base.update(env or {})
         first = next(iter(self.hosts.values()))
         for key, host in self.hosts.items():
             env = dict(base, PEERWATCH_DIR=str(host.run), MULTIHOST_HOST=host.name,
