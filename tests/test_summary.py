@@ -1,0 +1,60 @@
+"""A host's stall summary (peerwatch._summary): pure, no store."""
+
+from __future__ import annotations
+
+from peerwatch._activity import Activity
+from peerwatch._diagnose import RankState, diagnose
+from peerwatch._summary import MAX_SUMMARY_BYTES, PUBLISH_FRACTION, Summary, refresh_ns, remote_ranks, summarize
+
+S = 1_000_000_000
+WAITING = RankState(collectives=(("0", 31, 30),), entered=(("0", 31, "allreduce", "[[1]] Float"),), in_collective=True,
+                    moved_mono_ns=100 * S, state="S")
+STUCK = RankState(collectives=(("0", 30, 30),), entered=(("0", 30, "allreduce", "[[1]] Float"),), state="S",
+                  where="train.py:12 in loop", moved_mono_ns=100 * S,
+                  activity=Activity(span_ms=4000, cpu_ms=0, places=1, other_cpu_ms=0, io_bytes=0, children_cpu_ms=0,
+                                    samples=8))
+
+
+def test_a_host_that_moves_says_nothing() -> None:
+    assert summarize({0: WAITING}, "a", 100 * S + int(PUBLISH_FRACTION * 3 * S) - 1, 3 * S) is None
+    assert summarize({0: RankState(moved_mono_ns=0)}, "a", 100 * S, 3 * S) is None  # no counters: not ours to say
+
+
+def test_waiting_ranks_are_grouped_and_the_others_detailed_and_it_round_trips() -> None:
+    ranks = {r: WAITING for r in range(8)}
+    ranks[5] = STUCK
+    s = summarize(ranks, "hosta", 102 * S, 3 * S)
+    assert s is not None and s.age_ms == 2000 and s.threshold_ms == 3000 and s.host == "hosta"
+    assert [rs for rs, _ in s.waiting] == [(0, 1, 2, 3, 4, 6, 7)] and [r for r, _ in s.detailed] == [5]
+    data = s.to_json()
+    assert len(data) < 1000
+    back = Summary.from_json(data)
+    assert back == s
+    assert back.ranks() == list(range(8))
+
+
+def test_garbage_is_no_summary() -> None:
+    for junk in (b"", b"{}", b"[]", b'{"v":1}', b'{"v":2,"host":"a","stall":"1","age_ms":1}',
+                 b'{"v":1,"host":"a","stall":"1","age_ms":true}', b"\xff", b" " * (MAX_SUMMARY_BYTES + 1),
+                 b'{"v":1,"host":"a","stall":"1","age_ms":1,"ranks":[[1,{"c":[["0","x",1]]}]]}'):
+        assert Summary.from_json(junk) is None, junk
+
+
+def test_a_host_whose_ranks_all_lag_is_named_by_the_other() -> None:
+    """Host a's ranks wait in #31 and agree; host b's stopped at #30 and agree: together,
+    b's ranks are the laggards, named with their host."""
+    b = summarize({2: STUCK, 3: STUCK}, "hostb", 104 * S, 3 * S)
+    assert b is not None
+    local = {0: WAITING, 1: WAITING}
+    assert diagnose(local, 104 * S, 3 * S) is None  # alone, host a sees nothing
+    remote = remote_ranks(Summary.from_json(b.to_json()), 100 * S)  # type: ignore[arg-type]
+    both = {**remote, **{r: RankState(**{**WAITING.__dict__, "host": "hosta"}) for r in local}}
+    found = diagnose(both, 104 * S, 3 * S)
+    assert found is not None and found.kind == "hang" and found.laggards == (2, 3) and found.seq == 31
+    assert "ranks 2, 3 on host hostb never entered allreduce #31 of process group 0, which ranks 0, 1 on host " \
+           "hosta wait in; rank 2 (at train.py:12 in loop)" in found.detail
+
+
+def test_refresh_is_a_share_of_the_threshold_at_least_a_heartbeat() -> None:
+    assert refresh_ns(60_000, S) == int(7.5 * S)
+    assert refresh_ns(3000, S // 2) == S // 2
