@@ -2,14 +2,19 @@
 
     PYTHONPATH=. python benchmarks/bridge_load.py [--hosts 128] [--ranks 8] [--procs 4]
                                                   [--seconds 40] [--interval 1.0]
+                                                  [--stall-seconds 20] [--stall-threshold 8]
 
 One TCPStore server on 127.0.0.1 in a process of its own (as torchrun's agent or rank 0
 serves it). ``--hosts`` simulated hosts, grouped in ``--procs`` processes: each is a real
 :class:`peerwatch._bridge.Bridge` with its own run directory holding ``--ranks``
 registrations, running its real threads (beat + the store client's owner + verdict waiter, two
 connections to the store). After every host sees every other, the steady state is measured
-for ``--seconds``: store requests (counted by each bridge), CPU of the bridge processes and
-of the store server. Then one host publishes a verdict (the real ``on_verdict`` path) and
+for ``--seconds``: store requests (counted by each bridge), bytes the store server reads
+and writes (its /proc io counters: every byte of every request and answer), CPU of the bridge
+processes and of the store server. Then every host stands still (a hang: each host's
+``RUN/stall.json`` says its ``--ranks`` ranks wait in one all_reduce, as its judges would
+write it, with a warning threshold of ``--stall-threshold`` s, which sets how often the
+summaries are refreshed) and the same is measured for ``--stall-seconds``. Then one host publishes a verdict (the real ``on_verdict`` path) and
 every other host's waiter writes it into its run directory: the delay of each is the
 cross-host detection time. Prints a markdown table, the budget, and whether it is met.
 Loopback only; stops by itself (every wait has a deadline).
@@ -26,6 +31,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from typing import Any, Dict, List
 
@@ -114,6 +120,30 @@ def worker(first: int, count: int, args: Dict[str, Any], port: int, base: str, c
     cpu1, req1, t1 = _cpu_s(), sum(b.requests for b in bridges), time.monotonic()
     conn.send({"cpu_s": cpu1 - cpu0, "requests": req1 - req0, "seconds": t1 - t0,
                "threads": len(__import__("threading").enumerate())})
+    conn.recv()  # every host stands still from now on
+    stalled = threading.Event()
+
+    def stall() -> None:  # as the judges of every host would write it, once a heartbeat
+        t0 = time.monotonic()
+        while not stalled.is_set():
+            for b in bridges:
+                body = {"v": 1, "host": f"sim{b.sim:03d}", "stall": "1", "age_ms": int((time.monotonic() - t0) * 1000)
+                        + 10_000, "threshold_ms": int(args["stall_threshold"] * 1000),
+                        "waiting": [[list(range(b.sim * ranks, (b.sim + 1) * ranks)),
+                                     {"c": [["0", 31, 30]], "e": [["0", 31, "allreduce", "[[1024]] Float"]]}]],
+                        "ranks": []}
+                b.run_dir.write("", "stall.json", json.dumps(body, separators=(",", ":")).encode(), replace=True)
+            stalled.wait(args["interval"] / 2)
+
+    writer = threading.Thread(target=stall, daemon=True)
+    writer.start()
+    conn.recv()  # start measuring
+    cpu0, req0, t0 = _cpu_s(), sum(b.requests for b in bridges), time.monotonic()
+    conn.recv()  # stop measuring
+    cpu1, req1, t1 = _cpu_s(), sum(b.requests for b in bridges), time.monotonic()
+    stalled.set()
+    writer.join()
+    conn.send({"cpu_s": cpu1 - cpu0, "requests": req1 - req0, "seconds": t1 - t0})
     order = conn.recv()  # publish (the host named) or only wait
     if order["publisher"] in range(first, first + count):
         b = bridges[order["publisher"] - first]
@@ -162,12 +192,15 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=40.0, help="steady state measured (bounded to 60 s)")
     parser.add_argument("--interval", type=float, default=1.0, help="heartbeat_interval")
     parser.add_argument("--stagger", type=float, default=0.05, help="seconds between two hosts' starts in a process")
+    parser.add_argument("--stall-seconds", type=float, default=20.0, help="every host standing still, measured")
+    parser.add_argument("--stall-threshold", type=float, default=8.0,
+                        help="the judges' warning threshold while standing still, s (sets the refresh: 1/8 of it)")
     parser.add_argument("--json", default="", help="also write the figures here")
     parser.add_argument("--no-netns", action="store_true", help="stay in this network namespace")
     a = parser.parse_args()
     a.seconds = min(a.seconds, 60.0)
     args = {"hosts": a.hosts, "ranks": a.ranks, "interval": a.interval, "run_id": f"load-{os.getpid()}",
-            "stagger": a.stagger}
+            "stagger": a.stagger, "stall_threshold": a.stall_threshold}
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     server = subprocess.Popen([sys.executable, "-c", SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
     ctx = mp.get_context("spawn")
@@ -194,14 +227,31 @@ def main() -> None:
                 raise SystemExit(f"a worker failed to connect every host: {msg['error']}")
         setup_s = time.monotonic() - setup_start
         sproc = psutil.Process(server.pid)
-        s0 = sum(sproc.cpu_times()[:2])
+
+        def server_use() -> tuple:
+            io = sproc.io_counters()
+            return sum(sproc.cpu_times()[:2]), io.read_chars + io.write_chars
+
+        s0, io0 = server_use()
         for c in conns:
             c.send("start")
         time.sleep(a.seconds)  # the measured window: the bridges work on their own meanwhile
         for c in conns:
             c.send("stop")
-        s1 = sum(sproc.cpu_times()[:2])
+        s1, io1 = server_use()
         results = [c.recv() for c in conns]
+        for c in conns:
+            c.send("stall")
+        time.sleep(3 * a.interval)  # every host says it stands still, has published and read once
+        t_stall0, (ss0, sio0) = time.monotonic(), server_use()
+        for c in conns:
+            c.send("start")
+        time.sleep(a.stall_seconds)
+        for c in conns:
+            c.send("stop")
+        ss1, sio1 = server_use()
+        stall_wall = time.monotonic() - t_stall0
+        stall_results = [c.recv() for c in conns]
         publisher = 0
         for c in conns:
             c.send({"publisher": publisher})
@@ -242,6 +292,15 @@ def main() -> None:
         "detect_ms": {"n": len(delays), "median": statistics.median(delays) if delays else None,
                       "p90": pct(delays, 0.9) if delays else None, "max": max(delays) if delays else None},
         "missed_verdict": missing, "cpus": os.cpu_count(),
+        "store_bytes_per_s": (io1 - io0) / seconds,
+        "stall": {
+            "seconds": stall_wall, "threshold_s": a.stall_threshold,
+            "requests_per_s": sum(r["requests"] for r in stall_results) / stall_wall,
+            "store_bytes_per_s": (sio1 - sio0) / stall_wall,
+            "server_cpu_percent_of_a_core": 100 * (ss1 - ss0) / stall_wall,
+            "bridge_cpu_ms_per_host_interval": sum(r["cpu_s"] for r in stall_results) * 1000 / a.hosts
+            / (stall_wall / a.interval),
+        },
     }
     d = fig["detect_ms"]
     ok_req = req_per_host_interval <= BUDGET_REQUESTS_PER_HOST_INTERVAL + 0.01
@@ -260,6 +319,13 @@ def main() -> None:
     print(f"| bridge CPU per host per hour | {fig['bridge_cpu_s_per_host_hour']:.2f} s | "
           f"{BUDGET_CPU_MS_PER_HOST_INTERVAL * 3.6 / a.interval:.1f} s | {'yes' if ok_cpu else 'NO'} |")
     print(f"| store server CPU | {fig['server_cpu_percent_of_a_core']:.1f} % of a core | - | - |")
+    st = fig["stall"]
+    print(f"| store bytes per second (read + written by the server) | {fig['store_bytes_per_s'] / 1e3:.0f} kB/s | - | - |")
+    print(f"| every host standing still ({a.stall_seconds:g}s, threshold {a.stall_threshold:g}s): requests per second "
+          f"| {st['requests_per_s']:.0f} | - | - |")
+    print(f"| every host standing still: store bytes per second | {st['store_bytes_per_s'] / 1e3:.0f} kB/s | - | - |")
+    print(f"| every host standing still: store server CPU, bridge CPU per host per interval | "
+          f"{st['server_cpu_percent_of_a_core']:.1f} % of a core, {st['bridge_cpu_ms_per_host_interval']:.3f} ms | - | - |")
     if delays:
         print(f"| cross-host detection (verdict published -> every other host's run dir), n={len(delays)} | "
               f"median {d['median']:.1f} ms, p90 {d['p90']:.1f} ms, max {d['max']:.1f} ms | "
