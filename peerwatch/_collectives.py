@@ -47,7 +47,7 @@ class CollectiveReader:
     def available(self) -> bool:
         """True once torch.distributed is imported and has a flight recorder we can read."""
         if self._dumps is None:
-            if "torch.distributed" not in sys.modules:
+            if imported("torch.distributed") is None:
                 return False  # the application has not imported it (yet): never import it ourselves
             module = sys.modules.get(_C10D)
             self._dumps = [getattr(module, name) for name in _DUMPS if callable(getattr(module, name, None))]
@@ -106,6 +106,22 @@ class CollectiveReader:
             )
 
 
+def imported(name: str) -> Optional[Any]:
+    """The module ``name`` if the application has imported it, fully; else None. Never
+    imports anything: a module still being imported (by another thread) is not used yet."""
+    module = sys.modules.get(name)
+    if module is None or getattr(getattr(module, "__spec__", None), "_initializing", False):
+        return None
+    return module
+
+
+def c10d() -> Optional[Any]:
+    """torch's C++ distributed bindings, once ``torch.distributed`` is fully imported; else None."""
+    if imported("torch.distributed") is None:
+        return None
+    return sys.modules.get(_C10D)
+
+
 def _shape(entry: Dict[str, Any]) -> str:
     """``[[4]] Float``: what two ranks must agree on in one collective."""
     sizes = entry.get("input_sizes") or []
@@ -113,4 +129,4 @@ def _shape(entry: Dict[str, Any]) -> str:
     return f"{sizes} {','.join(map(str, dtypes))}".strip() if sizes or dtypes else ""
 
 
-__all__ = ["CollectiveReader", "Counters", "Entered"]
+__all__ = ["CollectiveReader", "Counters", "Entered", "c10d", "imported"]
