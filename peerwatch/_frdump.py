@@ -5,14 +5,15 @@ Each rank writes ``RUN/flight_recorder/rank_<N>`` (:func:`peerwatch._rundir.fr_d
 once per diagnosis of a stall (when the diagnosis record appears in ``events/``, whoever
 made it), and when it acts on a verdict, before it leaves (the later dump replaces the
 earlier). The bytes are torch's ``_dump_fr_trace`` pickle (``_dump_nccl_trace`` on a CUDA
-build whose NCCL recorder has entries): the analyzer reads pickles only.
+build whose NCCL recorder has process groups): the analyzer reads pickles only.
 
 Only the watcher thread dumps, and only once the application has imported
-``torch.distributed`` (peerwatch never imports torch). The dump holds the GIL while torch
-copies the ring (2000 entries at most): 10-25 ms measured with a full ring
-(benchmarks/fr_dump.py, docs/hangs.md), so the training thread is held that long, no
-longer. Without stack traces: torch's first dump with them spends 1-2 s symbolizing,
-which a teardown cannot wait for (every thread's Python stack is in ``stacks/`` anyway).
+``torch.distributed`` (peerwatch never imports torch). torch's call holds the GIL while it
+copies the ring (2000 entries at most): with a full ring it took 10 ms on a quiet host,
+and held the training thread 16-52 ms (median of a run) on 2 cores loaded 7-12
+(benchmarks/fr_dump.py, docs/hangs.md). Without stack traces: torch's first dump with
+them spends 2-5 s symbolizing, which a teardown cannot wait for (every thread's Python
+stack is in ``stacks/`` anyway).
 
 torch 2.13's gloo recorder registers a process group before Python names it: its
 ``pg_config`` holds one group named ``""`` (the last one made) instead of ``"0"``,
@@ -158,8 +159,8 @@ def with_groups(data: bytes, config: Dict[str, Any], groups: Dict[str, Dict[str,
     ``groups`` (:func:`missing_groups`), and the names added under ``peerwatch``.
 
     The entries (up to 2000 dicts) are not unpickled: unpickling and pickling them again
-    held the training thread 30-110 ms on a loaded host (the objects made set off the
-    garbage collector). The stream is continued instead: torch's ends with its dict, the
+    held the training thread 44 ms (median) and up to 150 ms on a loaded host (the objects
+    made set off the garbage collector: up to 84 ms with it, 9 ms without). The stream is continued instead: torch's ends with its dict, the
     first object it made, on the stack and a STOP; before the STOP, SETITEM sets each key
     on it again (the last value of a key is what a reader gets). Where the stream is not
     the one expected (protocol 2, a dict first), it is unpickled and pickled."""
