@@ -156,11 +156,11 @@ def busy_evidence(s: RankState) -> Optional[str]:
     if a.cpu_ms >= BUSY_CPU_SHARE * a.span_ms and a.places >= min(BUSY_PLACES, a.samples):
         signs.append(f"its main thread on the CPU {_share(a.cpu_ms, a.span_ms)} of the time, at {a.places} places")
     if a.other_cpu_ms >= BUSY_OTHER_SHARE * a.span_ms:
-        signs.append(f"its other threads on the CPU {_share(a.other_cpu_ms, a.span_ms)} of the time")
+        signs.append(f"its other threads on the CPU, {_share(a.other_cpu_ms, a.span_ms)} of a core")
     if a.io_bytes >= BUSY_IO_BYTES:
         signs.append(f"{_size(a.io_bytes)} read or written")
     if a.children_cpu_ms >= BUSY_CHILDREN_SHARE * a.span_ms:
-        signs.append(f"its child processes on the CPU {_share(a.children_cpu_ms, a.span_ms)} of the time")
+        signs.append(f"its child processes on the CPU, {_share(a.children_cpu_ms, a.span_ms)} of a core")
     return ", ".join(signs) + f" in the last {a.span_ms / 1000:.0f}s" if signs else ""
 
 
