@@ -259,7 +259,7 @@ def _hang_detail(
     why = []
     if first.state in FROZEN_STATES and (first.state != "D" or not busy_evidence(first)):
         why.append(f"its process is {FROZEN_STATES[first.state]}")
-    if first.watcher_silent:
+    if first.watcher_silent and first.state not in ("T", "t"):  # a stopped process's watcher is stopped too
         why.append("its watcher cannot run (the GIL is held?)")
     if first.where:
         why.append(f"at {first.where}" + (" (inside torch.distributed)" if first.in_collective else ""))
