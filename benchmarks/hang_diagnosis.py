@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/hang_diagnosis.py --runs 2 --gloo-timeout 20
     .venv/bin/python benchmarks/hang_diagnosis.py --only cost
+    .venv/bin/python benchmarks/hang_diagnosis.py --only cases --gloo-timeout 60
 
 1. **Detection.** A 3-rank gloo job (tests/collective_program.py: all_reduce, 20 ms of
    "compute", never ``beat()``) whose rank 1 starts an endless Python loop at step 40.
@@ -10,7 +11,11 @@
    with ``hang_warn`` 3 s (the job then dies of gloo's timeout, blamed on rank 1),
    ``hang_timeout=auto`` (the learnt threshold ends it), and peerwatch's diagnosis off
    (gloo's timeout alone: the verdict names a victim).
-2. **Cost.** In a 2-rank gloo job with the flight recorder's ring full (2500
+2. **Cases.** The same job under ``hang_timeout=auto`` and nothing else configured, rank 1
+   doing one of: an endless Python loop, a deadlock (a lock it holds), SIGSTOP (frozen),
+   or a checkpoint that outlasts the collective timeout (busy: CPU and bytes written).
+   Stuck ranks are ended at the diagnosis; the busy one at 90 % of the collective timeout.
+3. **Cost.** In a 2-rank gloo job with the flight recorder's ring full (2500
    collectives): one read of the counters (what each watcher does per heartbeat), one
    read of the entries (once per stall), and the step time of a training loop (all_reduce
    of 1000 floats) with the counter reads on and off (``hang_warn`` auto vs off), alternated.
@@ -48,7 +53,8 @@ def read_json(path: str) -> Dict:
         return {}
 
 
-def detection(env_extra: Dict[str, str], gloo_timeout: float, workdir: str) -> Dict[str, Optional[float]]:
+def detection(env_extra: Dict[str, str], gloo_timeout: float, workdir: str,
+              behaviour: str = "loop") -> Dict[str, Optional[float]]:
     run, ready = os.path.join(workdir, "run"), os.path.join(workdir, "ready")
     os.makedirs(ready)
     port = str(free_port())
@@ -59,10 +65,16 @@ def detection(env_extra: Dict[str, str], gloo_timeout: float, workdir: str) -> D
         with open(os.path.join(workdir, f"rank-{rank}.log"), "wb") as log:
             procs.append(subprocess.Popen(
                 [sys.executable, PROGRAM, "--world", str(WORLD), "--ready", ready, "--timeout", str(gloo_timeout),
-                 "--behave", f"1=loop@{AT_STEP}"], env=env, stdout=log, stderr=subprocess.STDOUT))
+                 "--behave", f"1={behaviour}@{AT_STEP}"], env=env, stdout=log, stderr=subprocess.STDOUT))
     deadline = time.monotonic() + START_TIMEOUT_S + 3 * gloo_timeout
-    for p in procs:
-        p.wait(max(1.0, deadline - time.monotonic()))
+    try:
+        for p in procs:
+            p.wait(max(1.0, deadline - time.monotonic()))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
     end_ns = time.time_ns()
     onset = os.stat(os.path.join(ready, "doing-1")).st_mtime_ns
     diag = read_json(os.path.join(run, "events", "diagnosis.json"))
@@ -72,6 +84,7 @@ def detection(env_extra: Dict[str, str], gloo_timeout: float, workdir: str) -> D
         "verdict_s": (verdict["detected_at_ns"] - onset) / 1e9 if verdict else None,
         "end_s": (end_ns - onset) / 1e9,
         "blamed": verdict.get("rank"), "cause": verdict.get("cause"),
+        "finding": diag.get("finding"), "detail": diag.get("detail"),
     }
 
 
@@ -135,7 +148,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=2)
     parser.add_argument("--gloo-timeout", type=float, default=20.0)
     parser.add_argument("--steps", type=int, default=3000)
-    parser.add_argument("--only", choices=["detection", "cost"])
+    parser.add_argument("--only", choices=["detection", "cases", "cost"])
     args = parser.parse_args()
     print(f"peerwatch {peerwatch_commit()}, {machine()}, {datetime.datetime.now():%Y-%m-%d %H:%M}\n")
     if args.only in (None, "detection"):
@@ -156,6 +169,8 @@ def main() -> None:
               "times from the onset\n")
         print(table(["mode", "diagnosis", "verdict", "job ended", "verdict names"], rows))
         print()
+    if args.only in (None, "cases"):
+        cases(args.runs, args.gloo_timeout)
     if args.only in (None, "cost"):
         results: Dict[str, List[Dict[str, float]]] = {"auto": [], "off": []}
         with tempfile.TemporaryDirectory() as tmp:
@@ -174,6 +189,33 @@ def main() -> None:
         ]))
         print("\nstep times per run (auto, off alternated):",
               ", ".join(f"{a['step_ms']:.3f}/{o['step_ms']:.3f}" for a, o in zip(results["auto"], results["off"])))
+
+
+CASES = [
+    ("a Python loop", "loop"),
+    ("a deadlock (a lock it holds)", "lock"),
+    ("frozen (SIGSTOP)", "stop"),
+    ("busy: a checkpoint longer than the timeout", "checkpoint:600"),
+]
+
+
+def cases(runs: int, gloo_timeout: float) -> None:
+    rows, said = [], {}
+    for name, behaviour in CASES:
+        for _ in range(runs):
+            with tempfile.TemporaryDirectory() as tmp:
+                r = detection({"PEERWATCH_HANG_TIMEOUT": "auto"}, gloo_timeout, tmp, behaviour)
+            fmt = lambda v: "-" if v is None else f"{v:.1f} s"  # noqa: E731
+            rows.append([name, str(r["finding"]), fmt(r["diagnosis_s"]), fmt(r["verdict_s"]), fmt(r["end_s"]),
+                         f"rank {r['blamed']} ({r['cause']})"])
+            said[name] = r["detail"]
+    print(f"Cases: rank 1 from step {AT_STEP}; hang_timeout=auto, nothing else set; gloo timeout {gloo_timeout:g} s; "
+          "times from the onset\n")
+    print(table(["case", "finding", "diagnosis", "verdict", "all gone", "verdict names"], rows))
+    print()
+    for name, detail in said.items():
+        print(f"{name}: {detail}")
+    print()
 
 
 def steps(runs: List[Dict[str, float]]) -> str:

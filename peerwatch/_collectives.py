@@ -174,6 +174,22 @@ def _short(text: str) -> str:
     return line if len(line) <= MAX_ERROR_CHARS else line[: MAX_ERROR_CHARS - 3] + "..."
 
 
+def imported(name: str) -> Optional[Any]:
+    """The module ``name`` if the application has imported it, fully; else None. Never
+    imports anything: a module still being imported (by another thread) is not used yet."""
+    module = sys.modules.get(name)
+    if module is None or getattr(getattr(module, "__spec__", None), "_initializing", False):
+        return None
+    return module
+
+
+def c10d() -> Optional[Any]:
+    """torch's C++ distributed bindings, once torch and ``torch.distributed`` are fully imported; else None."""
+    if not torch_loaded():
+        return None
+    return sys.modules.get(_C10D) or getattr(sys.modules.get("torch._C"), "_distributed_c10d", None)
+
+
 def _shape(entry: Dict[str, Any]) -> str:
     """``[[4]] Float``: what two ranks must agree on in one collective."""
     sizes = entry.get("input_sizes") or []
@@ -182,4 +198,4 @@ def _shape(entry: Dict[str, Any]) -> str:
 
 
 __all__ = ["FAILING", "MAX_ERROR_CHARS", "NONE", "OFF", "READ", "STATES", "WAITING", "CollectiveReader", "Counters", "Entered",
-           "flight_recorder", "torch_loaded"]
+           "c10d", "flight_recorder", "imported", "torch_loaded"]

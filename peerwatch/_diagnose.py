@@ -161,11 +161,11 @@ def busy_evidence(s: RankState) -> Optional[str]:
     if a.cpu_ms >= BUSY_CPU_SHARE * a.span_ms and a.places >= min(BUSY_PLACES, a.samples):
         signs.append(f"its main thread on the CPU {_share(a.cpu_ms, a.span_ms)} of the time, at {a.places} places")
     if a.other_cpu_ms >= BUSY_OTHER_SHARE * a.span_ms:
-        signs.append(f"its other threads on the CPU {_share(a.other_cpu_ms, a.span_ms)} of the time")
+        signs.append(f"its other threads on the CPU, {_share(a.other_cpu_ms, a.span_ms)} of a core")
     if a.io_bytes >= BUSY_IO_BYTES:
         signs.append(f"{_size(a.io_bytes)} read or written")
     if a.children_cpu_ms >= BUSY_CHILDREN_SHARE * a.span_ms:
-        signs.append(f"its child processes on the CPU {_share(a.children_cpu_ms, a.span_ms)} of the time")
+        signs.append(f"its child processes on the CPU, {_share(a.children_cpu_ms, a.span_ms)} of a core")
     return ", ".join(signs) + f" in the last {a.span_ms / 1000:.0f}s" if signs else ""
 
 
@@ -278,7 +278,7 @@ def _hang_detail(
     why = []
     if first.state in FROZEN_STATES and (first.state != "D" or not busy_evidence(first)):
         why.append(f"its process is {FROZEN_STATES[first.state]}")
-    if first.watcher_silent:
+    if first.watcher_silent and first.state not in ("T", "t"):  # a stopped process's watcher is stopped too
         why.append("its watcher cannot run (the GIL is held?)")
     if first.where:
         why.append(f"at {first.where}" + (" (inside torch.distributed)" if first.in_collective else ""))

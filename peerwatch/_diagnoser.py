@@ -148,8 +148,9 @@ class Diagnoser:
         resolved = dataclasses.replace(mine, resolved_ns=now_ns)
         if self._observer.write_event_replacing(DIAGNOSIS_FILE, resolved):
             self._observer.events[DIAGNOSIS_FILE] = resolved
-            logger.warning("peerwatch: the job moved again %.1fs after it stopped: it was slow, not stuck (%s)",
-                           (now_ns - mine.stalled_at_ns) / 1e9, mine.detail)
+            logger.warning("peerwatch: the job moved again %.1fs after it stopped: %s (%s)",
+                           (now_ns - mine.stalled_at_ns) / 1e9,
+                           "it was busy, as diagnosed" if mine.finding == BUSY else "it was slow, not stuck", mine.detail)
         self._mine = None
 
     @staticmethod

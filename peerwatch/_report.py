@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from . import _identity
 from ._exitwatch import EXIT_MESSAGE
@@ -25,7 +25,17 @@ from ._records import (
     returncode_exit_code,
     signal_name,
 )
-from ._rundir import DIAGNOSIS_FILE, EVENTS, HEARTBEATS, REPORT_FILE, VERDICT_FILE, RunDir, rank_file
+from ._rundir import (
+    DIAGNOSIS_FILE,
+    EVENTS,
+    FLIGHT_RECORDER,
+    HEARTBEATS,
+    REPORT_FILE,
+    VERDICT_FILE,
+    RunDir,
+    parse_fr_dump_name,
+    rank_file,
+)
 from ._terminal import who
 
 REPORT_VERSION = 1
@@ -59,6 +69,7 @@ def build(rd: RunDir) -> Dict[str, Any]:
         "verdict": None,
         "ranks": ranks,
         "diagnosis": diagnosis_entry(rd.read(EVENTS, DIAGNOSIS_FILE, Diagnosis)),
+        "flight_recorder": flight_recorder_entry(rd, [r["rank"] for r in ranks]),
     }
     if verdict is not None:
         v = dataclasses.asdict(verdict)
@@ -175,6 +186,21 @@ def diagnosis_entry(d: Optional[Diagnosis]) -> Optional[Dict[str, Any]]:
     }
 
 
+ANALYZER = "torchfrtrace"  # torch's flight-recorder analyzer (python -m torch.distributed.flight_recorder.fr_trace)
+
+
+def flight_recorder_entry(rd: RunDir, ranks: List[int]) -> Optional[Dict[str, Any]]:
+    """The ``flight_recorder`` object of report.json (docs/report.md): the folder of the
+    ranks' flight-recorder dumps and the command that analyzes them; None without dumps."""
+    dumped = sorted(r for r in map(parse_fr_dump_name, rd.names(FLIGHT_RECORDER)) if r is not None)
+    if not dumped:
+        return None
+    path = rd.join(FLIGHT_RECORDER)
+    # torch's analyzer stops at a rank without a dump, unless told to make do.
+    partial = " --allow-incomplete-ranks" if set(ranks) - set(dumped) else ""
+    return {"dir": path, "ranks": dumped, "analyze": f"{ANALYZER} {path}{partial}"}
+
+
 def _unwatched(reg: Optional[Registration]) -> Optional[str]:
     """Why this host cannot watch or signal a rank of this host, if it cannot."""
     if reg is None or _identity.is_local(reg):
@@ -273,6 +299,10 @@ def summary(report: Dict[str, Any], traceback: bool = True) -> str:
     if d is not None:
         lines.append(f"  diagnosis ({d['kind']}{', resolved: the job moved again' if d.get('resolved_at') else ''}): "
                      f"{d['detail']}")
+    fr = report.get("flight_recorder")
+    if fr:
+        lines.append(f"  flight recorder of ranks {', '.join(map(str, fr['ranks']))}: {fr['dir']} "
+                     f"(torch's analyzer: {fr['analyze']})")
     if traceback and v is not None and v.get("traceback"):
         tb = v["traceback"].rstrip().splitlines()
         lines.append("  traceback of the failing rank (last lines):")

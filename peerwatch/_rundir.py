@@ -10,6 +10,7 @@ Layout (per host)::
     RUN/events/verdict.json         the verdict (first wins)  /
     RUN/heartbeats/rank-00003.json  liveness and progress (rewritten in place, see InPlace)
     RUN/stacks/rank-00003.txt       Python stacks dumped at teardown
+    RUN/flight_recorder/rank_3      torch's flight recorder, as its analyzer reads it (peerwatch._frdump)
     RUN/report.json                 the report
     RUN/tmp/                        temp files; records are written here first
 
@@ -46,6 +47,10 @@ DIAGNOSIS_FILE = "diagnosis.json"  # events/: why the job stopped moving (peerwa
 # publish, and the other hosts' stalls as the bridge read them, for the judges.
 STALL_FILE = "stall.json"
 REMOTE_STALLS_FILE = "stalls-remote.json"
+# torch's flight-recorder dumps, one file per rank, named as torch's analyzer expects
+# (``<prefix><rank>``, the prefix common to every file of the folder, which holds nothing else).
+FLIGHT_RECORDER = "flight_recorder"
+_FR_PREFIX = "rank_"
 REPORT_FILE = "report.json"
 WARN_EACH = 10  # bad files warned about one by one, per folder, record kind and reason; then one summary
 _SUBDIRS = (RANKS, EVENTS, HEARTBEATS, STACKS, TMP)
@@ -60,6 +65,17 @@ def rank_file(prefix: str, rank: int, suffix: str = ".json") -> str:
 def stack_name(rank: int) -> str:
     """The name of rank ``rank``'s stack file in ``stacks/``: its one home."""
     return rank_file("rank", rank, ".txt")
+
+
+def fr_dump_name(rank: int) -> str:
+    """The name of rank ``rank``'s flight-recorder dump in ``flight_recorder/``: its one home."""
+    return f"{_FR_PREFIX}{rank}"
+
+
+def parse_fr_dump_name(name: str) -> Optional[int]:
+    """``"rank_3"`` -> 3; anything else -> None."""
+    number = name[len(_FR_PREFIX):] if name.startswith(_FR_PREFIX) else ""
+    return int(number) if number.isdigit() and len(number) <= 9 else None
 
 
 def parse_rank_file(name: str) -> Optional[Tuple[str, int]]:
@@ -740,12 +756,17 @@ class RunDir:
             return self._create(sub, name)
         except FileNotFoundError:  # sub is missing: made once, not tried on every claim (a mkdir
             pass  # locks the run directory even when sub exists, and claims come 128 at once)
+        self.make_folder(sub)
+        return self._create(sub, name)
+
+    def make_folder(self, sub: str) -> None:
+        """Create folder ``sub`` (0700) of the run directory if it is missing (one made on
+        demand, not at :meth:`prepare`). Raises OSError to the caller."""
         with self._dir("") as top:
             try:
                 os.mkdir(sub, 0o700, dir_fd=top)
             except FileExistsError:
                 pass
-        return self._create(sub, name)
 
     def _create(self, sub: str, name: str) -> bool:
         with self._dir(sub) as dir_fd:
@@ -963,5 +984,6 @@ class InPlace:
 __all__ = [
     "InPlace", "EVENTS", "HEARTBEATS", "NEW_RUN", "OWNER_VAR", "RANKS", "REPORT_FILE", "STACKS", "TMP", "VERDICT_FILE", "DIAGNOSIS_FILE",
     "REMOTE_STALLS_FILE", "STALL_FILE",
-    "RunDir", "base_dir", "check_ancestors", "check_trusted", "parse_rank_file", "is_multiprocessing_child", "process_key", "rank_file", "resolve", "safe_name", "stack_name",
+    "FLIGHT_RECORDER", "RunDir", "base_dir", "check_ancestors", "check_trusted", "fr_dump_name", "parse_fr_dump_name",
+    "parse_rank_file", "is_multiprocessing_child", "process_key", "rank_file", "resolve", "safe_name", "stack_name",
 ]

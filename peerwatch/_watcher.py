@@ -7,7 +7,8 @@ wakes and what is due is :class:`peerwatch._schedule.Schedule`'s answer.
 
 Threads and what they own:
 - the watcher thread (``peerwatch-rank<N>``): the observer, the schedule, the verdict
-  (written once, before ``verdict_seen`` is set), ``_peer_failure_known``;
+  (written once, before ``verdict_seen`` is set), ``_peer_failure_known``, the
+  flight-recorder dumps;
 - the training thread: ``progress``, ``in_watch`` (``watch()``), ``main_left`` (set when it
   leaves at exit during a teardown);
 - any thread that ends the rank (training thread, a thread's excepthook, the launcher
@@ -32,6 +33,7 @@ from ._diagnoser import Diagnoser
 from ._errors import PeerFailure
 from ._eventlog import log as log_event
 from ._eventlog import sweep as sweep_events
+from ._frdump import FlightRecorderDump
 from ._heartbeat import HeartbeatWriter, Progress
 from ._identity import is_local
 from ._notify import start_hook
@@ -148,6 +150,7 @@ class Watcher:
         warn = config.hang_warn if config.hang_warn > 0 else None
         auto = config.hang_timeout == HANG_AUTO
         self._diagnoser = Diagnoser(self.rank, warn, self.observer, auto, config.heartbeat_interval) if config.hang_warn or auto else None
+        self._flight_recorder = FlightRecorderDump(run_dir, self.rank)  # evidence torch's analyzer reads
         self.thread = threading.Thread(target=self._main, name=f"peerwatch-rank{self.rank}", daemon=True)
         self._launcher_watch: Optional[_launchers.LauncherWatch] = None  # set by start()
         self.bridge = _bridge.Bridge.for_config(config, run_dir, me)  # other hosts, through the store
@@ -283,6 +286,7 @@ class Watcher:
                 if verdict is not None:
                     self._act(verdict)
                     return
+                self._flight_recorder.on_diagnosis(obs.diagnosis())  # a stall: each rank dumps, once
                 obs.flush()
                 self._peer_failure_known = obs.peer_failed()
             self._settle.looked(requested)
@@ -409,6 +413,9 @@ class Watcher:
         if plan.write_report and _launchers.ends_workers_early(self.me, verdict):
             self._write_report(False)  # now, before a launcher's SIGTERM; again after the teardown
         self.stacks.dump()
+        # Before the training thread is interrupted: the collective it waits in is recorded
+        # as it stands, and no process group is being destroyed meanwhile.
+        self._flight_recorder.dump("teardown")
         if plan.interrupt_main:
             _teardown.raise_in_main_thread(PeerFailure.bound_to(verdict), self.interrupt_installed)
         self._carry_out(verdict, plan, leave_by)

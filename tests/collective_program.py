@@ -20,6 +20,7 @@ trains: ``all_reduce`` of 4 floats, then ``--step-s`` seconds of "compute". Beha
     evaluate:S   S seconds of evaluating a small model (its stack moves; no I/O), not in paused()
     workers:S    S seconds of waiting for a worker process that computes (a data loader's)
     lock         block forever on a lock it already holds (no CPU, no I/O: stuck)
+    stop         SIGSTOP itself (frozen)
 
 ``--no-torch``: never import torch (a job of plain processes). ``--no-collectives``:
 join the group, then only "compute". Markers in ``--ready``: ``rank-<i>`` (the pid)
@@ -32,6 +33,7 @@ import argparse
 import datetime
 import multiprocessing
 import os
+import signal
 import sys
 import threading
 import time
@@ -145,6 +147,8 @@ def main() -> None:
                 evaluate(float(arg))
             elif name == "workers":
                 wait_for_workers(float(arg))
+            elif name == "stop":
+                os.kill(os.getpid(), signal.SIGSTOP)
             elif name == "lock":
                 lock = threading.Lock()
                 lock.acquire()
