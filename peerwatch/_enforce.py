@@ -132,13 +132,16 @@ def _orphans_of(obs: Observer, verdict: Verdict, peer_pids: AbstractSet[int]) ->
     return found
 
 
-def tear_down_own_children(rank: int, peer_pids: AbstractSet[int], grace_s: float) -> None:
-    """This rank's own descendants (DataLoader workers...), but never a peer."""
+def tear_down_own_children(
+    rank: int, peer_pids: AbstractSet[int], grace_s: float, spare: AbstractSet[int] = frozenset(),
+) -> None:
+    """This rank's own descendants (DataLoader workers...), but never a peer, nor the trees
+    in ``spare`` (the on_verdict command this rank runs: its own bound ends it)."""
     uid = os.geteuid()
     targets = [
         t for t in (
             _teardown.make_target(pid, start, uid, f"pid {pid}, a descendant of rank {rank}")
-            for pid, start in _teardown.descendants(os.getpid(), uid, set(peer_pids))
+            for pid, start in _teardown.descendants(os.getpid(), uid, set(peer_pids), spare=spare)
         ) if t is not None
     ]
     if targets:

@@ -10,7 +10,7 @@ the one that creates ``RUN/claims/notified`` (``O_EXCL``). So once per host and 
 enforcer gets there first (an enforcer always exists while a rank of the host lives).
 
 Bounded: the hook gets ``grace`` seconds from its start, while its rank finishes its own
-share of the teardown; then a command's process group is SIGKILLed (it runs in a new
+share of the teardown (which spares the command's tree: :attr:`Hook.pid`); then a command's process group is SIGKILLed (it runs in a new
 session, under ``timeout(1)`` where there is one, so it is ended at the bound even if its
 rank is killed first), and a callable (in a daemon thread) is left behind as the rank
 exits. Its failures are logged (WARNING), never raised.
@@ -94,6 +94,12 @@ class Hook:
             # timeout(1)'s codes: it ended the command at the bound.
             return f"was killed at its bound ({self.bound_s:g}s, exit status {code})"
         return "ok" if code == 0 else f"failed with exit status {code}"
+
+    @property
+    def pid(self) -> Optional[int]:
+        """The command's leader (its process tree is the hook's), while it is not reaped."""
+        p = self.popen
+        return p.pid if p is not None and p.returncode is None else None
 
     @property
     def bound_s(self) -> float:

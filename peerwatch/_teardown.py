@@ -16,7 +16,7 @@ import stat
 import sys
 import threading
 import time
-from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
+from typing import AbstractSet, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 from . import _identity
 
@@ -152,10 +152,13 @@ def process_tree() -> Dict[int, List[int]]:
 
 def descendants(
     pid: int, uid: int, exclude: Set[int], tree: Optional[Dict[int, List[int]]] = None,
+    spare: AbstractSet[int] = frozenset(),
 ) -> List[Tuple[int, int]]:
     """(pid, start_ticks) of pid's live descendants owned by uid, minus ``exclude`` (peers).
 
     ``tree``: a :func:`process_tree` snapshot, to share one /proc walk between calls.
+    ``spare``: processes left out with their whole subtree (the on_verdict hook's command,
+    which has a bound of its own).
     """
     if pid == os.getpid() and not _has_children():
         return []  # the common case, told without walking /proc
@@ -165,7 +168,7 @@ def descendants(
     todo, seen = list(tree.get(pid, ())), {pid}
     while todo:
         child = todo.pop()
-        if child in seen:
+        if child in seen or child in spare:
             continue
         seen.add(child)
         todo.extend(tree.get(child, ()))
