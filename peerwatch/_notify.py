@@ -164,7 +164,9 @@ def _call(h: Hook, hook: Any, verdict: Verdict, report: str) -> None:
     try:
         hook(verdict, report)
     except BaseException as e:  # noqa: BLE001 - logged by finish(), never raised
-        h.error = f"{type(e).__name__}: {e}"
+        from ._hooks import exception_message
+
+        h.error = f"{type(e).__name__}: {exception_message(e)}"
         logger.warning("peerwatch: rank %d: on_verdict %s raised", h.rank, h.what, exc_info=True)
 
 

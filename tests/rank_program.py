@@ -11,6 +11,7 @@ one of them). Behaviours per rank, ``RANK=WHAT[@SECONDS]``:
     raise_at:N       beat(1..N) (noting READY/step-<rank>), then raise RuntimeError
     succeed_at:N     beat(1..N) (noting READY/step-<rank>), then finish cleanly
     raise            raise RuntimeError after SECONDS
+    raise_unprintable  raise a ValueError subclass whose __str__ raises, after SECONDS
     exit:N           sys.exit(N) after SECONDS
     exit_pow2:K      sys.exit(2**K) after SECONDS (exits 255 when it does not fit a C long)
     raise_exit:N     raise SystemExit(N) after SECONDS: it reaches the top of the program
@@ -52,6 +53,13 @@ import time
 import fault_behaviours
 
 import peerwatch
+
+
+class Unprintable(ValueError):
+    """An exception whose message cannot be made: its ``__str__`` raises."""
+
+    def __str__(self) -> str:
+        raise ValueError("this exception has no message")
 
 
 def _install_options(rank: int) -> dict:
@@ -161,6 +169,8 @@ def behave(args: argparse.Namespace, rank: int, action: str, delay: float) -> No
         return
     if name == "raise":
         raise RuntimeError(f"rank {rank} failed on purpose")
+    if name == "raise_unprintable":
+        raise Unprintable()
     if name == "exit":
         sys.exit(int(arg))
     if name == "exit_pow2":
