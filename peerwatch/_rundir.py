@@ -35,7 +35,7 @@ from typing import Callable, Dict, Iterator, List, Mapping, Optional, Set, Tuple
 
 from . import _identity
 from ._errors import RunDirError
-from ._records import MAX_RECORD_BYTES, Registration, Success, Verdict, decode, encode
+from ._records import MAX_RECORD_BYTES, Registration, Success, Verdict, decode, encode, named_ranks
 
 logger = logging.getLogger("peerwatch")
 
@@ -820,19 +820,18 @@ class RunDir:
         if record is None and data:
             self.warn_once(self.join(sub, name), "is not a valid peerwatch record; ignored")
             return None
-        if record is not None and not self._in_world(record):
-            self.warn_once(
-                self.join(sub, name),
-                f"names rank {getattr(record, 'rank', '?')}, outside this run's world size {self.world_size}; ignored",
-            )
+        outside = self._outside_world(record) if record is not None else None
+        if outside is not None:
+            self.warn_once(self.join(sub, name), f"names rank {outside}, outside this run's world size {self.world_size}; ignored")
             return None
         return record
 
-    def _in_world(self, record: object) -> bool:
-        if isinstance(record, Registration):
-            return True  # judged with the reader's own registration (_rundir.same_job), which says more
-        rank = getattr(record, "rank", None)
-        return self.world_size is None or not isinstance(rank, int) or rank < self.world_size
+    def _outside_world(self, record: object) -> Optional[int]:
+        """The first rank ``record`` names (its own, a laggard, who made it...) that is not
+        inside the run's world, where the world size is known; None if every one is."""
+        if isinstance(record, Registration) or self.world_size is None:
+            return None  # a registration is judged with the reader's own (_rundir.same_job), which says more
+        return next((r for r in named_ranks(record) if r >= self.world_size), None)
 
     def names(self, sub: str) -> List[str]:
         """Every name in folder ``sub``; none if it is missing or cannot be listed (warned)."""

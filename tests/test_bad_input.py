@@ -36,6 +36,7 @@ from typing import Dict, Iterator, List, Optional
 import pytest
 from harness import Job, by_rank
 
+from peerwatch import _records
 from peerwatch._records import MAX_RECORD_BYTES, ExitStatus, Failure, Registration, Success, Verdict, encode
 
 pytestmark = pytest.mark.timeout(120)
@@ -315,6 +316,32 @@ def test_garbage_in_place_of_the_verdict(make_job) -> None:
     assert not gone, f"ended after a bad verdict: {gone}\n{job.logs()}"
     _wait_until("every watcher beat after the garbage",
                 lambda: all(_heartbeat_ns(job, r) > planted_ns for r in range(WORLD)), DEADLINE_S, job)
+    _kill_and_check_teardown(job, pids)
+
+
+def test_a_diagnosis_naming_a_rank_outside_the_world_is_not_obeyed(make_job) -> None:
+    """A diagnosis of a hang whose laggard is rank 99 in a 3-rank job, under
+    hang_timeout=auto: ignored with one warning in every rank, no teardown; a real failure
+    then ends the job as usual. (Before: obeyed, every rank exited 124.)"""
+    job = make_job(world=WORLD, grace=GRACE_S, env=dict(ENV, PEERWATCH_HANG_TIMEOUT="auto")).start()
+    pids = job.wait_ready()
+    now = time.time_ns()
+    diagnosis = _records.Diagnosis(finding=_records.HANG, laggards=(99,), entered=(0, 1, 2), since_ns=10**9, stalled_at_ns=now - 10**9,
+                          time_ns=now, made_by=0, detail="planted: rank 99 never entered gloo:all_reduce")
+    path = job.run_dir / "events" / "diagnosis.json"
+    staged = job.run_dir / "tmp" / "planted-diagnosis"
+    staged.write_bytes(encode(diagnosis))
+    os.replace(staged, path)
+    planted_ns = time.time_ns()
+
+    def warned_or_gone() -> bool:
+        return any(p.gone() for p in job.ranks.values()) or all(_warnings_about(_log(job, r), path) for r in range(WORLD))
+
+    _wait_until("warned about the diagnosis in every rank (or a rank gone)", warned_or_gone, DEADLINE_S, job)
+    _assert_alive_and_calm(job, planted_ns)
+    for rank in range(WORLD):
+        lines = _warnings_about(_log(job, rank), path)
+        assert len(lines) == 1 and "rank 99" in lines[0] and "world size 3" in lines[0], f"rank {rank}: {lines}"
     _kill_and_check_teardown(job, pids)
 
 
