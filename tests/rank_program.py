@@ -11,6 +11,8 @@ one of them). Behaviours per rank, ``RANK=WHAT[@SECONDS]``:
     raise_at:N       beat(1..N) (noting READY/step-<rank>), then raise RuntimeError
     succeed_at:N     beat(1..N) (noting READY/step-<rank>), then finish cleanly
     raise            raise RuntimeError after SECONDS
+    done_exit:N      peerwatch.mark_success() (as Lightning's callback does at on_fit_end), then
+                     sys.exit(N), after SECONDS
     raise_unprintable  raise a ValueError subclass whose __str__ raises, after SECONDS
     exit:N           sys.exit(N) after SECONDS
     exit_pow2:K      sys.exit(2**K) after SECONDS (exits 255 when it does not fit a C long)
@@ -169,6 +171,9 @@ def behave(args: argparse.Namespace, rank: int, action: str, delay: float) -> No
         return
     if name == "raise":
         raise RuntimeError(f"rank {rank} failed on purpose")
+    if name == "done_exit":
+        peerwatch.mark_success()
+        sys.exit(int(arg))
     if name == "raise_unprintable":
         raise Unprintable()
     if name == "exit":
@@ -226,6 +231,10 @@ def main() -> None:
             try:
                 with peerwatch.watch():
                     behave(args, rank, action, delay)
+                # RP_EXIT_AFTER_WATCH=RANK:N: that rank exits N once its watch() block ended cleanly.
+                who, _, code = os.environ.get("RP_EXIT_AFTER_WATCH", "").partition(":")
+                if who and int(who) == rank:
+                    sys.exit(int(code))
             except peerwatch.PeerFailure as e:
                 fields = {"rank": e.rank, "cause": e.cause, "exit_code": e.exit_code}
                 note(args, f"peerfailure-{rank}", json.dumps(fields))
