@@ -215,15 +215,23 @@ def send(target: Target, sig: int, reason: str) -> bool:
     except ProcessLookupError:
         return False
     except OSError as e:
-        logger.warning("peerwatch: could not send %s to %s (pid %d): %s", _name(sig), target.label, target.pid, e)
+        logger.warning("peerwatch: could not send %s to %s: %s", _name(sig), _named(target), e)
         return False
     if sig != STACKS_SIGNAL:
-        logger.warning("peerwatch: sent %s to %s (pid %d): %s", _name(sig), target.label, target.pid, reason)
+        logger.warning("peerwatch: sent %s to %s: %s", _name(sig), _named(target), reason)
     from . import _eventlog
 
     _eventlog.log("signal", target.rank, by=_eventlog.bound_rank(), pid=target.pid, signal=_name(sig),
                   target=target.label, reason=reason)
     return True
+
+
+def _named(target: Target) -> str:
+    """The target for people, with its pid once: ``rank 3 (pid 812)``, ``pid 901, a
+    descendant of rank 3 (pid 812)`` (a label that starts with the pid says it already)."""
+    if target.label.startswith(f"pid {target.pid},"):
+        return target.label
+    return f"{target.label} (pid {target.pid})"
 
 
 def alive(target: Target) -> bool:

@@ -369,15 +369,22 @@ def test_garbage_in_place_of_a_success_marker(make_job) -> None:
 LOST_DIR = "is NOT protected any more: its run directory"
 
 
-def test_run_directory_deleted_mid_run(make_job) -> None:
-    """rm -rf of the run directory while the job runs: no crash, no teardown; every rank
-    says once, at ERROR, that it is not protected any more and stops judging (nothing can
-    be written or read there: a peer's end proves nothing). A rank killed afterwards is
-    therefore not acted on (protection lost, said loudly): its peers keep running."""
+@pytest.mark.parametrize("how", ["removed", "replaced"])
+def test_run_directory_deleted_mid_run(make_job, how: str) -> None:
+    """rm -rf of the run directory while the job runs (or a move aside and a new, empty
+    directory in its place): no crash, no teardown; every rank says once, at ERROR, that
+    it is not protected any more, and how (removed, or replaced), and stops judging
+    (nothing can be written or read there: a peer's end proves nothing). A rank killed
+    afterwards is therefore not acted on (protection lost, said loudly): its peers keep
+    running."""
     job = make_job(world=WORLD, grace=GRACE_S, env={**ENV, "PEERWATCH_HEARTBEAT": "0.2"}).start()
     job.wait_ready()
     _wait_watchers_know_everyone(job)
-    shutil.rmtree(job.run_dir)
+    if how == "removed":
+        shutil.rmtree(job.run_dir)
+    else:
+        os.rename(job.run_dir, job.run_dir.with_name("run.moved"))
+        os.mkdir(job.run_dir, 0o700)
     _wait_until("every rank said it is not protected any more",
                 lambda: all(LOST_DIR in _log(job, r) for r in range(WORLD)), DEADLINE_S, job)
     # Ten more heartbeat periods: no rank ends, still one error each.
@@ -386,7 +393,8 @@ def test_run_directory_deleted_mid_run(make_job) -> None:
     for rank in range(WORLD):
         log = _log(job, rank)
         assert log.count(LOST_DIR) == 1, f"rank {rank}:\n{log}"
-        assert f"{job.run_dir} was removed" in log, f"rank {rank}:\n{log}"
+        said = "was removed" if how == "removed" else "was replaced by another directory"
+        assert f"{job.run_dir} {said}" in log, f"rank {rank}:\n{log}"
         assert "Traceback" not in log, f"rank {rank}:\n{log}"
 
     job.kill(VICTIM)
