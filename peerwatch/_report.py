@@ -26,7 +26,7 @@ from ._records import (
     signal_name,
 )
 from ._rundir import DIAGNOSIS_FILE, EVENTS, HEARTBEATS, REPORT_FILE, VERDICT_FILE, RunDir, rank_file
-from ._terminal import who
+from ._terminal import printable, who
 
 REPORT_VERSION = 1
 
@@ -302,7 +302,7 @@ def summary(report: Dict[str, Any], traceback: bool = True) -> str:
     path = os.path.join(report["run_dir"], REPORT_FILE)
     if v is not None or os.path.exists(path):  # a run without a verdict writes none
         lines.append(f"  report: {path}")
-    return "\n".join(lines)
+    return printable("\n".join(lines))  # a rank's message may hold escape sequences: shown, not obeyed
 
 
 def _late_failure(r: Dict[str, Any]) -> str:

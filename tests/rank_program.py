@@ -13,6 +13,7 @@ one of them). Behaviours per rank, ``RANK=WHAT[@SECONDS]``:
     raise            raise RuntimeError after SECONDS
     done_exit:N      peerwatch.mark_success() (as Lightning's callback does at on_fit_end), then
                      sys.exit(N), after SECONDS
+    raise_ctrl       raise RuntimeError whose message holds ESC, BEL and NUL, after SECONDS
     raise_unprintable  raise a ValueError subclass whose __str__ raises, after SECONDS
     exit:N           sys.exit(N) after SECONDS
     exit_pow2:K      sys.exit(2**K) after SECONDS (exits 255 when it does not fit a C long)
@@ -174,6 +175,8 @@ def behave(args: argparse.Namespace, rank: int, action: str, delay: float) -> No
     if name == "done_exit":
         peerwatch.mark_success()
         sys.exit(int(arg))
+    if name == "raise_ctrl":
+        raise RuntimeError(f"rank {rank} \x1b[31mred\x1b[0m \x07bell \x00nul")
     if name == "raise_unprintable":
         raise Unprintable()
     if name == "exit":
