@@ -114,6 +114,12 @@ class Config:
         values, sources = _given_values(options, env)
         _fold_aliases(values, sources, options, env)
         _launcher_ranks(values, sources, env)
+        beat = values.get("heartbeat_interval", HEARTBEAT_INTERVAL_S)
+        if "peer_timeout" not in values and isinstance(beat, float) and 2 * beat > PEER_TIMEOUT_S:
+            # The default follows a slow heartbeat (up to the documented maximum, an hour)
+            # rather than refuse it; a peer_timeout the user set is checked as given.
+            values["peer_timeout"] = 2 * beat
+            sources["peer_timeout"] = "default: twice heartbeat_interval"
         config = cls(**values, sources=tuple(sorted(sources.items())))
         config._validate()
         return config

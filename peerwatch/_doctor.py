@@ -253,10 +253,13 @@ def check_base() -> Check:
         except RunDirError as e:
             return Check("run dir base", FAIL, "; ".join(parts), f"install() refuses it: {e}",
                          f"remove it (it is recreated 0700) or {fix_move}")
-    elif not os.access(existing, os.W_OK | os.X_OK):
-        return Check("run dir base", FAIL, "; ".join(parts) + f"; {existing} is not writable by this user",
-                     "install() cannot create its run directory", fix_move)
-    else:
+    cannot = _write_fails(existing)
+    if cannot is not None:
+        # A real write: the mode bits and access(2) do not show every refusal (a read-only
+        # mount for the base itself, a full quota, an immutable folder, an LSM).
+        return Check("run dir base", FAIL, "; ".join(parts) + f"; a file cannot be written in {existing}: {cannot}",
+                     "install() cannot create or write its run directory: ranks run unprotected", fix_move)
+    if existing != base:
         parts.append(f"not created yet ({existing} is writable)")
     detail = "; ".join(parts)
     if 0 <= free < 1 << 20:
@@ -270,6 +273,27 @@ def check_base() -> Check:
         return Check("run dir base", WARN, detail, "little room for records and stack dumps", "free some space (`peerwatch gc`)")
     kind = "local, in memory" if fstype in ("tmpfs", "ramfs") else "local"
     return Check("run dir base", OK, detail, f"{kind}: records are written atomically and inotify sees them")
+
+
+def _write_fails(folder: str) -> Optional[str]:
+    """Why a file cannot be made, written and removed in ``folder`` (None: it can). The
+    file has an unpredictable name (mkstemp: O_EXCL, 0600) and is removed at once."""
+    try:
+        fd, path = tempfile.mkstemp(prefix=".peerwatch-doctor-", dir=folder)
+    except OSError as e:
+        return e.strerror or str(e)
+    try:
+        os.write(fd, b"peerwatch doctor\n")
+        os.fsync(fd)
+    except OSError as e:
+        return e.strerror or str(e)
+    finally:
+        os.close(fd)
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+    return None
 
 
 def check_torch() -> Check:

@@ -92,7 +92,7 @@ def _peer_and_tree(
         _teardown.send(target, _teardown.STACKS_SIGNAL, "dump stacks")  # terminate() lets it be taken first
     found = [target]
     for pid, started in _teardown.descendants(reg.pid, reg.uid, set(peer_pids), tree):
-        child = _teardown.make_target(pid, started, reg.uid, f"pid {pid}, a descendant of rank {reg.rank}")
+        child = _teardown.make_target(pid, started, reg.uid, f"pid {pid}, a descendant of rank {reg.rank} (pid {reg.pid})")
         if child is not None:
             found.append(child)
     return found
@@ -118,7 +118,7 @@ def _orphans_of(obs: Observer, verdict: Verdict, peer_pids: AbstractSet[int]) ->
     for pid, start in beat.children:
         if pid in peer_pids:
             continue
-        target = _teardown.make_target(pid, start, reg.uid, f"pid {pid}, left behind by rank {verdict.rank}")
+        target = _teardown.make_target(pid, start, reg.uid, f"pid {pid}, left behind by rank {verdict.rank} (pid {reg.pid})")
         if target is None:
             continue
         # Vouched for by the OS: it inherited the run directory from the rank (a child
@@ -132,13 +132,16 @@ def _orphans_of(obs: Observer, verdict: Verdict, peer_pids: AbstractSet[int]) ->
     return found
 
 
-def tear_down_own_children(rank: int, peer_pids: AbstractSet[int], grace_s: float) -> None:
-    """This rank's own descendants (DataLoader workers...), but never a peer."""
+def tear_down_own_children(
+    rank: int, peer_pids: AbstractSet[int], grace_s: float, spare: AbstractSet[int] = frozenset(),
+) -> None:
+    """This rank's own descendants (DataLoader workers...), but never a peer, nor the trees
+    in ``spare`` (the on_verdict command this rank runs: its own bound ends it)."""
     uid = os.geteuid()
     targets = [
         t for t in (
-            _teardown.make_target(pid, start, uid, f"pid {pid}, a descendant of rank {rank}")
-            for pid, start in _teardown.descendants(os.getpid(), uid, set(peer_pids))
+            _teardown.make_target(pid, start, uid, f"pid {pid}, a descendant of rank {rank} (pid {os.getpid()})")
+            for pid, start in _teardown.descendants(os.getpid(), uid, set(peer_pids), spare=spare)
         ) if t is not None
     ]
     if targets:

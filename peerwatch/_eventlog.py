@@ -40,11 +40,12 @@ from ._records import (
     returncode_exit_code,
     signal_name,
 )
-from ._rundir import EVENTS, RANKS, VERDICT_FILE, RunDir, parse_rank_file, rank_file
+from ._rundir import EVENTS, RANKS, VERDICT_FILE, RunDir, open_regular, parse_rank_file, rank_file
 
 logger = logging.getLogger("peerwatch")
 
 EVENT_LOG = "events.jsonl"
+MAX_LOG_BYTES = 64 << 20  # read back at most this much of it (a run logs a few hundred bytes per event)
 LOGGED = "logged"  # folder of claim markers: logged/<folder>.<file name> of each record logged
 SCHEMA_VERSION = 1  # the "v" of every line
 MAX_TEXT_CHARS = 500  # a message or reason longer than this is cut (lines stay one small write)
@@ -229,10 +230,17 @@ def leaving(code: int) -> None:
 
 def read(path: str) -> list:
     """The events of the log at ``path``, one dict per good line (a torn or foreign line is
-    skipped), sorted by ``ts``. Raises OSError if it cannot be read."""
+    skipped), sorted by ``ts``; at most its first MAX_LOG_BYTES. Raises OSError if it cannot
+    be read, or is not a regular file (a symlink is never followed: one to /dev/zero would
+    never end; a FIFO would block)."""
     events = []
-    with open(path, "rb") as f:
-        for raw in f:
+    fd = open_regular(path, os.O_RDONLY)
+    with os.fdopen(fd, "rb") as f:
+        data = f.read(MAX_LOG_BYTES)
+    if len(data) == MAX_LOG_BYTES:
+        data = data[:data.rfind(b"\n") + 1]  # the cap cut a line: drop it
+    for raw in data.splitlines():
+        if raw:
             try:
                 item = json.loads(raw)
             except ValueError:
@@ -243,5 +251,5 @@ def read(path: str) -> list:
     return events
 
 
-__all__ = ["EVENT_LOG", "LOGGED", "SCHEMA_VERSION", "append", "bind", "bound", "bound_rank", "describe", "leaving",
+__all__ = ["EVENT_LOG", "LOGGED", "MAX_LOG_BYTES", "SCHEMA_VERSION", "append", "bind", "bound", "bound_rank", "describe", "leaving",
            "log", "read", "record", "sweep", "wanted_from_scan"]

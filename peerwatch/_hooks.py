@@ -119,7 +119,7 @@ def record_exception(w: Watcher, exc: BaseException, tb: Optional[TracebackType]
         cause, name, message = EXIT, None, f"SystemExit({exc.code!r})"
     else:
         code = 130 if isinstance(exc, KeyboardInterrupt) else 1
-        cause, name, message = EXCEPTION, qualified_name(type(exc)), str(exc)[:2000]
+        cause, name, message = EXCEPTION, qualified_name(type(exc)), exception_message(exc)
     text = "".join(traceback.format_exception(type(exc), exc, tb))
     w.record_failure(Failure(
         rank=w.rank, pid=os.getpid(), time_ns=time.time_ns(), cause=cause, exit_code=code,
@@ -145,7 +145,17 @@ def from_collective(exc: BaseException, tb: Optional[TracebackType]) -> bool:
     frames = list(traceback.walk_tb(tb))
     if frames and any(part in frames[-1][0].f_code.co_filename for part in _COLLECTIVE_PATHS):
         return True
-    return bool(_ECHO_TEXT.search(str(exc)[:2000]))
+    return bool(_ECHO_TEXT.search(exception_message(exc)))
+
+
+def exception_message(exc: BaseException) -> str:
+    """``str(exc)``, cut to 2000 characters; ``<unprintable T>`` where making it raises (a
+    user's ``__str__`` that fails must not become an error of peerwatch's own, nor lose
+    the exception's type)."""
+    try:
+        return str(exc)[:2000]
+    except Exception:  # noqa: BLE001 - any exception of the user's __str__
+        return f"<unprintable {type(exc).__name__}>"
 
 
 def qualified_name(cls: type) -> str:
@@ -273,7 +283,7 @@ def _record_thread_exception(w: Watcher, args: Any) -> None:
     text = "".join(traceback.format_exception(type(exc), exc, args.exc_traceback))
     failure = Failure(
         rank=w.rank, pid=os.getpid(), time_ns=time.time_ns(), cause=EXCEPTION, exit_code=1,
-        exception=qualified_name(type(exc)), message=str(exc)[:2000], traceback=text[-MAX_TRACEBACK_CHARS:],
+        exception=qualified_name(type(exc)), message=exception_message(exc), traceback=text[-MAX_TRACEBACK_CHARS:],
         thread=thread,
     )
     if w.config.thread_exceptions == "fail" and w.verdict is None:
@@ -380,5 +390,5 @@ def install_interrupt_handler(registry: Registry) -> bool:
 
 __all__ = [
     "Registry", "arm_exit_status", "consequence_of_peer_failure", "exit_status", "install_hooks", "install_interrupt_handler",
-    "qualified_name", "record_exception", "tell_consequence",
+    "exception_message", "qualified_name", "record_exception", "tell_consequence",
 ]

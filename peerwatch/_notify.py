@@ -10,7 +10,7 @@ the one that creates ``RUN/claims/notified`` (``O_EXCL``). So once per host and 
 enforcer gets there first (an enforcer always exists while a rank of the host lives).
 
 Bounded: the hook gets ``grace`` seconds from its start, while its rank finishes its own
-share of the teardown; then a command's process group is SIGKILLed (it runs in a new
+share of the teardown (which spares the command's tree: :attr:`Hook.pid`); then a command's process group is SIGKILLed (it runs in a new
 session, under ``timeout(1)`` where there is one, so it is ended at the bound even if its
 rank is killed first), and a callable (in a daemon thread) is left behind as the rank
 exits. Its failures are logged (WARNING), never raised.
@@ -96,6 +96,12 @@ class Hook:
         return "ok" if code == 0 else f"failed with exit status {code}"
 
     @property
+    def pid(self) -> Optional[int]:
+        """The command's leader (its process tree is the hook's), while it is not reaped."""
+        p = self.popen
+        return p.pid if p is not None and p.returncode is None else None
+
+    @property
     def bound_s(self) -> float:
         return self.deadline - self.started
 
@@ -158,7 +164,9 @@ def _call(h: Hook, hook: Any, verdict: Verdict, report: str) -> None:
     try:
         hook(verdict, report)
     except BaseException as e:  # noqa: BLE001 - logged by finish(), never raised
-        h.error = f"{type(e).__name__}: {e}"
+        from ._hooks import exception_message
+
+        h.error = f"{type(e).__name__}: {exception_message(e)}"
         logger.warning("peerwatch: rank %d: on_verdict %s raised", h.rank, h.what, exc_info=True)
 
 

@@ -98,8 +98,9 @@ class Observer:
         self._events_path = run_dir.join(EVENTS)  # stat'ed on every wake-up: joined once
         try:
             self._events_id = _dir_id(self._events_path)  # to tell when the run directory is removed
+            self._run_id = _dir_id(run_dir.path)  # ... or replaced by another one
         except OSError:
-            self._events_id = None
+            self._events_id = self._run_id = None
 
     def storage_lost(self) -> Optional[str]:
         """How the run directory was lost (removed, or replaced by another one), or None.
@@ -111,11 +112,14 @@ class Observer:
             return None
         try:
             now = _dir_id(self._events_path)
+            if now == self._events_id:
+                return None
+            run_now = _dir_id(self.run_dir.path)
         except OSError:
             return None  # cannot tell: judged as before
-        if now is None:
-            return "was removed"
-        return None if now == self._events_id else "was replaced by another directory"
+        if run_now is not None and run_now != self._run_id:
+            return "was replaced by another directory"  # moved aside, or removed, and made anew
+        return "was removed" if now is None else "was replaced by another directory"
 
     # -- waking and sleeping ---------------------------------------------------------
 

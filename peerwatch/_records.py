@@ -308,6 +308,19 @@ def _ranges(record: Any) -> bool:
     return True
 
 
+_RANK_FIELDS = ("rank", "detected_by", "observed_by", "made_by")  # a single rank each
+
+
+def named_ranks(record: Any) -> Tuple[int, ...]:
+    """Every rank ``record`` names: its own, who saw or made it, the laggards and the
+    ranks inside the collective (a diagnosis'). Each must be inside the run's world."""
+    ranks = [v for v in (getattr(record, f, None) for f in _RANK_FIELDS) if type(v) is int]
+    ranks += getattr(record, "laggards", ())
+    if isinstance(record, Diagnosis):
+        ranks += record.entered
+    return tuple(ranks)
+
+
 def in_range(record: Any) -> bool:
     """True if every field of ``record`` is in its range: ranks and times not negative,
     pids positive (0 for "no process", where a record may say so), exit codes 1-255 where
@@ -389,6 +402,6 @@ __all__ = [
     "BUSY", "EXCEPTION", "EXIT", "HANG", "LOST", "MISMATCH", "MISSING", "SIGNAL", "VANISHED",
     "EVENT_TYPES", "Ack", "Diagnosis", "ExitStatus", "Failure", "Heartbeat", "NotSignalled", "Registration", "Success", "Verdict",
     "WATCHER_DEATH", "WatcherDeath",
-    "HANG_EXIT_CODE", "MAX_RECORD_BYTES", "MAX_SIGNAL", "RECORD_VERSION", "decode", "encode", "in_range", "returncode_exit_code", "warm",
+    "HANG_EXIT_CODE", "MAX_RECORD_BYTES", "MAX_SIGNAL", "RECORD_VERSION", "decode", "encode", "in_range", "named_ranks", "returncode_exit_code", "warm",
     "signal_name",
 ]

@@ -36,7 +36,7 @@ from ._rundir import (
     parse_fr_dump_name,
     rank_file,
 )
-from ._terminal import who
+from ._terminal import printable, who
 
 REPORT_VERSION = 1
 
@@ -58,7 +58,9 @@ def build(rd: RunDir) -> Dict[str, Any]:
         _rank_entry(rd, rank, regs.get(rank), events, verdict)
         for rank in sorted(set(regs) | set(events["failure"]) | set(events["exit"]))
     ]
-    outcome = "failed" if verdict is not None else (
+    # A rank that failed after it was marked done (no teardown, by design) makes the run
+    # failed too, verdict or not: its success marker is not the end of its story.
+    outcome = "failed" if verdict is not None or any(r["failed_after_done"] for r in ranks) else (
         "succeeded" if ranks and all(r["state"] == SUCCEEDED for r in ranks) else "running"
     )
     report: Dict[str, Any] = {
@@ -96,7 +98,7 @@ def _state(rank: int, reg: Optional[Registration], events: Dict[str, Dict[int, A
     if verdict is not None and verdict.rank == rank:
         return FAILED
     if rank in events["success"]:
-        return SUCCEEDED
+        return FAILED if failed_after_done(rank, events) else SUCCEEDED
     if rank in events["failure"]:
         return FAILED
     if verdict is not None:
@@ -106,6 +108,16 @@ def _state(rank: int, reg: Optional[Registration], events: Dict[str, Dict[int, A
     if rank in events["exit"] or (reg is not None and not _identity.seems_alive(reg)):
         return ENDED
     return RUNNING
+
+
+def failed_after_done(rank: int, events: Dict[str, Dict[int, Any]]) -> bool:
+    """The rank wrote its success marker (``watch()`` ended, or ``mark_success()``), then
+    failed all the same: a failure record of its own, or an exit status other than 0. The
+    job went on (a rank that is done is not watched), but it did not succeed."""
+    if rank not in events["success"]:
+        return False
+    status = events["exit"].get(rank)
+    return rank in events["failure"] or (status is not None and status.returncode != 0)
 
 
 def _exit_code(
@@ -165,6 +177,7 @@ def _rank_entry(
         "acked_verdict": rank in events["ack"],
         "thread_exception": _thread_exception(events["thread"].get(rank)),
         "not_signalled": events["unsignalled"][rank].reason if state == NOT_SIGNALLED else None,
+        "failed_after_done": state == FAILED and failed_after_done(rank, events),
         "unwatched": _unwatched(reg),
     }
 
@@ -263,11 +276,15 @@ def summary(report: Dict[str, Any], traceback: bool = True) -> str:
     ``traceback=False`` leaves out the failing rank's traceback (printed just above by
     the failing rank itself)."""
     v = report.get("verdict")
+    late = [r for r in report["ranks"] if r.get("failed_after_done")]
     lines = []
     if v is None and report["outcome"] == "succeeded":
         n = len(report["ranks"])
         lines.append(f"peerwatch: the run in {report['run_dir']} succeeded: "
                      f"{'its rank' if n == 1 else f'all {n} ranks'} finished cleanly")
+    elif v is None and late:
+        lines.append(f"peerwatch: the run in {report['run_dir']} failed after it was marked done: "
+                     + "; ".join(_late_failure(r) for r in late))
     elif v is None:
         lines.append(f"peerwatch: no failure recorded in {report['run_dir']} (outcome: {report['outcome']})")
     else:
@@ -295,6 +312,11 @@ def summary(report: Dict[str, Any], traceback: bool = True) -> str:
             lines.append(f"  rank {r['rank']} cannot be watched or signalled from here: {r['unwatched']}")
         if r.get("not_signalled"):
             lines.append(f"  {who(r['rank'], r['pid'], r.get('host'))} could not be verified, not signalled: {r['not_signalled']}")
+    if late:
+        lines.append("  failed after it was marked done (watch() had ended, or mark_success()): no teardown, by design; "
+                     "the run did not succeed")
+        if v is not None:
+            lines.extend(f"  {_late_failure(r)}" for r in late)
     d = report.get("diagnosis")
     if d is not None:
         lines.append(f"  diagnosis ({d['kind']}{', resolved: the job moved again' if d.get('resolved_at') else ''}): "
@@ -310,7 +332,12 @@ def summary(report: Dict[str, Any], traceback: bool = True) -> str:
     path = os.path.join(report["run_dir"], REPORT_FILE)
     if v is not None or os.path.exists(path):  # a run without a verdict writes none
         lines.append(f"  report: {path}")
-    return "\n".join(lines)
+    return printable("\n".join(lines))  # a rank's message may hold escape sequences: shown, not obeyed
 
 
-__all__ = ["REPORT_VERSION", "build", "exit_text", "summary", "write"]
+def _late_failure(r: Dict[str, Any]) -> str:
+    code = "" if r["exit_code"] is None else f" (exit code {r['exit_code']})"
+    return f"{who(r['rank'], r.get('pid'), r.get('host'))} failed after its success marker{code}"
+
+
+__all__ = ["REPORT_VERSION", "failed_after_done", "build", "exit_text", "summary", "write"]

@@ -36,7 +36,7 @@ from typing import Callable, Dict, Iterator, List, Mapping, Optional, Set, Tuple
 
 from . import _identity
 from ._errors import RunDirError
-from ._records import MAX_RECORD_BYTES, Registration, Success, Verdict, decode, encode
+from ._records import MAX_RECORD_BYTES, Registration, Success, Verdict, decode, encode, named_ranks
 
 logger = logging.getLogger("peerwatch")
 
@@ -349,6 +349,27 @@ def _prefixes(path: str) -> List[str]:
 
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def open_regular(path: str, flags: int, mode: int = 0o600, dir_fd: Optional[int] = None) -> int:
+    """``os.open`` for a file peerwatch keeps in a run directory: never through a symlink
+    (``O_NOFOLLOW``), never blocking (``O_NONBLOCK``: a FIFO without its other end fails at
+    once, ENXIO, instead of hanging the caller), and only a regular file (a FIFO, a device,
+    a socket there is refused: OSError EINVAL "not a regular file"). Raises OSError."""
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode, dir_fd=dir_fd)
+    except OSError as e:
+        if e.errno == errno.ENXIO:  # a FIFO with no reader (or a device without its driver)
+            raise OSError(errno.EINVAL, "not a regular file (a FIFO, a device or a socket)") from None
+        raise
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file (a FIFO, a device or a socket)")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
 _FD_ROOT = "/proc/self/fd"  # where a path through a held descriptor starts (Linux)
 _HAVE_FD_PATHS = os.path.isdir(_FD_ROOT)
 
@@ -783,8 +804,12 @@ class RunDir:
         ``O_APPEND`` descriptor: lines of several processes never interleave (one small
         write each). Raises OSError to the caller (a short write too)."""
         with self._dir("") as top:
-            fd = os.open(name, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
-                         dir_fd=top)
+            try:
+                fd = open_regular(name, os.O_WRONLY | os.O_APPEND | os.O_CREAT, dir_fd=top)
+            except OSError as e:
+                if e.errno == errno.EINVAL:
+                    self.warn_once(self.join(name), "is not a regular file (a FIFO?); nothing is appended to it")
+                raise
             try:
                 if os.write(fd, data) != len(data):
                     raise OSError(errno.EIO, f"short write to {name}")
@@ -845,19 +870,18 @@ class RunDir:
         if record is None and data:
             self.warn_once(self.join(sub, name), "is not a valid peerwatch record; ignored")
             return None
-        if record is not None and not self._in_world(record):
-            self.warn_once(
-                self.join(sub, name),
-                f"names rank {getattr(record, 'rank', '?')}, outside this run's world size {self.world_size}; ignored",
-            )
+        outside = self._outside_world(record) if record is not None else None
+        if outside is not None:
+            self.warn_once(self.join(sub, name), f"names rank {outside}, outside this run's world size {self.world_size}; ignored")
             return None
         return record
 
-    def _in_world(self, record: object) -> bool:
-        if isinstance(record, Registration):
-            return True  # judged with the reader's own registration (_rundir.same_job), which says more
-        rank = getattr(record, "rank", None)
-        return self.world_size is None or not isinstance(rank, int) or rank < self.world_size
+    def _outside_world(self, record: object) -> Optional[int]:
+        """The first rank ``record`` names (its own, a laggard, who made it...) that is not
+        inside the run's world, where the world size is known; None if every one is."""
+        if isinstance(record, Registration) or self.world_size is None:
+            return None  # a registration is judged with the reader's own (_rundir.same_job), which says more
+        return next((r for r in named_ranks(record) if r >= self.world_size), None)
 
     def names(self, sub: str) -> List[str]:
         """Every name in folder ``sub``; none if it is missing or cannot be listed (warned)."""
@@ -963,11 +987,11 @@ class InPlace:
     def _open(self, size: int) -> None:
         try:
             with self.run_dir._dir(self.sub) as dir_fd:
-                fd = os.open(self.name, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+                fd = open_regular(self.name, os.O_WRONLY, dir_fd=dir_fd)
         except OSError:
             return  # written atomically this time; next time we try again
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+        if st.st_uid != os.geteuid():
             os.close(fd)
             return
         self._fd, self._size = fd, size
@@ -984,6 +1008,6 @@ class InPlace:
 __all__ = [
     "InPlace", "EVENTS", "HEARTBEATS", "NEW_RUN", "OWNER_VAR", "RANKS", "REPORT_FILE", "STACKS", "TMP", "VERDICT_FILE", "DIAGNOSIS_FILE",
     "REMOTE_STALLS_FILE", "STALL_FILE",
-    "FLIGHT_RECORDER", "RunDir", "base_dir", "check_ancestors", "check_trusted", "fr_dump_name", "parse_fr_dump_name",
+    "FLIGHT_RECORDER", "RunDir", "base_dir", "check_ancestors", "check_trusted", "fr_dump_name", "open_regular", "parse_fr_dump_name",
     "parse_rank_file", "is_multiprocessing_child", "process_key", "rank_file", "resolve", "safe_name", "stack_name",
 ]

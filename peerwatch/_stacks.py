@@ -17,7 +17,7 @@ import logging
 import os
 from typing import IO, Optional
 
-from ._rundir import RunDir
+from ._rundir import RunDir, open_regular
 from ._teardown import STACKS_SIGNAL
 
 logger = logging.getLogger("peerwatch")
@@ -37,9 +37,8 @@ class StackFile:
         Never raises: a rank without a stack file is still watched (and logs why)."""
         global _faulthandler_ours
         try:
-            fd = os.open(
-                rd.stack_at(rank), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
-            )
+            # A regular file only, opened without blocking (a FIFO there would hang install()).
+            fd = open_regular(rd.stack_at(rank), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
             file = os.fdopen(fd, "w")
             faulthandler.register(STACKS_SIGNAL, file=file, all_threads=True, chain=False)
             if not faulthandler.is_enabled():

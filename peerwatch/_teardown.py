@@ -16,7 +16,7 @@ import stat
 import sys
 import threading
 import time
-from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
+from typing import AbstractSet, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 from . import _identity
 
@@ -152,10 +152,13 @@ def process_tree() -> Dict[int, List[int]]:
 
 def descendants(
     pid: int, uid: int, exclude: Set[int], tree: Optional[Dict[int, List[int]]] = None,
+    spare: AbstractSet[int] = frozenset(),
 ) -> List[Tuple[int, int]]:
     """(pid, start_ticks) of pid's live descendants owned by uid, minus ``exclude`` (peers).
 
     ``tree``: a :func:`process_tree` snapshot, to share one /proc walk between calls.
+    ``spare``: processes left out with their whole subtree (the on_verdict hook's command,
+    which has a bound of its own).
     """
     if pid == os.getpid() and not _has_children():
         return []  # the common case, told without walking /proc
@@ -165,7 +168,7 @@ def descendants(
     todo, seen = list(tree.get(pid, ())), {pid}
     while todo:
         child = todo.pop()
-        if child in seen:
+        if child in seen or child in spare:
             continue
         seen.add(child)
         todo.extend(tree.get(child, ()))
@@ -212,15 +215,23 @@ def send(target: Target, sig: int, reason: str) -> bool:
     except ProcessLookupError:
         return False
     except OSError as e:
-        logger.warning("peerwatch: could not send %s to %s (pid %d): %s", _name(sig), target.label, target.pid, e)
+        logger.warning("peerwatch: could not send %s to %s: %s", _name(sig), _named(target), e)
         return False
     if sig != STACKS_SIGNAL:
-        logger.warning("peerwatch: sent %s to %s (pid %d): %s", _name(sig), target.label, target.pid, reason)
+        logger.warning("peerwatch: sent %s to %s: %s", _name(sig), _named(target), reason)
     from . import _eventlog
 
     _eventlog.log("signal", target.rank, by=_eventlog.bound_rank(), pid=target.pid, signal=_name(sig),
                   target=target.label, reason=reason)
     return True
+
+
+def _named(target: Target) -> str:
+    """The target for people, with its pid once: ``rank 3 (pid 812)``, ``pid 901, a
+    descendant of rank 3 (pid 812)`` (a label that starts with the pid says it already)."""
+    if target.label.startswith(f"pid {target.pid},"):
+        return target.label
+    return f"{target.label} (pid {target.pid})"
 
 
 def alive(target: Target) -> bool:

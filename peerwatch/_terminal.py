@@ -18,11 +18,22 @@ Pure but for :func:`keep_consequence`, which writes to a file it is given.
 
 from __future__ import annotations
 
+import re
 import traceback
 from types import TracebackType
 from typing import IO, Optional, Type
 
 SHORT_CHARS = 160  # a failure's detail in a one-line message is cut to this many characters
+
+
+_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")  # all but tab and newline
+
+
+def printable(text: str) -> str:
+    """``text`` safe for a terminal: every control character but tab and newline (ESC of a
+    colour or cursor sequence, BEL, NUL, a carriage return, C1 controls) shown as ``\\xNN``,
+    so what a failing rank wrote in its message cannot rewrite or hide the report."""
+    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
 
 
 def who(rank: int, pid: Optional[int] = None, host: Optional[str] = None) -> str:
@@ -75,4 +86,4 @@ def keep_consequence(
         return False
 
 
-__all__ = ["SHORT_CHARS", "consequence_line", "keep_consequence", "short", "stop_line", "who"]
+__all__ = ["SHORT_CHARS", "consequence_line", "keep_consequence", "printable", "short", "stop_line", "who"]

@@ -10,11 +10,30 @@ no dependency.
 from __future__ import annotations
 
 import os
+import re
+import tempfile
 from typing import Any, Dict, List, Optional, Tuple
-from xml.sax.saxutils import escape
+from xml.sax.saxutils import escape as _xml_escape
 
 from . import _eventlog, _report
 from ._rundir import RunDir
+
+# XML 1.0 allows no C0 control character but tab, newline and carriage return, no
+# surrogate, and neither U+FFFE nor U+FFFF; C1 controls and DEL are allowed but shown as
+# what they are (an exception's message may hold ESC sequences, BEL, NUL).
+_NOT_XML = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\ud800-\udfff\ufffe\uffff]")
+MAX_SPAN_NS = 86_400 * 10**9  # marks further than a day from the origin are left out (a bad clock, a forged line)
+
+
+def escape(text: str) -> str:
+    """``text`` for an SVG element or attribute: XML's specials escaped, and every
+    character XML cannot hold shown as ``\\xNN`` / ``\\uNNNN``."""
+    return _xml_escape(_NOT_XML.sub(_visible, text), {'"': "&quot;"})
+
+
+def _visible(m: "re.Match[str]") -> str:
+    c = ord(m.group())
+    return f"\\x{c:02x}" if c < 0x100 else f"\\u{c:04x}"
 
 WIDTH = 960
 LANE_H = 30
@@ -83,8 +102,12 @@ def marks(rd: RunDir) -> Tuple[Dict[int, List[Tuple[int, str, str]]], Optional[D
 def svg(rd: RunDir) -> str:
     """The timeline of the run in ``rd``, as an SVG document."""
     lanes, verdict = marks(rd)
+    times = sorted(ts for items in lanes.values() for ts, _, _ in items)
+    origin = verdict["failed_at_ns"] if verdict is not None else (times[len(times) // 2] if times else 0)
+    # Bounded: a mark far from the origin (ts 9e18, a 1970 clock) would stretch the axis
+    # over centuries (and its ticks loop for minutes): it is left out.
+    lanes = {r: [m for m in items if abs(m[0] - origin) <= MAX_SPAN_NS] for r, items in lanes.items()}
     times = [ts for items in lanes.values() for ts, _, _ in items]
-    origin = verdict["failed_at_ns"] if verdict is not None else (min(times) if times else 0)
     start = min([origin] + times)
     end = max([origin] + times)
     span = max(end - start, 10_000_000)  # at least 10 ms
@@ -131,6 +154,8 @@ def _axis(x: Any, t0: int, t1: int, origin: int, top: float, bottom: float) -> L
         step = float(s)
         if span_ms / s <= 10:
             break
+    while span_ms / step > 10:  # longer than the table: never more than about ten ticks
+        step *= 10
     out = [f'<line x1="{LEFT}" y1="{bottom:.1f}" x2="{WIDTH - RIGHT}" y2="{bottom:.1f}" stroke="#333333"/>']
     first = int((t0 - origin) / 1e6 // step) + 1
     k = first
@@ -183,11 +208,21 @@ def _legend(y: float) -> List[str]:
 
 def write(rd: RunDir, path: str) -> None:
     """Write the timeline of ``rd`` to ``path`` (atomically: a temp file, then rename)."""
-    data = svg(rd)
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(data)
-    os.replace(tmp, path)
+    data = svg(rd).encode("utf-8")
+    # mkstemp in the target's folder (O_EXCL, an unpredictable name): a predictable name
+    # in a sticky /tmp could be another user's symlink, and the write would follow it.
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=os.path.dirname(path) or ".")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            os.fchmod(f.fileno(), 0o644)  # a picture to share, as open() would have made it
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
 
 
 __all__ = ["marks", "svg", "write"]

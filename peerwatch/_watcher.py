@@ -491,7 +491,9 @@ class Watcher:
                 # until the main thread has left it): the summary follows it, without
                 # repeating it.
                 self._write_report(True, traceback=verdict.cause != EXCEPTION)
-            _enforce.tear_down_own_children(self.rank, self.observer.local_pids(), c.grace)
+            # The hook's command is spared: its own bound (finish() below) ends it.
+            spare = {hook.pid} if hook is not None and hook.pid is not None else set()
+            _enforce.tear_down_own_children(self.rank, self.observer.local_pids(), c.grace, spare)
         if hook is not None:
             hook.finish()
 

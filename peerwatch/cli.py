@@ -17,6 +17,7 @@ from ._collectives import FAILING, NONE
 from ._errors import RunDirError
 from ._records import WATCHER_DEATH, Heartbeat, WatcherDeath
 from ._rundir import EVENTS, HEARTBEATS, RunDir, rank_file
+from ._terminal import printable
 
 
 def _open(path: str) -> RunDir:
@@ -78,14 +79,14 @@ def _status_cmd(args: argparse.Namespace) -> int:
         print(json.dumps(_report.build(rd), indent=2))
         return 0
     if not args.watch:
-        print(_status_text(rd))
+        print(printable(_status_text(rd)))
         return 0
     clear = "\033[H\033[J" if sys.stdout.isatty() else ""
     try:
         while True:
             when = time.strftime("%H:%M:%S")
             print(f"{clear}{rd.path} at {when} (every {args.interval:g}s; Ctrl-C to stop)")
-            print(_status_text(rd), flush=True)
+            print(printable(_status_text(rd)), flush=True)
             time.sleep(args.interval)  # a person is reading: a fixed refresh, no event to wait on
     except KeyboardInterrupt:
         return 0

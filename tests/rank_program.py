@@ -11,6 +11,10 @@ one of them). Behaviours per rank, ``RANK=WHAT[@SECONDS]``:
     raise_at:N       beat(1..N) (noting READY/step-<rank>), then raise RuntimeError
     succeed_at:N     beat(1..N) (noting READY/step-<rank>), then finish cleanly
     raise            raise RuntimeError after SECONDS
+    done_exit:N      peerwatch.mark_success() (as Lightning's callback does at on_fit_end), then
+                     sys.exit(N), after SECONDS
+    raise_ctrl       raise RuntimeError whose message holds ESC, BEL and NUL, after SECONDS
+    raise_unprintable  raise a ValueError subclass whose __str__ raises, after SECONDS
     exit:N           sys.exit(N) after SECONDS
     exit_pow2:K      sys.exit(2**K) after SECONDS (exits 255 when it does not fit a C long)
     raise_exit:N     raise SystemExit(N) after SECONDS: it reaches the top of the program
@@ -52,6 +56,13 @@ import time
 import fault_behaviours
 
 import peerwatch
+
+
+class Unprintable(ValueError):
+    """An exception whose message cannot be made: its ``__str__`` raises."""
+
+    def __str__(self) -> str:
+        raise ValueError("this exception has no message")
 
 
 def _install_options(rank: int) -> dict:
@@ -161,6 +172,13 @@ def behave(args: argparse.Namespace, rank: int, action: str, delay: float) -> No
         return
     if name == "raise":
         raise RuntimeError(f"rank {rank} failed on purpose")
+    if name == "done_exit":
+        peerwatch.mark_success()
+        sys.exit(int(arg))
+    if name == "raise_ctrl":
+        raise RuntimeError(f"rank {rank} \x1b[31mred\x1b[0m \x07bell \x00nul")
+    if name == "raise_unprintable":
+        raise Unprintable()
     if name == "exit":
         sys.exit(int(arg))
     if name == "exit_pow2":
@@ -216,6 +234,10 @@ def main() -> None:
             try:
                 with peerwatch.watch():
                     behave(args, rank, action, delay)
+                # RP_EXIT_AFTER_WATCH=RANK:N: that rank exits N once its watch() block ended cleanly.
+                who, _, code = os.environ.get("RP_EXIT_AFTER_WATCH", "").partition(":")
+                if who and int(who) == rank:
+                    sys.exit(int(code))
             except peerwatch.PeerFailure as e:
                 fields = {"rank": e.rank, "cause": e.cause, "exit_code": e.exit_code}
                 note(args, f"peerfailure-{rank}", json.dumps(fields))

@@ -36,6 +36,7 @@ from typing import Dict, Iterator, List, Optional
 import pytest
 from harness import Job, by_rank
 
+from peerwatch import _records
 from peerwatch._records import MAX_RECORD_BYTES, ExitStatus, Failure, Registration, Success, Verdict, encode
 
 pytestmark = pytest.mark.timeout(120)
@@ -318,6 +319,32 @@ def test_garbage_in_place_of_the_verdict(make_job) -> None:
     _kill_and_check_teardown(job, pids)
 
 
+def test_a_diagnosis_naming_a_rank_outside_the_world_is_not_obeyed(make_job) -> None:
+    """A diagnosis of a hang whose laggard is rank 99 in a 3-rank job, under
+    hang_timeout=auto: ignored with one warning in every rank, no teardown; a real failure
+    then ends the job as usual. (Before: obeyed, every rank exited 124.)"""
+    job = make_job(world=WORLD, grace=GRACE_S, env=dict(ENV, PEERWATCH_HANG_TIMEOUT="auto")).start()
+    pids = job.wait_ready()
+    now = time.time_ns()
+    diagnosis = _records.Diagnosis(finding=_records.HANG, laggards=(99,), entered=(0, 1, 2), since_ns=10**9, stalled_at_ns=now - 10**9,
+                          time_ns=now, made_by=0, detail="planted: rank 99 never entered gloo:all_reduce")
+    path = job.run_dir / "events" / "diagnosis.json"
+    staged = job.run_dir / "tmp" / "planted-diagnosis"
+    staged.write_bytes(encode(diagnosis))
+    os.replace(staged, path)
+    planted_ns = time.time_ns()
+
+    def warned_or_gone() -> bool:
+        return any(p.gone() for p in job.ranks.values()) or all(_warnings_about(_log(job, r), path) for r in range(WORLD))
+
+    _wait_until("warned about the diagnosis in every rank (or a rank gone)", warned_or_gone, DEADLINE_S, job)
+    _assert_alive_and_calm(job, planted_ns)
+    for rank in range(WORLD):
+        lines = _warnings_about(_log(job, rank), path)
+        assert len(lines) == 1 and "rank 99" in lines[0] and "world size 3" in lines[0], f"rank {rank}: {lines}"
+    _kill_and_check_teardown(job, pids)
+
+
 def test_garbage_in_place_of_a_success_marker(make_job) -> None:
     """A bad events/success-00001.json (binary) before rank 1 finishes: every rank still
     finishes cleanly, and nobody is torn down (the garbage is "ignored", docs/security.md).
@@ -342,15 +369,22 @@ def test_garbage_in_place_of_a_success_marker(make_job) -> None:
 LOST_DIR = "is NOT protected any more: its run directory"
 
 
-def test_run_directory_deleted_mid_run(make_job) -> None:
-    """rm -rf of the run directory while the job runs: no crash, no teardown; every rank
-    says once, at ERROR, that it is not protected any more and stops judging (nothing can
-    be written or read there: a peer's end proves nothing). A rank killed afterwards is
-    therefore not acted on (protection lost, said loudly): its peers keep running."""
+@pytest.mark.parametrize("how", ["removed", "replaced"])
+def test_run_directory_deleted_mid_run(make_job, how: str) -> None:
+    """rm -rf of the run directory while the job runs (or a move aside and a new, empty
+    directory in its place): no crash, no teardown; every rank says once, at ERROR, that
+    it is not protected any more, and how (removed, or replaced), and stops judging
+    (nothing can be written or read there: a peer's end proves nothing). A rank killed
+    afterwards is therefore not acted on (protection lost, said loudly): its peers keep
+    running."""
     job = make_job(world=WORLD, grace=GRACE_S, env={**ENV, "PEERWATCH_HEARTBEAT": "0.2"}).start()
     job.wait_ready()
     _wait_watchers_know_everyone(job)
-    shutil.rmtree(job.run_dir)
+    if how == "removed":
+        shutil.rmtree(job.run_dir)
+    else:
+        os.rename(job.run_dir, job.run_dir.with_name("run.moved"))
+        os.mkdir(job.run_dir, 0o700)
     _wait_until("every rank said it is not protected any more",
                 lambda: all(LOST_DIR in _log(job, r) for r in range(WORLD)), DEADLINE_S, job)
     # Ten more heartbeat periods: no rank ends, still one error each.
@@ -359,7 +393,8 @@ def test_run_directory_deleted_mid_run(make_job) -> None:
     for rank in range(WORLD):
         log = _log(job, rank)
         assert log.count(LOST_DIR) == 1, f"rank {rank}:\n{log}"
-        assert f"{job.run_dir} was removed" in log, f"rank {rank}:\n{log}"
+        said = "was removed" if how == "removed" else "was replaced by another directory"
+        assert f"{job.run_dir} {said}" in log, f"rank {rank}:\n{log}"
         assert "Traceback" not in log, f"rank {rank}:\n{log}"
 
     job.kill(VICTIM)

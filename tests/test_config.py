@@ -445,10 +445,8 @@ def test_peer_timeout_is_at_least_two_heartbeats():
     e = info.value
     assert (e.option, e.value, e.source) == ("peer_timeout", 1.5, KW)
     assert e.reason == "must be at least twice heartbeat_interval (1s)"
-    # The default peer_timeout (30 s) is checked too: a slow heartbeat needs a longer one.
-    with pytest.raises(ConfigError) as info:
-        resolve(env={"PEERWATCH_HEARTBEAT": "20"})
-    assert (info.value.option, info.value.source) == ("peer_timeout", "default")
+    # The default peer_timeout (30 s) follows a slow heartbeat: twice its interval.
+    assert resolve(env={"PEERWATCH_HEARTBEAT": "20"}).peer_timeout == 40.0
 
 
 @pytest.mark.parametrize("env", [{"RANK": "7"}, {"WORLD_SIZE": "2"}, {}], ids=["rank only", "world only", "none"])
@@ -523,3 +521,15 @@ def test_nan_inf_and_negative_durations_are_still_refused(raw):
         with pytest.raises(ConfigError) as info:
             Config.resolve({}, env={var: raw})
         assert info.value.option == option
+
+
+def test_the_longest_heartbeat_is_accepted_with_the_default_peer_timeout():
+    """heartbeat_interval=3600, the documented maximum: the default peer_timeout (30 s)
+    follows it (twice the interval), instead of refusing it. A peer_timeout the user set
+    too short is still refused."""
+    c = Config.resolve({"heartbeat_interval": 3600}, {})
+    assert c.peer_timeout == 7200 and c.heartbeat_interval == 3600
+    assert "twice heartbeat_interval" in c.source_of("peer_timeout")
+    assert Config.resolve({"heartbeat_interval": 5}, {}).peer_timeout == 30  # the default, when it is enough
+    with pytest.raises(ConfigError, match="peer_timeout"):
+        Config.resolve({"heartbeat_interval": 3600, "peer_timeout": 30}, {})

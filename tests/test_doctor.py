@@ -64,3 +64,38 @@ def test_the_self_test_passes_here_and_leaves_nothing() -> None:
     assert 0 < test["teardown_ms"] < 30_000
     assert test["leftover_pids"] == []
     assert "kept" not in test and not os.path.exists(test["run_dir"]), "a passing self-test removes its files"
+
+
+@pytest.fixture
+def read_only_runtime(tmp_path: Path) -> Any:
+    """A private 256 MiB tmpfs (nothing is used unless written) (root only), mounted read-only, as XDG_RUNTIME_DIR: the base's parent
+    exists, nothing can be written there. Unmounted after the test."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    where = tmp_path / "runtime"
+    where.mkdir()
+    out = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256m,mode=0700", "tmpfs", str(where)],
+                         capture_output=True, text=True)
+    if out.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs: {out.stderr.strip()}")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+@pytest.mark.parametrize("base", ["made", "not made yet"])
+def test_a_read_only_base_fails_the_check(read_only_runtime: Path, monkeypatch: pytest.MonkeyPatch, base: str) -> None:
+    """install() cannot write there ("Read-only file system"): the doctor must not say ok.
+    It tries a real write (a file made and removed), not the mode bits nor access(2)."""
+    from peerwatch import _doctor
+
+    if base == "made":
+        (read_only_runtime / "peerwatch").mkdir(mode=0o700)
+    remount = subprocess.run(["mount", "-o", "remount,ro", str(read_only_runtime)], capture_output=True, text=True)
+    assert remount.returncode == 0, remount.stderr
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(read_only_runtime))
+    check = _doctor.check_base()
+    assert check.status == _doctor.FAIL, check
+    assert "Read-only file system" in check.detail, check
+    assert os.listdir(read_only_runtime) == (["peerwatch"] if base == "made" else [])

@@ -318,3 +318,16 @@ def test_watch_survivors_get_peer_failure(make_job, style: str) -> None:
     report = job.report()
     assert (report["verdict"]["rank"], report["verdict"]["cause"]) == (failing, cause)
     _assert_torn_down(report, failing, code)
+
+
+def test_a_rank_s_children_are_named_with_the_rank_s_pid(make_job) -> None:
+    """Rank 0 has a child; rank 1 is SIGKILLed. Rank 0's teardown of its own child says
+    whose descendant it is with that rank's pid, not the child's twice."""
+    job = make_job(world=2, behave=["0=children:1"]).start()
+    pids = job.wait_ready()
+    job.kill(1)
+    job.wait_gone(within=STUCK_S)
+    log = job.log_path(0).read_text()
+    lines = [line for line in log.splitlines() if "a descendant of rank 0" in line and "sent SIGTERM" in line]
+    assert len(lines) == 1, log
+    assert f"a descendant of rank 0 (pid {pids[0]})" in lines[0], lines[0]

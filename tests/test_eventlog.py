@@ -91,3 +91,72 @@ def test_the_log_is_read_back_in_time_order(make_job, tmp_path: Path) -> None:
     events = _eventlog.read(str(job.run_dir / "events.jsonl"))
     assert [e["ts"] for e in events] == sorted(e["ts"] for e in events)
     assert {e["event"] for e in events} >= {"register", "verdict", "verdict_seen", "ack", "report"}
+
+
+# -- files that are not files (issue 22.6) ---------------------------------------------------
+
+
+@pytest.mark.parametrize("when", ["before install", "mid-run"])
+def test_a_fifo_in_place_of_the_log_blocks_nothing(make_job, when: str) -> None:
+    """A FIFO at RUN/events.jsonl (a log shipper's) before install(), or put there mid-run:
+    install() is not blocked, and a SIGKILLed rank is acted on as usual. Nothing is written
+    into it: it is not a regular file, and the log says so once."""
+    import os
+    import threading
+
+    job: Job = make_job(world=3)
+    fifo = job.run_dir / "events.jsonl"
+    if when == "before install":
+        job.run_dir.mkdir(parents=True, mode=0o700)
+        os.mkfifo(fifo, 0o600)
+    job.start()
+    job.wait_ready(timeout=15.0)
+    if when == "mid-run":
+        os.unlink(fifo)
+        os.mkfifo(fifo, 0o600)
+    # A reader on the FIFO: a writer that opens it then blocks on a full pipe would hang too.
+    stop = threading.Event()
+    got: List[bytes] = []
+
+    def drain() -> None:
+        fd = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+        try:
+            while not stop.wait(0.01):
+                try:
+                    got.append(os.read(fd, 65536))
+                except BlockingIOError:
+                    pass
+        finally:
+            os.close(fd)
+
+    reader = threading.Thread(target=drain, name="fifo-reader")
+    reader.start()
+    try:
+        job.kill(1)
+        job.wait_gone(within=STUCK_S + 3.0)
+    finally:
+        stop.set()
+        reader.join(5.0)
+    assert job.report()["verdict"]["rank"] == 1, job.logs()
+    assert not b"".join(got), "something was written into the FIFO"
+    assert "is not a regular file" in job.logs(), job.logs()
+
+
+def test_reading_a_log_that_is_not_a_regular_file(tmp_path: Path) -> None:
+    """_eventlog.read never blocks on a FIFO, never follows a symlink (to /dev/zero, which
+    would exhaust memory), and reads at most its size cap."""
+    import os
+
+    from peerwatch import _eventlog
+
+    fifo = tmp_path / "fifo.jsonl"
+    os.mkfifo(fifo, 0o600)
+    link = tmp_path / "zero.jsonl"
+    os.symlink("/dev/zero", link)
+    for path in (fifo, link):
+        with pytest.raises(OSError):
+            _eventlog.read(str(path))
+    big = tmp_path / "big.jsonl"
+    line = b'{"v":1,"ts":1,"event":"x","rank":0}\n'
+    big.write_bytes(line * (_eventlog.MAX_LOG_BYTES // len(line) + 100))
+    assert len(_eventlog.read(str(big))) <= _eventlog.MAX_LOG_BYTES // len(line)

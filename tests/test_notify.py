@@ -54,11 +54,13 @@ def test_a_callable_gets_the_verdict_and_the_report_path(make_job, tmp_path: Pat
     assert told["by"] != 1
 
 
-def test_a_slow_command_is_cut_at_the_bound(make_job, tmp_path: Path) -> None:
+@pytest.mark.parametrize("api", ["install", "watch"])
+def test_a_slow_command_is_cut_at_the_bound(make_job, tmp_path: Path, api: str) -> None:
     started = tmp_path / "started"
-    # The sleep is in the command's process group: it must be gone too (no_leaks).
+    # The sleep is in the command's process group: it must be gone too (no_leaks). Under
+    # watch() its rank spares it from its own children's teardown: the bound still holds.
     command = f"touch {started}; sleep 60; echo late >> {tmp_path / 'late'}"
-    job: Job = make_job(world=3, env={"PEERWATCH_ON_VERDICT": command}).start()
+    job: Job = make_job(world=3, api=api, env={"PEERWATCH_ON_VERDICT": command}).start()
     job.wait_ready()
     killed_at = job.kill(0)
     job.wait_gone(within=WITH_HOOK_S)
@@ -86,3 +88,19 @@ def test_a_bad_option_is_refused() -> None:
     with pytest.raises(peerwatch.ConfigError):
         Config.resolve({"on_verdict": 3})
     assert Config.resolve({}, {"PEERWATCH_ON_VERDICT": "true"}).on_verdict == "true"
+
+
+def test_a_command_under_watch_is_not_ended_by_its_own_rank(make_job, tmp_path: Path) -> None:
+    # Under watch() the enforcer that starts the hook then tears down its own children:
+    # the hook's process tree (timeout, sh, sleep) must be spared until the hook's bound.
+    out = tmp_path / "told.txt"
+    command = f"echo start >> {out}; sleep 0.3; echo done >> {out}"
+    job: Job = make_job(world=3, api="watch", env={"PEERWATCH_ON_VERDICT": command}).start()
+    job.wait_ready()
+    job.kill(2)
+    job.wait_gone(within=WITH_HOOK_S)
+    lines = out.read_text().splitlines() if out.exists() else []
+    assert lines == ["start", "done"], f"{lines}\n{job.logs()}"
+    events = [json.loads(line) for line in (job.run_dir / "events.jsonl").read_text().splitlines()]
+    outcomes = [e.get("outcome") for e in events if e.get("event") == "notify"]
+    assert outcomes == ["ok"], f"{outcomes}\n{job.logs()}"

@@ -70,3 +70,32 @@ def test_a_clean_run_reports_its_last_step_and_ages_at_the_end(make_job) -> None
         age = float(cells[4].rstrip("s"))
         assert age < 1.0, first
     assert _status(job.run_dir).splitlines()[1:4] == first.splitlines()[1:4]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("how", ["mark_success", "after_watch"])
+def test_a_rank_that_fails_after_it_was_marked_done_is_reported_failed(make_job, how: str) -> None:
+    """Rank 1 fails after its success marker: after mark_success() (Lightning's callback at
+    on_fit_end), or once its watch() block ended. No teardown, by design (the others finish
+    cleanly), but the report says what happened: failed after it was marked done."""
+    if how == "mark_success":
+        job = make_job(world=3, behave=["0=succeed@0.5", "1=done_exit:3@0.2", "2=succeed@0.5"]).start()
+    else:
+        job = make_job(world=3, api="watch", behave=["0=succeed@0.5", "1=succeed@0.2", "2=succeed@0.5"],
+                       env={"RP_EXIT_AFTER_WATCH": "1:3"}).start()
+    job.wait_ready()
+    job.wait_gone(within=15.0)
+    assert job.exit_codes() == {0: 0, 1: 3, 2: 0}, job.logs()
+    assert (job.run_dir / "events" / "failure-00001.json").exists(), job.logs()
+    report = job.cli_report()
+    jsonschema = pytest.importorskip("jsonschema")
+    jsonschema.validate(report, SCHEMA)
+    assert report["outcome"] == "failed", report
+    ranks = by_rank(report)
+    assert (ranks[1]["state"], ranks[1]["exit_code"], ranks[1]["failed_after_done"]) == ("failed", 3, True), ranks[1]
+    assert [ranks[r]["state"] for r in (0, 2)] == ["succeeded", "succeeded"], report
+    assert not ranks[0]["failed_after_done"]
+    out = subprocess.run([sys.executable, "-m", "peerwatch", "report", str(job.run_dir)], capture_output=True, text=True,
+                         timeout=30)
+    assert "succeeded" not in out.stdout.splitlines()[0], out.stdout
+    assert "failed after it was marked done" in out.stdout and "rank 1" in out.stdout.splitlines()[0], out.stdout

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import stat
@@ -649,3 +650,23 @@ def test_slot_held_by_another_host_is_never_judged_stale(rd, other):
         rd.prepare(my_reg(0), time.time_ns())
     assert set_asides(rd) == []
     assert rd.registrations() == {0: holder}
+
+
+def test_every_rank_a_record_names_must_be_inside_the_world(rd, caplog):
+    """Not only the record's own rank: a verdict's laggards, who detected it, who observed an
+    exit... one outside the world (where its size is known) makes the record ignored, warned once."""
+    rd.world_size = 3
+    now = time.time_ns()
+    ok = Verdict(rank=1, cause="hang", exit_code=124, failed_at_ns=now, detected_by=2, detected_at_ns=now, laggards=(1, 2))
+    rd.write(EVENTS, VERDICT_FILE, encode(ok))
+    assert rd.read(EVENTS, VERDICT_FILE, Verdict) == ok
+    for bad in (dataclasses.replace(ok, laggards=(1, 99)), dataclasses.replace(ok, detected_by=3)):
+        os.unlink(rd.join(EVENTS, VERDICT_FILE))
+        rd.write(EVENTS, VERDICT_FILE, encode(bad))
+        with caplog.at_level(logging.WARNING, logger="peerwatch"):
+            assert rd.read(EVENTS, VERDICT_FILE, Verdict) is None
+            assert rd.read(EVENTS, VERDICT_FILE, Verdict) is None
+    warned = [r.getMessage() for r in caplog.records if "outside this run's world size 3" in r.getMessage()]
+    assert len(warned) == 2 and "names rank 99" in warned[0] and "names rank 3" in warned[1], warned  # once each
+    rd.world_size = None  # unknown: not judged
+    assert rd.read(EVENTS, VERDICT_FILE, Verdict) is not None

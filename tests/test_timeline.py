@@ -58,3 +58,44 @@ def test_a_run_without_a_log_still_draws(tmp_path: Path) -> None:
     (tmp_path / "run" / "ranks").mkdir(parents=True)
     (tmp_path / "run" / "events").mkdir()
     ET.fromstring(_timeline.svg(RunDir(str(tmp_path / "run"))))
+
+
+def test_hostile_text_and_times_make_a_valid_picture_and_a_clean_terminal(make_job, tmp_path: Path) -> None:
+    """Rank 1 raises with ESC, BEL and NUL in its message; the log gains a line at
+    ts=9e18 and one at ts=1 (1970). ``peerwatch report --timeline`` ends at once with
+    well-formed XML, and prints no control character to the terminal (issue 22.7)."""
+    job: Job = make_job(world=2, behave=["1=raise_ctrl@0.2"]).start()
+    job.wait_ready()
+    job.wait_gone(within=STUCK_S + 2.0)
+    with open(job.run_dir / "events.jsonl", "a") as f:
+        f.write('{"v":1,"ts":9000000000000000000,"event":"ack","rank":0}\n{"v":1,"ts":1,"event":"ack","rank":1}\n')
+    out = tmp_path / "pictures" / "timeline.svg"
+    out.parent.mkdir()
+    run = subprocess.run([sys.executable, "-m", "peerwatch", "report", str(job.run_dir), "--timeline", str(out)],
+                         capture_output=True, timeout=30)
+    assert run.returncode == 0, run.stderr
+    assert b"failed first" in run.stdout
+    controls = [c for c in run.stdout.decode() if (ord(c) < 32 and c not in "\n\t") or 0x7F <= ord(c) < 0xA0]
+    assert not controls, run.stdout
+    assert b"\\x1b[31mred" in run.stdout, run.stdout  # shown, escaped
+    text = out.read_text()
+    ET.fromstring(text)  # well-formed
+    assert "\x1b" not in text and "\x07" not in text and "\x00" not in text
+    assert os.listdir(out.parent) == ["timeline.svg"]
+
+
+def test_the_picture_is_written_through_no_planted_temp_file(tmp_path: Path) -> None:
+    """The temp file is made with mkstemp in the target's folder: a symlink planted at the
+    old predictable name (``<path>.<pid>.tmp``) is not followed."""
+    from peerwatch import _timeline
+    from peerwatch._rundir import RunDir
+
+    (tmp_path / "run" / "ranks").mkdir(parents=True)
+    (tmp_path / "run" / "events").mkdir()
+    precious = tmp_path / "precious"
+    precious.write_text("keep")
+    target = tmp_path / "timeline.svg"
+    os.symlink(precious, f"{target}.{os.getpid()}.tmp")
+    _timeline.write(RunDir(str(tmp_path / "run")), str(target))
+    assert precious.read_text() == "keep"
+    ET.parse(target)
