@@ -32,6 +32,7 @@ from . import _exitwatch, _stacks, _teardown, _terminal
 from ._errors import PeerFailure
 from ._plan import SETTLE_S
 from ._records import EXCEPTION, EXIT, MAX_TRACEBACK_CHARS, Failure, Verdict
+from ._terminal import exception_message
 from ._watcher import Watcher
 
 logger = logging.getLogger("peerwatch")
@@ -146,16 +147,6 @@ def from_collective(exc: BaseException, tb: Optional[TracebackType]) -> bool:
     if frames and any(part in frames[-1][0].f_code.co_filename for part in _COLLECTIVE_PATHS):
         return True
     return bool(_ECHO_TEXT.search(exception_message(exc)))
-
-
-def exception_message(exc: BaseException) -> str:
-    """``str(exc)``, cut to 2000 characters; ``<unprintable T>`` where making it raises (a
-    user's ``__str__`` that fails must not become an error of peerwatch's own, nor lose
-    the exception's type)."""
-    try:
-        return str(exc)[:2000]
-    except Exception:  # noqa: BLE001 - any exception of the user's __str__
-        return f"<unprintable {type(exc).__name__}>"
 
 
 def qualified_name(cls: type) -> str:
@@ -390,5 +381,5 @@ def install_interrupt_handler(registry: Registry) -> bool:
 
 __all__ = [
     "Registry", "arm_exit_status", "consequence_of_peer_failure", "exit_status", "install_hooks", "install_interrupt_handler",
-    "exception_message", "qualified_name", "record_exception", "tell_consequence",
+    "qualified_name", "record_exception", "tell_consequence",
 ]

@@ -29,6 +29,7 @@ from typing import Any, Optional
 
 from ._records import Verdict
 from ._rundir import REPORT_FILE, RunDir
+from ._terminal import exception_message
 
 logger = logging.getLogger("peerwatch")
 
@@ -164,7 +165,6 @@ def _call(h: Hook, hook: Any, verdict: Verdict, report: str) -> None:
     try:
         hook(verdict, report)
     except BaseException as e:  # noqa: BLE001 - logged by finish(), never raised
-        from ._hooks import exception_message
 
         h.error = f"{type(e).__name__}: {exception_message(e)}"
         logger.warning("peerwatch: rank %d: on_verdict %s raised", h.rank, h.what, exc_info=True)

@@ -86,4 +86,14 @@ def keep_consequence(
         return False
 
 
-__all__ = ["SHORT_CHARS", "consequence_line", "keep_consequence", "printable", "short", "stop_line", "who"]
+def exception_message(exc: BaseException) -> str:
+    """``str(exc)``, cut to 2000 characters; ``<unprintable T>`` where making it raises (a
+    user's ``__str__`` that fails must not become an error of peerwatch's own, nor lose
+    the exception's type)."""
+    try:
+        return str(exc)[:2000]
+    except Exception:  # noqa: BLE001 - any exception of the user's __str__
+        return f"<unprintable {type(exc).__name__}>"
+
+
+__all__ = ["SHORT_CHARS", "consequence_line", "exception_message", "keep_consequence", "printable", "short", "stop_line", "who"]
