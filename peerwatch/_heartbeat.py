@@ -19,7 +19,7 @@ import time
 from typing import AbstractSet, Callable, Optional, Tuple
 
 from . import _teardown
-from ._collectives import CollectiveReader, Counters, Entered
+from ._collectives import CollectiveReader, Counters, Entered, in_torch_distributed
 from ._records import Heartbeat, Registration, encode
 from ._rundir import HEARTBEATS, InPlace, RunDir, rank_file
 
@@ -33,7 +33,6 @@ CHILDREN_SCAN_EVERY = 10  # heartbeats between snapshots of our own descendants 
 ENTRIES_AFTER_BEATS = 2
 ENTRIES_WARMUP_MOVES = 10  # quiet spells before this many movements (start-up, compiling) are not learnt
 ENTRIES_KEPT = 3  # per process group, the last collectives published (a mismatch shows one back)
-_COLLECTIVE_PATHS = (os.sep + os.path.join("torch", "distributed") + os.sep,)
 
 
 class Progress:
@@ -63,7 +62,7 @@ def main_thread_position() -> Tuple[str, bool]:
     waiting = False
     while frame is not None:
         filename = frame.f_code.co_filename
-        if any(p in filename for p in _COLLECTIVE_PATHS):
+        if in_torch_distributed(filename):
             waiting = True
         elif not filename.startswith("<"):
             return f"{os.path.basename(filename)}:{frame.f_lineno} in {frame.f_code.co_name}", waiting

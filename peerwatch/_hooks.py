@@ -18,7 +18,6 @@ import atexit
 import builtins
 import logging
 import os
-import re
 import signal
 import struct
 import sys
@@ -29,6 +28,7 @@ from types import TracebackType
 from typing import Any, Callable, Optional, Type
 
 from . import _exitwatch, _stacks, _teardown, _terminal
+from ._collectives import raised_by_torch_distributed
 from ._errors import PeerFailure
 from ._plan import SETTLE_S
 from ._records import EXCEPTION, EXIT, MAX_TRACEBACK_CHARS, Failure, Verdict
@@ -124,28 +124,8 @@ def record_exception(w: Watcher, exc: BaseException, tb: Optional[TracebackType]
     w.record_failure(Failure(
         rank=w.rank, pid=os.getpid(), time_ns=time.time_ns(), cause=cause, exit_code=code,
         exception=name, message=message, traceback=text[-MAX_TRACEBACK_CHARS:],
-        thread=threading.current_thread().name, collective=cause == EXCEPTION and from_collective(exc, tb),
+        thread=threading.current_thread().name, collective=cause == EXCEPTION and raised_by_torch_distributed(exc, tb),
     ))
-
-
-# What torch.distributed's backends say when a peer is gone (gloo's "Connection reset by
-# peer", "Connection closed by peer", a broken pipe; NCCL's aborted communicator).
-_ECHO_TEXT = re.compile(r"gloo/transport|Connection (?:reset|closed) by peer|Broken pipe|NCCL|ProcessGroup", re.I)
-_COLLECTIVE_PATHS = (os.path.join("torch", "distributed", ""), os.path.join("torch", "nn", "parallel", ""))
-
-
-def from_collective(exc: BaseException, tb: Optional[TracebackType]) -> bool:
-    """Was ``exc`` raised by torch.distributed (a collective, DDP's reducer, the store)?
-    By its type's module, the frame it was raised in (torch.distributed or DDP), or the
-    backend's words (DDP's reducer raises from C++, inside backward(), with no such
-    frame). Only the innermost frame counts: under DDP every training step runs inside
-    DDP's forward(), and a user's own exception raised there is no collective's."""
-    if type(exc).__module__.startswith("torch.distributed"):
-        return True
-    frames = list(traceback.walk_tb(tb))
-    if frames and any(part in frames[-1][0].f_code.co_filename for part in _COLLECTIVE_PATHS):
-        return True
-    return bool(_ECHO_TEXT.search(str(exc)[:2000]))
 
 
 def qualified_name(cls: type) -> str:
@@ -242,7 +222,7 @@ def tell_consequence(
     me = _terminal.who(w.rank, w.me.pid, w.me.host)
     failed = _terminal.who(verdict.rank, verdict.pid, verdict.host)
     kept = _terminal.keep_consequence(w.stacks.file, me, failed, exc_type, exc, tb)
-    if from_collective(exc, tb) and not w.config.verbose:
+    if raised_by_torch_distributed(exc, tb) and not w.config.verbose:
         return
     previous(exc_type, exc, tb)
     stream = sys.stderr if sys.stderr is not None else sys.__stderr__

@@ -1,6 +1,6 @@
 """A collective that fails because a peer went is an echo, not a cause: the verdict names
 the peer, whichever reached the run directory first. Real gloo jobs, and the pure rule
-that tells an exception raised by torch.distributed (``_hooks.from_collective``)."""
+that tells an exception raised by torch.distributed (``_collectives.raised_by_torch_distributed``)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-from peerwatch._hooks import from_collective
+from peerwatch._collectives import in_torch_distributed
+from peerwatch._collectives import raised_by_torch_distributed as from_collective
 
 GRACE_S = 1.0
 GONE_S = 0.5 + GRACE_S + 5.0
@@ -48,6 +49,28 @@ def test_a_users_exception_raised_inside_ddps_forward_is_no_collectives() -> Non
     assert not from_collective(own, own.__traceback__)
     collective = _raised_by(lambda: ddp["forward"](dist["wait"]))
     assert from_collective(collective, collective.__traceback__)
+
+
+def test_inside_torch_distributed_is_its_package_and_ddp() -> None:
+    """One definition, for the heartbeat's "waiting inside torch.distributed" and for an
+    exception "raised by torch.distributed"."""
+    assert in_torch_distributed("/venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py")
+    assert in_torch_distributed("/venv/lib/python3.11/site-packages/torch/nn/parallel/distributed.py")  # DDP
+    assert not in_torch_distributed("/venv/lib/python3.11/site-packages/torch/nn/parallel/data_parallel.py")
+    assert not in_torch_distributed("/home/me/mytorch/distributed/train.py")
+    assert not in_torch_distributed("/venv/lib/python3.11/site-packages/torch/autograd/graph.py")
+
+
+def test_an_error_of_ddps_reducer_raised_inside_backward_is_told_by_its_words() -> None:
+    """DDP's gradient all_reduce fails inside autograd's C++ engine: the innermost frame is
+    autograd's; the backend's words say what it is."""
+    graph: dict = {}
+    gloo = ("[third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:4242. "
+            "This is typically caused by a remote worker crashing.")
+    src = f"def run_backward():\n    raise RuntimeError({gloo!r})\n"
+    exec(compile(src, "/venv/torch/autograd/graph.py", "exec"), graph)
+    echo = _raised_by(graph["run_backward"])
+    assert from_collective(echo, echo.__traceback__)
 
 
 def _raised_by(call) -> BaseException:  # type: ignore[no-untyped-def]
