@@ -24,7 +24,7 @@ import sys
 import threading
 import time
 import traceback
-from types import TracebackType
+from types import FrameType, TracebackType
 from typing import Any, Callable, Optional, Type
 
 from . import _exitwatch, _stacks, _teardown, _terminal
@@ -116,16 +116,48 @@ def record_exception(w: Watcher, exc: BaseException, tb: Optional[TracebackType]
         code = exit_status(exc.code)
         if code == 0:
             return
-        cause, name, message = EXIT, None, f"SystemExit({exc.code!r})"
-    else:
-        code = 130 if isinstance(exc, KeyboardInterrupt) else 1
-        cause, name, message = EXCEPTION, qualified_name(type(exc)), str(exc)[:2000]
+        text = "".join(traceback.format_exception(type(exc), exc, tb))
+        w.record_failure(Failure(
+            rank=w.rank, pid=os.getpid(), time_ns=time.time_ns(), cause=EXIT, exit_code=code,
+            message=f"SystemExit({exc.code!r})", traceback=text[-MAX_TRACEBACK_CHARS:],
+            thread=threading.current_thread().name,
+        ))
+        return
+    w.record_failure(exception_failure(w, exc, tb, 130 if isinstance(exc, KeyboardInterrupt) else 1))
+
+
+def exception_failure(w: Watcher, exc: BaseException, tb: Optional[TracebackType], code: int) -> Failure:
+    """This rank's failure record for ``exc``, leaving with exit code ``code``."""
     text = "".join(traceback.format_exception(type(exc), exc, tb))
-    w.record_failure(Failure(
-        rank=w.rank, pid=os.getpid(), time_ns=time.time_ns(), cause=cause, exit_code=code,
-        exception=name, message=message, traceback=text[-MAX_TRACEBACK_CHARS:],
-        thread=threading.current_thread().name, collective=cause == EXCEPTION and raised_by_torch_distributed(exc, tb),
-    ))
+    return Failure(
+        rank=w.rank, pid=os.getpid(), time_ns=time.time_ns(), cause=EXCEPTION, exit_code=code,
+        exception=qualified_name(type(exc)), message=str(exc)[:2000], traceback=text[-MAX_TRACEBACK_CHARS:],
+        thread=threading.current_thread().name, collective=raised_by_torch_distributed(exc, tb),
+    )
+
+
+# torch.multiprocessing.spawn's worker wrapper, ``_wrap``: it catches the worker function's
+# exception, sends its traceback to the main process (which prints it) and calls sys.exit(1).
+_SPAWN_WRAPPER_FILE = os.sep + os.path.join("torch", "multiprocessing", "spawn.py")
+_SPAWN_WRAPPER_FUNCTION = "_wrap"
+
+
+def spawn_wrapped(caller: Optional[FrameType]) -> Optional[Exception]:
+    """The worker's exception that torch.multiprocessing.spawn's wrapper turns into the
+    ``sys.exit(1)`` it calls from ``caller`` (it becomes the SystemExit's ``__context__``);
+    None for any other caller.
+
+    Only torch's wrapper: elsewhere an exit inside an ``except`` block is the program's
+    own choice of how to end (``except ConfigError: sys.exit(2)``), whose code is its
+    contract, and its context may be an exception handled long before.
+    """
+    if caller is None:
+        return None
+    code = caller.f_code
+    if code.co_name != _SPAWN_WRAPPER_FUNCTION or not code.co_filename.endswith(_SPAWN_WRAPPER_FILE):
+        return None
+    handled = sys.exc_info()[1]  # what the wrapper's "except Exception:" is handling
+    return handled if isinstance(handled, Exception) else None
 
 
 def qualified_name(cls: type) -> str:
@@ -262,28 +294,37 @@ def _record_thread_exception(w: Watcher, args: Any) -> None:
         w.record_thread_exception(failure)
 
 
-def _record_exit_call(registry: Registry, status: Any, call: str) -> None:
+def _record_exit_call(registry: Registry, status: Any, call: str, caller: Optional[FrameType]) -> None:
     """``sys.exit(status)`` or ``exit(status)`` is about to raise SystemExit: record a
     non-zero exit of the main thread (outside watch(), whose __exit__ sees it) as this
-    rank's failure, with the stack of the caller (``call`` names the call)."""
+    rank's failure, with the stack of the caller (``call`` names the call, ``caller`` is
+    the frame it was made from)."""
     w = registry.active()
     if w is None or threading.current_thread() is not threading.main_thread() or w.in_watch:
         return
     code = exit_status(status)
     # torch.multiprocessing.spawn turns a worker's exception into sys.exit(1): gloo's
     # "connection reset" after a peer died is a consequence here too, not a cause.
-    if code != 0 and w.verdict is None and consequence_of_peer_failure(w) is None:
-        stack = "".join(traceback.format_stack()[:-2])
-        w.record_failure(Failure(
-            rank=w.rank, pid=os.getpid(), time_ns=time.time_ns(), cause=EXIT, exit_code=code,
-            message=call, traceback=stack[-MAX_TRACEBACK_CHARS:], thread=threading.current_thread().name,
-        ))
+    if code == 0 or w.verdict is not None or consequence_of_peer_failure(w) is not None:
+        return
+    raised = spawn_wrapped(caller)
+    if raised is not None:
+        # The exception is the cause (its type, message and traceback), judged as if it had
+        # reached the excepthook: one raised by torch.distributed is an echo (rule 5 of
+        # _decide). The exit code is the one the process exits with.
+        w.record_failure(exception_failure(w, raised, raised.__traceback__, code))
+        return
+    stack = "".join(traceback.format_stack(caller))
+    w.record_failure(Failure(
+        rank=w.rank, pid=os.getpid(), time_ns=time.time_ns(), cause=EXIT, exit_code=code,
+        message=call, traceback=stack[-MAX_TRACEBACK_CHARS:], thread=threading.current_thread().name,
+    ))
 
 
 def _sys_exit(registry: Registry) -> Callable[..., None]:
     def exit(status: Any = None) -> None:
         """``sys.exit`` that first records a non-zero exit of the main thread as this rank's failure."""
-        _record_exit_call(registry, status, f"sys.exit({status!r})")
+        _record_exit_call(registry, status, f"sys.exit({status!r})", sys._getframe(1))
         _original_sys_exit(status)
 
     return exit
@@ -299,7 +340,7 @@ class _Quitter:
         return repr(self._original)
 
     def __call__(self, code: Any = None) -> None:
-        _record_exit_call(self._registry, code, f"{self._name}({code!r})")
+        _record_exit_call(self._registry, code, f"{self._name}({code!r})", sys._getframe(1))
         self._original(code)
 
 
@@ -359,6 +400,6 @@ def install_interrupt_handler(registry: Registry) -> bool:
 
 
 __all__ = [
-    "Registry", "arm_exit_status", "consequence_of_peer_failure", "exit_status", "install_hooks", "install_interrupt_handler",
-    "qualified_name", "record_exception", "tell_consequence",
+    "Registry", "arm_exit_status", "consequence_of_peer_failure", "exception_failure", "exit_status", "install_hooks",
+    "install_interrupt_handler", "qualified_name", "record_exception", "spawn_wrapped", "tell_consequence",
 ]

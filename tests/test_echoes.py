@@ -11,6 +11,7 @@ import pytest
 
 from peerwatch._collectives import in_torch_distributed
 from peerwatch._collectives import raised_by_torch_distributed as from_collective
+from peerwatch._hooks import spawn_wrapped
 
 GRACE_S = 1.0
 GONE_S = 0.5 + GRACE_S + 5.0
@@ -71,6 +72,33 @@ def test_an_error_of_ddps_reducer_raised_inside_backward_is_told_by_its_words() 
     exec(compile(src, "/venv/torch/autograd/graph.py", "exec"), graph)
     echo = _raised_by(graph["run_backward"])
     assert from_collective(echo, echo.__traceback__)
+
+
+_WRAPPER = """
+import sys
+def _wrap(probe, exc):
+    try:
+        if exc is not None:
+            raise exc
+    except Exception:
+        return probe(sys._getframe())   # where it calls sys.exit(1)
+    return probe(sys._getframe())
+"""
+
+
+def test_the_exception_behind_an_exit_is_taken_only_from_torch_spawns_wrapper() -> None:
+    """torch.multiprocessing.spawn's _wrap turns a worker's exception into sys.exit(1):
+    the exception is the failure. An exit called in an except block anywhere else is the
+    program's own choice of how to end, with its own code."""
+    torch_spawn: dict = {}
+    exec(compile(_WRAPPER, "/venv/torch/multiprocessing/spawn.py", "exec"), torch_spawn)
+    cause = torch_spawn["_wrap"](spawn_wrapped, ValueError("loss is nan"))
+    assert isinstance(cause, ValueError) and str(cause) == "loss is nan" and cause.__traceback__ is not None
+    assert torch_spawn["_wrap"](spawn_wrapped, None) is None  # sys.exit(1) outside an except block
+    cli: dict = {}
+    exec(compile(_WRAPPER, "/home/me/cli.py", "exec"), cli)
+    assert cli["_wrap"](spawn_wrapped, ValueError("bad config")) is None
+    assert spawn_wrapped(None) is None
 
 
 def _raised_by(call) -> BaseException:  # type: ignore[no-untyped-def]
