@@ -87,6 +87,8 @@ class HeartbeatWriter:
         self._lock = threading.Lock()
         self._ending = False  # the rank is ending: its heartbeats are written whole (see write)
         self._last_step: Optional[int] = None  # the step of the last heartbeat written while ending
+        self._leaving_ns: Optional[int] = None  # see leaving(); guarded by _lock
+        self._unsaid = False  # leaving() has news for the next last heartbeat, whatever its step
         self._file = InPlace(run_dir, HEARTBEATS, rank_file("rank", me.rank))
         self._seq = 0  # guarded by _lock
         self._children: Tuple[Tuple[int, int], ...] = ()  # guarded by _lock
@@ -141,8 +143,9 @@ class HeartbeatWriter:
         the rank is ending (the step it stopped at, for the report): written whole, by temp
         file and rename, since the process may end in the middle of an in-place rewrite."""
         with self._lock:
-            if last and self._ending and self._progress.step == self._last_step:
+            if last and self._ending and self._progress.step == self._last_step and not self._unsaid:
                 return  # already written at this step (a whole-file write costs a few ms at teardown)
+            self._unsaid = False
             self._seq += 1
             if read_counters:
                 self._read_counters()
@@ -155,6 +158,18 @@ class HeartbeatWriter:
                 self._last_step = beat.step
             self._write(beat, atomic=self._ending)
 
+    def leaving(self, peer_pids: Callable[[], AbstractSet[int]]) -> None:
+        """The rank's program has ended with no outcome recorded, and its interpreter is about
+        to finalize: say so (``leaving_ns``) in a heartbeat written whole, now, before the
+        sockets close. It costs nothing more: that is the rank's last heartbeat (``stop()``'s
+        at atexit is then skipped, at the same step), and only a peer judging an exception
+        raised by torch.distributed reads it."""
+        with self._lock:
+            if self._leaving_ns is not None:
+                return
+            self._leaving_ns, self._unsaid = time.time_ns(), True
+        self.write(peer_pids, last=True)
+
     def _record(self) -> Heartbeat:
         # Where the main thread is: for the hang judges, and once the counters stop moving.
         stalled = self._still > 0 and bool(self._counters)
@@ -164,7 +179,7 @@ class HeartbeatWriter:
             rank=self._me.rank, pid=os.getpid(), time_ns=time.time_ns(), seq=self._seq, step=p.step,
             progress_ns=p.progress_ns, paused=p.paused > 0, children=self._children, where=where,
             in_collective=waiting, collectives=self._counters, moved_ns=self._moved_ns, entered=self._entered,
-            pg_timeout_ms=min(self._reader.timeout_ms.values(), default=0),
+            pg_timeout_ms=min(self._reader.timeout_ms.values(), default=0), leaving_ns=self._leaving_ns,
         )
 
     def _write(self, beat: Heartbeat, atomic: bool = False) -> None:

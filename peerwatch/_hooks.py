@@ -205,6 +205,7 @@ def install_hooks(registry: Registry) -> None:
         if original is not None and callable(original):
             setattr(builtins, name, _Quitter(registry, name, original))
     atexit.register(_at_exit, registry)
+    _at_shutdown(_leaving, registry)
 
     def forked() -> None:
         registry.forget()
@@ -350,6 +351,34 @@ def arm_exit_status(registry: Registry) -> bool:
     cannot be done here: the success marker is then written at ``atexit``."""
     w = registry.active()
     return w is not None and _exitwatch.arm(w.run_dir, w.rank, write_success=registry.explicit)
+
+
+def _at_shutdown(call: Callable[[Registry], None], registry: Registry) -> None:
+    """Have ``call(registry)`` run once the main thread has ended, before the interpreter
+    finalizes: at threading's shutdown, which comes before every atexit handler (one the
+    application registered after install() runs before ours, and may destroy the process
+    group); at atexit, before ours, where threading has no such hook."""
+    register = getattr(threading, "_register_atexit", None)  # the stdlib's own (concurrent.futures), 3.9+
+    if register is not None:
+        try:
+            register(call, registry)
+            return
+        except RuntimeError:
+            pass  # the interpreter is shutting down already
+    atexit.register(call, registry)
+
+
+def _leaving(registry: Registry) -> None:
+    """The main thread has ended and nothing is recorded of how this rank ends: when the
+    exit status will tell (a ``raise SystemExit(3)`` that reached the top, or success),
+    say that the rank is leaving, before its sockets close while Python finalizes (its
+    peers' collectives then fail: echoes of how it ends, rule 5 of _decide)."""
+    try:
+        w = registry.active()
+        if w is not None and w.verdict is None and w.failed_code is None and _exitwatch.armed():
+            w.record_leaving()
+    except Exception:  # noqa: BLE001 - an exit hook of threading's: it must never raise
+        logger.exception("peerwatch: could not record that this rank is leaving")
 
 
 def _at_exit(registry: Registry) -> None:

@@ -124,6 +124,10 @@ class Heartbeat:
     moved_ns: Optional[int] = None
     entered: Tuple[Tuple[str, int, str, str], ...] = ()
     pg_timeout_ms: int = 0
+    # When the rank's program ended (time_ns) with no outcome recorded: its interpreter is
+    # finalizing, its exit status will tell. Its sockets close from then on, and its peers'
+    # collectives fail: echoes of how it ends (rule 5 of _decide).
+    leaving_ns: Optional[int] = None
 
 
 @dataclasses.dataclass(frozen=True)
