@@ -24,14 +24,25 @@ stall, to say which op and sizes each rank is waiting in.
 Only the last enqueued count is taken as movement: gloo marks a collective completed
 lazily (the last one may read as not completed long after it was), and a collective
 that fails with the timeout reads as completed too.
+
+It is also the one home of what "inside torch.distributed" means (:func:`in_torch_distributed`,
+:func:`raised_by_torch_distributed`): for a main thread waiting there (the heartbeat's
+``in_collective``) and for an exception raised there (a failure record's ``collective``,
+the echo of another rank's failure that rule 5 of :mod:`peerwatch._decide` holds back).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
+import re
 import sys
+import traceback
+from types import TracebackType
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
+
+from ._terminal import exception_message
 
 logger = logging.getLogger("peerwatch")
 
@@ -197,5 +208,50 @@ def _shape(entry: Dict[str, Any]) -> str:
     return f"{sizes} {','.join(map(str, dtypes))}".strip() if sizes or dtypes else ""
 
 
-__all__ = ["FAILING", "MAX_ERROR_CHARS", "NONE", "OFF", "READ", "STATES", "WAITING", "CollectiveReader", "Counters", "Entered",
-           "c10d", "flight_recorder", "imported", "torch_loaded"]
+# -- inside torch.distributed ---------------------------------------------------------
+
+# torch.distributed's own Python code: the package, and DDP's module, which is
+# torch.distributed's though it lives in torch.nn.parallel (the rest of torch.nn.parallel,
+# DataParallel, is one process: not distributed).
+_TORCH_DISTRIBUTED_DIR = os.sep + os.path.join("torch", "distributed") + os.sep
+_DDP_FILE = os.sep + os.path.join("torch", "nn", "parallel", "distributed.py")
+# What torch.distributed's backends say when a peer is gone or does not answer: gloo's
+# "Connection reset by peer", "Connection closed by peer", its timeouts (their source file
+# is under gloo/transport), a broken pipe; NCCL's aborted communicator. This is what tells
+# an error of DDP's reducer raised inside backward(): it comes from autograd's C++ engine,
+# and its innermost Python frame is autograd's, not torch.distributed's.
+_BACKEND_WORDS = re.compile(r"gloo/transport|Connection (?:reset|closed) by peer|Broken pipe|NCCL|ProcessGroup", re.I)
+_MESSAGE_CHARS = 2000  # of an exception's message, read for the backend's words
+
+
+def in_torch_distributed(filename: str) -> bool:
+    """Is ``filename`` (a code object's) torch.distributed's own code?"""
+    return _TORCH_DISTRIBUTED_DIR in filename or filename.endswith(_DDP_FILE)
+
+
+def raised_by_torch_distributed(exc: BaseException, tb: Optional[TracebackType]) -> bool:
+    """Was ``exc`` raised by torch.distributed (a collective, DDP's reducer, the store)?
+
+    By its type's module (``torch.distributed.DistBackendError``...), the frame it was raised
+    in, or the backend's words. Only the innermost frame counts: under DDP every training
+    step runs inside DDP's forward(), and a user's own exception raised there is no
+    collective's; the heartbeat's "waiting inside torch.distributed" is judged the same way.
+    """
+    if type(exc).__module__.startswith("torch.distributed"):
+        return True
+    frames = list(traceback.walk_tb(tb))
+    if frames and in_torch_distributed(frames[-1][0].f_code.co_filename):
+        return True
+    return in_backend_words(exception_message(exc))
+
+
+def in_backend_words(message: str) -> bool:
+    """Does ``message`` say what torch.distributed's backends say when a peer is gone?"""
+    return bool(_BACKEND_WORDS.search(message[:_MESSAGE_CHARS]))
+
+
+__all__ = [
+    "FAILING", "MAX_ERROR_CHARS", "NONE", "OFF", "READ", "STATES", "WAITING", "CollectiveReader", "Counters", "Entered",
+    "c10d", "flight_recorder", "imported", "in_backend_words", "in_torch_distributed", "raised_by_torch_distributed",
+    "torch_loaded",
+]

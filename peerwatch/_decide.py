@@ -21,6 +21,15 @@ Rules, in order:
    down), and a rank leaving with ``raise SystemExit(3)`` closes its sockets while Python
    finalizes, before its exit status is written (at ``exit(3)``). Only a collective
    exception with no other failure in sight pays this wait.
+   A rank that began to leave (``leaving``: its program ended and its interpreter is
+   finalizing, with no outcome recorded yet) up to ``LEAVING_WAIT_NS`` before a collective
+   exception, or within ``COLLECTIVE_SETTLE_NS`` after it, is what that exception may
+   echo: the exception waits until that rank has ended, at most ``LEAVING_WAIT_NS`` from
+   when it began to leave, and if it ended in a failure (an exit status or record, a
+   death) that failure is the cause, however long its finalization took. Finalizing
+   takes as long as it takes (a loaded machine, an atexit handler that destroys the
+   process group and then uploads logs), and the exit status is written only at its end,
+   while the sockets close at its start.
 6. Hang (only with ``hang_timeout``): when no live rank has made progress (``beat()``) for
    ``hang_timeout``, and none is in a ``paused()`` phase, the job is hung. The laggard is,
    in this order of preference: a frozen rank (state T or D); a rank whose watcher has
@@ -85,6 +94,12 @@ CONSEQUENCE_WINDOW_NS = 1_000_000_000
 # How long an exception raised by torch.distributed waits for the failure it may echo
 # (rule 5). Within a failing rank's own wait at exit (_plan.verdict_wait_s: 0.85 s by default).
 COLLECTIVE_SETTLE_NS = 500_000_000
+# How long, from when a rank began to leave, an exception raised by torch.distributed waits
+# for that rank to end (rule 5): its interpreter's finalization, 0.1-0.2 s on an idle
+# machine, measured up to 5 s (2 cores at load 11). It is waited for only while that rank
+# is still finalizing: its end (exit status, pidfd) is an event. A rank whose own failure
+# is such an exception waits this much longer at exit (_plan.verdict_wait_s).
+LEAVING_WAIT_NS = 15_000_000_000
 _DEATHS = (SIGNAL, VANISHED, EXIT)
 
 FROZEN_STATES = {"T": "stopped (SIGSTOP)", "t": "stopped by a debugger", "D": "in uninterruptible sleep (I/O)"}
@@ -129,6 +144,10 @@ class Observed:
     remote_silence: Mapping[int, int] = dataclasses.field(default_factory=dict)
     # Why the job stopped moving, as a judge of this host diagnosed it (peerwatch._diagnose).
     diagnosis: Optional[Diagnosis] = None
+    # rank -> when it began to leave (time_ns; its heartbeat's leaving_ns): its program
+    # ended with no outcome recorded, its interpreter finalizes, its exit status is to come.
+    # This host's ranks, read only while a collective exception is to be judged (rule 5).
+    leaving: Mapping[int, int] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,7 +172,7 @@ def decide(obs: Observed, policy: Policy) -> Decision:
     if obs.verdict is not None:
         return Decision(obs.verdict)
     found: List[Verdict] = []
-    held: List[Tuple[int, int]] = []  # (seen_ns, until_ns)
+    held: List[Tuple[int, int, int]] = []  # (rank, seen_ns, until_ns)
     for rank, failure in obs.failures.items():
         if rank not in obs.successes:
             found.append(_from_failure(obs, failure, policy))
@@ -167,13 +186,15 @@ def decide(obs: Observed, policy: Policy) -> Decision:
             continue
         until_ns = seen_ns + policy.parent_wait_ns
         if obs.now_ns < until_ns and _has_live_parent(obs, rank):
-            held.append((seen_ns, until_ns))
+            held.append((rank, seen_ns, until_ns))
             continue
         found.append(_vanished(obs, rank, seen_ns, policy))
-    first = min(found, key=lambda v: _order(v, found), default=None)
-    # A death held back for its parent may still turn out to be the root cause.
+    first = min(found, key=lambda v: _order(obs, v, found), default=None)
+    # A death held back for its parent may still turn out to be the root cause: one seen
+    # by the horizon, or the end of a rank that was leaving as a collective failed.
     horizon = None if first is None else first.failed_at_ns + (CONSEQUENCE_WINDOW_NS if first.cause == EXCEPTION else 0)
-    waiting = [until for seen, until in held if horizon is None or seen <= horizon]
+    echoed = () if first is None else _leavers_echoed(obs, first)
+    waiting = [until for rank, seen, until in held if horizon is None or seen <= horizon or rank in echoed]
     if waiting:
         return Decision(None, recheck_at_ns=min(waiting))
     settled_ns = _collective_settled_ns(obs, first)
@@ -195,24 +216,47 @@ def decide(obs: Observed, policy: Policy) -> Decision:
     return Decision(first)
 
 
-def _order(v: Verdict, found: List[Verdict]) -> Tuple[bool, int, int]:
+def _order(obs: Observed, v: Verdict, found: List[Verdict]) -> Tuple[bool, int, int]:
     """Earliest first, except that an exception never outranks a death seen within
-    CONSEQUENCE_WINDOW_NS of it (see the rule 5 note in the module docstring)."""
-    consequence = v.cause == EXCEPTION and any(
-        d.cause in _DEATHS and d.failed_at_ns <= v.failed_at_ns + CONSEQUENCE_WINDOW_NS for d in found
+    CONSEQUENCE_WINDOW_NS of it, and a collective exception never outranks the failed end
+    of a rank that was leaving as it was raised, however late (rule 5 in the module docstring)."""
+    if v.cause != EXCEPTION:
+        return (False, v.failed_at_ns, v.rank)
+    leavers = _leavers_echoed(obs, v)
+    consequence = any(
+        d.cause in _DEATHS and (d.failed_at_ns <= v.failed_at_ns + CONSEQUENCE_WINDOW_NS or d.rank in leavers)
+        for d in found
     )
     return (consequence, v.failed_at_ns, v.rank)
 
 
+def _leavers_echoed(obs: Observed, v: Verdict) -> Tuple[int, ...]:
+    """The ranks that began to leave around ``v``, if it is an exception raised by
+    torch.distributed: from LEAVING_WAIT_NS before it to COLLECTIVE_SETTLE_NS after it."""
+    failure = obs.failures.get(v.rank)
+    if v.cause != EXCEPTION or failure is None or not failure.collective:
+        return ()
+    return tuple(
+        rank for rank, began_ns in sorted(obs.leaving.items())
+        if rank != v.rank and v.failed_at_ns - LEAVING_WAIT_NS <= began_ns <= v.failed_at_ns + COLLECTIVE_SETTLE_NS
+    )
+
+
 def _collective_settled_ns(obs: Observed, first: Optional[Verdict]) -> Optional[int]:
     """When the root cause ``first`` may be acted on, if it is an exception raised by
-    torch.distributed (rule 5): the failure it may echo gets COLLECTIVE_SETTLE_NS to show."""
+    torch.distributed (rule 5): the failure it may echo gets COLLECTIVE_SETTLE_NS to show,
+    and a rank leaving around it LEAVING_WAIT_NS from when it began to leave to end."""
     if first is None or first.cause != EXCEPTION:
         return None
     failure = obs.failures.get(first.rank)
     if failure is None or not failure.collective:
         return None
-    return first.failed_at_ns + COLLECTIVE_SETTLE_NS
+    settled_ns = first.failed_at_ns + COLLECTIVE_SETTLE_NS
+    ended = set(obs.successes) | set(obs.failures) | set(obs.exit_statuses) | set(obs.gone)
+    for rank in _leavers_echoed(obs, first):
+        if rank not in ended:
+            settled_ns = max(settled_ns, obs.leaving[rank] + LEAVING_WAIT_NS)
+    return settled_ns
 
 
 def _lost(obs: Observed, policy: Policy) -> Tuple[Failure, ...]:
@@ -449,4 +493,7 @@ def _vanished(obs: Observed, rank: int, seen_ns: int, policy: Policy) -> Verdict
     )
 
 
-__all__ = ["FROZEN_STATES", "Decision", "Observed", "Policy", "Progress", "decide", "exit_code_for"]
+__all__ = [
+    "COLLECTIVE_SETTLE_NS", "CONSEQUENCE_WINDOW_NS", "FROZEN_STATES", "LEAVING_WAIT_NS", "Decision", "Observed", "Policy",
+    "Progress", "decide", "exit_code_for",
+]

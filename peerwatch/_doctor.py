@@ -28,7 +28,7 @@ import time
 import uuid
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from . import _identity, _rundir, _sharedfs
+from . import _collectives, _identity, _rundir, _sharedfs
 from ._errors import RunDirError
 
 OK, WARN, FAIL = "ok", "warn", "fail"
@@ -41,7 +41,6 @@ GPU_BACK_TIMEOUT_S = 15.0  # from the kill to the GPU memory given back, at most
 GPU_HOLD_BYTES = 256 << 20  # what each GPU rank holds
 GPU_SLACK_BYTES = 64 << 20  # "given back": free memory within this of what it was before
 POLL_S = 0.02
-_ECHOES = ("Connection reset by peer", "Connection closed by peer")  # a collective's error when a peer dies
 ID_VAR = "PEERWATCH_DOCTOR_ID"  # carried by every process of the self-test: how leftovers are found
 _FOREIGN_ENV = (
     "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
@@ -643,7 +642,7 @@ def _check_report(run: str, victim: int) -> Tuple[Check, Dict[str, Any]]:
         return Check("report", FAIL, f"{path} not written ({e})", "the job's end is not explained", "report it"), {}
     verdict = report.get("verdict") or {}
     message = str(verdict.get("message") or "")
-    if verdict.get("rank") != victim and verdict.get("cause") == "exception" and any(w in message for w in _ECHOES):
+    if verdict.get("rank") != victim and verdict.get("cause") == "exception" and _collectives.in_backend_words(message):
         # Rank N's collective saw the dead rank's sockets close before the kernel reported it
         # gone (it closes a process's files before it notifies its exit): peerwatch took the
         # echo for the cause. The job was torn down all the same; the report names the wrong rank.

@@ -20,7 +20,7 @@ from typing import AbstractSet, Callable, Optional, Tuple
 
 from . import _teardown
 from ._activity import ActivitySampler
-from ._collectives import FAILING, OFF, CollectiveReader, Counters, Entered
+from ._collectives import FAILING, OFF, CollectiveReader, Counters, Entered, in_torch_distributed
 from ._records import Heartbeat, Registration, encode
 from ._rundir import HEARTBEATS, InPlace, RunDir, rank_file
 
@@ -34,7 +34,6 @@ CHILDREN_SCAN_EVERY = 10  # heartbeats between snapshots of our own descendants 
 ENTRIES_AFTER_BEATS = 2
 ENTRIES_WARMUP_MOVES = 10  # quiet spells before this many movements (start-up, compiling) are not learnt
 ENTRIES_KEPT = 3  # per process group, the last collectives published (a mismatch shows one back)
-_COLLECTIVE_PATHS = (os.sep + os.path.join("torch", "distributed") + os.sep,)
 
 
 class Progress:
@@ -64,7 +63,7 @@ def main_thread_position() -> Tuple[str, bool]:
     waiting = False
     while frame is not None:
         filename = frame.f_code.co_filename
-        if any(p in filename for p in _COLLECTIVE_PATHS):
+        if in_torch_distributed(filename):
             waiting = True
         elif not filename.startswith("<"):
             return f"{os.path.basename(filename)}:{frame.f_lineno} in {frame.f_code.co_name}", waiting
@@ -91,6 +90,8 @@ class HeartbeatWriter:
         self._lock = threading.Lock()
         self._ending = False  # the rank is ending: its heartbeats are written whole (see write)
         self._last_step: Optional[int] = None  # the step of the last heartbeat written while ending
+        self._leaving_ns: Optional[int] = None  # see leaving(); guarded by _lock
+        self._unsaid = False  # leaving() has news for the next last heartbeat, whatever its step
         self._file = InPlace(run_dir, HEARTBEATS, rank_file("rank", me.rank))
         self._seq = 0  # guarded by _lock
         self._children: Tuple[Tuple[int, int], ...] = ()  # guarded by _lock
@@ -155,8 +156,9 @@ class HeartbeatWriter:
         the rank is ending (the step it stopped at, for the report): written whole, by temp
         file and rename, since the process may end in the middle of an in-place rewrite."""
         with self._lock:
-            if last and self._ending and self._progress.step == self._last_step:
+            if last and self._ending and self._progress.step == self._last_step and not self._unsaid:
                 return  # already written at this step (a whole-file write costs a few ms at teardown)
+            self._unsaid = False
             self._seq += 1
             if read_counters and self._read_collectives:
                 self._read_counters()
@@ -172,6 +174,18 @@ class HeartbeatWriter:
             self._published = beat
             self._write(beat, atomic=self._ending)
 
+    def leaving(self, peer_pids: Callable[[], AbstractSet[int]]) -> None:
+        """The rank's program has ended with no outcome recorded, and its interpreter is about
+        to finalize: say so (``leaving_ns``) in a heartbeat written whole, now, before the
+        sockets close. It costs nothing more: that is the rank's last heartbeat (``stop()``'s
+        at atexit is then skipped, at the same step), and only a peer judging an exception
+        raised by torch.distributed reads it."""
+        with self._lock:
+            if self._leaving_ns is not None:
+                return
+            self._leaving_ns, self._unsaid = time.time_ns(), True
+        self.write(peer_pids, last=True)
+
     def _record(self) -> Heartbeat:
         # Where the main thread is: for the hang judges, and once the counters stop moving.
         stalled = self._still > 0 and bool(self._counters)
@@ -185,6 +199,7 @@ class HeartbeatWriter:
             pg_timeout_ms=min(self._reader.timeout_ms.values(), default=0),
             activity=activity.as_tuple() if stalled and activity is not None else (),
             collectives_state=self._reader.state if self._read_collectives else OFF, collectives_error=self._reader.error,
+            leaving_ns=self._leaving_ns,
         )
 
     def _write(self, beat: Heartbeat, atomic: bool = False) -> None:

@@ -18,17 +18,17 @@ import atexit
 import builtins
 import logging
 import os
-import re
 import signal
 import struct
 import sys
 import threading
 import time
 import traceback
-from types import TracebackType
+from types import FrameType, TracebackType
 from typing import Any, Callable, Optional, Type
 
 from . import _exitwatch, _stacks, _teardown, _terminal
+from ._collectives import raised_by_torch_distributed
 from ._errors import PeerFailure
 from ._plan import SETTLE_S
 from ._records import EXCEPTION, EXIT, MAX_TRACEBACK_CHARS, Failure, Verdict
@@ -117,36 +117,48 @@ def record_exception(w: Watcher, exc: BaseException, tb: Optional[TracebackType]
         code = exit_status(exc.code)
         if code == 0:
             return
-        cause, name, message = EXIT, None, f"SystemExit({exc.code!r})"
-    else:
-        code = 130 if isinstance(exc, KeyboardInterrupt) else 1
-        cause, name, message = EXCEPTION, qualified_name(type(exc)), exception_message(exc)
+        text = "".join(traceback.format_exception(type(exc), exc, tb))
+        w.record_failure(Failure(
+            rank=w.rank, pid=os.getpid(), time_ns=time.time_ns(), cause=EXIT, exit_code=code,
+            message=f"SystemExit({exc.code!r})", traceback=text[-MAX_TRACEBACK_CHARS:],
+            thread=threading.current_thread().name,
+        ))
+        return
+    w.record_failure(exception_failure(w, exc, tb, 130 if isinstance(exc, KeyboardInterrupt) else 1))
+
+
+def exception_failure(w: Watcher, exc: BaseException, tb: Optional[TracebackType], code: int) -> Failure:
+    """This rank's failure record for ``exc``, leaving with exit code ``code``."""
     text = "".join(traceback.format_exception(type(exc), exc, tb))
-    w.record_failure(Failure(
-        rank=w.rank, pid=os.getpid(), time_ns=time.time_ns(), cause=cause, exit_code=code,
-        exception=name, message=message, traceback=text[-MAX_TRACEBACK_CHARS:],
-        thread=threading.current_thread().name, collective=cause == EXCEPTION and from_collective(exc, tb),
-    ))
+    return Failure(
+        rank=w.rank, pid=os.getpid(), time_ns=time.time_ns(), cause=EXCEPTION, exit_code=code,
+        exception=qualified_name(type(exc)), message=exception_message(exc), traceback=text[-MAX_TRACEBACK_CHARS:],
+        thread=threading.current_thread().name, collective=raised_by_torch_distributed(exc, tb),
+    )
 
 
-# What torch.distributed's backends say when a peer is gone (gloo's "Connection reset by
-# peer", "Connection closed by peer", a broken pipe; NCCL's aborted communicator).
-_ECHO_TEXT = re.compile(r"gloo/transport|Connection (?:reset|closed) by peer|Broken pipe|NCCL|ProcessGroup", re.I)
-_COLLECTIVE_PATHS = (os.path.join("torch", "distributed", ""), os.path.join("torch", "nn", "parallel", ""))
+# torch.multiprocessing.spawn's worker wrapper, ``_wrap``: it catches the worker function's
+# exception, sends its traceback to the main process (which prints it) and calls sys.exit(1).
+_SPAWN_WRAPPER_FILE = os.sep + os.path.join("torch", "multiprocessing", "spawn.py")
+_SPAWN_WRAPPER_FUNCTION = "_wrap"
 
 
-def from_collective(exc: BaseException, tb: Optional[TracebackType]) -> bool:
-    """Was ``exc`` raised by torch.distributed (a collective, DDP's reducer, the store)?
-    By its type's module, the frame it was raised in (torch.distributed or DDP), or the
-    backend's words (DDP's reducer raises from C++, inside backward(), with no such
-    frame). Only the innermost frame counts: under DDP every training step runs inside
-    DDP's forward(), and a user's own exception raised there is no collective's."""
-    if type(exc).__module__.startswith("torch.distributed"):
-        return True
-    frames = list(traceback.walk_tb(tb))
-    if frames and any(part in frames[-1][0].f_code.co_filename for part in _COLLECTIVE_PATHS):
-        return True
-    return bool(_ECHO_TEXT.search(exception_message(exc)))
+def spawn_wrapped(caller: Optional[FrameType]) -> Optional[Exception]:
+    """The worker's exception that torch.multiprocessing.spawn's wrapper turns into the
+    ``sys.exit(1)`` it calls from ``caller`` (it becomes the SystemExit's ``__context__``);
+    None for any other caller.
+
+    Only torch's wrapper: elsewhere an exit inside an ``except`` block is the program's
+    own choice of how to end (``except ConfigError: sys.exit(2)``), whose code is its
+    contract, and its context may be an exception handled long before.
+    """
+    if caller is None:
+        return None
+    code = caller.f_code
+    if code.co_name != _SPAWN_WRAPPER_FUNCTION or not code.co_filename.endswith(_SPAWN_WRAPPER_FILE):
+        return None
+    handled = sys.exc_info()[1]  # what the wrapper's "except Exception:" is handling
+    return handled if isinstance(handled, Exception) else None
 
 
 def qualified_name(cls: type) -> str:
@@ -194,6 +206,7 @@ def install_hooks(registry: Registry) -> None:
         if original is not None and callable(original):
             setattr(builtins, name, _Quitter(registry, name, original))
     atexit.register(_at_exit, registry)
+    _at_shutdown(_leaving, registry)
 
     def forked() -> None:
         registry.forget()
@@ -243,7 +256,7 @@ def tell_consequence(
     me = _terminal.who(w.rank, w.me.pid, w.me.host)
     failed = _terminal.who(verdict.rank, verdict.pid, verdict.host)
     kept = _terminal.keep_consequence(w.stacks.file, me, failed, exc_type, exc, tb)
-    if from_collective(exc, tb) and not w.config.verbose:
+    if raised_by_torch_distributed(exc, tb) and not w.config.verbose:
         return
     previous(exc_type, exc, tb)
     stream = sys.stderr if sys.stderr is not None else sys.__stderr__
@@ -283,28 +296,37 @@ def _record_thread_exception(w: Watcher, args: Any) -> None:
         w.record_thread_exception(failure)
 
 
-def _record_exit_call(registry: Registry, status: Any, call: str) -> None:
+def _record_exit_call(registry: Registry, status: Any, call: str, caller: Optional[FrameType]) -> None:
     """``sys.exit(status)`` or ``exit(status)`` is about to raise SystemExit: record a
     non-zero exit of the main thread (outside watch(), whose __exit__ sees it) as this
-    rank's failure, with the stack of the caller (``call`` names the call)."""
+    rank's failure, with the stack of the caller (``call`` names the call, ``caller`` is
+    the frame it was made from)."""
     w = registry.active()
     if w is None or threading.current_thread() is not threading.main_thread() or w.in_watch:
         return
     code = exit_status(status)
     # torch.multiprocessing.spawn turns a worker's exception into sys.exit(1): gloo's
     # "connection reset" after a peer died is a consequence here too, not a cause.
-    if code != 0 and w.verdict is None and consequence_of_peer_failure(w) is None:
-        stack = "".join(traceback.format_stack()[:-2])
-        w.record_failure(Failure(
-            rank=w.rank, pid=os.getpid(), time_ns=time.time_ns(), cause=EXIT, exit_code=code,
-            message=call, traceback=stack[-MAX_TRACEBACK_CHARS:], thread=threading.current_thread().name,
-        ))
+    if code == 0 or w.verdict is not None or consequence_of_peer_failure(w) is not None:
+        return
+    raised = spawn_wrapped(caller)
+    if raised is not None:
+        # The exception is the cause (its type, message and traceback), judged as if it had
+        # reached the excepthook: one raised by torch.distributed is an echo (rule 5 of
+        # _decide). The exit code is the one the process exits with.
+        w.record_failure(exception_failure(w, raised, raised.__traceback__, code))
+        return
+    stack = "".join(traceback.format_stack(caller))
+    w.record_failure(Failure(
+        rank=w.rank, pid=os.getpid(), time_ns=time.time_ns(), cause=EXIT, exit_code=code,
+        message=call, traceback=stack[-MAX_TRACEBACK_CHARS:], thread=threading.current_thread().name,
+    ))
 
 
 def _sys_exit(registry: Registry) -> Callable[..., None]:
     def exit(status: Any = None) -> None:
         """``sys.exit`` that first records a non-zero exit of the main thread as this rank's failure."""
-        _record_exit_call(registry, status, f"sys.exit({status!r})")
+        _record_exit_call(registry, status, f"sys.exit({status!r})", sys._getframe(1))
         _original_sys_exit(status)
 
     return exit
@@ -320,7 +342,7 @@ class _Quitter:
         return repr(self._original)
 
     def __call__(self, code: Any = None) -> None:
-        _record_exit_call(self._registry, code, f"{self._name}({code!r})")
+        _record_exit_call(self._registry, code, f"{self._name}({code!r})", sys._getframe(1))
         self._original(code)
 
 
@@ -330,6 +352,34 @@ def arm_exit_status(registry: Registry) -> bool:
     cannot be done here: the success marker is then written at ``atexit``."""
     w = registry.active()
     return w is not None and _exitwatch.arm(w.run_dir, w.rank, write_success=registry.explicit)
+
+
+def _at_shutdown(call: Callable[[Registry], None], registry: Registry) -> None:
+    """Have ``call(registry)`` run once the main thread has ended, before the interpreter
+    finalizes: at threading's shutdown, which comes before every atexit handler (one the
+    application registered after install() runs before ours, and may destroy the process
+    group); at atexit, before ours, where threading has no such hook."""
+    register = getattr(threading, "_register_atexit", None)  # the stdlib's own (concurrent.futures), 3.9+
+    if register is not None:
+        try:
+            register(call, registry)
+            return
+        except RuntimeError:
+            pass  # the interpreter is shutting down already
+    atexit.register(call, registry)
+
+
+def _leaving(registry: Registry) -> None:
+    """The main thread has ended and nothing is recorded of how this rank ends: when the
+    exit status will tell (a ``raise SystemExit(3)`` that reached the top, or success),
+    say that the rank is leaving, before its sockets close while Python finalizes (its
+    peers' collectives then fail: echoes of how it ends, rule 5 of _decide)."""
+    try:
+        w = registry.active()
+        if w is not None and w.verdict is None and w.failed_code is None and _exitwatch.armed():
+            w.record_leaving()
+    except Exception:  # noqa: BLE001 - an exit hook of threading's: it must never raise
+        logger.exception("peerwatch: could not record that this rank is leaving")
 
 
 def _at_exit(registry: Registry) -> None:
@@ -380,6 +430,6 @@ def install_interrupt_handler(registry: Registry) -> bool:
 
 
 __all__ = [
-    "Registry", "arm_exit_status", "consequence_of_peer_failure", "exit_status", "install_hooks", "install_interrupt_handler",
-    "qualified_name", "record_exception", "tell_consequence",
+    "Registry", "arm_exit_status", "consequence_of_peer_failure", "exception_failure", "exit_status", "install_hooks",
+    "install_interrupt_handler", "qualified_name", "record_exception", "spawn_wrapped", "tell_consequence",
 ]

@@ -87,6 +87,7 @@ class Observer:
         self.registrations: Dict[int, Registration] = {me.rank: me}
         self._local_pids: Set[int] = {me.pid}  # of this host's registrations: kept as they come
         self._last_beats: Dict[int, Heartbeat] = {}  # the last heartbeat read of each peer (hang judges)
+        self._leaving: Dict[int, int] = {}  # rank -> when it began to leave, as its heartbeat said (see _leaving_ranks)
         self.events: Dict[str, object] = {}  # file name in events/ -> record
         self._seen: Dict[str, Dict[str, int]] = {RANKS: {}, EVENTS: {}}  # name -> inode
         # Exit statuses learnt while deciding, written after: the parent of a dead rank is
@@ -507,16 +508,31 @@ class Observer:
         only; the peers' is read from their heartbeats then); ``own``: what this rank's
         heartbeat last published of its collectives."""
         verdict = self.events.get(VERDICT_FILE)
+        failures = self.of_kind(Failure)
         return _decide.Observed(
             self_rank=self.me.rank, now_ns=time.time_ns(), registrations=self.registrations,
-            successes=self.finished(), failures=self.of_kind(Failure),  # type: ignore[arg-type]
+            successes=self.finished(), failures=failures,  # type: ignore[arg-type]
             exit_statuses=self.of_kind(ExitStatus),  # type: ignore[arg-type]
             gone=self.gone, verdict=verdict if isinstance(verdict, Verdict) else None,
             oom_kills=self._oom_kills_since_start(),
             progress=self._progress(progress, stale_after_s, own) if progress is not None else {},
             now_mono_ns=time.monotonic_ns(), missing=missing, diagnosis=self.diagnosis(),
             remote_silence=self.remote.silence() if self.remote is not None else {},
+            leaving=self._leaving_ranks() if not isinstance(verdict, Verdict) and _judging_an_echo(failures) else {},
         )
+
+    def _leaving_ranks(self) -> Dict[int, int]:
+        """This host's ranks (ours too) whose heartbeat says they began to leave, and when.
+        Read only while an exception raised by torch.distributed is to be judged (rule 5
+        of _decide): one heartbeat per rank not known to be leaving yet, each time."""
+        for rank in (self.me.rank, *self.peers):
+            if rank in self._leaving:
+                continue
+            reg = self.registrations[rank]
+            beat = self.run_dir.read(HEARTBEATS, rank_file("rank", rank), Heartbeat)
+            if beat is not None and beat.pid == reg.pid and beat.leaving_ns is not None:
+                self._leaving[rank] = beat.leaving_ns
+        return dict(self._leaving)
 
     def _oom_kills_since_start(self) -> int:
         if self._oom_kills_at_start is None or not (self.gone or self.events):
@@ -560,6 +576,12 @@ class Observer:
             beat.step, beat.progress_ns, beat.paused, state,
             in_collective=beat.in_collective, watcher_silent=silent, where=beat.where, **_collective_fields(beat),
         )
+
+
+def _judging_an_echo(failures: Dict[int, object]) -> bool:
+    """A failure record is an exception raised by torch.distributed: the echo, perhaps, of
+    a rank that is leaving (rule 5 of _decide)."""
+    return any(isinstance(f, Failure) and f.collective for f in failures.values())
 
 
 def _collective_fields(beat: Heartbeat) -> Dict[str, Any]:

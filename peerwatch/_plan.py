@@ -36,8 +36,10 @@ functions answer. Rules (numbered as in the tests):
 8. **Leaving at exit.** A rank that failed waits at exit for the verdict on its failure
    (its peers may be unable to leave by themselves, and its watcher the only one left to
    end them): ``parent_wait + ack_window + SETTLE_S``, plus the multi-host hold of an
-   exception. During a teardown the exiting main thread gives the watcher
-   ``grace + ack_window + 2 s`` to finish its share before leaving itself.
+   exception, plus ``LEAVING_WAIT_NS`` for an exception raised by torch.distributed
+   (rule 5 of ``_decide``: it waits for a peer that is leaving to end; the verdict comes
+   as soon as that peer has ended). During a teardown the exiting main thread gives the
+   watcher ``grace + ack_window + 2 s`` to finish its share before leaving itself.
 9. **A blind enforcer.** An enforcer that could not write its own acknowledgement (a full
    disk, a run directory gone) cannot tell a peer that acknowledged only in memory from
    one that is not leaving: a missing ack file is no evidence then. It waits for its
@@ -54,6 +56,7 @@ from __future__ import annotations
 import dataclasses
 from typing import AbstractSet, Iterable, Optional, Sequence, Tuple
 
+from ._decide import LEAVING_WAIT_NS
 from ._records import EXCEPTION, EXIT
 
 ENFORCERS = 3  # rule 3
@@ -187,9 +190,10 @@ def pending(
     return tuple(sorted(r for r in peers if r != self_rank and r not in gone and r not in acked and r not in trusted))
 
 
-def verdict_wait_s(parent_wait_s: float, ack_window_s: float, hold_s: float) -> float:
-    """Rule 8: how long a failed rank waits at exit for the verdict on its failure."""
-    return parent_wait_s + ack_window_s + SETTLE_S + hold_s
+def verdict_wait_s(parent_wait_s: float, ack_window_s: float, hold_s: float, echo: bool = False) -> float:
+    """Rule 8: how long a failed rank waits at exit for the verdict on its failure
+    (``echo``: the failure is an exception raised by torch.distributed)."""
+    return parent_wait_s + ack_window_s + SETTLE_S + hold_s + (LEAVING_WAIT_NS / 1e9 if echo else 0.0)
 
 
 def leave_join_s(grace_s: float, ack_window_s: float) -> float:

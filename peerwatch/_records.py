@@ -133,6 +133,10 @@ class Heartbeat:
     # why (one short line). A rank whose counters are not read is invisible to the diagnosis.
     collectives_state: str = ""
     collectives_error: str = ""
+    # When the rank's program ended (time_ns) with no outcome recorded: its interpreter is
+    # finalizing, its exit status will tell. Its sockets close from then on, and its peers'
+    # collectives fail: echoes of how it ends (rule 5 of _decide).
+    leaving_ns: Optional[int] = None
 
 
 @dataclasses.dataclass(frozen=True)

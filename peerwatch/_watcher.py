@@ -59,12 +59,14 @@ class Outcome:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.failed_code: Optional[int] = None
+        self.echo = False  # the failure is an exception raised by torch.distributed
         self.succeeded = False
 
-    def fail(self, code: Optional[int]) -> None:
+    def fail(self, code: Optional[int], echo: bool = False) -> None:
         with self._lock:
             if self.failed_code is None:
                 self.failed_code = code if code else 1
+                self.echo = echo
 
     def succeed(self) -> bool:
         """True the first time, unless the rank failed."""
@@ -233,7 +235,8 @@ class Watcher:
         if not self.thread.is_alive():
             return  # nobody left to judge it (the run directory was removed, or the watcher died)
         hold_s = self.bridge.hold_s if self.bridge is not None else 0.0  # multi-host: an exception is held back
-        self.verdict_seen.wait(_plan.verdict_wait_s(self.config.parent_wait, self.config.ack_window, hold_s))
+        wait_s = _plan.verdict_wait_s(self.config.parent_wait, self.config.ack_window, hold_s, self._outcome.echo)
+        self.verdict_seen.wait(wait_s)
 
     def leave(self) -> None:
         """The training thread is leaving during a teardown: the watcher ends the process
@@ -519,10 +522,20 @@ class Watcher:
 
     def record_failure(self, failure: Failure) -> None:
         """This rank failed: say so before it goes (first record wins)."""
-        self._outcome.fail(failure.exit_code)
+        self._outcome.fail(failure.exit_code, echo=failure.cause == EXCEPTION and failure.collective)
         self._final_heartbeat()
         self.observer.write_event(rank_file("failure", self.rank), failure)
         self.wake()
+
+    def record_leaving(self) -> None:
+        """This rank's program has ended with no outcome recorded, and its interpreter is
+        about to finalize: its exit status will tell. Say so before its sockets close."""
+        if self.verdict_seen.is_set() or self._outcome.failed_code is not None or self._outcome.succeeded:
+            return
+        try:
+            self.heartbeat.leaving(self.observer.local_pids)
+        except Exception:  # noqa: BLE001 - the heartbeat must never stop an exit
+            logger.debug("peerwatch: rank %d could not say it is leaving", self.rank, exc_info=True)
 
     def record_thread_exception(self, failure: Failure) -> None:
         """For the report only: another thread of this rank died of an exception."""

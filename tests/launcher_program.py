@@ -3,6 +3,7 @@ real launchers (Lightning, torchrun, torch.multiprocessing.spawn, ranks started 
 
     python launcher_program.py lightning [--callback]   Trainer(strategy="ddp", accelerator="cpu")
     python launcher_program.py worker                    a gloo rank (torchrun, or started by hand)
+    python launcher_program.py ddp                       a gloo rank training a DistributedDataParallel model (torchrun)
     python launcher_program.py spawn [--install-in-parent]   mp.spawn of LP_WORLD workers
     python launcher_program.py accelerate                Accelerator(cpu=True), under ``accelerate launch``
     python launcher_program.py deepspeed                 deepspeed.initialize on CPU (gloo), under ``deepspeed``
@@ -20,7 +21,10 @@ Environment:
     LP_TERM_HANDLER  worker: 1: catch SIGTERM and go on (to save a checkpoint later)
     LP_FAIL_RANK   lightning, worker, accelerate, deepspeed: this rank fails once every rank is READY (worker:
                    mid-training, while the others wait for it in all_reduce)
-    LP_FAIL_HOW    how it fails: ``raise`` (default: RuntimeError) or ``os_exit`` (os._exit(3))
+    LP_FAIL_HOW    how it fails: ``raise`` (default: RuntimeError), ``os_exit`` (os._exit(3)),
+                   ``raise_exit`` (``raise SystemExit(3)``, which reaches the top of the program) or
+                   ``loop`` (an endless Python loop: the others wait for it in their collective)
+    LP_TIMEOUT_S   the collectives' timeout (default: 5 minutes, beyond any test)
     LP_CLEANUP_S   lightning: then it takes this long to leave (a ``finally:`` block)
     LP_OBSERVER_PERIOD  lightning: seconds between looks of Lightning's _ChildProcessObserver (5)
 """
@@ -35,7 +39,7 @@ import time
 
 STEP_S = 0.02  # pause per training step: the job stays mid-training, at little CPU cost
 READY_AT_STEP = 3
-TIMEOUT = datetime.timedelta(minutes=5)  # collectives and rendezvous: far beyond any test
+TIMEOUT = datetime.timedelta(seconds=float(os.environ.get("LP_TIMEOUT_S", "300")))  # collectives and rendezvous
 
 
 def peerwatch_on() -> bool:
@@ -111,8 +115,13 @@ def fail_now(rank: int) -> None:
     deadline = time.monotonic() + 60
     while count_ready() < world and time.monotonic() < deadline:
         time.sleep(0.01)
-    if os.environ.get("LP_FAIL_HOW", "raise") == "os_exit":
+    how = os.environ.get("LP_FAIL_HOW", "raise")
+    if how == "os_exit":
         os._exit(3)
+    if how == "raise_exit":
+        raise SystemExit(3)  # no hook sees it: the process's exit status tells
+    while how == "loop":  # pure Python: the interpreter switches threads, so the watcher runs
+        pass
     raise RuntimeError(f"rank {rank} failed on purpose")
 
 
@@ -133,6 +142,30 @@ def train_loop(rank: int, world: int) -> None:
                 store = dist.distributed_c10d._get_default_store()
                 store.wait(["set-by-a-rank-that-died"], TIMEOUT)
         time.sleep(STEP_S)
+    dist.destroy_process_group()
+
+
+def ddp_main() -> None:
+    """A DistributedDataParallel model over gloo: the gradients' all_reduce runs inside
+    backward(), on DDP's reducer (C++), where a survivor's collective fails."""
+    if peerwatch_on():
+        import peerwatch
+
+        peerwatch.install()
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    dist.init_process_group("gloo", timeout=TIMEOUT)
+    model = DistributedDataParallel(torch.nn.Linear(4, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def step_fn(x: "torch.Tensor", y: "torch.Tensor") -> None:
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    model_loop(dist.get_rank(), step_fn)
     dist.destroy_process_group()
 
 
@@ -296,6 +329,8 @@ def main() -> None:
     mode = next(a for a in sys.argv[1:] if not a.startswith("--local_rank"))
     if mode == "worker":
         worker()
+    elif mode == "ddp":
+        ddp_main()
     elif mode == "spawn":
         spawn("--install-in-parent" in sys.argv)
     elif mode == "accelerate":

@@ -28,6 +28,9 @@ one of them). Behaviours per rank, ``RANK=WHAT[@SECONDS]``:
     children:N       start N sleeping child processes, then sleep
     thread_raise     a thread dies of an uncaught exception (combine: thread_raise+succeed@1)
     gil              hold the GIL in C (ctypes sleep, signals blocked) for a long time
+    slow_exit:S      at exit (an atexit handler, registered after install(): it runs before
+                     peerwatch's), destroy the process group if there is one, then take S
+                     seconds more, as a cleanup that uploads logs would (combine: pg+slow_exit:2+raise_exit:3)
 
 More for the hardening tests (pg, fork:MODE, sub:MODE, loader:N, reexec, dataloader,
 noisy, and ``--child MODE``): see ``fault_behaviours.py``.
@@ -113,6 +116,13 @@ def wait_for_all(args: argparse.Namespace, timeout: float = 60.0) -> None:
         time.sleep(0.01)
 
 
+def _slow_exit(seconds: float) -> None:
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_initialized():
+        dist.destroy_process_group()  # the peers' collectives fail now: "Connection closed by peer"
+    time.sleep(seconds)
+
+
 def behave(args: argparse.Namespace, rank: int, action: str, delay: float) -> None:
     parts = action.split("+")
     for part in parts:
@@ -131,6 +141,10 @@ def behave(args: argparse.Namespace, rank: int, action: str, delay: float) -> No
             worker = threading.Thread(target=fail, name="prefetcher")
             worker.start()
             worker.join()
+        if name == "slow_exit":
+            import atexit
+
+            atexit.register(_slow_exit, float(arg))
         if name in fault_behaviours.PARTS:
             fault_behaviours.part(args, rank, name, arg, note)
     name, _, arg = parts[-1].partition(":")

@@ -13,6 +13,7 @@ from peerwatch._decide import (
     COLLECTIVE_SETTLE_NS,
     CONSEQUENCE_WINDOW_NS,
     FROZEN_STATES,
+    LEAVING_WAIT_NS,
     Decision,
     Observed,
     Policy,
@@ -66,7 +67,7 @@ def status(rank: int, t: int, returncode: int, pid: Optional[int] = None) -> Exi
 
 
 def observed(*, self_rank: int = 0, now: int = 10_000_000_000, registrations=None, successes=(),
-             failures=(), statuses=(), gone=None, verdict=None) -> Observed:
+             failures=(), statuses=(), gone=None, verdict=None, leaving=None) -> Observed:
     return Observed(
         self_rank=self_rank, now_ns=now,
         registrations=registrations if registrations is not None else {r: reg(r) for r in range(4)},
@@ -75,6 +76,7 @@ def observed(*, self_rank: int = 0, now: int = 10_000_000_000, registrations=Non
         exit_statuses={s.rank: s for s in statuses},
         gone=dict(gone or {}),
         verdict=verdict,
+        leaving=dict(leaving or {}),
     )
 
 
@@ -623,6 +625,92 @@ def test_an_exception_raised_by_torch_distributed_waits_for_the_failure_it_may_e
     # An exception of the application's own is judged at once.
     v = decide(observed(failures=[failure(0, t=t)], now=t + 1_000_000), POLICY).verdict
     assert (v.rank, v.cause) == (0, EXCEPTION)
+
+
+# The survivors' all_reduce fails at T: rank 1's sockets closed while its interpreter
+# finalized after `raise SystemExit(3)`; it had begun to leave 50 ms before, and its exit
+# status (exit 3, written at exit()) comes only when finalizing is over.
+T = 10_000_000_000
+LEFT = T - 50_000_000
+
+
+def _echoes(*ranks: int, t: int = T) -> List[Failure]:
+    return [failure(r, t=t + r, collective=True, message="Connection closed by peer") for r in ranks]
+
+
+def _exit3(t: int) -> Failure:
+    return failure(1, t=t, cause=EXIT, exit_code=3, exception=None, message="exited with this status")
+
+
+def test_a_collective_exception_waits_for_a_rank_that_is_leaving_to_end():
+    obs = observed(failures=_echoes(0, 2), now=T + COLLECTIVE_SETTLE_NS)
+    early = decide(dataclasses.replace(obs, leaving={1: LEFT}), POLICY)
+    assert early == Decision(None, recheck_at_ns=LEFT + LEAVING_WAIT_NS)
+    # Without knowing that rank 1 is leaving, the echo would be judged now: the old answer.
+    assert (decide(obs, POLICY).verdict.rank, decide(obs, POLICY).verdict.cause) == (0, EXCEPTION)
+
+
+@pytest.mark.parametrize("ended_after_s", [0.1, 1.5, 14.9])
+def test_a_rank_that_was_leaving_and_exits_with_a_failure_is_the_cause_however_late(ended_after_s):
+    """Its exit status comes after the echoes, maybe beyond CONSEQUENCE_WINDOW_NS (a slow
+    finalization): it is the cause all the same, with its own exit code."""
+    end = T + int(ended_after_s * ONE_S)
+    obs = observed(failures=[*_echoes(0, 2), _exit3(end)], now=end + 1)
+    v = decide(dataclasses.replace(obs, leaving={1: LEFT}), POLICY).verdict
+    assert (v.rank, v.cause, v.exit_code) == (1, EXIT, 3)
+
+
+@pytest.mark.parametrize("how", ["SIGKILL", "vanished"])
+def test_a_rank_that_was_leaving_and_died_is_the_cause_however_late(how):
+    end = T + 3 * ONE_S
+    died = {"statuses": [status(1, end, -9)]} if how == "SIGKILL" else {"gone": {1: end}}
+    obs = observed(failures=_echoes(0, 2), now=end + 1, leaving={1: LEFT}, **died)
+    v = decide(obs, POLICY).verdict
+    assert (v.rank, v.cause) == (1, SIGNAL if how == "SIGKILL" else VANISHED)
+
+
+def test_a_rank_that_was_leaving_and_succeeded_leaves_the_echo_the_cause():
+    obs = observed(failures=_echoes(0), successes={1}, now=T + COLLECTIVE_SETTLE_NS, leaving={1: LEFT})
+    v = decide(obs, POLICY).verdict
+    assert (v.rank, v.cause) == (0, EXCEPTION)
+
+
+def test_a_rank_that_never_ends_holds_the_echo_for_leaving_wait_only():
+    obs = observed(failures=_echoes(0), now=LEFT + LEAVING_WAIT_NS, leaving={1: LEFT})
+    v = decide(obs, POLICY).verdict
+    assert (v.rank, v.cause) == (0, EXCEPTION)
+
+
+def test_a_rank_that_began_to_leave_long_before_or_after_an_echo_is_not_what_it_echoes():
+    for began in (T - LEAVING_WAIT_NS - 1, T + COLLECTIVE_SETTLE_NS + 1):
+        obs = observed(failures=_echoes(0), now=T + COLLECTIVE_SETTLE_NS, leaving={1: began})
+        assert decide(obs, POLICY).verdict.rank == 0
+        late = observed(failures=[*_echoes(0), _exit3(T + 2 * ONE_S)], now=T + 3 * ONE_S, leaving={1: began})
+        assert decide(late, POLICY).verdict.rank == 0
+    # Within the window after it (an atexit handler destroyed the process group first, then
+    # the rank's program ended): the echo waits for it.
+    obs = observed(failures=_echoes(0), now=T + COLLECTIVE_SETTLE_NS, leaving={1: T + COLLECTIVE_SETTLE_NS})
+    assert decide(obs, POLICY).recheck_at_ns == T + COLLECTIVE_SETTLE_NS + LEAVING_WAIT_NS
+
+
+def test_an_applications_own_exception_is_no_echo_of_a_rank_leaving():
+    """Only an exception raised by torch.distributed waits for, or yields to, a leaving rank."""
+    own = failure(0, t=T)
+    obs = observed(failures=[own], now=T + 1, leaving={1: LEFT})
+    assert (decide(obs, POLICY).verdict.rank, decide(obs, POLICY).verdict.cause) == (0, EXCEPTION)
+    late = observed(failures=[own, _exit3(T + 2 * ONE_S)], now=T + 3 * ONE_S, leaving={1: LEFT})
+    assert decide(late, POLICY).verdict.rank == 0
+
+
+def test_a_leaving_rank_gone_late_and_held_for_its_parent_keeps_the_echo_waiting():
+    """Lightning: rank 0 is rank 2's parent. Rank 2 was leaving and is seen gone 2 s after
+    the echo (beyond the horizon of CONSEQUENCE_WINDOW_NS): its parent may say how it ended."""
+    gone_at = T + 2 * ONE_S
+    obs = observed(self_rank=3, registrations=lightning_regs(), failures=_echoes(1), gone={2: gone_at},
+                   now=gone_at + 1, leaving={2: LEFT})
+    assert decide(obs, POLICY) == Decision(None, recheck_at_ns=gone_at + WAIT_NS)
+    later = decide(dataclasses.replace(obs, now_ns=gone_at + WAIT_NS), POLICY).verdict
+    assert (later.rank, later.cause) == (2, VANISHED)
 
 
 # -- the verdict's details for other kinds of record ----------------------------------------------

@@ -235,6 +235,9 @@ def test_a_failed_rank_waits_at_exit_for_parent_wait_ack_window_a_settle_and_the
     assert _plan.SETTLE_S == 0.25
     assert _plan.verdict_wait_s(parent_wait_s=0.5, ack_window_s=1.0, hold_s=0.0) == 1.75
     assert _plan.verdict_wait_s(parent_wait_s=0.5, ack_window_s=1.0, hold_s=1.0) == 2.75
+    # An exception raised by torch.distributed may wait for a peer that is leaving to end
+    # (rule 5 of _decide): its rank waits that much longer for the verdict.
+    assert _plan.verdict_wait_s(parent_wait_s=0.5, ack_window_s=1.0, hold_s=0.0, echo=True) == 1.75 + 15.0
 
 
 def test_the_exiting_main_thread_gives_the_watcher_grace_the_ack_window_and_two_seconds() -> None:
