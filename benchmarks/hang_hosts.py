@@ -56,7 +56,7 @@ from _common import (  # noqa: E402
 )
 
 PROGRAM = ROOT / "tests" / "multihost_program.py"
-STEP = 30
+STEP = 500  # several seconds of steps: both hosts' bridges are connected before the onset
 PER_HOST = 2
 GLOO_TIMEOUT_S = 60.0  # multihost_program.py's gloo mode
 START_S = 120.0  # 4 ranks and their torch imports on 2 shared cores
@@ -146,7 +146,8 @@ def trial(case: str, workdir: Path) -> Dict:
              for i, n in enumerate("ab")]
     world = PER_HOST * len(hosts)
     held = Pidfds(())
-    out: Dict = {"case": case}
+    out: Dict = {"case": case, "gone_s": None, "left": [], "error": None}
+    onset = 0
     try:
         # Every host in a network namespace made here: no packet leaves (torch's client asks
         # DNS for each peer address; without a route that fails at once).
@@ -168,26 +169,21 @@ def trial(case: str, workdir: Path) -> Dict:
                                            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
             held.add(h.popen.pid)
         _wait(lambda: all(h.connected(len(hosts)) for h in hosts), START_S, "every host connected", hosts)
+        b = hosts[1]
+        if any((b.ready / f"doing-{r}").exists() for r in b.ranks):
+            raise RuntimeError(f"host b's ranks reached step {STEP} before the hosts' bridges were seen connected")
         for h in hosts:
             assert h.popen is not None
             for pid in tree(h.popen.pid):
                 held.add(pid)
-        b = hosts[1]
         _wait(lambda: all((b.ready / f"doing-{r}").exists() for r in b.ranks), ONSET_S,
               f"host b's ranks at step {STEP}", hosts)
         onset = min((b.ready / f"doing-{r}").stat().st_mtime_ns for r in b.ranks)
         gone_ns = held.wait_all_gone(max(1.0, GONE_S - (time.time_ns() - onset) / 1e9))
         out["gone_s"] = None if gone_ns is None else (gone_ns - onset) / 1e9
         out["left"] = _living(hosts) if gone_ns is None else []
-        for h in hosts:
-            diag, verdict = h.record("diagnosis.json"), h.record("verdict.json")
-            out[h.name] = {
-                "diagnosis_s": (diag["time_ns"] - onset) / 1e9 if "time_ns" in diag else None,
-                "verdict_s": (verdict["detected_at_ns"] - onset) / 1e9 if "detected_at_ns" in verdict else None,
-                "finding": diag.get("finding"), "detail": diag.get("detail"),
-                "verdict": (verdict.get("rank"), verdict.get("host"), verdict.get("cause")) if verdict else None,
-                "verdict_detail": verdict.get("detail"),
-            }
+    except (RuntimeError, TimeoutError, subprocess.SubprocessError, OSError) as e:
+        out["error"] = f"{type(e).__name__}: {e}"  # reported in the table, with the logs' key lines
     finally:
         held.kill_all()
         for h in hosts:
@@ -201,8 +197,15 @@ def trial(case: str, workdir: Path) -> Dict:
         held.close()
         subprocess.run(["ip", "netns", "del", netns], capture_output=True, timeout=10)
     for h in hosts:  # read after the end: the hosts' inits note exit codes as they reap
-        out[h.name]["exits"] = h.exit_codes()
-        out[h.name]["log"] = h.log_lines()
+        diag, verdict = h.record("diagnosis.json"), h.record("verdict.json")
+        out[h.name] = {
+            "diagnosis_s": (diag["time_ns"] - onset) / 1e9 if onset and "time_ns" in diag else None,
+            "verdict_s": (verdict["detected_at_ns"] - onset) / 1e9 if onset and "detected_at_ns" in verdict else None,
+            "finding": diag.get("finding"), "detail": diag.get("detail"),
+            "verdict": (verdict.get("rank"), verdict.get("host"), verdict.get("cause")) if verdict else None,
+            "verdict_detail": verdict.get("detail"),
+            "exits": h.exit_codes(), "log": h.log_lines(),
+        }
     return out
 
 
@@ -242,9 +245,11 @@ def run(runs: int, workdir: Optional[str] = None) -> None:
             same = a["verdict"] == b["verdict"]
             verdict = _name(a["verdict"]) if same else f"a: {_name(a['verdict'])}; b: {_name(b['verdict'])}"
             exits = ", ".join(f"{rank}: {code}" for h in (a, b) for rank, code in h["exits"].items())
+            if r["error"]:
+                verdict += f" (run cut short: {r['error']})"
             rows.append([name, f"{a['finding']} / {b['finding']}", _s(a["diagnosis_s"]), _s(b["diagnosis_s"]),
                          _s(a["verdict_s"]), _s(b["verdict_s"]),
-                         _s(r["gone_s"]) if r["gone_s"] is not None else f"not by {GONE_S:g} s", verdict, exits])
+                         _s(r["gone_s"]) if r["gone_s"] is not None else ("-" if r["error"] else f"not by {GONE_S:g} s"), verdict, exits])
             notes.append((name, r))
     print(f"Two simulated hosts, 2 gloo ranks each; both ranks of host b from step {STEP}; hang_timeout=auto, "
           f"nothing else set; gloo timeout {GLOO_TIMEOUT_S:g} s; times from the onset; "

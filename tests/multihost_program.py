@@ -1,4 +1,5 @@
-"""A simulated host of a multi-host job, and its ranks. Started by tests/test_multihost.py.
+"""A simulated host of a multi-host job, and its ranks. Started by tests/test_multihost.py,
+tests/test_multihost_hangs.py and benchmarks/hang_hosts.py.
 
     unshare --pid --fork --mount-proc --uts python multihost_program.py host --name hostb \\
         --ranks 2,3 --world 6 --ready DIR [--serve PORT] [--behave 3=succeed_on:go-b]
