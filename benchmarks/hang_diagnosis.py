@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/hang_diagnosis.py --runs 2 --gloo-timeout 20
     .venv/bin/python benchmarks/hang_diagnosis.py --only cost
     .venv/bin/python benchmarks/hang_diagnosis.py --only cases --gloo-timeout 60
+    .venv/bin/python benchmarks/hang_diagnosis.py --only hosts --runs 1     (root; benchmarks/hang_hosts.py)
 
 1. **Detection.** A 3-rank gloo job (tests/collective_program.py: all_reduce, 20 ms of
    "compute", never ``beat()``) whose rank 1 starts an endless Python loop at step 40.
@@ -15,7 +16,9 @@
    doing one of: an endless Python loop, a deadlock (a lock it holds), SIGSTOP (frozen),
    or a checkpoint that outlasts the collective timeout (busy: CPU and bytes written).
    Stuck ranks are ended at the diagnosis; the busy one at 90 % of the collective timeout.
-3. **Cost.** In a 2-rank gloo job with the flight recorder's ring full (2500
+3. **Hosts** (``--only hosts``, not in the default run: it needs root). The same four cases
+   across two simulated hosts, both ranks of host B the laggards: benchmarks/hang_hosts.py.
+4. **Cost.** In a 2-rank gloo job with the flight recorder's ring full (2500
    collectives): one read of the counters (what each watcher does per heartbeat), one
    read of the entries (once per stall), and the step time of a training loop (all_reduce
    of 1000 floats) with the counter reads on and off (``hang_warn`` auto vs off), alternated.
@@ -148,9 +151,14 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=2)
     parser.add_argument("--gloo-timeout", type=float, default=20.0)
     parser.add_argument("--steps", type=int, default=3000)
-    parser.add_argument("--only", choices=["detection", "cases", "cost"])
+    parser.add_argument("--only", choices=["detection", "cases", "hosts", "cost"])
     args = parser.parse_args()
     print(f"peerwatch {peerwatch_commit()}, {machine()}, {datetime.datetime.now():%Y-%m-%d %H:%M}\n")
+    if args.only == "hosts":
+        import hang_hosts
+
+        hang_hosts.run(args.runs)
+        return
     if args.only in (None, "detection"):
         modes = [
             ("hang_warn=3 (warns; gloo's timeout ends the job)", {"PEERWATCH_HANG_WARN": "3"}),

@@ -1,4 +1,5 @@
-"""A simulated host of a multi-host job, and its ranks. Started by tests/test_multihost.py.
+"""A simulated host of a multi-host job, and its ranks. Started by tests/test_multihost.py,
+tests/test_multihost_hangs.py and benchmarks/hang_hosts.py.
 
     unshare --pid --fork --mount-proc --uts python multihost_program.py host --name hostb \\
         --ranks 2,3 --world 6 --ready DIR [--serve PORT] [--behave 3=succeed_on:go-b]
@@ -15,9 +16,14 @@ host), then behaves: ``sleep`` (the default: beat until torn down),
 ``succeed_on:NAME`` (finish cleanly once ``READY/NAME`` exists), ``raise_on:NAME``
 (raise RuntimeError once it exists), ``torch`` (import
 torch.distributed, note ``READY/torch-<rank>``, then sleep), ``gloo`` (join a gloo
-process group of every rank, note ``READY/pg-<rank>``, all_reduce in a loop), or
-``gloo:loop_at=STEP`` (the same, but after STEP all_reduces, loop in Python forever,
-asleep, without a beat: a laggard stuck outside the collectives its peers wait in).
+process group of every rank, note ``READY/pg-<rank>``, all_reduce in a loop), or the
+same with a laggard's behaviour after STEP all_reduces, outside the collectives its peers
+wait in (``READY/doing-<rank>`` is noted right before it starts):
+
+    gloo:loop_at=STEP        loop in Python forever, asleep, without a beat
+    gloo:lock_at=STEP        block forever on a lock it already holds (a deadlock)
+    gloo:stop_at=STEP        SIGSTOP itself (frozen, its watcher with it)
+    gloo:checkpoint_at=STEP  write a checkpoint (CPU and bytes written) for 600 s, then go on
 """
 
 from __future__ import annotations
@@ -25,9 +31,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 
@@ -73,6 +81,31 @@ def host_main(args: argparse.Namespace) -> None:
     del store
 
 
+def laggard(what: str, path: str) -> None:
+    """Behave as a laggard that never enters the next collective (or only after 600 s)."""
+    if what == "loop":
+        while True:  # stuck in Python
+            time.sleep(0.05)
+    elif what == "lock":
+        lock = threading.Lock()
+        lock.acquire()
+        lock.acquire()  # no CPU, no I/O: stuck
+    elif what == "stop":
+        os.kill(os.getpid(), signal.SIGSTOP)
+    elif what == "checkpoint":  # like torch.save of a large model, without paused()
+        import torch
+
+        end = time.monotonic() + 600.0
+        state = {f"layer{i}": torch.randn(256, 256) for i in range(8)}
+        with open(path, "wb") as f:
+            while time.monotonic() < end:
+                for tensor in state.values():
+                    f.write(tensor.numpy().tobytes())
+                f.seek(0)
+    else:
+        raise ValueError(f"unknown laggard behaviour {what!r}")
+
+
 def rank_main(args: argparse.Namespace) -> None:
     import peerwatch
 
@@ -93,14 +126,13 @@ def rank_main(args: argparse.Namespace) -> None:
         dist.init_process_group("gloo", rank=rank, world_size=int(os.environ["WORLD_SIZE"]),
                                 timeout=datetime.timedelta(seconds=60))
         note(args.ready, f"pg-{rank}", "")
-        loop_at = int(arg.split("=", 1)[1]) if arg.startswith("loop_at=") else None
+        what, _, at = arg.partition("_at=")
         t = torch.ones(1)
         step = 0
         while True:
-            if step == loop_at:
-                note(args.ready, f"looping-{rank}", "")
-                while True:  # stuck in Python: never enters the next collective
-                    time.sleep(0.05)
+            if at and step == int(at):
+                note(args.ready, f"doing-{rank}", "")
+                laggard(what, os.path.join(args.ready, f"checkpoint-{rank}.bin"))
             step += 1
             dist.all_reduce(t)  # fails within milliseconds when a peer on any host dies
             peerwatch.beat()

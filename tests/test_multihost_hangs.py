@@ -47,7 +47,7 @@ def _start(c: Cluster, **env: str) -> Cluster:
     c.start(behave=BEHAVE, serve=False, env={"PEERWATCH_HANG_WARN": str(WARN_S), **env})
     c.wait_connected()
     b = c.hosts["b"]
-    c._wait(lambda: all((b.ready / f"looping-{r}").exists() for r in (2, 3)), START_S + 10,
+    c._wait(lambda: all((b.ready / f"doing-{r}").exists() for r in (2, 3)), START_S + 10,
             f"host b's ranks looping at step {STEP}")
     return c
 
