@@ -196,6 +196,8 @@ def diagnosis_entry(d: Optional[Diagnosis]) -> Optional[Dict[str, Any]]:
         "diagnosed_at": _iso(d.time_ns),
         "diagnosed_by": d.made_by,
         "resolved_at": None if d.resolved_ns is None else _iso(d.resolved_ns),
+        "ends_at": None if d.end_at_ns is None else _iso(d.end_at_ns),
+        "hosts": [{"rank": rank, "host": host} for rank, host in d.hosts],
     }
 
 

@@ -21,9 +21,11 @@ import time
 from pathlib import Path
 from typing import Callable, Dict, Iterator, List, Optional, Sequence
 
+import jsonschema
 import pytest
 from harness import Job
 
+import peerwatch
 from peerwatch._diagnose import FLOOR_S
 
 pytest.importorskip("torch.distributed")
@@ -234,6 +236,10 @@ def test_a_busy_laggard_is_reported_busy_and_auto_lets_the_job_finish(make_job, 
     said = job.lines("peerwatch: busy:")
     assert said and all("hang_timeout=auto ends it at" in line and "the job goes on" in line for line in said), said
     assert not (job.run_dir / "events" / "verdict.json").exists()
+    report = json.loads(subprocess.run([sys.executable, "-m", "peerwatch", "report", str(job.run_dir), "--json"],
+                                       capture_output=True, text=True, timeout=30).stdout)
+    jsonschema.validate(report, json.loads((Path(peerwatch.__file__).parent / "schemas" / "report-v1.schema.json").read_text()))
+    assert report["diagnosis"]["kind"] == "busy" and report["diagnosis"]["ends_at"] is not None, report["diagnosis"]
 
 
 def test_a_laggard_blocked_on_a_lock_is_stuck_and_auto_ends_it_at_once(make_job) -> None:
