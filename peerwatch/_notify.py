@@ -83,17 +83,17 @@ class Hook:
         if self.thread is not None:
             self.thread.join(left)
             if self.thread.is_alive():
-                return f"did not return within its bound ({self.bound_s:g}s); left behind as the rank exits"
+                return f"did not return within its bound ({round(self.bound_s, 1):g}s); left behind as the rank exits"
             return f"raised {self.error}" if self.error else "ok"
         assert self.popen is not None
         try:
             code = self.popen.wait(left)
         except subprocess.TimeoutExpired:
-            self.kill(f"still running at its bound ({self.bound_s:g}s)")
-            return f"was killed at its bound ({self.bound_s:g}s)"
+            self.kill(f"still running at its bound ({round(self.bound_s, 1):g}s)")
+            return f"was killed at its bound ({round(self.bound_s, 1):g}s)"
         if code == 124 or code == -signal.SIGKILL or code == 128 + signal.SIGKILL:
             # timeout(1)'s codes: it ended the command at the bound.
-            return f"was killed at its bound ({self.bound_s:g}s, exit status {code})"
+            return f"was killed at its bound ({round(self.bound_s, 1):g}s, exit status {code})"
         return "ok" if code == 0 else f"failed with exit status {code}"
 
     @property
@@ -155,7 +155,7 @@ def start_hook(hook: Any, rd: RunDir, verdict: Verdict, rank: int, bound_s: floa
 
         _eventlog.append(rd, "notify", rank, hook=repr(hook), outcome=f"could not be started: {e}", took_s=0.0)
         return None
-    logger.info("peerwatch: rank %d runs on_verdict %s (at most %gs)", rank, h.what, bound_s)
+    logger.info("peerwatch: rank %d runs on_verdict %s (at most %gs)", rank, h.what, round(bound_s, 1))
     with _running_lock:
         _running = h
     return h

@@ -65,7 +65,11 @@ def _report_cmd(args: argparse.Namespace) -> int:
     if args.timeline:
         from . import _timeline
 
-        _timeline.write(rd, args.timeline)
+        try:
+            _timeline.write(rd, args.timeline)
+        except OSError as e:  # a folder that does not exist, a directory given as the file...
+            print(f"peerwatch: cannot write the timeline to {args.timeline}: {e.strerror or e}", file=sys.stderr)
+            return 2
     if args.json:
         print(json.dumps(report, indent=2))
     else:
@@ -193,10 +197,13 @@ def _doctor_cmd(args: argparse.Namespace) -> int:
 
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="peerwatch", description="Inspect peerwatch run directories.")
+    from . import __version__
+
+    parser.add_argument("--version", action="version", version=f"peerwatch {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("report", help="the root cause and what happened to every rank")
     p.add_argument("dir", nargs="?", help="a run directory (default: the newest on this host)")
-    p.add_argument("--json", action="store_true", help="print report.json's schema instead of text")
+    p.add_argument("--json", action="store_true", help="print the report as JSON (report.json; its keys: docs/report.md) instead of text")
     p.add_argument("--timeline", metavar="FILE.svg", help="also draw the run's last seconds, one lane per rank, to FILE.svg")
     p.set_defaults(func=_report_cmd)
     p = sub.add_parser("status", help="a table of the ranks: pid, host, state, heartbeat age, step, exit")
@@ -208,7 +215,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p = sub.add_parser("ls", help="the run directories on this host, newest first")
     p.add_argument("--base", help="where to look (default: this user's peerwatch folder)")
     p.set_defaults(func=_ls_cmd)
-    p = sub.add_parser("gc", help="remove finished run directories under the default base (see docs/doctor.md)")
+    p = sub.add_parser("gc", help="remove finished run directories under the default base (what is kept and why: --dry-run)")
     p.add_argument("--dry-run", action="store_true", help="only say what would be removed, and why")
     p.set_defaults(func=_gc_cmd)
     p = sub.add_parser("doctor", help="check what peerwatch relies on here, then a live 4-rank self-test")

@@ -99,3 +99,24 @@ def test_the_picture_is_written_through_no_planted_temp_file(tmp_path: Path) -> 
     _timeline.write(RunDir(str(tmp_path / "run")), str(target))
     assert precious.read_text() == "keep"
     ET.parse(target)
+
+
+def test_a_timeline_that_cannot_be_written_is_said_in_one_line(tmp_path: Path) -> None:
+    """A folder that does not exist, or a directory given as the file: one line and exit 2,
+    no traceback and nothing left behind (before: a raw traceback, and a temp file)."""
+    (tmp_path / "run" / "ranks").mkdir(parents=True)
+    (tmp_path / "run" / "events").mkdir()
+    (tmp_path / "adir").mkdir()
+    for target in (tmp_path / "missing" / "x.svg", tmp_path / "adir"):
+        run = subprocess.run([sys.executable, "-m", "peerwatch", "report", str(tmp_path / "run"), "--timeline", str(target)],
+                             capture_output=True, text=True, timeout=30)
+        assert run.returncode == 2, run
+        assert run.stderr.startswith("peerwatch: cannot write the timeline to") and "Traceback" not in run.stderr, run.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adir", "run"]
+
+
+def test_version() -> None:
+    import peerwatch
+
+    run = subprocess.run([sys.executable, "-m", "peerwatch", "--version"], capture_output=True, text=True, timeout=30)
+    assert run.returncode == 0 and run.stdout.strip() == f"peerwatch {peerwatch.__version__}", run
