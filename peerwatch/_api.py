@@ -139,15 +139,18 @@ def _start(config: Config) -> Watcher:
         time_ns=time.time_ns(), world_size=config.world_size, local_rank=config.local_rank,
         argv=" ".join(sys.argv)[:500],
     )
-    rd.prepare(reg, _identity.start_time_ns())
-    from . import _gc  # old run directories under the default base: once per process, never raises
+    rd.prepare(reg, _identity.start_time_ns())  # registers this rank: the first claim of a slot wins
+    try:
+        from . import _gc  # old run directories under the default base: once per process, never raises
 
-    _gc.auto(how)
-    stacks = StackFile.open(rd, rank)
-    # Children started from here on (Lightning's ranks 1..N-1) join this run.
-    os.environ["PEERWATCH_DIR"] = path
-    watcher = Watcher(config, rd, reg, stacks, _hooks.install_interrupt_handler(_registry))
-    rd.publish_registration(reg)
+        _gc.auto(how)
+        stacks = StackFile.open(rd, rank)
+        # Children started from here on (Lightning's ranks 1..N-1) join this run.
+        os.environ["PEERWATCH_DIR"] = path
+        watcher = Watcher(config, rd, reg, stacks, _hooks.install_interrupt_handler(_registry))
+    except BaseException:
+        rd.withdraw_registration(reg)  # not watched after all: its peers must not wait on it
+        raise
     _eventlog.bind(rd, rank)
     _eventlog.record(rd, _rundir.RANKS, _rundir.rank_file("rank", rank), reg, rank)
     logger.info("peerwatch: %s is watching its peers in %s (%s)", _terminal.who(rank, reg.pid, reg.host), path, how)

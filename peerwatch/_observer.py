@@ -54,6 +54,7 @@ from ._sources import (
 
 logger = logging.getLogger("peerwatch")
 
+_IDENTIFIED = (Success, Failure, ExitStatus, Ack)  # a rank's records that name its process
 _WATCHED_EVENTS = {k: v for k, v in EVENT_TYPES.items() if k not in ("thread", "unsignalled")}  # for the report only
 STACK_DUMP_LIMIT = 1 << 20  # bytes of a dead peer's stack file read for its last words
 CHILD_STATUS_WAIT_S = 0.05  # a dead child's status, when its pidfd fired before waitid sees it: at most
@@ -295,6 +296,9 @@ class Observer:
                 self._add_peer(reg)
         for name in self._changed(EVENTS):
             record = self._read_event(name)
+            if record is not None and not self._of_registered_process(name, record):
+                self.events.pop(name, None)
+                continue
             if record is not None:
                 self.events[name] = record
                 if _eventlog.wanted_from_scan(name, record):  # written at exit, where its writer could not log it
@@ -319,6 +323,30 @@ class Observer:
             rd.warn_once(rd.join(EVENTS, name), "names another rank than its file name; ignored")
             return None
         return record
+
+    def _of_registered_process(self, name: str, record: object) -> bool:
+        """A rank's record (success, failure, exit status, ack) is its registered process's:
+        one with another pid is another job's (two jobs given one run directory) or a stray
+        process's, and is ignored, logged once. A record of a rank not registered yet, or
+        one that says no pid (0: another host's, from the store bridge), is kept."""
+        if self._belongs(record):
+            return True
+        assert isinstance(record, _IDENTIFIED)
+        self.run_dir.warn_once(
+            self.run_dir.join(EVENTS, name), f"is the record of pid {record.pid}, but rank {record.rank} is "
+            f"registered as pid {self.registrations[record.rank].pid}: not a record of this run (two jobs share this run directory?); ignored",
+        )
+        return False
+
+    def _belongs(self, record: object) -> bool:
+        if not isinstance(record, _IDENTIFIED):
+            return True
+        reg = self.registrations.get(record.rank)
+        return reg is None or record.pid in (0, reg.pid) or not _identity.is_local(reg)
+
+    def _valid(self, cls: type, data: bytes) -> bool:
+        record = decode(cls, data)
+        return record is not None and self._belongs(record)
 
     def _changed(self, sub: str) -> List[str]:
         seen = self._seen[sub]
@@ -352,6 +380,9 @@ class Observer:
             )
             return
         self.registrations[reg.rank] = reg
+        for name, record in list(self.events.items()):  # read before this registration: whose are they?
+            if not self._of_registered_process(name, record):
+                del self.events[name]
         if not _identity.is_local(reg):
             if reg.host == _identity.hostname() and reg.boot_id == _identity.boot_id():
                 # This host, another PID namespace: its pid means nothing here.
@@ -425,7 +456,8 @@ class Observer:
         """Write a record into ``events/`` (first writer wins); False if it was not ours."""
         cls = type(record)
         try:
-            wrote = self.run_dir.write(EVENTS, name, encode(record), valid=lambda data: decode(cls, data) is not None)
+            # Garbage, or another process's record of this rank (another job's), must not block this run's.
+            wrote = self.run_dir.write(EVENTS, name, encode(record), valid=lambda data: self._valid(cls, data))
             if wrote:
                 _eventlog.record(self.run_dir, EVENTS, name, record, self.me.rank)
             return wrote

@@ -608,14 +608,15 @@ class RunDir:
     # -- creation and registration -------------------------------------------------
 
     def prepare(self, reg: Registration, process_start_ns: int) -> None:
-        """Create the directory and its folders (0700) for rank ``reg.rank`` to register in.
+        """Create the directory and its folders (0700), and register rank ``reg.rank`` in it.
 
         Every folder above it must be safe from other users (:func:`check_ancestors`),
         else :class:`RunDirError`. Under a lock beside the directory: a directory left by
         an earlier run (this rank's slot held by a dead process, or a verdict older than
         this process) is set aside first. A slot held by another live process means two
-        jobs share the directory: :class:`RunDirError`. From then on the directory is held
-        by a descriptor (see the class).
+        jobs share the directory: :class:`RunDirError`. The registration is published
+        under that same lock, so the check and the claim are one step: the first process to
+        claim a slot holds it. From then on the directory is held by a descriptor (see the class).
         """
         parent = os.path.dirname(os.path.abspath(self.path))
         try:
@@ -644,12 +645,27 @@ class RunDir:
                 if reg.world_size is not None and reg.world_size > 0:
                     # From now on (not while judging an earlier run's records, above).
                     self.world_size = reg.world_size
+                # Under the lock that covered the check: of two processes claiming one slot
+                # at once, the first to take the lock registers, the second is refused above.
+                self.publish_registration(reg)
         except filelock.Timeout:
             raise RunDirError(self.path, "timed out waiting for its lock file") from None
 
     def publish_registration(self, reg: Registration) -> None:
-        """Write this rank's pid file: from now on its peers watch it."""
+        """Write this rank's pid file: from now on its peers watch it. (:meth:`prepare` does,
+        under its lock; anything else would race another process claiming the slot.)"""
         self.write(RANKS, rank_file("rank", reg.rank), encode(reg), replace=True)
+
+    def withdraw_registration(self, reg: Registration) -> None:
+        """Remove this rank's pid file if it is still ``reg`` (the rank could not be watched
+        after all: install() failed after :meth:`prepare`). Never raises."""
+        name = rank_file("rank", reg.rank)
+        try:
+            if self.read(RANKS, name, Registration) == reg:
+                with self._dir(RANKS) as dir_fd:
+                    os.unlink(name, dir_fd=dir_fd)
+        except OSError:
+            pass
 
     def _set_aside_if_stale(self, reg: Registration, process_start_ns: int) -> None:
         if not os.path.lexists(self.path):

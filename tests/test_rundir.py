@@ -463,8 +463,8 @@ def test_slot_held_by_a_dead_process_sets_the_directory_aside(rd, caplog):
     moved = RunDir(os.path.join(os.path.dirname(rd.path), aside[0]))
     assert moved.registrations() == {0: old}
     assert moved.read_bytes(EVENTS, "failure-00002.json") == b"from the old run"
-    # A fresh, empty directory in its place.
-    assert rd.registrations() == {}
+    # A fresh directory in its place, holding only this rank's registration (prepare publishes it).
+    assert set(rd.registrations()) == {0} and rd.registrations()[0].pid == os.getpid()
     assert os.listdir(rd.join(EVENTS)) == []
     assert mode(rd.path) == 0o700
     assert len(warnings_about(caplog, "earlier run")) == 1
@@ -507,7 +507,7 @@ def test_dead_registration_of_another_rank_is_left_alone(rd):
     rd.publish_registration(registration(dead_process_info(), rank=1))
     rd.prepare(my_reg(0), time.time_ns())
     assert set_asides(rd) == []
-    assert sorted(rd.registrations()) == [1]
+    assert sorted(rd.registrations()) == [0, 1]  # its own, published by prepare
 
 
 def _verdict(detected_at_ns: int) -> bytes:
