@@ -24,6 +24,7 @@
 #include <signal.h>
 #include <stdlib.h>
 #include <string.h>
+#include <limits.h>
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
@@ -43,6 +44,12 @@ typedef struct {
     pid_t pid;
     int events_fd;
     int tmp_fd;
+    /* What the two fds were when armed (device, inode) and the folders' paths: the
+     * application may have taken the numbers since (os.closerange, dup2 of /dev/null). */
+    dev_t events_dev, tmp_dev;
+    ino_t events_ino, tmp_ino;
+    char events_path[PATH_MAX];
+    char tmp_path[PATH_MAX];
     char success_name[MAX_NAME];
     char failure_name[MAX_NAME];
     piece success_head, success_tail;              /* head <time_ns> tail */
@@ -121,6 +128,36 @@ static int temp_name(char *buf, size_t size, const char *name)
     return 0;
 }
 
+/* *fd, if it still is the folder that was armed (device and inode); else that folder
+ * opened again by its path (never through a symlink at its end), accepted only if it is
+ * that very folder. The old number is the application's now: never closed. */
+static int same_dir(int fd, dev_t dev, ino_t ino)
+{
+    struct stat sb;
+    return fd >= 0 && fstat(fd, &sb) == 0 && S_ISDIR(sb.st_mode) && sb.st_dev == dev && sb.st_ino == ino;
+}
+
+static int checked_dir(int *fd, dev_t dev, ino_t ino, const char *path)
+{
+    if (same_dir(*fd, dev, ino))
+        return 0;
+    int fresh = open(path, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+    if (fresh < 0)
+        return errno;
+    if (!same_dir(fresh, dev, ino)) {
+        close(fresh);
+        return ESTALE; /* not the directory that was checked: not written there */
+    }
+    *fd = fresh;
+    return 0;
+}
+
+static int check_dirs(void)
+{
+    int err = checked_dir(&st.tmp_fd, st.tmp_dev, st.tmp_ino, st.tmp_path);
+    return err ? err : checked_dir(&st.events_fd, st.events_dev, st.events_ino, st.events_path);
+}
+
 /* Write data to events/<name>: the first writer wins (link), or, for this rank's own
  * success marker, whatever sits there is replaced (rename: garbage planted in its place
  * must not block it). Returns 0, or the errno that stopped it. */
@@ -129,6 +166,9 @@ static int write_record(const char *name, const char *data, size_t len, int repl
     char tmp[MAX_NAME + 2 * MAX_DIGITS + 8];
     if (temp_name(tmp, sizeof tmp, name) != 0)
         return ENAMETOOLONG;
+    int bad = check_dirs();
+    if (bad)
+        return bad;
     int fd = openat(st.tmp_fd, tmp, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
     if (fd < 0)
         return errno;
@@ -231,7 +271,7 @@ static void at_exit(int status, void *arg)
         write_exit_record(code, 0);
     if (code == 0) {
         /* A failure already recorded (by Python, or on this rank's behalf) stands. */
-        if (!st.write_success || exists(st.events_fd, st.failure_name))
+        if (!st.write_success || (check_dirs() == 0 && exists(st.events_fd, st.failure_name)))
             goto out;
         n = put_bytes(st.out, 0, &st.success_head);
         n = put_number(st.out, n, now_ns(CLOCK_REALTIME));
@@ -278,21 +318,44 @@ static int copy_name(char *dst, Py_buffer *b)
 
 PyDoc_STRVAR(arm_doc,
 "arm(events_fd, tmp_fd, pid, success_name, success_head, success_tail, failure_name,\n"
-"    failure_head, failure_mid, failure_tail, write_success, complaint)\n"
+"    failure_head, failure_mid, failure_tail, write_success, complaint, events_path, tmp_path)\n"
 "\n"
 "At exit of process ``pid``: status 0 -> success marker (if write_success and no failure\n"
 "record is there), else the failure record. Takes ownership of the two fds; an earlier\n"
-"arm's fds are closed. Raises OSError if on_exit cannot register the callback.");
+"arm's fds are closed. A fd the application took since (closed, dup2'd over) is replaced at\n"
+"exit by its folder opened again by path, if that is the same directory (device, inode).\n"
+"Raises OSError if on_exit cannot register the callback or an fd is not a directory.");
 
 static PyObject *arm(PyObject *self, PyObject *args)
 {
     int events_fd, tmp_fd, pid, write_success;
     Py_buffer sn, sh, stl, fn, fh, fm, ft, cp;
+    const char *events_path, *tmp_path;
     (void)self;
-    if (!PyArg_ParseTuple(args, "iiiy*y*y*y*y*y*y*py*", &events_fd, &tmp_fd, &pid, &sn, &sh, &stl, &fn, &fh,
-                          &fm, &ft, &write_success, &cp))
+    if (!PyArg_ParseTuple(args, "iiiy*y*y*y*y*y*y*py*yy", &events_fd, &tmp_fd, &pid, &sn, &sh, &stl, &fn, &fh,
+                          &fm, &ft, &write_success, &cp, &events_path, &tmp_path))
         return NULL;
     static state next;
+    struct stat esb, tsb;
+    if (strlen(events_path) >= PATH_MAX || strlen(tmp_path) >= PATH_MAX || fstat(events_fd, &esb) != 0 ||
+        fstat(tmp_fd, &tsb) != 0 || !S_ISDIR(esb.st_mode) || !S_ISDIR(tsb.st_mode)) {
+        PyBuffer_Release(&cp);
+        PyBuffer_Release(&sn);
+        PyBuffer_Release(&sh);
+        PyBuffer_Release(&stl);
+        PyBuffer_Release(&fn);
+        PyBuffer_Release(&fh);
+        PyBuffer_Release(&fm);
+        PyBuffer_Release(&ft);
+        PyErr_SetString(PyExc_OSError, "bad directory fd or path");
+        return NULL;
+    }
+    strcpy(next.events_path, events_path);
+    strcpy(next.tmp_path, tmp_path);
+    next.events_dev = esb.st_dev;
+    next.events_ino = esb.st_ino;
+    next.tmp_dev = tsb.st_dev;
+    next.tmp_ino = tsb.st_ino;
     int bad = copy_name(next.success_name, &sn) || copy_piece(&next.success_head, &sh) ||
               copy_piece(&next.success_tail, &stl) || copy_name(next.failure_name, &fn) ||
               copy_piece(&next.failure_head, &fh) || copy_piece(&next.failure_mid, &fm) ||
@@ -314,7 +377,10 @@ static PyObject *arm(PyObject *self, PyObject *args)
         }
         registered = 1;
     }
-    int old_events = st.armed ? st.events_fd : -1, old_tmp = st.armed ? st.tmp_fd : -1;
+    /* An earlier arm's fds are closed only if they are still its folders: a number the
+     * application took since is the application's. */
+    int old_events = st.armed && same_dir(st.events_fd, st.events_dev, st.events_ino) ? st.events_fd : -1;
+    int old_tmp = st.armed && same_dir(st.tmp_fd, st.tmp_dev, st.tmp_ino) ? st.tmp_fd : -1;
     st.armed = 0; /* a callback running meanwhile (exit() in another thread) does nothing */
     memcpy(&st, &next, sizeof st);
     st.events_fd = events_fd;

@@ -153,6 +153,7 @@ def arm(run_dir: RunDir, rank: int, write_success: bool) -> bool:
             rank_file("success", rank).encode(), *success_template(rank, pid),
             rank_file("failure", rank).encode(), *failure_template(rank, pid),
             write_success, f"peerwatch: rank {rank} could not write ".encode(),
+            os.fsencode(run_dir.join(EVENTS)), os.fsencode(run_dir.join(TMP)),
         )
     except (OSError, ValueError) as e:
         for fd in fds:

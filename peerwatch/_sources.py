@@ -12,7 +12,7 @@ import os
 import select
 import threading
 import time
-from typing import Callable, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 from . import _identity
 from ._records import Registration
@@ -329,16 +329,27 @@ class FolderWatch:
         if observer is not None:
             # Not in the watcher thread: watchdog joins its reader without a timeout, and
             # the reader may sleep for ever in a poll(2) on numbers that are not its own.
-            threading.Thread(target=observer.stop, name=f"{observer.name}-abandoned", daemon=True).start()
+            threading.Thread(target=_stop_quietly, args=(observer,), name=f"{observer.name}-abandoned",
+                             daemon=True).start()
 
     def stop(self, timeout: float = 1.0) -> None:
         """Stop watchdog's threads and join them (not from one of them)."""
         observer, self._observer = self._observer, None
         if observer is None:
             return
-        observer.stop()
+        _stop_quietly(observer)
         if threading.current_thread() is not observer and observer.is_alive():
             observer.join(timeout)
+
+
+def _stop_quietly(observer: Any) -> None:
+    """``observer.stop()``, where the application may have taken inotify's descriptor
+    (``os.closerange`` before exit): watchdog's removal of its watches then raises EBADF
+    (or EINVAL, a number reused), at exit, for nothing: the watches die with the descriptor."""
+    try:
+        observer.stop()
+    except OSError as e:
+        logger.debug("peerwatch: watchdog could not stop cleanly (its descriptor was taken away?): %s", e)
 
 
 __all__ = [

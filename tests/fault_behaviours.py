@@ -37,6 +37,8 @@ Actions (the last part; ``SECONDS`` as in rank_program):
     clobber:MODE     once every rank is ready, take peerwatch's descriptors away: ``devnull``
                      dup2s /dev/null over fds 3-39, ``close`` closes them (os.closerange);
                      note READY/clobbered-<rank>, then sleep and beat()
+    clobber_exit:MODE as clobber, over more descriptors (``devnull``: 3-199, ``close``:
+                     os.closerange(3, 65536)), then sys.exit(0) at once
     exec_away        once every rank is ready, os.execv() a plain sleeping Python (same
                      pid, no peerwatch, the stack file closed on exec)
     setuid_away:UID  once every rank is ready, os.setuid(UID), then sleep
@@ -76,7 +78,8 @@ def reaped_on_error(children: List[Any]) -> List[Any]:
 
 
 PARTS = frozenset({"pg", "fork", "sub", "orphan_fork", "orphan_sub", "loader", "reexec", "default_interrupt"})
-ACTIONS = frozenset({"dataloader", "noisy", "await", "raise_after", "clobber", "exec_away", "setuid_away"})
+ACTIONS = frozenset({"dataloader", "noisy", "await", "raise_after", "clobber", "clobber_exit", "exec_away",
+                     "setuid_away"})
 CLOBBERED_FDS = range(3, 40)
 EXECED_VAR = "PEERWATCH_TEST_EXECED"  # set in the environment of the re-executed image
 
@@ -308,7 +311,7 @@ def act(args: argparse.Namespace, rank: int, name: str, arg: str, delay: float,
         ready(args, rank)
         _wait_files(args.ready, [arg], timeout=120.0)
         raise RuntimeError(f"rank {rank} failed on purpose")
-    elif name in ("clobber", "exec_away", "setuid_away"):
+    elif name in ("clobber", "clobber_exit", "exec_away", "setuid_away"):
         ready(args, rank)
         wait_for_all(args)
         if name == "exec_away":
@@ -319,17 +322,20 @@ def act(args: argparse.Namespace, rank: int, name: str, arg: str, delay: float,
             while True:
                 time.sleep(0.05)
         _wait_watching(args.world - 1)
+        fds = CLOBBERED_FDS if name == "clobber" else range(3, 200 if arg == "devnull" else 65536)
         if arg == "devnull":
             null = os.open(os.devnull, os.O_RDWR)
-            for fd in CLOBBERED_FDS:
+            for fd in fds:
                 if fd != null:
                     os.dup2(null, fd, inheritable=False)
         else:
-            os.closerange(CLOBBERED_FDS.start, CLOBBERED_FDS.stop)
+            os.closerange(fds.start, fds.stop)
         path = os.path.join(args.ready, f"clobbered-{rank}")
         with open(f"{path}.tmp", "w") as f:
             f.write(str(time.time_ns()))
         os.replace(f"{path}.tmp", path)
+        if name == "clobber_exit":
+            sys.exit(0)
         while True:
             time.sleep(0.05)
             peerwatch.beat()

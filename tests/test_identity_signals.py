@@ -75,6 +75,30 @@ def test_a_rank_that_takes_its_descriptors_away_stays_protected(make_job, mode: 
     assert "closed or replaced by the application" in log, log
 
 
+@pytest.mark.parametrize("mode", ["devnull", "close"])
+def test_a_rank_that_took_its_descriptors_away_and_exits_0_succeeded(make_job, mode: str) -> None:
+    """Rank 1 dup2s /dev/null over fds 3-199 (or closes 3-65535), then exits 0: its success
+    marker could not be written ("could not write success-00001.json: Bad file descriptor",
+    through the directory fds kept since install()), its peers took it for failed and
+    exited 1, and peerwatch's own atexit raised EBADF from watchdog. Issue 22.2."""
+    job = make_job(world=3, behave=[f"1=clobber_exit:{mode}", "0=await:go", "2=await:go"],
+                   env={"PEERWATCH_HEARTBEAT": str(BEAT_S)}).start()
+    job.wait_ready()
+    job.wait_noted(["clobbered-1"])
+    proc = job.ranks[1]
+    deadline = time.monotonic() + STUCK_S
+    while not proc.gone() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert proc.gone(), job.logs()
+    time.sleep(1.0)  # the peers see it go at once (pidfd): time to (wrongly) judge it
+    (job.ready_dir / "go").write_text("")
+    job.wait_gone(within=STUCK_S)
+    assert job.returncodes() == {0: 0, 1: 0, 2: 0}, job.logs()
+    assert not _verdict(job).exists(), job.logs()
+    log = job.log_path(1).read_text()
+    assert "Bad file descriptor" not in log and "Traceback" not in log, log
+
+
 # -- 4. the interrupt signal reset by the application -------------------------------------
 
 
