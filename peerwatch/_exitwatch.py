@@ -155,11 +155,12 @@ def arm(run_dir: RunDir, rank: int, write_success: bool) -> bool:
             write_success, f"peerwatch: rank {rank} could not write ".encode(),
             os.fsencode(run_dir.join(EVENTS)), os.fsencode(run_dir.join(TMP)),
         )
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, TypeError) as e:  # TypeError: an extension built from older sources
         for fd in fds:
             os.close(fd)
-        logger.warning("peerwatch: rank %d: cannot watch its own exit status (%s); a SystemExit that "
-                       "reaches the top will be taken for success", rank, e)
+        hint = " (the extension was built from other sources: reinstall peerwatch)" if isinstance(e, TypeError) else ""
+        logger.warning("peerwatch: rank %d: cannot watch its own exit status (%s)%s; a SystemExit that "
+                       "reaches the top will be taken for success", rank, e, hint)
         return False
     return True
 
