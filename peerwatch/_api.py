@@ -211,8 +211,11 @@ def beat(step: Optional[int] = None) -> None:
     """Tell peerwatch the training made progress. Cheap (no I/O): call it every step.
 
     ``step`` is the training step (the rank with the lowest step is named first when the
-    job hangs); without it, an internal counter goes up by one. Only matters with
-    ``hang_timeout`` set; the Lightning callback calls it for you.
+    job hangs); without it, an internal counter goes up by one. A beat is movement, as a
+    collective entered is: it resets the hang diagnosis's clock (on by default, from
+    torch's collective counters, so ``beat()`` is optional there) and is the progress
+    ``hang_timeout=SECONDS`` measures (where it is needed for jobs without collectives).
+    The Lightning callback calls it for you.
     """
     w = _registry.active()
     if w is not None:
@@ -222,8 +225,8 @@ def beat(step: Optional[int] = None) -> None:
 class paused:
     """Context manager for a long phase without steps (checkpointing, evaluation on one rank).
 
-    While any rank is inside ``paused()``, no hang verdict is given; entering and leaving
-    count as progress.
+    While any rank is inside ``paused()``, no hang is diagnosed and no hang verdict is
+    given; entering and leaving count as progress.
     """
 
     def __enter__(self) -> None:

@@ -316,11 +316,20 @@ def check_torch() -> Check:
     parts.append("gloo " + ("yes" if dist.is_gloo_available() else "no"))
     parts.append("nccl " + ("yes" if dist.is_nccl_available() else "no"))
     c10d = getattr(torch._C, "_distributed_c10d", None)
-    recorder = [n for n in ("_dump_nccl_trace", "_dump_fr_trace") if hasattr(c10d, n)]
-    parts.append("flight recorder " + (f"yes ({', '.join(recorder)})" if recorder else "no"))
+    # What the hang diagnosis reads every heartbeat (_collectives), and what each rank
+    # leaves beside the report for torch's analyzer (_frdump).
+    reads = [n for n in ("_dump_fr_trace_json", "_dump_nccl_trace_json") if callable(getattr(c10d, n, None))]
+    dumps = [n for n in ("_dump_nccl_trace", "_dump_fr_trace") if callable(getattr(c10d, n, None))]
+    parts.append("flight recorder " + (f"yes ({', '.join(reads + dumps)})" if reads or dumps else "no"))
+    if not reads:
+        return Check("torch", WARN, ", ".join(parts),
+                     "the hang diagnosis reads the flight recorder's counters: without them it cannot "
+                     "name the rank a hung job waits for; the store bridge still carries verdicts between hosts",
+                     "a newer torch (one with torch.distributed's flight recorder), or hang_timeout with peerwatch.beat()")
     return Check("torch", OK, ", ".join(parts),
-                 "the store bridge carries verdicts between hosts; peerwatch does not need the flight recorder "
-                 "(set TORCH_FR_BUFFER_SIZE for torch's own record of collectives next to peerwatch's report)")
+                 "the hang diagnosis reads the flight recorder's counters every heartbeat (which rank never reached "
+                 "which collective), and each rank leaves its dump in RUN/flight_recorder for torch's analyzer; "
+                 "the store bridge carries verdicts between hosts")
 
 
 def gpu_count() -> int:

@@ -36,6 +36,7 @@ from typing import Iterable, List, Mapping, Optional, Sequence
 
 from . import _identity
 from ._errors import RunDirError
+from ._records import Registration
 from ._rundir import RANKS, RunDir, base_dir, check_trusted
 
 logger = logging.getLogger("peerwatch")
@@ -153,8 +154,11 @@ def plan(entries: Sequence[Entry], policy: Policy, now: float) -> List[Decision]
 # -- scanning ------------------------------------------------------------------------
 
 
-def _last_activity(path: str) -> float:
-    """The newest mtime of the directory, its entries and their entries (never followed)."""
+def last_activity(path: str) -> float:
+    """When the run at ``path`` last changed: the newest mtime of the directory, its entries
+    and their entries (never followed), so a heartbeat rewritten in ``heartbeats/`` counts
+    (the directory's own mtime does not move while a run only rewrites its records).
+    Raises OSError when ``path`` cannot be read."""
     newest = os.lstat(path).st_mtime
     try:
         with os.scandir(path) as it:
@@ -173,17 +177,26 @@ def _last_activity(path: str) -> float:
     return newest
 
 
-def _live(path: str) -> Optional[str]:
-    """Why the run at ``path`` (or the run nested in its ``spawn/``) may be in use, or None."""
+def live_registrations(path: str) -> List[Registration]:
+    """The registrations of the run at ``path`` (or of the run nested in its ``spawn/``)
+    whose process may be in use, this host's first: a local one is alive and verified
+    (pid + start time + uid, :func:`_identity.seems_alive`); one of another host or PID
+    namespace cannot be seen, so it is listed too (``_identity.is_local`` tells them apart).
+    Raises OSError when ``path`` cannot be read."""
+    found: List[Registration] = []
     for where in (path, os.path.join(path, "spawn")):
         if os.path.islink(where) or not os.path.isdir(os.path.join(where, RANKS)):
             continue
-        for reg in RunDir(where).registrations().values():
-            if not _identity.seems_alive(reg):
-                continue
-            if _identity.is_local(reg):
-                return f"rank {reg.rank} (pid {reg.pid}) is alive"
-            return f"rank {reg.rank} is registered from host {reg.host} ({reg.pidns}), whose processes cannot be seen from here"
+        found.extend(reg for reg in RunDir(where).registrations().values() if _identity.seems_alive(reg))
+    return sorted(found, key=lambda reg: not _identity.is_local(reg))
+
+
+def _live(path: str) -> Optional[str]:
+    """Why the run at ``path`` (or the run nested in its ``spawn/``) may be in use, or None."""
+    for reg in live_registrations(path)[:1]:
+        if _identity.is_local(reg):
+            return f"rank {reg.rank} (pid {reg.pid}) is alive"
+        return f"rank {reg.rank} is registered from host {reg.host} ({reg.pidns}), whose processes cannot be seen from here"
     return None
 
 
@@ -229,7 +242,7 @@ def scan(base: str, env: Mapping[str, str]) -> List[Entry]:
             live = "the run directory of this environment (PEERWATCH_DIR)"
         try:
             live = live or _live(path)
-            activity = _last_activity(path)
+            activity = last_activity(path)
         except OSError as e:
             live, activity = f"cannot be read ({e.strerror})", time.time()
         entries.append(Entry(path, "stale" if stale else "run", activity, live))
@@ -348,5 +361,5 @@ def describe(decisions: Iterable[Decision], dry_run: bool) -> List[str]:
 
 __all__ = [
     "AGE_VAR", "DEFAULT_AGE_S", "DEFAULT_KEEP", "Decision", "Entry", "KEEP_VAR", "Policy", "auto", "collect",
-    "describe", "plan", "policy_from_env", "scan",
+    "describe", "last_activity", "live_registrations", "plan", "policy_from_env", "scan",
 ]

@@ -1,18 +1,21 @@
 """``peerwatch report [DIR]``, ``peerwatch status [DIR] [--watch]``, ``peerwatch ls``.
 
-Without DIR, ``report`` and ``status`` take the newest run directory on this host (under
-the default base, as ``ls`` lists them)."""
+Without DIR, ``report`` and ``status`` take the first run directory ``ls`` lists: a live
+run (a rank of this host registered there is alive, verified by pid, start time and uid)
+before any other, then the one with the newest activity. Both always say on stderr, first,
+which directory they read (stdout stays the report alone, pure JSON with ``--json``)."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
 import time
 from typing import Any, Dict, List, Optional
 
-from . import _report, _rundir
+from . import _gc, _identity, _report, _rundir
 from ._collectives import FAILING, NONE
 from ._errors import RunDirError
 from ._records import WATCHER_DEATH, Heartbeat, WatcherDeath
@@ -31,8 +34,30 @@ def _open(path: str) -> RunDir:
     return RunDir(path)
 
 
-def _runs(base: str) -> List[str]:
-    """The run directories under ``base``, newest first (by their last change)."""
+LIVE = "live"  # a rank registered here on this host is alive (verified, not a bare pid)
+ELSEWHERE = "other host"  # no live rank of this host; one of another host or PID namespace cannot be seen
+FINISHED = "finished"  # no rank is alive
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """A run directory as ``ls`` lists it."""
+
+    path: str
+    state: str  # LIVE, ELSEWHERE or FINISHED
+    last_activity: float  # seconds since the epoch: the newest change to its records (_gc.last_activity)
+
+
+def _run(path: str) -> Run:
+    """``path``'s state and last activity; raises OSError when it cannot be read."""
+    regs = _gc.live_registrations(path)
+    state = LIVE if any(_identity.is_local(r) for r in regs) else ELSEWHERE if regs else FINISHED
+    return Run(path, state, _gc.last_activity(path))
+
+
+def _runs(base: str) -> List[Run]:
+    """The run directories under ``base``: live ones first, then by their last activity,
+    newest first (not the folder's mtime, which a running job does not move)."""
     try:
         names = os.listdir(base)
     except OSError:
@@ -43,24 +68,32 @@ def _runs(base: str) -> List[str]:
         if name.endswith(".lock") or not os.path.isdir(os.path.join(path, _rundir.RANKS)):
             continue
         try:
-            found.append((os.stat(path).st_mtime, path))
+            found.append(_run(path))
         except OSError:
             continue
-    return [path for _, path in sorted(found, reverse=True)]
+    return sorted(found, key=lambda r: (r.state != LIVE, -r.last_activity, r.path))
 
 
-def _dir_or_newest(given: Optional[str]) -> str:
+def _chosen(given: Optional[str]) -> RunDir:
+    """The run directory named, or the first ``ls`` lists; says which on stderr, first."""
     if given:
-        return given
-    base = _rundir.base_dir()
-    runs = _runs(base)
-    if not runs:
-        raise RunDirError(base, "holds no run directories; name one (peerwatch ls --base DIR lists them)")
-    return runs[0]
+        rd = _open(given)
+        try:
+            state = _run(rd.path).state
+        except OSError as e:
+            raise RunDirError(rd.path, f"cannot be read ({e.strerror or e})") from None
+    else:
+        base = _rundir.base_dir()
+        runs = _runs(base)
+        if not runs:
+            raise RunDirError(base, "holds no run directories; name one (peerwatch ls --base DIR lists them)")
+        rd, state = _open(runs[0].path), runs[0].state
+    print(f"run directory: {printable(rd.path)} ({state})", file=sys.stderr, flush=True)
+    return rd
 
 
 def _report_cmd(args: argparse.Namespace) -> int:
-    rd = _open(_dir_or_newest(args.dir))
+    rd = _chosen(args.dir)
     report = _report.build(rd)
     if args.timeline:
         from . import _timeline
@@ -78,7 +111,7 @@ def _report_cmd(args: argparse.Namespace) -> int:
 
 
 def _status_cmd(args: argparse.Namespace) -> int:
-    rd = _open(_dir_or_newest(args.dir))
+    rd = _chosen(args.dir)
     if args.json:
         print(json.dumps(_report.build(rd), indent=2))
         return 0
@@ -156,23 +189,22 @@ def _watcher_deaths(rd: RunDir, pids: Dict[int, Any]) -> List[str]:
 def _ls_cmd(args: argparse.Namespace) -> int:
     base = args.base or _rundir.base_dir()
     rows = []
-    for path in _runs(base):
+    for run in _runs(base):
         try:
-            report = _report.build(RunDir(path))
-            mtime = os.stat(path).st_mtime
+            report = _report.build(RunDir(run.path))
         except OSError:
             continue
         verdict = report["verdict"]
         what = f"rank {verdict['rank']} {verdict['cause']}" if verdict else "-"
-        rows.append((mtime, path, report["outcome"], len(report["ranks"]), what))
+        rows.append((run, report["outcome"], len(report["ranks"]), what))
     if not rows:
         print(f"no run directories in {base}")
         return 0
-    print(f"{'changed':<19}  {'outcome':<9}  {'ranks':>9}  {'first failure':<24}  run directory")
-    for mtime, path, outcome, n, what in rows:
-        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(mtime))
+    print(f"{'last activity':<19}  {'state':<10}  {'outcome':<9}  {'ranks':>9}  {'first failure':<24}  run directory")
+    for run, outcome, n, what in rows:
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(run.last_activity))
         ranks = f"{n} rank" + ("" if n == 1 else "s")
-        print(f"{when}  {outcome:<9}  {ranks:>9}  {what:<24}  {path}")
+        print(f"{when}  {run.state:<10}  {outcome:<9}  {ranks:>9}  {what:<24}  {printable(run.path)}")
     return 0
 
 
@@ -202,17 +234,17 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--version", action="version", version=f"peerwatch {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("report", help="the root cause and what happened to every rank")
-    p.add_argument("dir", nargs="?", help="a run directory (default: the newest on this host)")
+    p.add_argument("dir", nargs="?", help="a run directory (default: a live run on this host, else the newest)")
     p.add_argument("--json", action="store_true", help="print the report as JSON (report.json; its keys: docs/report.md) instead of text")
     p.add_argument("--timeline", metavar="FILE.svg", help="also draw the run's last seconds, one lane per rank, to FILE.svg")
     p.set_defaults(func=_report_cmd)
     p = sub.add_parser("status", help="a table of the ranks: pid, host, state, heartbeat age, step, exit")
-    p.add_argument("dir", nargs="?", help="a run directory (default: the newest on this host)")
+    p.add_argument("dir", nargs="?", help="a run directory (default: a live run on this host, else the newest)")
     p.add_argument("--watch", action="store_true", help="refresh the table until Ctrl-C")
     p.add_argument("--json", action="store_true", help="print the report's JSON (ranks, verdict, diagnosis) once")
     p.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes with --watch (1)")
     p.set_defaults(func=_status_cmd)
-    p = sub.add_parser("ls", help="the run directories on this host, newest first")
+    p = sub.add_parser("ls", help="the run directories on this host: live ones first, then by last activity")
     p.add_argument("--base", help="where to look (default: this user's peerwatch folder)")
     p.set_defaults(func=_ls_cmd)
     p = sub.add_parser("gc", help="remove finished run directories under the default base (what is kept and why: --dry-run)")

@@ -99,3 +99,16 @@ def test_a_read_only_base_fails_the_check(read_only_runtime: Path, monkeypatch: 
     assert check.status == _doctor.FAIL, check
     assert "Read-only file system" in check.detail, check
     assert os.listdir(read_only_runtime) == (["peerwatch"] if base == "made" else [])
+
+
+@pytest.mark.timeout(120)
+def test_the_torch_line_says_the_hang_diagnosis_reads_the_flight_recorder() -> None:
+    """Issue 23, point 6: the line said "peerwatch does not need the flight recorder", while
+    the hang diagnosis reads its counters every heartbeat (docs/hangs.md)."""
+    pytest.importorskip("torch.distributed")
+    from peerwatch import _doctor
+
+    check = _doctor.check_torch()
+    assert check.status == _doctor.OK, check
+    assert "_dump_fr_trace_json" in check.detail, check
+    assert "does not need" not in check.meaning and "hang diagnosis reads the flight recorder" in check.meaning, check

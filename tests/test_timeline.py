@@ -111,7 +111,9 @@ def test_a_timeline_that_cannot_be_written_is_said_in_one_line(tmp_path: Path) -
         run = subprocess.run([sys.executable, "-m", "peerwatch", "report", str(tmp_path / "run"), "--timeline", str(target)],
                              capture_output=True, text=True, timeout=30)
         assert run.returncode == 2, run
-        assert run.stderr.startswith("peerwatch: cannot write the timeline to") and "Traceback" not in run.stderr, run.stderr
+        said, *error = run.stderr.splitlines()  # first, which run directory it read
+        assert said == f"run directory: {tmp_path / 'run'} (finished)", run.stderr
+        assert len(error) == 1 and error[0].startswith("peerwatch: cannot write the timeline to"), run.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["adir", "run"]
 
 

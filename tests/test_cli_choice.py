@@ -1,0 +1,124 @@
+"""Issue 23, point 4: which run directory ``peerwatch status``/``report`` read without one
+named, and the order ``peerwatch ls`` lists them in.
+
+A live run (a rank of this host registered there, alive, verified by pid, start time and
+uid) comes before any other; then the run whose records changed last (not the folder's
+mtime, which a running job does not move). Both commands say first, on stderr, which
+directory they read, so ``--json``'s stdout stays pure JSON. The live run here is a real
+job of ``rank_program.py`` ranks; a run registered under one of its pids with another
+start time is another process's, and is not live.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Dict, List
+
+import pytest
+from harness import Job
+from test_gc import age, dead_pid, make_run, registration
+
+from peerwatch import _identity, _rundir
+
+ROOT = Path(__file__).resolve().parent.parent
+CLI_TIMEOUT_S = 60.0
+
+
+@pytest.fixture
+def base(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    runtime = tmp_path / "xdg"
+    runtime.mkdir(mode=0o700)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))
+    b = Path(_rundir.base_dir())
+    assert b == runtime / "peerwatch"
+    b.mkdir(mode=0o700)
+    return b
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, "-m", "peerwatch", *args], env=env, capture_output=True, text=True,
+                          timeout=CLI_TIMEOUT_S)
+
+
+def said(result: subprocess.CompletedProcess) -> str:
+    """The first line on stderr: which run directory the command read."""
+    assert result.returncode == 0, result.stderr
+    return result.stderr.splitlines()[0]
+
+
+def listed(base: Path) -> List[List[str]]:
+    """``peerwatch ls``'s rows, each split into its columns."""
+    result = cli("ls")
+    assert result.returncode == 0, result.stderr
+    header, *rows = result.stdout.splitlines()
+    assert header.startswith("last activity") and " state " in header, header
+    return [row.split() for row in rows]
+
+
+def finished(path: Path, idle_s: float) -> Path:
+    return make_run(path, [registration(0, dead_pid(), 1)], idle_s)
+
+
+@pytest.mark.timeout(120)
+def test_status_and_report_read_the_live_run_first_and_say_which(base: Path, tmp_path: Path, no_leaks: str) -> None:
+    with Job(tmp_path, world=2) as job:
+        job.run_dir = base / "run-hung"
+        job.start()
+        try:
+            pids: Dict[int, int] = job.wait_ready()
+            live = str(job.run_dir)
+            # Runs whose records are all newer than the live one's heartbeats (dated a minute
+            # or two ahead): by activity alone, either would be read.
+            newer = str(finished(base / "run-newer", -120))
+            rank0 = _identity.probe(pids[0])
+            assert rank0 is not None
+            impostor = str(make_run(base / "run-reused-pid", [registration(0, pids[0], rank0.start_ticks + 1)], -60))
+            old = str(finished(base / "run-old", 3600))
+
+            for command in ("status", "report"):
+                text = cli(command)
+                assert said(text) == f"run directory: {live} (live)", text.stderr
+                as_json = cli(command, "--json")
+                assert said(as_json) == f"run directory: {live} (live)", as_json.stderr
+                assert json.loads(as_json.stdout)["run_dir"] == live  # stdout is the JSON alone
+            assert "running" in cli("status").stdout
+
+            rows = listed(base)
+            assert [row[-1] for row in rows] == [live, newer, impostor, old], rows
+            assert [row[2] for row in rows] == ["live", "finished", "finished", "finished"], rows
+            # A peer's death ends the job: peerwatch tears rank 0 down.
+            job.kill(1, signal.SIGKILL)
+            job.wait_gone(30.0)
+        finally:
+            job.kill_all()  # only if an assertion above left it running
+    assert said(cli("status")) == f"run directory: {newer} (finished)"
+    assert all(row[2] == "finished" for row in listed(base))
+
+
+@pytest.mark.timeout(60)
+def test_ls_orders_by_the_newest_record_not_the_folder(base: Path, no_leaks: str) -> None:
+    # Its folder has not changed for three days (a running job's does not), but a heartbeat
+    # was written an hour ago; everything of the other, folder included, is two hours old.
+    beating = finished(base / "run-beating", 3 * 86400)
+    beat = beating / "heartbeats" / "rank-0.json"
+    beat.write_text("{}")
+    age(beating, 3 * 86400)
+    age(beat, 3600)
+    quiet = finished(base / "run-quiet", 2 * 3600)
+    rows = listed(base)
+    assert [row[-1] for row in rows] == [str(beating), str(quiet)], rows
+    assert said(cli("status")) == f"run directory: {beating} (finished)"
+
+
+@pytest.mark.timeout(60)
+def test_a_named_directory_is_said_too(base: Path, no_leaks: str) -> None:
+    run = finished(base / "run-named", 60)
+    result = cli("report", str(run), "--json")
+    assert said(result) == f"run directory: {run} (finished)"
+    assert json.loads(result.stdout)["run_dir"] == str(run)
