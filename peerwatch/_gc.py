@@ -46,6 +46,7 @@ DEFAULT_KEEP = 50  # finished run directories kept, newest first
 DEFAULT_AGE_S = 7 * 24 * 3600.0  # finished run directories older than this go
 MIN_AGE_S = 60.0  # a directory touched this recently is never removed (a run being created)
 LOCK_AGE_S = 3600.0  # an orphan lock file older than this goes
+_LOCK_OF_A_DIR = "the lock of a directory that exists"  # kept with it: not said line by line
 AUTO_EVERY_S = 3600.0  # install() collects at most this often per base (a stamp file says when)
 STAMP = ".gc-stamp"
 STALE_MARK = ".stale-"  # _rundir's suffix for a directory set aside
@@ -125,7 +126,7 @@ def plan(entries: Sequence[Entry], policy: Policy, now: float) -> List[Decision]
             decisions[e.path] = Decision(e.path, REMOVE, "left by a removal that was interrupted")
         elif e.kind == "lock":
             if e.sibling_dir:
-                decisions[e.path] = Decision(e.path, KEEP, "the lock of a directory that exists")
+                decisions[e.path] = Decision(e.path, KEEP, _LOCK_OF_A_DIR)
             elif now - e.last_activity > LOCK_AGE_S:
                 decisions[e.path] = Decision(e.path, REMOVE, f"a lock file of no directory, unused for {_age(now - e.last_activity)}")
             else:
@@ -354,6 +355,8 @@ def describe(decisions: Iterable[Decision], dry_run: bool) -> List[str]:
     """One line per decision, for ``peerwatch gc``."""
     lines = []
     for d in decisions:
+        if d.action == KEEP and d.reason == _LOCK_OF_A_DIR:
+            continue  # every run has one: its directory's line says what happens to both
         verb = ("would remove" if dry_run else "removed") if d.action == REMOVE else "kept"
         lines.append(f"{verb:<12} {d.path}: {d.reason}")
     return lines

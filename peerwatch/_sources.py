@@ -252,6 +252,24 @@ def oom_kill_count() -> Optional[int]:
     return None
 
 
+class _StopRace(logging.Filter):
+    """watchdog logs an ERROR when its emitter reads after the observer was stopped (a race
+    of its own, harmless: peerwatch stops its folder watches as a rank ends). It reached the
+    user's terminal at every teardown; nothing else of watchdog's is hidden."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "called when the thread is inactive" not in str(record.msg)
+
+
+_STOP_RACE = _StopRace()
+
+
+def _quiet_watchdog() -> None:
+    watchdog_log = logging.getLogger("watchdog.observers.inotify")
+    if _STOP_RACE not in watchdog_log.filters:
+        watchdog_log.addFilter(_STOP_RACE)
+
+
 _WATCHDOG_FDS = ("_inotify_fd", "_kill_r", "_kill_w")  # watchdog's InotifyFD: the inotify instance, its wake pipe
 
 
@@ -271,6 +289,7 @@ class FolderWatch:
         try:
             from watchdog.events import FileCreatedEvent, FileMovedEvent, FileSystemEventHandler
             from watchdog.observers.inotify import InotifyObserver
+            _quiet_watchdog()
         except ImportError as e:
             logger.warning("peerwatch: watchdog's inotify observer is unavailable (%s); polling instead", e)
             return
