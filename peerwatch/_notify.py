@@ -38,7 +38,16 @@ CLAIMS = "claims"  # the folder of once-per-run markers
 _KILL_WAIT_S = 1.0  # after the SIGKILL of a command's group, how long its leader is waited for
 # Variables of the rank that would make the hook join the run as if it were one of its
 # processes (a Python hook calling install(), the teardown vouching for it).
-_DROPPED_ENV = ("PEERWATCH_DIR", "PEERWATCH_DIR_OWNER", "PEERWATCH_ON_VERDICT")
+# Not passed to the hook: what would make a Python hook that calls install() join (or sign
+# for) the job it reports on. The job's own identity stays (SLURM_JOB_ID, for a requeue).
+_DROPPED_ENV = frozenset((
+    "PEERWATCH_DIR", "PEERWATCH_DIR_OWNER", "PEERWATCH_ON_VERDICT", "PEERWATCH_STORE_SECRET",
+    "PEERWATCH_STORE_SECRET_FILE", "PEERWATCH_STORE",
+    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "ROLE_RANK",
+    "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
+    "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
+    "OMPI_COMM_WORLD_LOCAL_RANK", "PMI_RANK", "PMI_SIZE",
+))
 
 _running: Optional["Hook"] = None  # the hook this process started, if any (killed as it leaves)
 _running_lock = threading.Lock()

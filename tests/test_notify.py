@@ -20,24 +20,29 @@ WITH_HOOK_S = USUAL_S + GRACE_S
 
 def _line_command(out: Path) -> str:
     # One line per run of the command: who it was told about, as the variables say.
-    return ('printf \'%s|%s|%s|%s|%s\\n\' "$PEERWATCH_FAILED_RANK" "$PEERWATCH_CAUSE" "$PEERWATCH_REPORT" '
-            f'"$(test -f "$PEERWATCH_REPORT" && echo report)" "${{PEERWATCH_DIR:-unset}}" >> {out}')
+    return ('printf \'%s|%s|%s|%s|%s|%s|%s|%s\\n\' "$PEERWATCH_FAILED_RANK" "$PEERWATCH_CAUSE" "$PEERWATCH_REPORT" '
+            f'"$(test -f "$PEERWATCH_REPORT" && echo report)" "${{PEERWATCH_DIR:-unset}}" "${{RANK:-unset}}" '
+            f'"${{PEERWATCH_STORE_SECRET:-unset}}" "${{SLURM_JOB_ID:-unset}}" >> {out}')
 
 
 @pytest.mark.parametrize("style", ["sibling", "lightning"])
 def test_a_command_runs_once_per_host_with_the_verdict(make_job, tmp_path: Path, style: str) -> None:
     out = tmp_path / "told.txt"
-    job: Job = make_job(world=4, style=style, env={"PEERWATCH_ON_VERDICT": _line_command(out)}).start()
+    job: Job = make_job(world=4, style=style, env={"PEERWATCH_ON_VERDICT": _line_command(out),
+                                                    "PEERWATCH_STORE_SECRET": "s3cret-s3cret-s3cret",
+                                                    "SLURM_JOB_ID": "4242"}).start()
     job.wait_ready()
     job.kill(2)
     job.wait_gone(within=WITH_HOOK_S)
     lines = out.read_text().splitlines() if out.exists() else []
     assert len(lines) == 1, f"the command ran {len(lines)} times: {lines}\n{job.logs()}"
-    rank, cause, report, exists, inherited = lines[0].split("|")
+    rank, cause, report, exists, inherited, rank_var, secret, slurm_job = lines[0].split("|")
     verdict = job.report()["verdict"]
     assert (int(rank), cause) == (2, verdict["cause"])
     assert report == str(job.run_dir / "report.json") and exists == "report"
     assert inherited == "unset", "the hook must not join the run (PEERWATCH_DIR dropped)"
+    # Nor join the job as a rank, nor hold its store secret; the job's id stays (a requeue).
+    assert (rank_var, secret, slurm_job) == ("unset", "unset", "4242"), lines[0]
 
 
 def test_a_callable_gets_the_verdict_and_the_report_path(make_job, tmp_path: Path) -> None:
