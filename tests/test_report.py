@@ -193,7 +193,7 @@ def test_cli_status_watch_refreshes_until_ctrl_c_and_ls_reads_well(make_job) -> 
     job.wait_ready()
     job.wait_gone(within=GONE_S)
     listing = _cli("ls", "--base", str(job.tmp)).stdout.splitlines()
-    assert listing[0].split()[:3] == ["changed", "outcome", "ranks"], listing
+    assert listing[0].split()[:5] == ["last", "activity", "state", "outcome", "ranks"], listing
     assert " 2 ranks " in listing[1] and "ranks ranks" not in listing[1], listing
     # SIGINT as at a terminal: a shell runs a background job (a CI script's, say) with it
     # ignored, and the child would inherit that and never see Ctrl-C.
