@@ -326,6 +326,14 @@ PyDoc_STRVAR(arm_doc,
 "exit by its folder opened again by path, if that is the same directory (device, inode).\n"
 "Raises OSError if on_exit cannot register the callback or an fd is not a directory.");
 
+#define NBUFFERS 8  /* the byte arguments of arm() */
+
+static void release_all(Py_buffer **buffers, int n)
+{
+    for (int i = 0; i < n; i++)
+        PyBuffer_Release(buffers[i]);
+}
+
 static PyObject *arm(PyObject *self, PyObject *args)
 {
     int events_fd, tmp_fd, pid, write_success;
@@ -335,18 +343,12 @@ static PyObject *arm(PyObject *self, PyObject *args)
     if (!PyArg_ParseTuple(args, "iiiy*y*y*y*y*y*y*py*yy", &events_fd, &tmp_fd, &pid, &sn, &sh, &stl, &fn, &fh,
                           &fm, &ft, &write_success, &cp, &events_path, &tmp_path))
         return NULL;
+    Py_buffer *buffers[] = {&cp, &sn, &sh, &stl, &fn, &fh, &fm, &ft};
     static state next;
     struct stat esb, tsb;
     if (strlen(events_path) >= PATH_MAX || strlen(tmp_path) >= PATH_MAX || fstat(events_fd, &esb) != 0 ||
         fstat(tmp_fd, &tsb) != 0 || !S_ISDIR(esb.st_mode) || !S_ISDIR(tsb.st_mode)) {
-        PyBuffer_Release(&cp);
-        PyBuffer_Release(&sn);
-        PyBuffer_Release(&sh);
-        PyBuffer_Release(&stl);
-        PyBuffer_Release(&fn);
-        PyBuffer_Release(&fh);
-        PyBuffer_Release(&fm);
-        PyBuffer_Release(&ft);
+        release_all(buffers, NBUFFERS);
         PyErr_SetString(PyExc_OSError, "bad directory fd or path");
         return NULL;
     }
@@ -360,14 +362,7 @@ static PyObject *arm(PyObject *self, PyObject *args)
               copy_piece(&next.success_tail, &stl) || copy_name(next.failure_name, &fn) ||
               copy_piece(&next.failure_head, &fh) || copy_piece(&next.failure_mid, &fm) ||
               copy_piece(&next.failure_tail, &ft) || copy_piece(&next.complaint, &cp);
-    PyBuffer_Release(&cp);
-    PyBuffer_Release(&sn);
-    PyBuffer_Release(&sh);
-    PyBuffer_Release(&stl);
-    PyBuffer_Release(&fn);
-    PyBuffer_Release(&fh);
-    PyBuffer_Release(&fm);
-    PyBuffer_Release(&ft);
+    release_all(buffers, NBUFFERS);
     if (bad)
         return NULL;
     if (!registered) {
