@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import errno
 import json
 import os
 import random
@@ -292,6 +293,21 @@ class _Forever:
         return i
 
 
+def _dup2_retrying(src: int, dst: int) -> None:
+    """dup2 fails with EBUSY (Linux only) when ``dst`` is a slot another thread is opening
+    at that instant -- peerwatch's threads open files while this loop runs. Try again, as
+    an application would have to."""
+    deadline = time.monotonic() + 5.0
+    while True:
+        try:
+            os.dup2(src, dst, inheritable=False)
+            return
+        except OSError as e:
+            if e.errno != errno.EBUSY or time.monotonic() >= deadline:
+                raise
+            time.sleep(0.001)
+
+
 def act(args: argparse.Namespace, rank: int, name: str, arg: str, delay: float,
         ready: Callable[[argparse.Namespace, int], None], wait_for_all: Callable[[argparse.Namespace], None]) -> None:
     if name == "dataloader":
@@ -327,7 +343,7 @@ def act(args: argparse.Namespace, rank: int, name: str, arg: str, delay: float,
             null = os.open(os.devnull, os.O_RDWR)
             for fd in fds:
                 if fd != null:
-                    os.dup2(null, fd, inheritable=False)
+                    _dup2_retrying(null, fd)
         else:
             os.closerange(fds.start, fds.stop)
         path = os.path.join(args.ready, f"clobbered-{rank}")
