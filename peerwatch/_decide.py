@@ -30,6 +30,10 @@ Rules, in order:
    takes as long as it takes (a loaded machine, an atexit handler that destroys the
    process group and then uploads logs), and the exit status is written only at its end,
    while the sockets close at its start.
+   A rank killed by a signal its own parent sent (``signalled_by`` is its registered
+   ``ppid``: torchrun's agent, mp.spawn's main process) never outranks another failure:
+   a launcher stops its workers because it saw another one end, and on a loaded host it
+   can do so before a watcher has seen that end (its "seen" time then comes later).
 6. Hang (only with ``hang_timeout``): when no live rank has made progress (``beat()``) for
    ``hang_timeout``, and none is in a ``paused()`` phase, the job is hung. The laggard is,
    in this order of preference: a frozen rank (state T or D); a rank whose watcher has
@@ -219,15 +223,25 @@ def decide(obs: Observed, policy: Policy) -> Decision:
 def _order(obs: Observed, v: Verdict, found: List[Verdict]) -> Tuple[bool, int, int]:
     """Earliest first, except that an exception never outranks a death seen within
     CONSEQUENCE_WINDOW_NS of it, and a collective exception never outranks the failed end
-    of a rank that was leaving as it was raised, however late (rule 5 in the module docstring)."""
+    of a rank that was leaving as it was raised, however late, and a rank its own launcher
+    signalled never outranks another failure (rule 5 in the module docstring)."""
+    if v.cause == SIGNAL and _stopped_by_its_launcher(obs, v.rank):
+        return (any(d.rank != v.rank for d in found), v.failed_at_ns, v.rank)
     if v.cause != EXCEPTION:
         return (False, v.failed_at_ns, v.rank)
     leavers = _leavers_echoed(obs, v)
     consequence = any(
-        d.cause in _DEATHS and (d.failed_at_ns <= v.failed_at_ns + CONSEQUENCE_WINDOW_NS or d.rank in leavers)
+        d.cause in _DEATHS and not _stopped_by_its_launcher(obs, d.rank)
+        and (d.failed_at_ns <= v.failed_at_ns + CONSEQUENCE_WINDOW_NS or d.rank in leavers)
         for d in found
     )
     return (consequence, v.failed_at_ns, v.rank)
+
+
+def _stopped_by_its_launcher(obs: Observed, rank: int) -> bool:
+    """The rank's exit status says its own parent signalled it (rule 5)."""
+    status, reg = obs.exit_statuses.get(rank), obs.registrations.get(rank)
+    return status is not None and reg is not None and status.signalled_by is not None and status.signalled_by == reg.ppid
 
 
 def _leavers_echoed(obs: Observed, v: Verdict) -> Tuple[int, ...]:

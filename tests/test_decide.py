@@ -61,9 +61,9 @@ def failure(rank: int, t: int, **kw: Any) -> Failure:
     return Failure(**fields)
 
 
-def status(rank: int, t: int, returncode: int, pid: Optional[int] = None) -> ExitStatus:
+def status(rank: int, t: int, returncode: int, pid: Optional[int] = None, sender: Optional[int] = None) -> ExitStatus:
     return ExitStatus(rank=rank, pid=1000 + rank if pid is None else pid, time_ns=t,
-                      returncode=returncode, observed_by=0)
+                      returncode=returncode, observed_by=0, signalled_by=sender)
 
 
 def observed(*, self_rank: int = 0, now: int = 10_000_000_000, registrations=None, successes=(),
@@ -288,6 +288,29 @@ def test_a_death_outranks_an_exception_just_before_it(death):
     kw = {"statuses": [status(2, late, -9)]} if death == "status" else {"gone": {2: late}}
     obs = observed(failures=[failure(1, t=1_000_000)], now=10**12, **kw)
     assert decide(obs, POLICY).verdict.rank == 1
+
+
+@pytest.mark.parametrize("other", ["gone", "status", "failure"])
+def test_a_rank_its_launcher_signalled_never_outranks_another_failure(other):
+    # torchrun's agent (pid 77, every rank's parent) reaped rank 2 and SIGTERMed rank 0
+    # before rank 1's watcher had seen rank 2 end: rank 0's record is stamped first.
+    regs = {r: reg(r, ppid=77) for r in range(4)}
+    kw: Dict[str, Any] = {
+        "gone": {"gone": {2: 500}},
+        "status": {"statuses": [status(0, 100, -15, sender=77), status(2, 500, 1)]},
+        "failure": {"failures": [failure(2, t=500)]},
+    }[other]
+    kw.setdefault("statuses", [status(0, 100, -15, sender=77)])
+    v = decide(observed(registrations=regs, now=10**12, self_rank=1, **kw), POLICY).verdict
+    assert v.rank == 2, v
+    # A SIGTERM from anyone else is a failure like any other: the earliest wins.
+    kw["statuses"] = [status(0, 100, -15, sender=4242)] + [s for s in kw["statuses"] if s.rank != 0]
+    v = decide(observed(registrations=regs, now=10**12, self_rank=1, **kw), POLICY).verdict
+    assert (v.rank, v.signal) == (0, "SIGTERM"), v
+    # Alone, it is the cause.
+    v = decide(observed(registrations=regs, now=10**12, self_rank=1, statuses=[status(0, 100, -15, sender=77)]),
+               POLICY).verdict
+    assert (v.rank, v.signal) == (0, "SIGTERM"), v
 
 
 def test_earliest_wins_across_kinds():

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import platform
+import signal
 import subprocess
 import sys
 
@@ -90,3 +91,23 @@ def test_a_clean_exit_still_succeeds(make_job, how: str) -> None:
     report = job.cli_report()
     assert report["outcome"] == "succeeded", report
     assert {r["rank"]: r["pid"] for r in report["ranks"]} == pids
+
+
+@pytest.mark.parametrize("style", ["sibling", "lightning"])
+def test_a_sigterm_before_any_verdict_is_recorded_with_its_sender(make_job, style: str) -> None:
+    """Rank 2 is SIGTERMed by someone outside the job (here the test; a launcher, a
+    scheduler) while nothing has failed: its exit record says SIGTERM and who sent it,
+    written by the rank itself as the signal arrived, so the verdict and the report say
+    'killed by SIGTERM', exit code 143, seen. Before, only a teardown armed that record: a
+    launcher's SIGTERM that came before this rank's watcher had acted left nothing, and
+    the report said 'vanished' (or, for a torn-down rank, its expected code)."""
+    job = make_job(world=WORLD, style=style, grace=GRACE_S, behave=["0=sleep", "1=sleep", "2=sleep"]).start()
+    job.wait_ready()
+    job.kill(2, signal.SIGTERM)
+    job.wait_gone(within=GONE_S)
+    assert job.all_returncodes() == {0: 143, 1: 143, 2: -signal.SIGTERM}, job.logs()
+    report = job.report()
+    v = report["verdict"]
+    assert (v["rank"], v["cause"], v["signal"], v["exit_code"]) == (2, "signal", "SIGTERM", 143), f"{v}\n{job.logs()}"
+    entry = by_rank(report)[2]
+    assert (entry["exit_code"], entry["exit_observed"], entry["signalled_by"]) == (143, True, os.getpid()), entry
