@@ -7,7 +7,8 @@ callable ``f(verdict, report_path)`` (a keyword argument).
 
 Who: an enforcer of the verdict on this host, once it has written the report; of those,
 the one that creates ``RUN/claims/notified`` (``O_EXCL``). So once per host and run, whichever
-enforcer gets there first (an enforcer always exists while a rank of the host lives).
+enforcer gets there first (an enforcer always exists while a rank of the host lives); and
+once for mp.spawn's main process and its workers together (:func:`claim`).
 
 Bounded by its own ``on_verdict_timeout`` (whatever ``grace`` is), from its start. A
 command runs below a keeper (:mod:`peerwatch._keeper`, a child subreaper in a new session):
@@ -36,7 +37,7 @@ from typing import Any, Optional, Tuple
 
 from ._keeper import ENDED_EARLY, KILLED_AT_BOUND
 from ._records import Verdict
-from ._rundir import REPORT_FILE, RunDir
+from ._rundir import REPORT_FILE, SPAWNED_RUN, RunDir
 from ._terminal import exception_message
 
 logger = logging.getLogger("peerwatch")
@@ -169,11 +170,20 @@ class Hook:
 
 
 def claim(rd: RunDir) -> bool:
-    """True for the one process of this host and run that runs the hook."""
+    """True for the one process of this host and job that runs the hook.
+
+    A process whose multiprocessing children run as the ranks of a nested run (mp.spawn's
+    main process, with ``install()`` at the top, and its workers with theirs) claims the
+    hook in that nested run, not in its own: the job's two runs on this host tell once,
+    whichever acts first."""
+    where = rd
+    nested = rd.join(SPAWNED_RUN)
+    if os.path.isdir(nested) and not os.path.islink(nested):
+        where = RunDir(nested)  # opened by its path, never through a symlink at its end
     try:
-        return rd.claim(CLAIMS, NOTIFIED_FILE)
+        return where.claim(CLAIMS, NOTIFIED_FILE)
     except OSError as e:
-        logger.warning("peerwatch: cannot create %s (%s): on_verdict is not run", rd.join(CLAIMS, NOTIFIED_FILE), e)
+        logger.warning("peerwatch: cannot create %s (%s): on_verdict is not run", where.join(CLAIMS, NOTIFIED_FILE), e)
         return False
 
 
