@@ -175,15 +175,17 @@ def claim(rd: RunDir) -> bool:
     A process whose multiprocessing children run as the ranks of a nested run (mp.spawn's
     main process, with ``install()`` at the top, and its workers with theirs) claims the
     hook in that nested run, not in its own: the job's two runs on this host tell once,
-    whichever acts first."""
+    whichever acts first. A run directory shared by several hosts has one claim per host
+    (``notified-<host>``): each host runs it once, for its own host-local actions."""
     where = rd
     nested = rd.join(SPAWNED_RUN)
     if os.path.isdir(nested) and not os.path.islink(nested):
-        where = RunDir(nested)  # opened by its path, never through a symlink at its end
+        where = RunDir(nested, shared=rd.shared)  # opened by its path, never through a symlink at its end
+    name = where.per_host(NOTIFIED_FILE)
     try:
-        return where.claim(CLAIMS, NOTIFIED_FILE)
+        return where.claim(CLAIMS, name)
     except OSError as e:
-        logger.warning("peerwatch: cannot create %s (%s): on_verdict is not run", where.join(CLAIMS, NOTIFIED_FILE), e)
+        logger.warning("peerwatch: cannot create %s (%s): on_verdict is not run", where.join(CLAIMS, name), e)
         return False
 
 

@@ -467,6 +467,16 @@ class RunDir:
         """The path of ``parts`` under the run directory, for people (logs, the report)."""
         return os.path.join(self.path, *parts)
 
+    def per_host(self, name: str) -> str:
+        """The name of this host's own copy of the file ``name``: ``name`` itself where the
+        run directory is this host's, ``<stem>-<host>.<ext>`` where several hosts share it
+        (``events.jsonl`` -> ``events-node3.jsonl``): what each host appends to or claims
+        for itself (an append over NFS is not atomic across its clients)."""
+        if self.shared is None:
+            return name
+        stem, dot, ext = name.partition(".")
+        return f"{stem}-{safe_name(_identity.hostname())}{dot}{ext}"
+
     def at(self, *parts: str) -> str:
         """A path to ``parts`` that goes through the held directory descriptor (Linux's
         ``/proc/self/fd/N/...``): for code that must open or watch something by path.

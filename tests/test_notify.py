@@ -191,3 +191,19 @@ def test_a_commands_background_processes_end_at_its_bound(make_job, tmp_path: Pa
         time.sleep(0.05)
     assert not [p for p in noted if _running(p)], f"the hook's background processes outlived the job\n{job.logs()}"
     assert "killed at its bound" in str(_notify_outcomes(job)), job.logs()
+
+
+def test_on_a_shared_run_directory_each_host_claims_the_hook_once(tmp_path: Path) -> None:
+    # Issue 22.10: on a run directory shared by the hosts, one claim file made the hook run
+    # once per job; an operator's host-local action (upload this host's stacks) needs one
+    # per host. Another host's claim (notified-<its host>) does not stop this host's.
+    from peerwatch._notify import CLAIMS, claim
+    from peerwatch._rundir import RunDir
+
+    run = tmp_path / "run"
+    (run / CLAIMS).mkdir(parents=True, mode=0o700)
+    (run / CLAIMS / "notified-otherhost").touch()
+    (run / CLAIMS / "notified").touch()  # a host-local run's claim, as an older version made it
+    shared = RunDir(str(run), shared="test: shared_fs=on")
+    assert claim(shared) and not claim(shared)
+    assert not claim(RunDir(str(run)))  # a host-local run directory: one claim, taken
