@@ -207,3 +207,37 @@ def test_on_a_shared_run_directory_each_host_claims_the_hook_once(tmp_path: Path
     shared = RunDir(str(run), shared="test: shared_fs=on")
     assert claim(shared) and not claim(shared)
     assert not claim(RunDir(str(run)))  # a host-local run directory: one claim, taken
+
+
+def test_the_keeper_ends_the_whole_tree_at_its_bound_and_only_it(tmp_path: Path) -> None:
+    # The keeper alone: its command's status when the tree ends in time; 124 when
+    # something was left at the bound, after SIGKILLing it (a setsid'd orphan included);
+    # 143 when its rank asks it to end early (SIGTERM). A process outside the tree lives.
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from peerwatch import _notify
+
+    keeper = [sys.executable, "-I", "-S", _notify._KEEPER]
+    assert subprocess.run([*keeper, "5", "/bin/sh", "-c", "exit 3"], timeout=30).returncode == 3
+    pids = tmp_path / "pids"
+    bystander = subprocess.Popen(["sleep", "60"])
+    try:
+        started = time.monotonic()
+        tree = f"(setsid sh -c 'echo $$ >> {pids}; exec sleep 60' &); sh -c 'echo $$ >> {pids}; exec sleep 61' & exit 0"
+        assert subprocess.run([*keeper, "0.5", "/bin/sh", "-c", tree], timeout=30).returncode == 124
+        assert time.monotonic() - started < 5.0
+        noted = [int(p) for p in pids.read_text().split()]
+        assert len(noted) == 2 and not [p for p in noted if _running(p)], noted
+        assert bystander.poll() is None, "the keeper ended a process outside its tree"
+        early = subprocess.Popen([*keeper, "30", "/bin/sh", "-c", f"touch {tmp_path / 'up'}; exec sleep 60"])
+        deadline = time.monotonic() + 10
+        while not (tmp_path / "up").exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        early.send_signal(signal.SIGTERM)
+        assert early.wait(10) == 128 + signal.SIGTERM
+    finally:
+        bystander.kill()
+        bystander.wait()
