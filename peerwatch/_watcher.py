@@ -428,10 +428,13 @@ class Watcher:
         _launchers.before_exit(self.me, self.run_dir, verdict)  # under torchrun: the agent sees the failed worker first
         if plan.sweep_records:
             sweep_events(self.run_dir, self.rank)  # the last records of peers that left meanwhile
+        if not plan.stay:
+            # Last, started right before this rank stops its training for it: a main thread
+            # that is not leaving by itself is held off Python while the hook runs.
+            hook = self._start_hook(verdict, plan)
         if hook is not None:
-            # Last: this rank stays until its hook ends or its bound passes (a launcher may
-            # end what is left of the job once its ranks are gone), without training: a main
-            # thread that is not leaving by itself is held off Python meanwhile.
+            # This rank stays until its hook ends or its bound passes (a launcher may end
+            # what is left of the job once its ranks are gone).
             hook.finish(hold_gil=not plan.stay)
         _teardown.flush_and_exit(plan.exit_code)
 
@@ -477,7 +480,7 @@ class Watcher:
 
     def _carry_out(self, verdict: Verdict, plan: _plan.Plan, leave_by: float) -> Optional[Hook]:
         """This rank's share of the teardown; returns the on_verdict hook it started, if any
-        (its caller waits for it last)."""
+        (where its main thread is leaving by itself; its caller waits for it last)."""
         c = self.config
         if plan.enforcer:
             _enforce.tear_down_peers(self.observer, verdict, plan.ack_window_s, c.grace, set(plan.trusted))
@@ -489,12 +492,10 @@ class Watcher:
             # yet seen): waiting for them would let this rank's own training run on.
             # ``peerwatch report`` rebuilds from the records, with the codes as they happened.
             self._write_report(plan.print_summary and not (mine and plan.stay))
-        # Someone is told, once per host: by a writer of the report, after it; it runs while
-        # this rank finishes its share, for at most on_verdict_timeout (not grace).
-        hook = start_hook(c.on_verdict, self.run_dir, verdict, self.rank, c.on_verdict_timeout) if plan.write_report else None
-        if hook is not None:
-            self.stacks.arm_last_resort(plan.last_resort_s + c.on_verdict_timeout)  # the rank waits for it
+        hook = None
         if plan.stay:
+            # The hook starts now, while the main thread leaves (elsewhere _act starts it last).
+            hook = self._start_hook(verdict, plan)
             # The main thread is leaving by itself (PeerFailure, or its own exception); at
             # exit it sets `main_left` and waits for us. If it is stuck, we end it.
             if not self.main_left.wait(max(0.0, leave_by - time.monotonic())):
@@ -505,9 +506,20 @@ class Watcher:
                 # until the main thread has left it): the summary follows it, without
                 # repeating it.
                 self._write_report(True, traceback=verdict.cause != EXCEPTION)
-            # The hook's command is spared: its own bound (finish() below) ends it.
+            # The hook's command is spared: its own bound (Hook.finish, in _act) ends it.
             spare = {hook.pid} if hook is not None and hook.pid is not None else set()
             _enforce.tear_down_own_children(self.rank, self.observer.local_pids(), c.grace, spare)
+        return hook
+
+    def _start_hook(self, verdict: Verdict, plan: _plan.Plan) -> Optional[Hook]:
+        """Someone is told, once per host: by a writer of the report, after it, for at most
+        on_verdict_timeout (not grace), which this rank then waits for."""
+        c = self.config
+        if not plan.write_report:
+            return None
+        hook = start_hook(c.on_verdict, self.run_dir, verdict, self.rank, c.on_verdict_timeout)
+        if hook is not None:
+            self.stacks.arm_last_resort(plan.last_resort_s + c.on_verdict_timeout)  # the rank waits for it
         return hook
 
     def _final_heartbeat(self) -> None:
