@@ -124,15 +124,16 @@ def _notify_outcomes(job: Job) -> list:
     return [e.get("outcome") for e in events if e.get("event") == "notify"]
 
 
-def test_the_rank_running_a_slow_command_stops_training_at_the_verdict(make_job, tmp_path: Path) -> None:
+@pytest.mark.parametrize("style", ["sibling", "lightning"])
+def test_the_rank_running_a_slow_command_stops_training_at_the_verdict(make_job, tmp_path: Path, style: str) -> None:
     # Issue 23.3: the rank that ran a 'sleep 2' hook trained 20-38 more steps meanwhile.
     # The command notes the step its rank (rank 0, the first enforcer) stood at when it
     # started; by the end the rank may have taken at most the one step in flight.
     out = tmp_path / "told.txt"
     step_file = tmp_path / "job0" / "ready" / "step-0"
     command = f"cat {step_file} > {tmp_path / 'step-at-start'}; sleep 1.5; echo done >> {out}"
-    job: Job = make_job(world=3, env={"PEERWATCH_ON_VERDICT": command, "RP_NOTE_STEPS": "1",
-                                      "PEERWATCH_ON_VERDICT_TIMEOUT": "5"}).start()
+    job: Job = make_job(world=3, style=style, env={"PEERWATCH_ON_VERDICT": command, "RP_NOTE_STEPS": "1",
+                                                   "PEERWATCH_ON_VERDICT_TIMEOUT": "5"}).start()
     job.wait_ready()
     job.wait_noted(["step-0"])
     job.kill(2)
