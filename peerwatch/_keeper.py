@@ -1,4 +1,4 @@
-"""The keeper of an ``on_verdict`` command: run as its own program, never imported by a rank.
+"""The keeper of an ``on_verdict`` command, run as its own program (a rank imports only its codes).
 
     python -I -S _keeper.py BOUND_S /bin/sh -c COMMAND
 
@@ -14,7 +14,8 @@ keeper reaps it), and exits:
 - with :data:`KILLED_AT_BOUND` when something was still running at the bound;
 - with :data:`ENDED_EARLY` when it was told to end the tree before the bound.
 
-Standard library only: it runs in isolated mode, without peerwatch on its path.
+Standard library only, and few modules of it (not even ``typing``: each import delays the
+hook): it runs in isolated mode, without peerwatch on its path.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ import os
 import signal
 import sys
 import time
-from typing import List, Optional
 
 KILLED_AT_BOUND = 124  # as timeout(1) says it
 ENDED_EARLY = 128 + signal.SIGTERM
@@ -41,10 +41,10 @@ def _subreaper() -> None:
         pass
 
 
-def _children() -> List[int]:
+def _children() -> list[int]:
     """The keeper's own children (reaped by nobody else: their pids are safe to signal)."""
     me = os.getpid()
-    found: List[int] = []
+    found: list[int] = []
     try:
         tasks = os.listdir(f"/proc/{me}/task")
     except OSError:
@@ -58,8 +58,8 @@ def _children() -> List[int]:
     return found
 
 
-def _children_by_scan(me: int) -> List[int]:
-    found: List[int] = []
+def _children_by_scan(me: int) -> list[int]:
+    found: list[int] = []
     for name in os.listdir("/proc"):
         if not name.isdigit():
             continue
@@ -73,7 +73,7 @@ def _children_by_scan(me: int) -> List[int]:
     return found
 
 
-def _reap(leader: int, status: List[Optional[int]]) -> bool:
+def _reap(leader: int, status: list[int | None]) -> bool:
     """Reap every child that has ended; True when the keeper has no child left."""
     while True:
         try:
@@ -87,7 +87,7 @@ def _reap(leader: int, status: List[Optional[int]]) -> bool:
         # Another one: a background process of the command, ended (or reparented here, then ended).
 
 
-def _end_tree(leader: int, status: List[Optional[int]]) -> None:
+def _end_tree(leader: int, status: list[int | None]) -> None:
     for _ in range(_KILL_ROUNDS):
         if _reap(leader, status):
             return
@@ -105,7 +105,7 @@ def _end_tree(leader: int, status: List[Optional[int]]) -> None:
             return
 
 
-def main(argv: List[str]) -> int:
+def main(argv: list[str]) -> int:
     bound_s = float(argv[0])
     command = argv[1:]
     deadline = time.monotonic() + bound_s
@@ -119,7 +119,7 @@ def main(argv: List[str]) -> int:
             os.execv(command[0], command)
         finally:
             os._exit(127)
-    status: List[Optional[int]] = [None]
+    status: list[int | None] = [None]
     while not _reap(leader, status):
         left = deadline - time.monotonic()
         if left <= 0:
