@@ -24,6 +24,7 @@ HANG_AUTO = -1.0  # hang_timeout / hang_warn "auto": the threshold learnt from t
 HANG_WARN_S = HANG_AUTO  # a diagnosis is logged when nothing moved for this long; 0: off
 GIL_TIMEOUT_S = 0.0  # 0: off. The watcher could not run for this long: faulthandler ends the rank
 PEER_TIMEOUT_S = 30.0  # another host (or the store) silent for this long: it is lost
+ON_VERDICT_TIMEOUT_S = 10.0  # the on_verdict hook's bound, from its start (whatever grace is)
 
 # The largest value of each duration. Every wait of the watcher is a poll(2) in
 # milliseconds (a C int: at most 2**31 - 1 ms, 24.8 days), an Event.wait (at most
@@ -41,6 +42,7 @@ MAX_SECONDS = {
     "hang_warn": WEEK_S,
     "gil_timeout": WEEK_S,
     "peer_timeout": WEEK_S,
+    "on_verdict_timeout": HOUR_S,
 }
 
 # Environment variables that carry the rank, in order of preference.
@@ -91,6 +93,7 @@ class Config:
     # Run once per host after a verdict (docs/notify.md): a shell command, or (a keyword
     # argument only) a callable ``f(verdict, report_path)``.
     on_verdict: Any = None
+    on_verdict_timeout: float = ON_VERDICT_TIMEOUT_S  # its bound: then its whole process tree is ended
     sources: Tuple[Tuple[str, str], ...] = ()
 
     @property
@@ -125,6 +128,11 @@ class Config:
         return config
 
     def _validate(self) -> None:
+        if self.on_verdict_timeout <= 0:
+            raise ConfigError(
+                "on_verdict_timeout", self.on_verdict_timeout, self.source_of("on_verdict_timeout"),
+                "must be above 0 (the hook's bound)",
+            )
         if self.heartbeat_interval <= 0:
             raise ConfigError(
                 "heartbeat_interval", self.heartbeat_interval, self.source_of("heartbeat_interval"), "must be above 0"
@@ -353,6 +361,7 @@ _OPTIONS: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "store_secret": ("PEERWATCH_STORE_SECRET", _secret),
     "store_secret_file": ("PEERWATCH_STORE_SECRET_FILE", _secret_file),
     "on_verdict": ("PEERWATCH_ON_VERDICT", _on_verdict),
+    "on_verdict_timeout": ("PEERWATCH_ON_VERDICT_TIMEOUT", _duration("on_verdict_timeout")),
 }
 _OPTION_NAMES = frozenset(_OPTIONS)
 

@@ -155,6 +155,9 @@ def _warn_base_once(first: str, chosen: str) -> None:
 
 NEW_RUN = "new run led by this process"  # resolve()'s `how` when nothing in the environment names a run
 OWNER_VAR = "PEERWATCH_DIR_OWNER"  # "<pid>.<start ticks>" of the install() that exported PEERWATCH_DIR
+# The run of the multiprocessing children (mp.spawn's workers) of a process that installed
+# peerwatch: <that process's run directory>/spawn.
+SPAWNED_RUN = "spawn"
 
 
 def resolve(run_dir: Optional[str], env: Mapping[str, str]) -> Tuple[str, str]:
@@ -194,7 +197,7 @@ def _derived(run_dir: Optional[str], env: Mapping[str, str]) -> Tuple[str, str]:
     spawned = is_multiprocessing_child()
     if run_dir:
         if spawned and env.get(OWNER_VAR) == _parent_key() and env.get("PEERWATCH_DIR") == run_dir:
-            return os.path.join(run_dir, "spawn"), "multiprocessing child of a launcher that installed peerwatch"
+            return os.path.join(run_dir, SPAWNED_RUN), "multiprocessing child of a launcher that installed peerwatch"
         return run_dir, "PEERWATCH_DIR"
     base = base_dir()
     parent = _parent_key()
@@ -463,6 +466,16 @@ class RunDir:
     def join(self, *parts: str) -> str:
         """The path of ``parts`` under the run directory, for people (logs, the report)."""
         return os.path.join(self.path, *parts)
+
+    def per_host(self, name: str) -> str:
+        """The name of this host's own copy of the file ``name``: ``name`` itself where the
+        run directory is this host's, ``<stem>-<host>.<ext>`` where several hosts share it
+        (``events.jsonl`` -> ``events-node3.jsonl``): what each host appends to or claims
+        for itself (an append over NFS is not atomic across its clients)."""
+        if self.shared is None:
+            return name
+        stem, dot, ext = name.partition(".")
+        return f"{stem}-{safe_name(_identity.hostname())}{dot}{ext}"
 
     def at(self, *parts: str) -> str:
         """A path to ``parts`` that goes through the held directory descriptor (Linux's
@@ -1023,7 +1036,7 @@ class InPlace:
 
 __all__ = [
     "InPlace", "EVENTS", "HEARTBEATS", "NEW_RUN", "OWNER_VAR", "RANKS", "REPORT_FILE", "STACKS", "TMP", "VERDICT_FILE", "DIAGNOSIS_FILE",
-    "REMOTE_STALLS_FILE", "STALL_FILE",
+    "REMOTE_STALLS_FILE", "SPAWNED_RUN", "STALL_FILE",
     "FLIGHT_RECORDER", "RunDir", "base_dir", "check_ancestors", "check_trusted", "fr_dump_name", "open_regular", "parse_fr_dump_name",
     "parse_rank_file", "is_multiprocessing_child", "process_key", "rank_file", "resolve", "safe_name", "stack_name",
 ]

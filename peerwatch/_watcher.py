@@ -36,7 +36,7 @@ from ._eventlog import sweep as sweep_events
 from ._frdump import FlightRecorderDump
 from ._heartbeat import HeartbeatWriter, Progress
 from ._identity import is_local
-from ._notify import start_hook
+from ._notify import Hook, start_hook
 from ._observer import Observer
 from ._records import EXCEPTION, WATCHER_DEATH, Ack, Failure, Registration, Success, Verdict, WatcherDeath, encode
 from ._records import warm as warm_record_types
@@ -244,7 +244,9 @@ class Watcher:
         self.main_left.set()
         self.wake()
         if threading.current_thread() is not self.thread:
-            self.thread.join(_plan.leave_join_s(self.config.grace, self.config.ack_window))
+            # The watcher may have an on_verdict hook to wait for, for its own bound.
+            hook_s = self.config.on_verdict_timeout if self.config.on_verdict is not None else 0.0
+            self.thread.join(_plan.leave_join_s(self.config.grace, self.config.ack_window) + hook_s)
 
     # -- the thread ----------------------------------------------------------------
 
@@ -421,11 +423,19 @@ class Watcher:
         self._flight_recorder.dump("teardown")
         if plan.interrupt_main:
             _teardown.raise_in_main_thread(PeerFailure.bound_to(verdict), self.interrupt_installed)
-        self._carry_out(verdict, plan, leave_by)
+        hook = self._carry_out(verdict, plan, leave_by)
         self._final_heartbeat()
         _launchers.before_exit(self.me, self.run_dir, verdict)  # under torchrun: the agent sees the failed worker first
         if plan.sweep_records:
             sweep_events(self.run_dir, self.rank)  # the last records of peers that left meanwhile
+        if not plan.stay:
+            # Last, started right before this rank stops its training for it: a main thread
+            # that is not leaving by itself is held off Python while the hook runs.
+            hook = self._start_hook(verdict, plan)
+        if hook is not None:
+            # This rank stays until its hook ends or its bound passes (a launcher may end
+            # what is left of the job once its ranks are gone).
+            hook.finish(hold_gil=not plan.stay)
         _teardown.flush_and_exit(plan.exit_code)
 
     def _publish(self, verdict: Verdict) -> Tuple[Verdict, bool]:
@@ -468,7 +478,9 @@ class Watcher:
                 _terminal.who(self.rank, self.me.pid, self.me.host), plan.exit_code,
             ))
 
-    def _carry_out(self, verdict: Verdict, plan: _plan.Plan, leave_by: float) -> None:
+    def _carry_out(self, verdict: Verdict, plan: _plan.Plan, leave_by: float) -> Optional[Hook]:
+        """This rank's share of the teardown; returns the on_verdict hook it started, if any
+        (where its main thread is leaving by itself; its caller waits for it last)."""
         c = self.config
         if plan.enforcer:
             _enforce.tear_down_peers(self.observer, verdict, plan.ack_window_s, c.grace, set(plan.trusted))
@@ -480,10 +492,10 @@ class Watcher:
             # yet seen): waiting for them would let this rank's own training run on.
             # ``peerwatch report`` rebuilds from the records, with the codes as they happened.
             self._write_report(plan.print_summary and not (mine and plan.stay))
-        # Someone is told, once per host: by a writer of the report, after it; it runs while
-        # this rank finishes its share, for at most grace.
-        hook = start_hook(c.on_verdict, self.run_dir, verdict, self.rank, c.grace) if plan.write_report else None
+        hook = None
         if plan.stay:
+            # The hook starts now, while the main thread leaves (elsewhere _act starts it last).
+            hook = self._start_hook(verdict, plan)
             # The main thread is leaving by itself (PeerFailure, or its own exception); at
             # exit it sets `main_left` and waits for us. If it is stuck, we end it.
             if not self.main_left.wait(max(0.0, leave_by - time.monotonic())):
@@ -494,11 +506,21 @@ class Watcher:
                 # until the main thread has left it): the summary follows it, without
                 # repeating it.
                 self._write_report(True, traceback=verdict.cause != EXCEPTION)
-            # The hook's command is spared: its own bound (finish() below) ends it.
+            # The hook's command is spared: its own bound (Hook.finish, in _act) ends it.
             spare = {hook.pid} if hook is not None and hook.pid is not None else set()
             _enforce.tear_down_own_children(self.rank, self.observer.local_pids(), c.grace, spare)
+        return hook
+
+    def _start_hook(self, verdict: Verdict, plan: _plan.Plan) -> Optional[Hook]:
+        """Someone is told, once per host: by a writer of the report, after it, for at most
+        on_verdict_timeout (not grace), which this rank then waits for."""
+        c = self.config
+        if not plan.write_report:
+            return None
+        hook = start_hook(c.on_verdict, self.run_dir, verdict, self.rank, c.on_verdict_timeout)
         if hook is not None:
-            hook.finish()
+            self.stacks.arm_last_resort(plan.last_resort_s + c.on_verdict_timeout)  # the rank waits for it
+        return hook
 
     def _final_heartbeat(self) -> None:
         """The step this rank stopped at: for the report and ``peerwatch status``."""

@@ -479,6 +479,7 @@ _DURATION_VARS = {
     "parent_wait": "PEERWATCH_PARENT_WAIT", "startup_timeout": "PEERWATCH_STARTUP_TIMEOUT",
     "hang_timeout": "PEERWATCH_HANG_TIMEOUT", "gil_timeout": "PEERWATCH_GIL_TIMEOUT",
     "peer_timeout": "PEERWATCH_PEER_TIMEOUT", "hang_warn": "PEERWATCH_HANG_WARN",
+    "on_verdict_timeout": "PEERWATCH_ON_VERDICT_TIMEOUT",
 }
 
 
@@ -486,7 +487,7 @@ def test_every_duration_has_a_maximum():
     assert set(MAX_SECONDS) == set(_DURATION_VARS)
     # All together, the longest waits still fit poll(2)'s milliseconds and threading's timeouts.
     longest = MAX_SECONDS["hang_timeout"] + 4 * MAX_SECONDS["heartbeat_interval"] + MAX_SECONDS["grace"] \
-        + MAX_SECONDS["ack_window"] + MAX_SECONDS["parent_wait"]
+        + MAX_SECONDS["ack_window"] + MAX_SECONDS["parent_wait"] + MAX_SECONDS["on_verdict_timeout"]
     assert longest * 1000 < 2**31 - 1 and longest < threading.TIMEOUT_MAX
 
 
