@@ -91,16 +91,43 @@ def parse_rank_file(name: str) -> Optional[Tuple[str, int]]:
 
 def base_dir() -> str:
     """Where run directories live on this host when nothing says otherwise: a place no
-    other user can occupy first. ``$XDG_RUNTIME_DIR/peerwatch`` (or systemd's
-    ``/run/user/<uid>``) where there is one of ours; else ``$TMPDIR/peerwatch-<uid>`` (or
-    under ``/tmp``). In a world-writable ``/tmp`` another user may have made that name
-    first (a directory of theirs, a symlink): then ``peerwatch-<uid>-2`` ... ``-4``, with a
-    warning naming the squatter. Every rank of this user on this host picks the same."""
-    uid = os.geteuid()
-    for runtime in (os.environ.get("XDG_RUNTIME_DIR", ""), f"/run/user/{uid}"):
+    other user can make, take or hold first, and the same for every rank of this user on
+    this host (they all compute it). In order:
+
+    1. ``$XDG_RUNTIME_DIR/peerwatch`` (or systemd's ``/run/user/<uid>``) where there is one
+       of ours that nobody else can write;
+    2. ``$XDG_CACHE_HOME/peerwatch`` (``~/.cache/peerwatch``), created 0700, where it is
+       ours alone, its path safe from other users, and on a local filesystem (a home on
+       NFS is shared by hosts: a run directory there would be taken for a shared one);
+    3. a directory under ``$TMPDIR`` (or ``/tmp``) with an unpredictable name
+       (``peerwatch-<uid>-<random>``, made 0700 by ``mkdtemp``), recorded per host in that
+       per-user place (``<place>/bases/<host>-<n>``, first writer wins), so every rank
+       finds the same one; one that another user took since (a ``/tmp`` cleaner removed it
+       and they made its name) is passed over for the next record;
+    4. only where no per-user place can be had (no usable home): the fixed names
+       ``$TMPDIR/peerwatch-<uid>``, then ``-2`` ... ``-4``, with a warning naming a squatter.
+    """
+    return _choose_base(os.geteuid(), os.environ)
+
+
+_squatters: Dict[str, str] = {}  # a base name another user took first -> why it cannot be used
+_warned_bases: Set[str] = set()
+TMP_BASES = 8  # records of /tmp bases tried per host before the fixed names
+_LOCAL_FUSE = frozenset({"fuse-overlayfs", "fuse.fuse-overlayfs"})
+
+
+def _choose_base(uid: int, env: Mapping[str, str]) -> str:
+    for runtime in (env.get("XDG_RUNTIME_DIR", ""), f"/run/user/{uid}"):
         if runtime and _private_dir(runtime):
             return os.path.join(runtime, "peerwatch")
-    tmp = os.environ.get("TMPDIR", "") or "/tmp"
+    tmp = env.get("TMPDIR", "") or "/tmp"
+    place = _user_place(env)
+    if place is not None:
+        if _local_fs(place):
+            return place
+        recorded = _recorded_tmp_base(place, tmp, uid)
+        if recorded is not None:
+            return recorded
     first = os.path.join(tmp, f"peerwatch-{uid}")
     for path in [first] + [f"{first}-{n}" for n in range(2, 5)]:
         why = _squatted(path)
@@ -112,8 +139,121 @@ def base_dir() -> str:
     return first  # every name taken: prepare() says why, loudly
 
 
-_squatters: Dict[str, str] = {}  # a base name another user took first -> why it cannot be used
-_warned_bases: Set[str] = set()
+def _user_place(env: Mapping[str, str]) -> Optional[str]:
+    """``$XDG_CACHE_HOME/peerwatch`` (``$HOME/.cache/peerwatch``), made 0700 if need be; None
+    if it cannot be ours alone (no home, a home others can rename, a read-only one)."""
+    cache = env.get("XDG_CACHE_HOME", "")
+    if not os.path.isabs(cache):
+        home = env.get("HOME", "")
+        if not os.path.isabs(home):
+            return None
+        cache = os.path.join(home, ".cache")
+    place = os.path.join(cache, "peerwatch")
+    try:
+        for folder in (cache, place):
+            try:
+                os.mkdir(folder, 0o700)
+            except FileExistsError:
+                pass
+        check_ancestors(place)
+        check_trusted(place)
+    except (OSError, RunDirError) as e:
+        logger.debug("peerwatch: %s cannot hold run directories: %s", place, e)
+        return None
+    return place
+
+
+def _local_fs(path: str) -> bool:
+    """Is ``path`` on a filesystem of this host alone (not NFS, Lustre, a FUSE mount...)?"""
+    from . import _sharedfs
+
+    try:
+        with open(_sharedfs.MOUNTINFO) as f:
+            mounts = _sharedfs.parse_mountinfo(f.read())
+    except OSError:
+        return True  # no mount table (not Linux): as before, a home is taken as local
+    mount = _sharedfs.mount_of(os.path.realpath(path), mounts)
+    if mount is None:
+        return True
+    fstype = mount.fstype
+    return not (_sharedfs.is_network_fs(fstype) or (fstype.startswith("fuse") and fstype not in _LOCAL_FUSE))
+
+
+def _recorded_tmp_base(place: str, tmp: str, uid: int) -> Optional[str]:
+    """This host's base under ``tmp``, by an unpredictable name recorded in ``place`` (the
+    first record of this host whose directory is ours, or can be made again); None if
+    none can be had."""
+    records = os.path.join(place, "bases")
+    host = _safe(_identity.hostname())
+    try:
+        os.mkdir(records, 0o700)
+    except FileExistsError:
+        pass
+    except OSError:
+        return None
+    for n in range(TMP_BASES):
+        record = os.path.join(records, f"{host}-{n}")
+        path = _read_base_record(record)
+        if path is None:
+            path = _propose_base(records, record, tmp, uid)
+            if path is None:
+                return None
+        try:
+            os.mkdir(path, 0o700)  # removed since (a /tmp cleaner, a reboot): the same name again
+        except FileExistsError:
+            pass
+        except OSError:
+            continue
+        if _private_dir(path):
+            return path
+        why = _squatted(path) or "cannot be used"
+        if path not in _warned_bases:
+            _warned_bases.add(path)
+            logger.warning("peerwatch: the run directory base %s %s (another user made it after it was "
+                           "removed); passing over it", path, why)
+    return None
+
+
+def _read_base_record(record: str) -> Optional[str]:
+    try:
+        fd = os.open(record, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        data = os.read(fd, 4096).decode("utf-8", "replace").strip()
+    finally:
+        os.close(fd)
+    return data if os.path.isabs(data) and "\0" not in data else None
+
+
+def _propose_base(records: str, record: str, tmp: str, uid: int) -> Optional[str]:
+    """Make a directory by an unpredictable name under ``tmp`` and record it as this host's
+    (link(2): the first writer wins); the one recorded."""
+    import tempfile
+
+    try:
+        made = tempfile.mkdtemp(prefix=f"peerwatch-{uid}-", dir=tmp)
+    except OSError as e:
+        logger.debug("peerwatch: cannot make a run directory base under %s: %s", tmp, e)
+        return None
+    temp = None
+    try:
+        fd, temp = tempfile.mkstemp(dir=records, prefix=".record-")
+        with os.fdopen(fd, "wb") as f:
+            f.write(made.encode() + b"\n")
+        os.link(temp, record)
+        return made
+    except FileExistsError:
+        os.rmdir(made)  # another rank of ours recorded one first: that one
+        return _read_base_record(record)
+    except OSError as e:
+        logger.debug("peerwatch: cannot record the run directory base %s in %s: %s", made, records, e)
+        os.rmdir(made)
+        return None
+    finally:
+        if temp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(temp)
 
 
 def _private_dir(path: str) -> bool:
@@ -325,7 +465,7 @@ def check_ancestors(path: str) -> None:
                     part,
                     f"is owned by uid {st.st_uid}, not by root or this user (uid {me}): that user could "
                     "swap the run directory below it for their own; choose a PEERWATCH_DIR under a folder of "
-                    "yours (the default, under $XDG_RUNTIME_DIR or $TMPDIR, is)",
+                    "yours (the default base, under $XDG_RUNTIME_DIR or ~/.cache, is)",
                 )
             if stat.S_ISLNK(st.st_mode):
                 continue

@@ -442,6 +442,8 @@ def test_prepare_refuses_a_symlinked_run_directory(tmp_path):
 
 def test_prepare_checks_the_base_directory(tmp_path, monkeypatch):
     monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.setenv("HOME", "")  # no per-user place: the fixed name under TMPDIR
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     base = base_dir()
     assert base == str(tmp_path / f"peerwatch-{os.geteuid()}")
@@ -623,14 +625,24 @@ def test_base_dir_prefers_a_private_xdg_runtime_dir(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("setup", ["writable", "missing", "empty"])
-def test_base_dir_falls_back_to_tmpdir(tmp_path, monkeypatch, setup):
+def test_base_dir_falls_back_to_the_cache_home_then_tmpdir(tmp_path, monkeypatch, setup):
     xdg = tmp_path / "xdg"
     if setup == "writable":
         xdg.mkdir()
         xdg.chmod(0o777)
     monkeypatch.setenv("XDG_RUNTIME_DIR", "" if setup == "empty" else str(xdg))
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    home = tmp_path / "home"
+    home.mkdir(mode=0o700)
+    monkeypatch.setenv("HOME", str(home))
+    assert base_dir() == str(home / ".cache" / "peerwatch") and mode(home / ".cache" / "peerwatch") == 0o700
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    assert base_dir() == str(tmp_path / "cache" / "peerwatch")
+    home.chmod(0o777)  # others could rename .cache: not a private place
+    monkeypatch.delenv("XDG_CACHE_HOME")
     monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
     assert base_dir() == str(tmp_path / "tmp" / f"peerwatch-{os.geteuid()}")
+    monkeypatch.setenv("HOME", "")
     monkeypatch.delenv("TMPDIR")
     assert base_dir() == f"/tmp/peerwatch-{os.geteuid()}"
 
