@@ -1122,3 +1122,10 @@ def test_a_resolved_diagnosis_has_no_victims():
     f = failure(1, DIAGNOSED_AT + 1, collective=True)
     v = _victim(diagnosed(diagnosis(resolved_ns=DIAGNOSED_AT), failures=[f]))
     assert v is not None and (v.rank, v.cause) == (1, EXCEPTION)
+
+
+def test_the_documented_windows_have_their_documented_values():
+    """The windows the tests above compute from, as _decide.py's comments state them (1 s,
+    0.5 s, 15 s), and the frozen states' words users read in a hang's detail."""
+    assert (CONSEQUENCE_WINDOW_NS, COLLECTIVE_SETTLE_NS, LEAVING_WAIT_NS) == (10**9, 5 * 10**8, 15 * 10**9)
+    assert FROZEN_STATES == {"T": "stopped (SIGSTOP)", "t": "stopped by a debugger", "D": "in uninterruptible sleep (I/O)"}
