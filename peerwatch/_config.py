@@ -45,6 +45,37 @@ MAX_SECONDS = {
     "on_verdict_timeout": HOUR_S,
 }
 
+
+@dataclasses.dataclass(frozen=True)
+class HangSetting:
+    """``hang_timeout`` or ``hang_warn``, decoded: off, auto (the threshold learnt from the
+    job, peerwatch._diagnose), or a number of seconds. :class:`Config` keeps the number
+    users gave (0: off, ``HANG_AUTO``: auto); this is the one place that reads it."""
+
+    auto: bool = False
+    seconds: float = 0.0  # a fixed threshold; 0 (and not auto): off
+
+    @classmethod
+    def of(cls, value: float) -> HangSetting:
+        """The setting a Config value stands for."""
+        if value == HANG_AUTO:
+            return cls(auto=True)
+        return cls(seconds=value) if value > 0 else cls()
+
+    @property
+    def off(self) -> bool:
+        return not self.auto and self.seconds <= 0
+
+    @property
+    def enabled(self) -> bool:
+        return not self.off
+
+    @property
+    def fixed_s(self) -> Optional[float]:
+        """The seconds set; None when off or auto."""
+        return self.seconds if self.seconds > 0 else None
+
+
 # Environment variables that carry the rank, in order of preference.
 _RANK_VARS = ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
 _WORLD_VARS = ("WORLD_SIZE", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
@@ -103,6 +134,14 @@ class Config:
     def source_of(self, option: str) -> str:
         return dict(self.sources).get(option, "default")
 
+    @property
+    def hang_timeout_setting(self) -> HangSetting:
+        return HangSetting.of(self.hang_timeout)
+
+    @property
+    def hang_warn_setting(self) -> HangSetting:
+        return HangSetting.of(self.hang_warn)
+
     @classmethod
     def resolve(cls, options: Mapping[str, Any], env: Mapping[str, str] | None = None) -> Config:
         """Build a Config from keyword options, then ``PEERWATCH_*`` variables, then defaults.
@@ -137,7 +176,8 @@ class Config:
             raise ConfigError(
                 "heartbeat_interval", self.heartbeat_interval, self.source_of("heartbeat_interval"), "must be above 0"
             )
-        if self.hang_timeout > 0 and self.hang_timeout < 2 * self.heartbeat_interval:
+        fixed_s = self.hang_timeout_setting.fixed_s
+        if fixed_s is not None and fixed_s < 2 * self.heartbeat_interval:
             raise ConfigError(
                 "hang_timeout", self.hang_timeout, self.source_of("hang_timeout"),
                 f"must be 0 (off) or at least twice heartbeat_interval ({self.heartbeat_interval:g}s)",
@@ -529,6 +569,6 @@ def key_prefix(run_id: str) -> str:
     return f"{KEY_ROOT}/{run_id}/"
 
 __all__ = [
-    "GRACE_S", "MAX_SECONDS", "Config", "LauncherFacts", "expected_hosts", "key_prefix", "resolve_run_id", "resolve_store",
+    "GRACE_S", "HANG_AUTO", "MAX_SECONDS", "Config", "HangSetting", "LauncherFacts", "expected_hosts", "key_prefix", "resolve_run_id", "resolve_store",
     "spans_hosts",
 ]

@@ -67,7 +67,7 @@ Entering and leaving ``paused()`` count as progress, so a pause cannot age into 
 from __future__ import annotations
 
 import dataclasses
-from typing import AbstractSet, Dict, List, Mapping, Optional, Tuple
+from typing import TYPE_CHECKING, AbstractSet, Dict, List, Mapping, Optional, Tuple
 
 from ._activity import Activity
 from ._records import (
@@ -88,6 +88,9 @@ from ._records import (
     returncode_exit_code,
     signal_name,
 )
+
+if TYPE_CHECKING:
+    from ._config import Config
 
 # A rank that dies without a word (SIGKILL, segfault, OOM, os._exit) is never the
 # consequence of another rank's exception, but the exceptions of its peers' collectives
@@ -161,6 +164,44 @@ class Policy:
     hang_timeout_ns: int = 0  # 0: no hang detection
     peer_timeout_ns: int = 0  # 0: remote ranks are never judged lost
     hang_auto: bool = False  # hang_timeout=auto: a diagnosis (made at the learnt threshold) ends the job
+
+    @classmethod
+    def from_config(cls, config: Config, shared_fs: bool = False) -> Policy:
+        """The policy a rank's watcher decides by. ``shared_fs``: the run directory is shared
+        by the hosts (peerwatch._sharedfs), the only place a rank of another host is judged
+        lost here (through the store, the bridge judges it)."""
+        hang = config.hang_timeout_setting
+        return cls(
+            parent_wait_ns=_ns(config.parent_wait), default_exit_code=config.exit_code,
+            hang_timeout_ns=_ns(hang.seconds), hang_auto=hang.auto,
+            peer_timeout_ns=_ns(config.peer_timeout) if shared_fs else 0,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class HangJudging:
+    """``hang_timeout`` and ``hang_warn``, decoded once for the watcher: what its heartbeat
+    reads, whether a Diagnoser (peerwatch._diagnoser) runs, and with which settings."""
+
+    timeout: bool  # hang_timeout is on (seconds or auto): hangs are judged from beat() too
+    diagnose: bool  # a diagnosis when nothing moves: hang_warn is on, or hang_timeout=auto
+    warn_fixed_s: Optional[float]  # the diagnosis's threshold as hang_warn set it; None: learnt
+    auto: bool  # hang_timeout=auto: a diagnosis ends the job
+
+    @property
+    def read_collectives(self) -> bool:
+        """The heartbeat reads torch's collective counters: the diagnosis, or progress for hang_timeout."""
+        return self.timeout or self.diagnose
+
+    @classmethod
+    def from_config(cls, config: Config) -> HangJudging:
+        timeout, warn = config.hang_timeout_setting, config.hang_warn_setting
+        return cls(timeout=timeout.enabled, diagnose=warn.enabled or timeout.auto, warn_fixed_s=warn.fixed_s,
+                   auto=timeout.auto)
+
+
+def _ns(seconds: float) -> int:
+    return int(seconds * 1e9)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -508,6 +549,6 @@ def _vanished(obs: Observed, rank: int, seen_ns: int, policy: Policy) -> Verdict
 
 
 __all__ = [
-    "COLLECTIVE_SETTLE_NS", "CONSEQUENCE_WINDOW_NS", "FROZEN_STATES", "LEAVING_WAIT_NS", "Decision", "Observed", "Policy",
-    "Progress", "decide", "exit_code_for",
+    "COLLECTIVE_SETTLE_NS", "CONSEQUENCE_WINDOW_NS", "FROZEN_STATES", "LEAVING_WAIT_NS", "Decision", "HangJudging", "Observed",
+    "Policy", "Progress", "decide", "exit_code_for",
 ]

@@ -288,7 +288,7 @@ def _hang_detail(
         return f"nothing moved for {since_ns / 1e9:.1f}s: {_ranks(laggards, ranks)} holds the job up{where}"
     text += f" {op or 'collective'} #{seq} of process group {group}"
     if entered:
-        text += f", which {_ranks(entered, ranks)} wait in"
+        text += f", which {_ranks(entered, ranks)} {'waits' if len(entered) == 1 else 'wait'} in"
     return text + f"; rank {laggards[0]}{where or ' is elsewhere'}"
 
 

@@ -28,7 +28,7 @@ import time
 from typing import Optional, Tuple
 
 from . import _bridge, _decide, _enforce, _exitwatch, _launchers, _plan, _report, _sharedfs, _teardown, _terminal
-from ._config import HANG_AUTO, Config
+from ._config import Config
 from ._diagnoser import Diagnoser
 from ._errors import PeerFailure
 from ._eventlog import log as log_event
@@ -140,18 +140,12 @@ class Watcher:
         use_pidfd = config.use_pidfd and pidfd_supported()
         remote = _sharedfs.RemoteWatch(run_dir, config.heartbeat_interval, config.peer_timeout) if run_dir.shared else None
         self.observer = Observer(run_dir, me, use_pidfd, remote)
-        # torch's collective counters: for the diagnosis (hang_warn), and as progress for hang_timeout.
-        self.heartbeat = HeartbeatWriter(run_dir, me, self.progress, with_position=bool(config.hang_timeout),
-                                         read_collectives=bool(config.hang_warn or config.hang_timeout))
-        self._policy = _decide.Policy(
-            parent_wait_ns=int(config.parent_wait * 1e9), default_exit_code=config.exit_code,
-            hang_timeout_ns=int(max(config.hang_timeout, 0) * 1e9), hang_auto=config.hang_timeout == HANG_AUTO,
-            peer_timeout_ns=int(config.peer_timeout * 1e9) if run_dir.shared else 0,
-        )
-        # A diagnosis when nothing moves (on by default: hang_warn); hang_timeout=auto uses its threshold.
-        warn = config.hang_warn if config.hang_warn > 0 else None
-        auto = config.hang_timeout == HANG_AUTO
-        self._diagnoser = Diagnoser(self.rank, warn, self.observer, auto, config.heartbeat_interval) if config.hang_warn or auto else None
+        self._hangs = hangs = _decide.HangJudging.from_config(config)
+        self.heartbeat = HeartbeatWriter(run_dir, me, self.progress, with_position=hangs.timeout,
+                                         read_collectives=hangs.read_collectives)
+        self._policy = _decide.Policy.from_config(config, shared_fs=bool(run_dir.shared))
+        self._diagnoser = (Diagnoser(self.rank, hangs.warn_fixed_s, self.observer, hangs.auto, config.heartbeat_interval)
+                           if hangs.diagnose else None)
         self._flight_recorder = FlightRecorderDump(run_dir, self.rank)  # evidence torch's analyzer reads
         self.thread = threading.Thread(target=self._main, name=f"peerwatch-rank{self.rank}", daemon=True)
         self._launcher_watch: Optional[_launchers.LauncherWatch] = None  # set by start()
@@ -332,7 +326,7 @@ class Watcher:
             self.bridge.tick()
         # Diagnosis: judged only once this rank's collectives count (torch.distributed in use).
         diagnosing = self._diagnoser is not None and self.heartbeat.counts_collectives()
-        hang, remote = bool(self.config.hang_timeout) or diagnosing, self.observer.remote is not None
+        hang, remote = self._hangs.timeout or diagnosing, self.observer.remote is not None
         if not (hang or remote):
             return False, False  # nothing to judge: no need to know who the judges are
         judge = self.rank in self.observer.live_local_ranks()[:HANG_JUDGES]

@@ -1122,3 +1122,57 @@ def test_a_resolved_diagnosis_has_no_victims():
     f = failure(1, DIAGNOSED_AT + 1, collective=True)
     v = _victim(diagnosed(diagnosis(resolved_ns=DIAGNOSED_AT), failures=[f]))
     assert v is not None and (v.rank, v.cause) == (1, EXCEPTION)
+
+
+def test_the_documented_windows_have_their_documented_values():
+    """The windows the tests above compute from, as _decide.py's comments state them (1 s,
+    0.5 s, 15 s), and the frozen states' words users read in a hang's detail."""
+    assert (CONSEQUENCE_WINDOW_NS, COLLECTIVE_SETTLE_NS, LEAVING_WAIT_NS) == (10**9, 5 * 10**8, 15 * 10**9)
+    assert FROZEN_STATES == {"T": "stopped (SIGSTOP)", "t": "stopped by a debugger", "D": "in uninterruptible sleep (I/O)"}
+
+
+# -- the policy and the hang settings, from Config (issue 25.4) --------------------------
+
+
+def _config(**options: Any) -> Any:
+    from peerwatch._config import Config
+
+    return Config.resolve(options, env={})
+
+
+@pytest.mark.parametrize(("hang_timeout", "hang_timeout_ns", "hang_auto"), [
+    (None, 0, False), (0, 0, False), ("0", 0, False),  # off (hang_timeout's word for it is 0)
+    ("auto", 0, True), (" AUTO ", 0, True),  # the diagnosis's learnt threshold
+    (12.5, 12_500_000_000, False), ("7", 7_000_000_000, False),  # seconds
+])
+def test_policy_from_config_decodes_hang_timeout(hang_timeout: Any, hang_timeout_ns: int, hang_auto: bool):
+    p = Policy.from_config(_config(hang_timeout=hang_timeout))
+    assert (p.hang_timeout_ns, p.hang_auto) == (hang_timeout_ns, hang_auto)
+
+
+def test_policy_from_config_sets_every_field():
+    assert {f.name for f in dataclasses.fields(Policy)} == {  # a new field: set it in from_config, test it here
+        "parent_wait_ns", "default_exit_code", "hang_timeout_ns", "peer_timeout_ns", "hang_auto"}
+    c = _config(parent_wait=0.25, exit_code=7, hang_timeout=30, peer_timeout=45)
+    assert Policy.from_config(c) == Policy(parent_wait_ns=250_000_000, default_exit_code=7, hang_timeout_ns=30 * 10**9,
+                                           peer_timeout_ns=0, hang_auto=False)
+    # Only a run directory shared by the hosts judges their ranks lost here (else the bridge does).
+    assert Policy.from_config(c, shared_fs=True).peer_timeout_ns == 45 * 10**9
+    assert Policy.from_config(_config()) == Policy(parent_wait_ns=100_000_000, default_exit_code=1, hang_timeout_ns=0,
+                                                   peer_timeout_ns=0, hang_auto=False)
+
+
+@pytest.mark.parametrize(("hang_timeout", "hang_warn", "expected"), [
+    # (timeout, diagnose, warn_fixed_s, auto, read_collectives)
+    (None, None, (False, True, None, False, True)),  # the defaults: a learnt diagnosis that only warns
+    ("0", "off", (False, False, None, False, False)),  # nothing about hangs: torch's counters unread
+    ("auto", "off", (True, True, None, True, True)),  # auto needs the diagnosis, whatever hang_warn says
+    ("auto", "12", (True, True, 12.0, True, True)),
+    ("30", "off", (True, False, None, False, True)),  # beat() and the counters as progress, no diagnosis
+    (0, "12", (False, True, 12.0, False, True)),
+])
+def test_hang_judging_from_config(hang_timeout: Any, hang_warn: Any, expected: Tuple[Any, ...]):
+    from peerwatch._decide import HangJudging
+
+    h = HangJudging.from_config(_config(hang_timeout=hang_timeout, hang_warn=hang_warn))
+    assert (h.timeout, h.diagnose, h.warn_fixed_s, h.auto, h.read_collectives) == expected
