@@ -15,8 +15,8 @@ Rules, in order:
    within ``CONSEQUENCE_WINDOW_NS`` (1 s) of it: such deaths are never consequences,
    while the collectives of the dead rank's peers fail with exceptions within
    milliseconds, possibly stamped before the death is seen. And an exception raised by
-   ``torch.distributed`` (``collective``) is judged only ``COLLECTIVE_SETTLE_NS`` after
-   it was raised, unless something else is found first: the socket of a rank that dies
+   ``torch.distributed`` (``collective``) is judged only ``COLLECTIVE_SETTLE_NS`` after it
+   was raised (``REMOTE_SETTLE_NS`` where the job spans hosts), unless something else is found first: the socket of a rank that dies
    closes a moment before its pidfd fires (a SIGKILLed rank's memory is still being torn
    down), and a rank leaving with ``raise SystemExit(3)`` closes its sockets while Python
    finalizes, before its exit status is written (at ``exit(3)``). Only a collective
@@ -101,6 +101,10 @@ CONSEQUENCE_WINDOW_NS = 1_000_000_000
 # How long an exception raised by torch.distributed waits for the failure it may echo
 # (rule 5). Within a failing rank's own wait at exit (_plan.verdict_wait_s: 0.85 s by default).
 COLLECTIVE_SETTLE_NS = 500_000_000
+# The same where the job spans hosts: a rank that died on another host is known here only
+# once its host's verdict comes through the store (tens of milliseconds idle; over a
+# second measured with 2 cores at load 10, where 0.5 s let a victim here be blamed).
+REMOTE_SETTLE_NS = 2_000_000_000
 # How long, from when a rank began to leave, an exception raised by torch.distributed waits
 # for that rank to end (rule 5): its interpreter's finalization, 0.1-0.2 s on an idle
 # machine, measured up to 5 s (2 cores at load 11). It is waited for only while that rank
@@ -164,17 +168,20 @@ class Policy:
     hang_timeout_ns: int = 0  # 0: no hang detection
     peer_timeout_ns: int = 0  # 0: remote ranks are never judged lost
     hang_auto: bool = False  # hang_timeout=auto: a diagnosis (made at the learnt threshold) ends the job
+    collective_settle_ns: int = COLLECTIVE_SETTLE_NS  # rule 5's wait (REMOTE_SETTLE_NS across hosts)
 
     @classmethod
-    def from_config(cls, config: Config, shared_fs: bool = False) -> Policy:
+    def from_config(cls, config: Config, shared_fs: bool = False, other_hosts: bool = False) -> Policy:
         """The policy a rank's watcher decides by. ``shared_fs``: the run directory is shared
         by the hosts (peerwatch._sharedfs), the only place a rank of another host is judged
-        lost here (through the store, the bridge judges it)."""
+        lost here (through the store, the bridge judges it). ``other_hosts``: the job spans
+        hosts (a store bridge, or a shared run directory)."""
         hang = config.hang_timeout_setting
         return cls(
             parent_wait_ns=_ns(config.parent_wait), default_exit_code=config.exit_code,
             hang_timeout_ns=_ns(hang.seconds), hang_auto=hang.auto,
             peer_timeout_ns=_ns(config.peer_timeout) if shared_fs else 0,
+            collective_settle_ns=REMOTE_SETTLE_NS if other_hosts or shared_fs else COLLECTIVE_SETTLE_NS,
         )
 
 
@@ -242,7 +249,7 @@ def decide(obs: Observed, policy: Policy) -> Decision:
     waiting = [until for rank, seen, until in held if horizon is None or seen <= horizon or rank in echoed]
     if waiting:
         return Decision(None, recheck_at_ns=min(waiting))
-    settled_ns = _collective_settled_ns(obs, first)
+    settled_ns = _collective_settled_ns(obs, first, policy.collective_settle_ns)
     if settled_ns is not None and obs.now_ns < settled_ns:
         return Decision(None, recheck_at_ns=settled_ns)
     if first is None and obs.missing:
@@ -297,7 +304,7 @@ def _leavers_echoed(obs: Observed, v: Verdict) -> Tuple[int, ...]:
     )
 
 
-def _collective_settled_ns(obs: Observed, first: Optional[Verdict]) -> Optional[int]:
+def _collective_settled_ns(obs: Observed, first: Optional[Verdict], settle_ns: int) -> Optional[int]:
     """When the root cause ``first`` may be acted on, if it is an exception raised by
     torch.distributed (rule 5): the failure it may echo gets COLLECTIVE_SETTLE_NS to show,
     and a rank leaving around it LEAVING_WAIT_NS from when it began to leave to end."""
@@ -306,7 +313,7 @@ def _collective_settled_ns(obs: Observed, first: Optional[Verdict]) -> Optional[
     failure = obs.failures.get(first.rank)
     if failure is None or not failure.collective:
         return None
-    settled_ns = first.failed_at_ns + COLLECTIVE_SETTLE_NS
+    settled_ns = first.failed_at_ns + settle_ns
     ended = set(obs.successes) | set(obs.failures) | set(obs.exit_statuses) | set(obs.gone)
     for rank in _leavers_echoed(obs, first):
         if rank not in ended:
@@ -549,6 +556,6 @@ def _vanished(obs: Observed, rank: int, seen_ns: int, policy: Policy) -> Verdict
 
 
 __all__ = [
-    "COLLECTIVE_SETTLE_NS", "CONSEQUENCE_WINDOW_NS", "FROZEN_STATES", "LEAVING_WAIT_NS", "Decision", "HangJudging", "Observed",
+    "COLLECTIVE_SETTLE_NS", "CONSEQUENCE_WINDOW_NS", "REMOTE_SETTLE_NS", "FROZEN_STATES", "LEAVING_WAIT_NS", "Decision", "HangJudging", "Observed",
     "Policy", "Progress", "decide", "exit_code_for",
 ]

@@ -143,13 +143,13 @@ class Watcher:
         self._hangs = hangs = _decide.HangJudging.from_config(config)
         self.heartbeat = HeartbeatWriter(run_dir, me, self.progress, with_position=hangs.timeout,
                                          read_collectives=hangs.read_collectives)
-        self._policy = _decide.Policy.from_config(config, shared_fs=bool(run_dir.shared))
         self._diagnoser = (Diagnoser(self.rank, hangs.warn_fixed_s, self.observer, hangs.auto, config.heartbeat_interval)
                            if hangs.diagnose else None)
         self._flight_recorder = FlightRecorderDump(run_dir, self.rank)  # evidence torch's analyzer reads
         self.thread = threading.Thread(target=self._main, name=f"peerwatch-rank{self.rank}", daemon=True)
         self._launcher_watch: Optional[_launchers.LauncherWatch] = None  # set by start()
         self.bridge = _bridge.Bridge.for_config(config, run_dir, me)  # other hosts, through the store
+        self._policy = _decide.Policy.from_config(config, shared_fs=bool(run_dir.shared), other_hosts=self.bridge is not None)
 
     # -- read by other threads -------------------------------------------------------
 

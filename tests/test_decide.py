@@ -14,6 +14,7 @@ from peerwatch._decide import (
     CONSEQUENCE_WINDOW_NS,
     FROZEN_STATES,
     LEAVING_WAIT_NS,
+    REMOTE_SETTLE_NS,
     Decision,
     Observed,
     Policy,
@@ -1152,12 +1153,25 @@ def test_policy_from_config_decodes_hang_timeout(hang_timeout: Any, hang_timeout
 
 def test_policy_from_config_sets_every_field():
     assert {f.name for f in dataclasses.fields(Policy)} == {  # a new field: set it in from_config, test it here
-        "parent_wait_ns", "default_exit_code", "hang_timeout_ns", "peer_timeout_ns", "hang_auto"}
+        "parent_wait_ns", "default_exit_code", "hang_timeout_ns", "peer_timeout_ns", "hang_auto", "collective_settle_ns"}
     c = _config(parent_wait=0.25, exit_code=7, hang_timeout=30, peer_timeout=45)
     assert Policy.from_config(c) == Policy(parent_wait_ns=250_000_000, default_exit_code=7, hang_timeout_ns=30 * 10**9,
-                                           peer_timeout_ns=0, hang_auto=False)
+                                           peer_timeout_ns=0, hang_auto=False, collective_settle_ns=COLLECTIVE_SETTLE_NS)
     # Only a run directory shared by the hosts judges their ranks lost here (else the bridge does).
     assert Policy.from_config(c, shared_fs=True).peer_timeout_ns == 45 * 10**9
+    # A job that spans hosts gives a collective exception longer to turn out an echo (rule 5).
+    assert Policy.from_config(c, shared_fs=True).collective_settle_ns == REMOTE_SETTLE_NS == 2 * 10**9
+    assert Policy.from_config(c, other_hosts=True).collective_settle_ns == REMOTE_SETTLE_NS
+
+
+def test_a_collective_exception_waits_longer_for_an_echo_where_the_job_spans_hosts():
+    # Rank 1's all_reduce failed at t=1 s; rank 2 (on another host) died and its host's
+    # verdict is slow to come: at 1.6 s one host judges, the multi-host policy waits.
+    obs = observed(failures=[failure(1, t=10**9, collective=True)], now=16 * 10**8)
+    assert decide(obs, POLICY).verdict is not None
+    remote = dataclasses.replace(POLICY, collective_settle_ns=REMOTE_SETTLE_NS)
+    d = decide(obs, remote)
+    assert d.verdict is None and d.recheck_at_ns == 10**9 + REMOTE_SETTLE_NS, d
     assert Policy.from_config(_config()) == Policy(parent_wait_ns=100_000_000, default_exit_code=1, hang_timeout_ns=0,
                                                    peer_timeout_ns=0, hang_auto=False)
 

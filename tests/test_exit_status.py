@@ -67,15 +67,23 @@ def test_a_non_zero_exit_is_a_failure_however_it_is_asked_for(make_job, style: s
 
     assert f"success-{FAILING:05d}.json" not in _success_files(job), job.logs()
     codes = job.all_returncodes()
-    assert codes == {r: code for r in range(WORLD)}, f"returncodes {codes}\n{job.logs()}"
-    report = job.report()
+    report = job.cli_report()
+    entries = by_rank(report)
+    # A rank starved of the CPU (a loaded host) that could not acknowledge the verdict within
+    # the ack window is ended by its peers' SIGTERM, by design: then its code is 143, and the
+    # report says so, seen, with a peer as the sender.
+    pids = {e["pid"] for e in entries.values()}
+    terminated = {r for r, c in codes.items() if r != FAILING and c == -signal.SIGTERM and not entries[r]["acked_verdict"]
+                  and entries[r]["signal"] == "SIGTERM" and entries[r]["exit_observed"] and entries[r]["signalled_by"] in pids}
+    assert codes == {r: -signal.SIGTERM if r in terminated else code for r in range(WORLD)}, \
+        f"returncodes {codes}\n{job.logs()}"
     v = report["verdict"]
     assert (v["rank"], v["cause"], v["exit_code"]) == (FAILING, "exit", code), f"{v}\n{job.logs()}"
-    for rank, entry in by_rank(report).items():
+    for rank, entry in entries.items():
         if rank == FAILING:
             assert entry["state"] == "failed", entry
         else:
-            assert (entry["state"], entry["exit_code"]) == ("torn_down", code), entry
+            assert (entry["state"], entry["exit_code"]) == ("torn_down", 143 if rank in terminated else code), entry
 
 
 @pytest.mark.parametrize("how", ["raise_exit:0", "builtin_exit:0", "exit:0", "succeed"])
