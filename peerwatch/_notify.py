@@ -283,7 +283,7 @@ def _wait_holding_gil(pid: int, timeout_s: float) -> None:
 
 
 def kill_running() -> None:
-    """This process is leaving now: end a hook still running (called by flush_and_exit)."""
+    """This process is leaving now: end a hook still running (called by _leave.flush_and_exit)."""
     with _running_lock:
         h = _running
     if h is not None:

@@ -165,18 +165,18 @@ def _user_place(env: Mapping[str, str]) -> Optional[str]:
 
 def _local_fs(path: str) -> bool:
     """Is ``path`` on a filesystem of this host alone (not NFS, Lustre, a FUSE mount...)?"""
-    from . import _sharedfs
+    from . import _mounts
 
     try:
-        with open(_sharedfs.MOUNTINFO) as f:
-            mounts = _sharedfs.parse_mountinfo(f.read())
+        with open(_mounts.MOUNTINFO) as f:
+            mounts = _mounts.parse_mountinfo(f.read())
     except OSError:
         return True  # no mount table (not Linux): as before, a home is taken as local
-    mount = _sharedfs.mount_of(os.path.realpath(path), mounts)
+    mount = _mounts.mount_of(os.path.realpath(path), mounts)
     if mount is None:
         return True
     fstype = mount.fstype
-    return not (_sharedfs.is_network_fs(fstype) or (fstype.startswith("fuse") and fstype not in _LOCAL_FUSE))
+    return not (_mounts.is_network_fs(fstype) or (fstype.startswith("fuse") and fstype not in _LOCAL_FUSE))
 
 
 def _recorded_tmp_base(place: str, tmp: str, uid: int) -> Optional[str]:
