@@ -165,13 +165,7 @@ class RemoteWatch:
         if now < self._next_read:
             return
         self._next_read = now + self.interval_s
-        inodes: Dict[str, int] = {}
-        folder = self.run_dir.join(HEARTBEATS)
-        try:
-            with os.scandir(folder) as it:
-                inodes = {entry.name: entry.inode() for entry in it}
-        except OSError as e:
-            self.run_dir.warn_once(folder, f"cannot be listed ({e.strerror})")
+        inodes = self.run_dir.inodes(HEARTBEATS)
         now_ns = time.monotonic_ns()
         for rank, reg in list(registrations.items()):
             if is_local(reg):

@@ -222,3 +222,55 @@ def test_pure_modules_import_nothing_impure() -> None:
         io = sorted(_stdlib_imports_of(path) & IMPURE_IMPORTS - allowed)
         assert not io, f"{name} is pure but imports {io}"
 
+
+# -- the run directory's files only through its descriptors (issue 25.5) --------------------
+
+# Calls that open, list or look at a path: given a path of RunDir.join(), they would go
+# around the descriptors RunDir holds (RunDir.open_file, open_folder, stat, exists, names).
+_PATH_CALLS = frozenset({
+    "open", "open_regular", "os.open", "os.stat", "os.lstat", "os.listdir", "os.scandir", "os.unlink", "os.remove",
+    "os.rename", "os.replace", "os.mkdir", "os.makedirs", "os.rmdir", "os.chmod", "os.utime", "os.access",
+    "os.readlink", "os.symlink", "os.link", "os.path.exists", "os.path.lexists", "os.path.isfile", "os.path.isdir",
+    "os.path.islink", "os.path.getmtime", "os.path.getsize", "shutil.rmtree", "shutil.move",
+})
+
+
+def _dotted(node: object) -> str:
+    import ast
+
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        return f"{_dotted(node.value)}.{node.attr}"
+    return ""
+
+
+def _joined_path(node: object) -> bool:
+    """``something.join(...)`` that is not ``os.path.join`` nor ``"sep".join``: RunDir.join."""
+    import ast
+
+    return (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "join"
+            and _dotted(node.func.value) not in ("os.path", "posixpath")
+            and not isinstance(node.func.value, ast.Constant))
+
+
+def test_no_module_opens_lists_or_stats_a_path_of_run_dir_join() -> None:
+    import ast
+
+    found = []
+    for path in sorted((_ROOT / "peerwatch").rglob("*.py")):
+        if path.name == "_rundir.py":
+            continue
+        for func in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            joined = {  # names given a path of join() in this function
+                t.id for n in ast.walk(func) if isinstance(n, ast.Assign) and _joined_path(n.value)
+                for t in n.targets if isinstance(t, ast.Name)
+            }
+            for call in ast.walk(func):
+                if isinstance(call, ast.Call) and _dotted(call.func) in _PATH_CALLS:
+                    for arg in call.args[:1]:
+                        if _joined_path(arg) or (isinstance(arg, ast.Name) and arg.id in joined):
+                            found.append(f"{path.name}:{call.lineno} {_dotted(call.func)}(... .join(...))")
+    assert not found, "\n".join(sorted(set(found)))
