@@ -296,7 +296,7 @@ class _BeatLoop:
         run_dir = self.link.run_dir
         fresh_ns = int((STALL_FRESH_BEATS * self.link.config.heartbeat_interval + 1.0) * 1e9)
         try:
-            if time.time_ns() - os.stat(run_dir.join(STALL_FILE)).st_mtime_ns > fresh_ns:
+            if time.time_ns() - run_dir.stat("", STALL_FILE).st_mtime_ns > fresh_ns:
                 return None
         except OSError:
             return None
@@ -341,7 +341,7 @@ class _BeatLoop:
         """Our host/<i>, when it is to be (re)written: first, and when the local ranks changed."""
         run_dir = self.link.run_dir
         try:
-            mtime: Optional[int] = os.stat(run_dir.join(RANKS)).st_mtime_ns
+            mtime: Optional[int] = run_dir.stat(RANKS).st_mtime_ns
         except OSError:
             mtime = None
         if self.index is not None and mtime == self._ranks_mtime:
@@ -391,10 +391,7 @@ class _BeatLoop:
                         _identity.pid_namespace(), self._ranks, self.ident)
 
     def _local_success(self) -> bool:
-        try:
-            return any(name.startswith("success-") for name in os.listdir(self.link.run_dir.join(EVENTS)))
-        except OSError:
-            return False
+        return any(name.startswith("success-") for name in self.link.run_dir.names(EVENTS))
 
     def _host_lost(self, j: int, silent_s: float) -> None:
         self._lost_reported.add(j)
@@ -755,7 +752,7 @@ class Bridge:
         """The beat thread's question: does this host know a verdict already (then a silent
         host or store is its consequence, not news)?"""
         return (self.from_store is not None or self.published
-                or os.path.lexists(self.run_dir.join(EVENTS, VERDICT_FILE)))
+                or self.run_dir.exists(EVENTS, VERDICT_FILE))
 
     def _take_store_verdict(self, data: bytes) -> None:
         """Where the waiter thread hands what the store held (a seam: the load benchmark times it)."""

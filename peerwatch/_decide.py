@@ -69,7 +69,6 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, AbstractSet, Dict, List, Mapping, Optional, Tuple
 
-from ._activity import Activity
 from ._records import (
     BUSY,
     EXCEPTION,
@@ -80,6 +79,7 @@ from ._records import (
     MISSING,
     SIGNAL,
     VANISHED,
+    Activity,
     Diagnosis,
     ExitStatus,
     Failure,

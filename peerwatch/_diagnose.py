@@ -52,8 +52,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
-from ._activity import Activity
-from ._records import BUSY, HANG, MISMATCH
+from ._records import BUSY, HANG, MISMATCH, Activity
 
 FACTOR = 5  # as NVIDIA's resiliency extension: 5x the longest interval seen
 FLOOR_S = 60.0  # never below a minute (unless the collective timeout is shorter)

@@ -106,6 +106,11 @@ def log(event: str, rank: Optional[int], ts: Optional[int] = None, **fields: Any
         append(rd, event, rank, ts, **fields)
 
 
+def note(event: str, rank: Optional[int], **fields: Any) -> None:
+    """:func:`log`, by this process's rank: the ``note`` a teardown records its signals with."""
+    log(event, rank, by=bound_rank(), **fields)
+
+
 def record(rd: RunDir, sub: str, name: str, rec: object, by: Optional[int]) -> bool:
     """Log the record ``rec`` of ``sub/name`` unless someone has (``by``: the rank logging
     it). True if this call logged it. Never raises."""
@@ -284,5 +289,5 @@ def read_run(directory: str) -> list:
     return events
 
 
-__all__ = ["EVENT_LOG", "LOGGED", "MAX_LOG_BYTES", "SCHEMA_VERSION", "append", "bind", "bound", "bound_rank", "describe", "leaving",
+__all__ = ["EVENT_LOG", "LOGGED", "MAX_LOG_BYTES", "SCHEMA_VERSION", "append", "bind", "bound", "bound_rank", "describe", "leaving", "note",
            "log", "log_names", "read", "read_run", "record", "sweep", "wanted_from_scan"]

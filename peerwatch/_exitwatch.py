@@ -146,11 +146,10 @@ def arm(run_dir: RunDir, rank: int, write_success: bool) -> bool:
     if native.armed() == pid:
         native.set_success(write_success)
         return True
-    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
     fds = []
     try:
         for sub in (EVENTS, TMP):
-            fds.append(os.open(run_dir.join(sub), flags))
+            fds.append(run_dir.open_folder(sub))  # the folders as checked, even if the path now names others
         native.arm(
             fds[0], fds[1], pid,
             rank_file("success", rank).encode(), *success_template(rank, pid),

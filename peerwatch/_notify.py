@@ -29,6 +29,7 @@ import os
 import select
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import threading
@@ -178,9 +179,14 @@ def claim(rd: RunDir) -> bool:
     whichever acts first. A run directory shared by several hosts has one claim per host
     (``notified-<host>``): each host runs it once, for its own host-local actions."""
     where = rd
-    nested = rd.join(SPAWNED_RUN)
-    if os.path.isdir(nested) and not os.path.islink(nested):
-        where = RunDir(nested, shared=rd.shared)  # opened by its path, never through a symlink at its end
+    try:
+        nested = stat.S_ISDIR(rd.stat("", SPAWNED_RUN).st_mode)  # a folder, not a symlink to one
+    except OSError:
+        nested = False
+    if nested:
+        # Opened through the held descriptor's path (never the run directory's path again),
+        # and never through a symlink at its end.
+        where = RunDir(rd.at(SPAWNED_RUN), shared=rd.shared)
     name = where.per_host(NOTIFIED_FILE)
     try:
         return where.claim(CLAIMS, name)
@@ -283,7 +289,7 @@ def _wait_holding_gil(pid: int, timeout_s: float) -> None:
 
 
 def kill_running() -> None:
-    """This process is leaving now: end a hook still running (called by flush_and_exit)."""
+    """This process is leaving now: end a hook still running (called by _leave.flush_and_exit)."""
     with _running_lock:
         h = _running
     if h is not None:

@@ -165,18 +165,18 @@ def _user_place(env: Mapping[str, str]) -> Optional[str]:
 
 def _local_fs(path: str) -> bool:
     """Is ``path`` on a filesystem of this host alone (not NFS, Lustre, a FUSE mount...)?"""
-    from . import _sharedfs
+    from . import _mounts
 
     try:
-        with open(_sharedfs.MOUNTINFO) as f:
-            mounts = _sharedfs.parse_mountinfo(f.read())
+        with open(_mounts.MOUNTINFO) as f:
+            mounts = _mounts.parse_mountinfo(f.read())
     except OSError:
         return True  # no mount table (not Linux): as before, a home is taken as local
-    mount = _sharedfs.mount_of(os.path.realpath(path), mounts)
+    mount = _mounts.mount_of(os.path.realpath(path), mounts)
     if mount is None:
         return True
     fstype = mount.fstype
-    return not (_sharedfs.is_network_fs(fstype) or (fstype.startswith("fuse") and fstype not in _LOCAL_FUSE))
+    return not (_mounts.is_network_fs(fstype) or (fstype.startswith("fuse") and fstype not in _LOCAL_FUSE))
 
 
 def _recorded_tmp_base(place: str, tmp: str, uid: int) -> Optional[str]:
@@ -584,7 +584,10 @@ class RunDir:
     written to. A RunDir that was not prepared (``peerwatch report``, tests) opens the
     directory by its path for each operation, never following a symlink at its end.
     Paths that :meth:`join` and :meth:`stack_path` give are for people (logs, the report);
-    code that must open something by path uses :meth:`at`.
+    code that must open something by path uses :meth:`at`, and code that needs a
+    descriptor or a file's metadata :meth:`open_file`, :meth:`open_folder`, :meth:`stat`,
+    :meth:`exists`, :meth:`names` and :meth:`inodes` (no module outside this one opens, lists or stats a
+    path of :meth:`join`: tests/test_import.py checks).
     """
 
     def __init__(self, path: str, shared: Optional[str] = None) -> None:
@@ -985,6 +988,37 @@ class RunDir:
             finally:
                 os.close(fd)
 
+    # -- for callers that need a descriptor or a file's metadata --------------------
+
+    def open_file(self, name: str, flags: int, sub: str = "") -> int:
+        """A descriptor of the regular file ``sub/name`` (:func:`open_regular`: never a
+        symlink, FIFO or device), opened through the folder's held descriptor: a lock file,
+        a flag held open. The caller closes it. Raises OSError."""
+        with self._dir(sub) as dir_fd:
+            return open_regular(name, flags, dir_fd=dir_fd)
+
+    def open_folder(self, sub: str) -> int:
+        """A descriptor of folder ``sub`` of its own (a dup of the held one): for code that
+        keeps it, such as the C exit watch that writes records with ``openat``. The caller
+        closes it. Raises OSError (missing, a symlink, no longer the folder checked)."""
+        with self._dir(sub) as dir_fd:
+            return os.dup(dir_fd)  # non-inheritable, as every descriptor Python makes
+
+    def stat(self, sub: str, name: str = "") -> os.stat_result:
+        """The metadata of ``sub/name`` (of folder ``sub`` itself without ``name``), never
+        following a symlink. Raises OSError."""
+        with self._dir(sub) as dir_fd:
+            return os.stat(name, dir_fd=dir_fd, follow_symlinks=False) if name else os.fstat(dir_fd)
+
+    def exists(self, sub: str, name: str) -> bool:
+        """Is there an entry ``sub/name`` (of any kind, a symlink too)? False where the
+        folder cannot be opened."""
+        try:
+            self.stat(sub, name)
+        except OSError:
+            return False
+        return True
+
     # -- reading -------------------------------------------------------------------
 
     def read_bytes(self, sub: str, name: str, limit: int = MAX_RECORD_BYTES) -> Optional[bytes]:
@@ -1062,6 +1096,18 @@ class RunDir:
         except OSError as e:
             self.warn_once(self.join(sub), f"cannot be listed ({e.strerror})")
             return []
+
+    def inodes(self, sub: str) -> Dict[str, int]:
+        """Every name in folder ``sub`` with its inode, in one listing (a file replaced by a
+        rename shows a new inode); none if it is missing or cannot be listed (warned)."""
+        try:
+            with self._dir(sub) as dir_fd, os.scandir(dir_fd) as it:
+                return {entry.name: entry.inode() for entry in it}
+        except FileNotFoundError:
+            return {}
+        except OSError as e:
+            self.warn_once(self.join(sub), f"cannot be listed ({e.strerror})")
+            return {}
 
     def entries(self, sub: str) -> Iterator[Tuple[str, int, str]]:
         """(prefix, rank, name) of the rank files in sub; other entries are skipped."""

@@ -25,16 +25,28 @@ import logging
 import os
 import threading
 import time
-from typing import Optional, Tuple
+from typing import IO, Optional, Tuple
 
-from . import _bridge, _decide, _enforce, _exitwatch, _launchers, _plan, _report, _sharedfs, _teardown, _terminal
+from . import (
+    _bridge,
+    _decide,
+    _enforce,
+    _exitwatch,
+    _launchers,
+    _leave,
+    _plan,
+    _report,
+    _sharedfs,
+    _teardown,
+    _terminal,
+)
 from ._config import Config
 from ._diagnoser import Diagnoser
 from ._errors import PeerFailure
 from ._eventlog import log as log_event
 from ._eventlog import sweep as sweep_events
 from ._frdump import FlightRecorderDump
-from ._heartbeat import HeartbeatWriter, Progress
+from ._heartbeat import HeartbeatWriter, OwnProgress
 from ._identity import is_local
 from ._notify import Hook, start_hook
 from ._observer import Observer
@@ -128,7 +140,7 @@ class Watcher:
         self.rank = me.rank
         self.stacks = stacks
         self.interrupt_installed = interrupt_installed  # our signal handler raises PeerFailure in the main thread
-        self.progress = Progress()
+        self.progress = OwnProgress()
         self.in_watch = 0
         self.verdict_seen = threading.Event()
         self.done = threading.Event()
@@ -241,6 +253,19 @@ class Watcher:
             # The watcher may have an on_verdict hook to wait for, for its own bound.
             hook_s = self.config.on_verdict_timeout if self.config.on_verdict is not None else 0.0
             self.thread.join(_plan.leave_join_s(self.config.grace, self.config.ack_window) + hook_s)
+
+    def enter_watch(self, delta: int) -> None:
+        """The training thread entered (+1) or left (-1) ``watch()``: it alone writes ``in_watch``."""
+        self.in_watch += delta
+
+    def stack_file(self) -> Optional[IO[str]]:
+        """This rank's stack file, open (for a traceback kept out of the terminal), or None."""
+        return self.stacks.file
+
+    def tell_hosts_succeeded(self) -> None:
+        """Other hosts learn that this rank is ending well (its exit status decides here)."""
+        if self.bridge is not None:
+            self.bridge.on_success()
 
     # -- the thread ----------------------------------------------------------------
 
@@ -430,7 +455,7 @@ class Watcher:
             # This rank stays until its hook ends or its bound passes (a launcher may end
             # what is left of the job once its ranks are gone).
             hook.finish(hold_gil=not plan.stay)
-        _teardown.flush_and_exit(plan.exit_code)
+        _leave.flush_and_exit(plan.exit_code)
 
     def _publish(self, verdict: Verdict) -> Tuple[Verdict, bool]:
         """Write the verdict (first writer wins) and make it known in this process."""

@@ -210,6 +210,35 @@ def test_on_a_shared_run_directory_each_host_claims_the_hook_once(tmp_path: Path
     assert not claim(RunDir(str(run)))  # a host-local run directory: one claim, taken
 
 
+def test_the_nested_run_s_claim_is_taken_in_the_directory_checked_not_a_symlink_in_its_place(tmp_path: Path) -> None:
+    # Issue 25.5: the claim in a nested run (mp.spawn's workers) went through the run
+    # directory's path; renamed away and replaced by a symlink, the claim landed elsewhere.
+    import os
+    import time
+
+    from peerwatch import _identity
+    from peerwatch._notify import CLAIMS, NOTIFIED_FILE, claim
+    from peerwatch._records import Registration
+    from peerwatch._rundir import SPAWNED_RUN, RunDir
+
+    info = _identity.self_info()
+    reg = Registration(rank=0, pid=info.pid, ppid=info.ppid, start_ticks=info.start_ticks, uid=info.uid,
+                       host=_identity.hostname(), boot_id=_identity.boot_id(), pidns=_identity.pid_namespace(),
+                       time_ns=time.time_ns())
+    rd = RunDir(str(tmp_path / "run"))
+    rd.prepare(reg, time.time_ns())
+    (tmp_path / "run" / SPAWNED_RUN).mkdir(mode=0o700)
+    os.rename(tmp_path / "run", tmp_path / "moved")
+    (tmp_path / "decoy" / SPAWNED_RUN).mkdir(parents=True)
+    os.symlink(tmp_path / "decoy", tmp_path / "run")
+    try:
+        assert claim(rd) and not claim(rd)
+        assert (tmp_path / "moved" / SPAWNED_RUN / CLAIMS / NOTIFIED_FILE).is_file()
+        assert not (tmp_path / "decoy" / SPAWNED_RUN / CLAIMS).exists()
+    finally:
+        rd.close()
+
+
 def test_the_keeper_ends_the_whole_tree_at_its_bound_and_only_it(tmp_path: Path) -> None:
     # The keeper alone: its command's status when the tree ends in time; 124 when
     # something was left at the bound, after SIGKILLing it (a setsid'd orphan included);
