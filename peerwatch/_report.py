@@ -77,6 +77,7 @@ def build(rd: RunDir) -> Dict[str, Any]:
         v = dataclasses.asdict(verdict)
         v["detected_at"] = _iso(verdict.detected_at_ns)
         v["failed_at"] = _iso(verdict.failed_at_ns)
+        v["raised_at"] = None if verdict.raised_ns is None else _iso(verdict.raised_ns)
         stack = rd.stack_path(verdict.rank)
         v["stack_file"] = stack if _non_empty(stack) else None
         report["verdict"] = v
@@ -296,9 +297,12 @@ def summary(report: Dict[str, Any], traceback: bool = True) -> str:
         if v.get("signal"):
             extra += f", signal {v['signal']}"
         lines.append(f"  {extra}")
-        delay_ms = (v["detected_at_ns"] - v["failed_at_ns"]) / 1e6
+        # When it failed: as it reached peerwatch (before the wait that tells a cause from an
+        # echo), where the rank said; else when it was recorded or seen.
+        failed_ns = v.get("raised_ns") or v["failed_at_ns"]
+        delay_ms = (v["detected_at_ns"] - failed_ns) / 1e6
         lines.append(
-            f"  failed at {_clock(v['failed_at_ns'])}, verdict by rank {v['detected_by']} at "
+            f"  failed at {_clock(failed_ns)}, verdict by rank {v['detected_by']} at "
             f"{_clock(v['detected_at_ns'])} (+{max(delay_ms, 0.0):.1f} ms)"
         )
     lines.append(f"  {'rank':>4}  {'pid':>7}  {'state':<10} {'exit':>12}  {'step':>6}  stacks")
