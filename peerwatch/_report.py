@@ -100,7 +100,7 @@ def _state(rank: int, reg: Optional[Registration], events: Dict[str, Dict[int, A
         return FAILED
     if rank in events["success"]:
         return FAILED if failed_after_done(rank, events) else SUCCEEDED
-    if rank in events["failure"]:
+    if rank in events["failure"] and not echoed_verdict(rank, events, verdict):
         return FAILED
     if verdict is not None:
         if rank in events["unsignalled"] and rank not in events["ack"] and rank not in events["exit"]:
@@ -109,6 +109,18 @@ def _state(rank: int, reg: Optional[Registration], events: Dict[str, Dict[int, A
     if rank in events["exit"] or (reg is not None and not _identity.seems_alive(reg)):
         return ENDED
     return RUNNING
+
+
+def echoed_verdict(rank: int, events: Dict[str, Dict[int, Any]], verdict: Optional[Verdict]) -> bool:
+    """The rank's own failure is an exception torch.distributed raised (a collective's
+    timeout or "Connection closed by peer") and it acknowledged the verdict on another
+    rank: the echo of that failure (a hang's victims, whose collectives timed out). It is
+    torn down, and exits with the verdict's code (rule 1 of the plan), not its own."""
+    failure = events["failure"].get(rank)
+    return (
+        verdict is not None and verdict.rank != rank and failure is not None and failure.collective
+        and rank in events["ack"]
+    )
 
 
 def failed_after_done(rank: int, events: Dict[str, Dict[int, Any]]) -> bool:
@@ -129,6 +141,8 @@ def _exit_code(
     rather than expected it (the code it said it would exit with, the verdict's code)."""
     if status is not None:
         return returncode_exit_code(status.returncode), True
+    if state == TORN_DOWN and verdict is not None and failure is not None and failure.message != EXIT_MESSAGE:
+        return verdict.exit_code, False  # an echo of the verdict (echoed_verdict): the verdict's code
     if failure is not None and failure.exit_code is not None:
         # Written from the exit status itself (peerwatch._exitstatus), or said beforehand.
         return failure.exit_code, failure.cause == EXIT and failure.message == EXIT_MESSAGE
@@ -346,4 +360,4 @@ def _late_failure(r: Dict[str, Any]) -> str:
     return f"{who(r['rank'], r.get('pid'), r.get('host'))} failed after its success marker{code}"
 
 
-__all__ = ["REPORT_VERSION", "failed_after_done", "build", "exit_text", "summary", "write"]
+__all__ = ["REPORT_VERSION", "echoed_verdict", "failed_after_done", "build", "exit_text", "summary", "write"]
