@@ -228,7 +228,17 @@ def test_a_hangs_victims_whose_collectives_timed_out_are_torn_down_with_the_verd
     import time
 
     from peerwatch import _identity, _report
-    from peerwatch._records import EXCEPTION, HANG, HANG_EXIT_CODE, Ack, ExitStatus, Failure, Registration, Verdict, encode
+    from peerwatch._records import (
+        EXCEPTION,
+        HANG,
+        HANG_EXIT_CODE,
+        Ack,
+        ExitStatus,
+        Failure,
+        Registration,
+        Verdict,
+        encode,
+    )
     from peerwatch._rundir import EVENTS, RANKS, VERDICT_FILE, RunDir, rank_file
 
     me = _identity.self_info()
