@@ -32,6 +32,7 @@ from ._collectives import raised_by_torch_distributed
 from ._errors import PeerFailure
 from ._plan import SETTLE_S
 from ._records import EXCEPTION, EXIT, MAX_TRACEBACK_CHARS, Failure, Verdict
+from ._rundir import RANKS, SPAWN_SUBDIR
 from ._terminal import exception_message
 from ._watcher import Watcher
 
@@ -166,6 +167,36 @@ def spawn_wrapped(caller: Optional[FrameType]) -> Optional[Exception]:
     return handled if isinstance(handled, Exception) else None
 
 
+# What torch.multiprocessing.spawn's main process raises when a worker fails (named, not
+# imported: import peerwatch never imports torch).
+_SPAWN_FAILURES = frozenset((
+    "torch.multiprocessing.spawn.ProcessExitedException", "torch.multiprocessing.spawn.ProcessRaisedException",
+))
+_spawn_noted = False  # spawn_main_note() says it once per process
+
+
+def spawn_main_note(w: Watcher, exc: BaseException) -> Optional[str]:
+    """What to say, once, when ``exc`` tells that this process is torch.multiprocessing.spawn's
+    main process (a worker failed), not a rank of the job: whether its workers were watched
+    (their own run, ``RUN/spawn``) or not (install() ran only here). None otherwise."""
+    global _spawn_noted
+    if _spawn_noted or qualified_name(type(exc)) not in _SPAWN_FAILURES:
+        return None
+    _spawn_noted = True
+    me = _terminal.who(w.rank, w.me.pid, w.me.host)
+    head = (f"peerwatch: {me} is torch.multiprocessing.spawn's main process, not one of its workers: "
+            f"what it raised is a worker's failure")
+    workers = os.path.join(w.run_dir.path, SPAWN_SUBDIR)
+    try:
+        watched = any(name.startswith("rank-") for name in os.listdir(os.path.join(workers, RANKS)))
+    except OSError:
+        watched = False
+    if watched:
+        return f"{head}. Its workers are watched in their own run: peerwatch report {workers} names the one that failed first"
+    return (f"{head}. install() ran only here: its workers were not watched (none was ended at once, no report "
+            "names the worker). Call peerwatch.install(rank=i, world_size=nprocs) at the start of the worker function")
+
+
 def qualified_name(cls: type) -> str:
     module = cls.__module__
     return cls.__qualname__ if module in ("builtins", "__main__") else f"{module}.{cls.__qualname__}"
@@ -238,6 +269,9 @@ def _excepthook(registry: Registry, previous: Callable[..., Any]) -> Callable[..
         if verdict is None:
             record_exception(w, exc, tb, seen_ns)
             previous(exc_type, exc, tb)
+            note = spawn_main_note(w, exc)
+            if note is not None:
+                logger.warning("%s", note)  # below the traceback, above the summary (printed as the process leaves)
             return
         # A peer failed first. The watcher has said so in one line and ends the process
         # with the verdict's code (no exit from here: a hook up the chain, torch's, may
@@ -438,5 +472,5 @@ def install_interrupt_handler(registry: Registry) -> bool:
 
 __all__ = [
     "Registry", "arm_exit_status", "consequence_of_peer_failure", "exception_failure", "exit_status", "install_hooks",
-    "install_interrupt_handler", "qualified_name", "record_exception", "spawn_wrapped", "tell_consequence",
+    "install_interrupt_handler", "qualified_name", "record_exception", "spawn_main_note", "spawn_wrapped", "tell_consequence",
 ]

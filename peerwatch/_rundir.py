@@ -55,6 +55,8 @@ REPORT_FILE = "report.json"
 # RUN/claims/summary: created by the rank that printed the summary, once it is out (the other
 # ranks say their one line after it: rule 4 of peerwatch._plan).
 SUMMARY_FILE = "summary"
+# RUN/spawn: the run of the torch.multiprocessing workers of a process that installed peerwatch
+SPAWN_SUBDIR = "spawn"
 WARN_EACH = 10  # bad files warned about one by one, per folder, record kind and reason; then one summary
 _SUBDIRS = (RANKS, EVENTS, HEARTBEATS, STACKS, TMP)
 
@@ -197,7 +199,7 @@ def _derived(run_dir: Optional[str], env: Mapping[str, str]) -> Tuple[str, str]:
     spawned = is_multiprocessing_child()
     if run_dir:
         if spawned and env.get(OWNER_VAR) == _parent_key() and env.get("PEERWATCH_DIR") == run_dir:
-            return os.path.join(run_dir, "spawn"), "multiprocessing child of a launcher that installed peerwatch"
+            return os.path.join(run_dir, SPAWN_SUBDIR), "multiprocessing child of a launcher that installed peerwatch"
         return run_dir, "PEERWATCH_DIR"
     base = base_dir()
     parent = _parent_key()
@@ -1025,7 +1027,7 @@ class InPlace:
 
 
 __all__ = [
-    "InPlace", "EVENTS", "HEARTBEATS", "NEW_RUN", "OWNER_VAR", "RANKS", "REPORT_FILE", "SUMMARY_FILE", "STACKS", "TMP", "VERDICT_FILE", "DIAGNOSIS_FILE",
+    "InPlace", "EVENTS", "HEARTBEATS", "NEW_RUN", "OWNER_VAR", "RANKS", "REPORT_FILE", "SPAWN_SUBDIR", "SUMMARY_FILE", "STACKS", "TMP", "VERDICT_FILE", "DIAGNOSIS_FILE",
     "REMOTE_STALLS_FILE", "STALL_FILE",
     "FLIGHT_RECORDER", "RunDir", "base_dir", "check_ancestors", "check_trusted", "fr_dump_name", "open_regular", "parse_fr_dump_name",
     "parse_rank_file", "is_multiprocessing_child", "process_key", "rank_file", "resolve", "safe_name", "stack_name",
