@@ -396,6 +396,11 @@ class Watcher:
         plan = _plan.plan(situation)
         acted = time.monotonic()
         leave_by = acted + plan.stay_s
+        if plan.summary_now:
+            # Rule 4: the cause, at once (the failed rank has nothing more to say), before
+            # anything else: torchrun's agent SIGTERMs the workers 0-100 ms after it sees
+            # the dead one. The report is rewritten after the teardown.
+            self._write_report(True)
         if not self._acknowledge(leave_by):
             # Rule 9: the run directory cannot be written; a peer's missing ack is no evidence.
             plan = _plan.plan(dataclasses.replace(situation, ack_written=False))
@@ -413,10 +418,6 @@ class Watcher:
         # The step it stopped at, for the report: after the ack, which the peers wait for
         # (a whole-file write costs a few ms on a busy host).
         self._final_heartbeat()
-        if plan.summary_now:
-            # Rule 4: the cause, at once (the failed rank has nothing more to say), before
-            # the teardown and a launcher's SIGTERM; the report is rewritten after it.
-            self._write_report(True)
         _launchers.on_verdict(verdict)  # Lightning's observer must not SIGKILL us meanwhile
         if plan.write_report and not plan.summary_now and _launchers.ends_workers_early(self.me, verdict):
             self._write_report(False)  # now, before a launcher's SIGTERM; again after the teardown
