@@ -14,9 +14,10 @@ launcher starts ranks 1..N-1, which inherit PEERWATCH_DIR and join rank 0's run.
 PeerWatch callback is optional: it records progress every batch, marks the rank done at
 the end of fit, and reports the verdict through Lightning's logging.
 
-What you will see when a rank fails: the surviving ranks, blocked in DDP's gradient
-all_reduce, each log one line, "peerwatch: rank 0 (pid ... on ...) stops with exit code
-137: rank 1 (pid ... on ...) failed first (killed by SIGKILL)"; the report follows (`peerwatch report DIR` prints it again), and every process is gone
+What you will see when a rank fails: the failing rank's traceback (if it raised), the
+report's summary (`peerwatch report DIR` prints it again), then from each surviving rank,
+blocked in DDP's gradient all_reduce, one line, "peerwatch: rank 0 (pid ... on ...) stops
+with exit code 137: rank 1 (pid ... on ...) failed first (killed by SIGKILL)"; every process is gone
 within milliseconds. Every rank exits with the failing rank's exit code: 137 for a
 SIGKILL (rank 0 is rank 1's parent and reads how it died), 1 for an exception, 3 for
 sys.exit(3). When rank 0 itself is SIGKILLed, only its own parent (your shell) knows

@@ -11,10 +11,10 @@ How to run (CPU, gloo):
     FAIL_HOW   kill (SIGKILL itself, as the OOM killer would; default), raise, exit (sys.exit(3))
     STEPS      steps to train (default 60)
 
-What you will see when a rank fails: every other rank logs one line naming it ("peerwatch:
-rank 0 (pid ... on ...) stops with exit code 1: rank 2 (pid ... on ...) failed first
-(ended without a success marker ...)"), and one of them prints the report (a rank that
-raised prints it itself, below its traceback) (`peerwatch report DIR` prints it again), and
+What you will see when a rank fails: the report's summary, printed by one rank (a rank that
+raised prints it itself, below its traceback; `peerwatch report DIR` prints it again), then
+every other rank logs one line naming it ("peerwatch: rank 0 (pid ... on ...) stops with
+exit code 1: rank 2 (pid ... on ...) failed first (ended without a success marker ...)"), and
 torchrun ends as it would without peerwatch: it names rank 2 as the root cause
 ("Root Cause (first observed failure): ... rank 2 ... exitcode -9 (SIGKILL)") and exits
 1, or, with --max-restarts, restarts the workers: a restart is a new run directory

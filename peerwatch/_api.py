@@ -198,10 +198,11 @@ class watch:
         if exc is None or (isinstance(exc, SystemExit) and exc.code in (None, 0) and not isinstance(exc, PeerFailure)):
             w.record_success()
         elif not isinstance(exc, PeerFailure):
+            seen_ns = time.time_ns()  # the failure's time: before the settle wait
             verdict = _hooks.consequence_of_peer_failure(w)
             if verdict is not None:
                 raise PeerFailure.from_verdict(verdict) from exc
-            _hooks.record_exception(w, exc, tb)
+            _hooks.record_exception(w, exc, tb, seen_ns)
 
 
 # -- progress -----------------------------------------------------------------------
@@ -264,9 +265,10 @@ def record_exception(exc: BaseException) -> Optional[Verdict]:
         return None
     if isinstance(exc, SystemExit) and exc.code in (None, 0):
         return None
+    seen_ns = time.time_ns()  # the failure's time: before the settle wait
     verdict = _hooks.consequence_of_peer_failure(w)
     if verdict is None:
-        _hooks.record_exception(w, exc, exc.__traceback__)
+        _hooks.record_exception(w, exc, exc.__traceback__, seen_ns)
     return verdict
 
 

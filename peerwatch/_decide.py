@@ -519,6 +519,7 @@ def _from_failure(obs: Observed, f: Failure, policy: Policy) -> Verdict:
         cause=f.cause,
         exit_code=exit_code_for(f.exit_code, policy),
         failed_at_ns=f.time_ns,
+        raised_ns=f.raised_ns,
         returncode=f.exit_code,
         exception=f.exception,
         message=f.message,

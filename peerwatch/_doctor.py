@@ -3,7 +3,10 @@ then a live self-test: a real 4-rank job, one rank SIGKILLed, the teardown timed
 
 Each check is one line: ``ok``, ``warn`` (peerwatch works, on a slower or narrower path;
 the line says which) or ``fail`` (peerwatch cannot do its job here), what it means for
-peerwatch and the fix. torch is imported only here, inside the checks that need it.
+peerwatch and the fix. torch is never imported by the checks in the doctor's own process:
+importing it takes 5-60 s on a loaded machine. What the torch and GPU lines need is asked of
+a child process (:func:`torch_facts`), once, under a time limit; only the self-test's GPU
+memory check imports it here.
 
 The self-test's ranks are this module run as ``python -m peerwatch._doctor --rank``.
 """
@@ -295,31 +298,109 @@ def _write_fails(folder: str) -> Optional[str]:
     return None
 
 
-def check_torch() -> Check:
+TORCH_PROBE_TIMEOUT_S = 120.0  # the child that imports torch: 5-60 s measured on 2 loaded cores
+# Run as ``python -c`` in a child: what the torch and GPU lines need, as one JSON line.
+_TORCH_PROBE = '''
+import json
+facts = {"installed": True}
+try:
+    import torch
+except ImportError:
+    facts["installed"] = False
+except Exception as e:
+    facts["error"] = str(e) or type(e).__name__
+else:
+    facts["version"] = str(torch.__version__)
     try:
-        import torch
-    except ImportError:
-        return Check("torch", OK, "not installed", "peerwatch watches plain processes; without torch.distributed there is "
-                     "no store bridge (a multi-host job's hosts do not learn of each other's failures)")
-    except Exception as e:  # noqa: BLE001 - a broken install is the finding
-        return Check("torch", WARN, f"import torch failed: {e}", "no store bridge; hangs are not placed in a collective",
-                     "repair the torch installation")
-    parts = [f"torch {torch.__version__}"]
+        facts["gpus"] = int(torch.cuda.device_count()) if torch.cuda.is_available() else 0
+    except Exception:
+        facts["gpus"] = 0
     try:
         import torch.distributed as dist
-    except Exception as e:  # noqa: BLE001
-        return Check("torch", WARN, f"{parts[0]}; torch.distributed cannot be imported ({e})",
+    except Exception as e:
+        facts["dist_error"] = str(e) or type(e).__name__
+    else:
+        facts["dist"] = bool(dist.is_available())
+        if facts["dist"]:
+            facts["gloo"] = bool(dist.is_gloo_available())
+            facts["nccl"] = bool(dist.is_nccl_available())
+            c10d = getattr(torch._C, "_distributed_c10d", None)
+            names = ("_dump_fr_trace_json", "_dump_nccl_trace_json", "_dump_nccl_trace", "_dump_fr_trace")
+            facts["fr"] = [n for n in names if callable(getattr(c10d, n, None))]
+print(json.dumps(facts))
+'''
+_torch_facts: Optional[Dict[str, Any]] = None
+_probe: Optional[subprocess.Popen] = None  # the child, started early (start_torch_probe) while other checks run
+
+
+def start_torch_probe() -> None:
+    """Start the child that imports torch now, so that it works while the other checks run."""
+    global _probe
+    if _probe is None and _torch_facts is None:
+        try:
+            _probe = subprocess.Popen([sys.executable, "-c", _TORCH_PROBE], stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
+        except OSError:
+            _probe = None  # torch_facts() says why
+
+
+def torch_facts() -> Dict[str, Any]:
+    """What this machine's torch is (version, torch.distributed, its backends and flight
+    recorder, the GPUs it sees), asked of a child process once, within
+    :data:`TORCH_PROBE_TIMEOUT_S`: ``{"installed": False}`` without torch; an ``"error"``
+    key where importing it failed or took too long. Never raises."""
+    global _torch_facts
+    if _torch_facts is None:
+        _torch_facts = _probe_torch()
+    return _torch_facts
+
+
+def _probe_torch() -> Dict[str, Any]:
+    global _probe
+    start_torch_probe()
+    child, _probe = _probe, None
+    if child is None:
+        return {"installed": True, "error": "no child process could be started to import it in"}
+    try:
+        stdout, stderr = child.communicate(timeout=TORCH_PROBE_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.communicate()
+        return {"installed": True, "error": f"importing it took more than {TORCH_PROBE_TIMEOUT_S:g}s "
+                "(in a child process; not checked)"}
+    lines = stdout.strip().splitlines()
+    try:
+        facts = json.loads(lines[-1]) if lines else None
+    except ValueError:
+        facts = None
+    if not isinstance(facts, dict):
+        tail = (stderr.strip().splitlines() or [f"exit status {child.returncode}"])[-1]
+        return {"installed": True, "error": f"importing it ended its process: {tail}"}
+    return facts
+
+
+def check_torch() -> Check:
+    facts = torch_facts()
+    if not facts.get("installed", True):
+        return Check("torch", OK, "not installed", "peerwatch watches plain processes; without torch.distributed there is "
+                     "no store bridge (a multi-host job's hosts do not learn of each other's failures)")
+    if "error" in facts:  # a broken install is the finding
+        return Check("torch", WARN, f"import torch failed: {facts['error']}",
+                     "no store bridge; hangs are not placed in a collective", "repair the torch installation")
+    parts = [f"torch {facts.get('version', '?')}"]
+    if "dist_error" in facts:
+        return Check("torch", WARN, f"{parts[0]}; torch.distributed cannot be imported ({facts['dist_error']})",
                      "no store bridge: a multi-host job's hosts do not learn of each other's failures", "a torch build with distributed")
-    if not dist.is_available():
+    if not facts.get("dist"):
         return Check("torch", WARN, f"{parts[0]}; built without torch.distributed",
                      "no store bridge: a multi-host job's hosts do not learn of each other's failures", "a torch build with distributed")
-    parts.append("gloo " + ("yes" if dist.is_gloo_available() else "no"))
-    parts.append("nccl " + ("yes" if dist.is_nccl_available() else "no"))
-    c10d = getattr(torch._C, "_distributed_c10d", None)
+    parts.append("gloo " + ("yes" if facts.get("gloo") else "no"))
+    parts.append("nccl " + ("yes" if facts.get("nccl") else "no"))
     # What the hang diagnosis reads every heartbeat (_collectives), and what each rank
     # leaves beside the report for torch's analyzer (_frdump).
-    reads = [n for n in ("_dump_fr_trace_json", "_dump_nccl_trace_json") if callable(getattr(c10d, n, None))]
-    dumps = [n for n in ("_dump_nccl_trace", "_dump_fr_trace") if callable(getattr(c10d, n, None))]
+    fr = [str(n) for n in facts.get("fr", [])]
+    reads: List[str] = [n for n in ("_dump_fr_trace_json", "_dump_nccl_trace_json") if n in fr]
+    dumps: List[str] = [n for n in ("_dump_nccl_trace", "_dump_fr_trace") if n in fr]
     parts.append("flight recorder " + (f"yes ({', '.join(reads + dumps)})" if reads or dumps else "no"))
     if not reads:
         return Check("torch", WARN, ", ".join(parts),
@@ -333,12 +414,10 @@ def check_torch() -> Check:
 
 
 def gpu_count() -> int:
-    """GPUs torch can use here (0 without torch or CUDA)."""
+    """GPUs torch can use here (0 without torch or CUDA), asked of a child (:func:`torch_facts`)."""
     try:
-        import torch
-
-        return int(torch.cuda.device_count()) if torch.cuda.is_available() else 0
-    except Exception:  # noqa: BLE001
+        return int(torch_facts().get("gpus", 0))
+    except (TypeError, ValueError):
         return 0
 
 
@@ -384,6 +463,7 @@ CHECKS: List[Callable[[], Check]] = [
 
 
 def run_checks() -> List[Check]:
+    start_torch_probe()  # torch is imported in a child meanwhile
     results = []
     for fn in CHECKS:
         name = fn.__name__[len("check_"):]
@@ -473,11 +553,8 @@ def _carrying(token: str) -> List[int]:
 
 def _self_test_mode() -> Tuple[int, str, str]:
     """The GPUs, the self-test's mode and its label: the most this machine can run."""
-    torch_here = True
-    try:
-        import torch  # noqa: F401
-    except Exception:  # noqa: BLE001
-        torch_here = False
+    facts = torch_facts()
+    torch_here = facts.get("installed", True) and "error" not in facts
     gpus = gpu_count() if torch_here else 0
     mode = "nccl" if gpus >= 2 else "cuda" if gpus == 1 else "gloo" if torch_here else "python"
     label = {"nccl": f"NCCL on {gpus} GPUs", "cuda": "gloo, ranks holding CUDA memory on 1 GPU",
@@ -759,4 +836,4 @@ if __name__ == "__main__":
         sys.exit(main())
 
 
-__all__ = ["Check", "gpu_count", "inotify_in_use", "main", "run_checks", "run_self_test"]
+__all__ = ["TORCH_PROBE_TIMEOUT_S", "Check", "gpu_count", "inotify_in_use", "main", "run_checks", "run_self_test", "start_torch_probe", "torch_facts"]

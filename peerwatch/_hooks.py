@@ -32,6 +32,7 @@ from ._collectives import raised_by_torch_distributed
 from ._errors import PeerFailure
 from ._plan import SETTLE_S
 from ._records import EXCEPTION, EXIT, MAX_TRACEBACK_CHARS, Failure, Verdict
+from ._rundir import RANKS, SPAWNED_RUN
 from ._terminal import exception_message
 from ._watcher import Watcher
 
@@ -108,8 +109,10 @@ def exit_status(status: Any) -> int:
     return 1  # sys.exit("message") prints it and exits 1
 
 
-def record_exception(w: Watcher, exc: BaseException, tb: Optional[TracebackType]) -> None:
-    """Record ``exc`` as this rank's failure (unless a verdict on a peer is known already)."""
+def record_exception(w: Watcher, exc: BaseException, tb: Optional[TracebackType], seen_ns: Optional[int] = None) -> None:
+    """Record ``exc`` as this rank's failure (unless a verdict on a peer is known already).
+    ``seen_ns``: when it reached us (``time.time_ns()``), before any wait of ours; the
+    failure's own time, as near to its raise as peerwatch can see (``raised_ns``)."""
     v = w.verdict
     if v is not None and v.rank != w.rank:
         return  # we are being torn down: what we raise now is a consequence, not a cause
@@ -119,19 +122,22 @@ def record_exception(w: Watcher, exc: BaseException, tb: Optional[TracebackType]
             return
         text = "".join(traceback.format_exception(type(exc), exc, tb))
         w.record_failure(Failure(
-            rank=w.rank, pid=os.getpid(), time_ns=time.time_ns(), cause=EXIT, exit_code=code,
+            rank=w.rank, pid=os.getpid(), time_ns=time.time_ns(), raised_ns=seen_ns, cause=EXIT, exit_code=code,
             message=f"SystemExit({exc.code!r})", traceback=text[-MAX_TRACEBACK_CHARS:],
             thread=threading.current_thread().name,
         ))
         return
-    w.record_failure(exception_failure(w, exc, tb, 130 if isinstance(exc, KeyboardInterrupt) else 1))
+    w.record_failure(exception_failure(w, exc, tb, 130 if isinstance(exc, KeyboardInterrupt) else 1, seen_ns))
 
 
-def exception_failure(w: Watcher, exc: BaseException, tb: Optional[TracebackType], code: int) -> Failure:
-    """This rank's failure record for ``exc``, leaving with exit code ``code``."""
+def exception_failure(
+    w: Watcher, exc: BaseException, tb: Optional[TracebackType], code: int, seen_ns: Optional[int] = None,
+) -> Failure:
+    """This rank's failure record for ``exc``, leaving with exit code ``code``; ``seen_ns``
+    is when it reached peerwatch, before any wait of ours (its ``raised_ns``)."""
     text = "".join(traceback.format_exception(type(exc), exc, tb))
     return Failure(
-        rank=w.rank, pid=os.getpid(), time_ns=time.time_ns(), cause=EXCEPTION, exit_code=code,
+        rank=w.rank, pid=os.getpid(), time_ns=time.time_ns(), raised_ns=seen_ns, cause=EXCEPTION, exit_code=code,
         exception=qualified_name(type(exc)), message=exception_message(exc), traceback=text[-MAX_TRACEBACK_CHARS:],
         thread=threading.current_thread().name, collective=raised_by_torch_distributed(exc, tb),
     )
@@ -159,6 +165,36 @@ def spawn_wrapped(caller: Optional[FrameType]) -> Optional[Exception]:
         return None
     handled = sys.exc_info()[1]  # what the wrapper's "except Exception:" is handling
     return handled if isinstance(handled, Exception) else None
+
+
+# What torch.multiprocessing.spawn's main process raises when a worker fails (named, not
+# imported: import peerwatch never imports torch).
+_SPAWN_FAILURES = frozenset((
+    "torch.multiprocessing.spawn.ProcessExitedException", "torch.multiprocessing.spawn.ProcessRaisedException",
+))
+_spawn_noted = False  # spawn_main_note() says it once per process
+
+
+def spawn_main_note(w: Watcher, exc: BaseException) -> Optional[str]:
+    """What to say, once, when ``exc`` tells that this process is torch.multiprocessing.spawn's
+    main process (a worker failed), not a rank of the job: whether its workers were watched
+    (their own run, ``RUN/spawn``) or not (install() ran only here). None otherwise."""
+    global _spawn_noted
+    if _spawn_noted or qualified_name(type(exc)) not in _SPAWN_FAILURES:
+        return None
+    _spawn_noted = True
+    me = _terminal.who(w.rank, w.me.pid, w.me.host)
+    head = (f"peerwatch: {me} is torch.multiprocessing.spawn's main process, not one of its workers: "
+            f"what it raised is a worker's failure")
+    workers = os.path.join(w.run_dir.path, SPAWNED_RUN)
+    try:
+        watched = any(name.startswith("rank-") for name in os.listdir(os.path.join(workers, RANKS)))
+    except OSError:
+        watched = False
+    if watched:
+        return f"{head}. Its workers are watched in their own run: peerwatch report {workers} names the one that failed first"
+    return (f"{head}. install() ran only here: its workers were not watched (none was ended at once, no report "
+            "names the worker). Call peerwatch.install(rank=i, world_size=nprocs) at the start of the worker function")
 
 
 def qualified_name(cls: type) -> str:
@@ -224,14 +260,18 @@ def install_hooks(registry: Registry) -> None:
 
 def _excepthook(registry: Registry, previous: Callable[..., Any]) -> Callable[..., None]:
     def excepthook(exc_type: Type[BaseException], exc: BaseException, tb: Optional[TracebackType]) -> None:
+        seen_ns = time.time_ns()  # the failure's time: before the settle wait below (up to SETTLE_S)
         w = registry.active()
         if w is None or isinstance(exc, PeerFailure):
             previous(exc_type, exc, tb)
             return
         verdict = consequence_of_peer_failure(w)
         if verdict is None:
-            record_exception(w, exc, tb)
+            record_exception(w, exc, tb, seen_ns)
             previous(exc_type, exc, tb)
+            note = spawn_main_note(w, exc)
+            if note is not None:
+                logger.warning("%s", note)  # below the traceback, above the summary (printed as the process leaves)
             return
         # A peer failed first. The watcher has said so in one line and ends the process
         # with the verdict's code (no exit from here: a hook up the chain, torch's, may
@@ -301,6 +341,7 @@ def _record_exit_call(registry: Registry, status: Any, call: str, caller: Option
     non-zero exit of the main thread (outside watch(), whose __exit__ sees it) as this
     rank's failure, with the stack of the caller (``call`` names the call, ``caller`` is
     the frame it was made from)."""
+    seen_ns = time.time_ns()  # the exit's time: before the settle wait of consequence_of_peer_failure
     w = registry.active()
     if w is None or threading.current_thread() is not threading.main_thread() or w.in_watch:
         return
@@ -314,11 +355,11 @@ def _record_exit_call(registry: Registry, status: Any, call: str, caller: Option
         # The exception is the cause (its type, message and traceback), judged as if it had
         # reached the excepthook: one raised by torch.distributed is an echo (rule 5 of
         # _decide). The exit code is the one the process exits with.
-        w.record_failure(exception_failure(w, raised, raised.__traceback__, code))
+        w.record_failure(exception_failure(w, raised, raised.__traceback__, code, seen_ns))
         return
     stack = "".join(traceback.format_stack(caller))
     w.record_failure(Failure(
-        rank=w.rank, pid=os.getpid(), time_ns=time.time_ns(), cause=EXIT, exit_code=code,
+        rank=w.rank, pid=os.getpid(), time_ns=time.time_ns(), raised_ns=seen_ns, cause=EXIT, exit_code=code,
         message=call, traceback=stack[-MAX_TRACEBACK_CHARS:], thread=threading.current_thread().name,
     ))
 
@@ -430,5 +471,5 @@ def install_interrupt_handler(registry: Registry) -> bool:
 
 __all__ = [
     "Registry", "arm_exit_status", "consequence_of_peer_failure", "exception_failure", "exit_status", "install_hooks",
-    "install_interrupt_handler", "qualified_name", "record_exception", "spawn_wrapped", "tell_consequence",
+    "install_interrupt_handler", "qualified_name", "record_exception", "spawn_main_note", "spawn_wrapped", "tell_consequence",
 ]

@@ -25,7 +25,13 @@ the tests):
    the cause, writing the report to build it: a failing rank that is leaving by itself
    (it recorded its own exception or exit, and is alive on this host) prints it once its
    main thread has left, below its own traceback; otherwise the writer of the verdict
-   prints it.
+   prints it, at once (before its teardown: a launcher that ends its workers as soon as
+   it sees the failed one, torchrun's agent, must not cut it off). Every other rank says
+   its one line (:func:`peerwatch._terminal.stop_line`) after the summary, once it is out
+   (:data:`peerwatch._rundir.SUMMARY_FILE`), waiting for it at most
+   :data:`SUMMARY_WAIT_S` from the verdict, then says it all the same (the rank that was
+   to print the summary may never get to: it may be SIGKILLed too). So a person reads the cause, the summary, then
+   the other ranks, in that order however the processes are scheduled.
 5. **The ack window.** Peers get ``ack_window`` to acknowledge. While acknowledgements
    keep arriving the machine is busy rather than the peers stuck (128 ranks on 2 cores
    take a while to be scheduled): the window stretches to ``ack_window / 4`` after the
@@ -68,6 +74,9 @@ LAST_RESORT_EXTRA_S = 2.0  # rule 7
 SETTLE_S = 0.25  # how long a failing rank waits for its watcher's look at the peers (rule 8)
 LEAVE_EXTRA_S = 2.0  # rule 8
 BLIND_GRACES = 2  # rule 9: a blind enforcer's window is ack_window + 2 x grace
+# Rule 4: how long after the verdict a rank that does not print the summary waits for it
+# before it leaves (it waits meanwhile only once its own share of the teardown is done).
+SUMMARY_WAIT_S = 1.0
 _LEAVES_BY_ITSELF = (EXCEPTION, EXIT)  # rule 2: causes whose rank's main thread is already leaving
 
 
@@ -99,6 +108,8 @@ class Plan:
     enforcer: bool
     write_report: bool  # now, as the teardown begins (a summary after the main thread left is written then)
     print_summary: bool
+    summary_now: bool  # print it at the verdict, before the teardown (rule 4: not a failing rank that stays)
+    stop_line: bool  # say this rank's one line, once the summary is out (rule 4)
     sweep_records: bool  # log the records not logged yet to the event log before leaving (rule 4)
     last_resort_s: float  # faulthandler ends the process after this, whatever happens
     ack_window_s: float = 0.0  # how long an enforcer waits for its peers (rule 5; rule 9 when blind)
@@ -146,6 +157,8 @@ def plan(s: Situation) -> Plan:
         enforcer=enforcer,
         write_report=first_enforcer or summary_now,
         print_summary=print_summary,
+        summary_now=summary_now,
+        stop_line=not mine,
         sweep_records=first_enforcer,
         last_resort_s=s.ack_window_s + extra_s + LAST_RESORT_GRACES * s.grace_s + LAST_RESORT_EXTRA_S,
         ack_window_s=s.ack_window_s + extra_s,
@@ -226,6 +239,6 @@ def ask_for_stacks(rank: int, finished: AbstractSet[int]) -> bool:
 
 
 __all__ = [
-    "BLIND_GRACES", "ENFORCERS", "AckWindow", "Plan", "Situation", "ask_for_stacks", "enforcers", "exit_code", "leave_join_s", "missing_ranks",
+    "BLIND_GRACES", "ENFORCERS", "SUMMARY_WAIT_S", "AckWindow", "Plan", "Situation", "ask_for_stacks", "enforcers", "exit_code", "leave_join_s", "missing_ranks",
     "pending", "plan", "verdict_wait_s",
 ]

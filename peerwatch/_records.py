@@ -101,6 +101,10 @@ class Failure:
     # Raised by torch.distributed (a collective, DDP's reducer, the store): most often the
     # echo of another rank's failure ("Connection reset by peer"), so judged a moment later.
     collective: bool = False
+    # When the exception (or exit) reached peerwatch, before the settle wait that tells a
+    # cause from an echo (up to 0.25 s): the failure's own time, for people. ``time_ns`` is
+    # when it was recorded, and what the rules of _decide count from.
+    raised_ns: Optional[int] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,6 +187,7 @@ class Verdict:
     detail: str = ""
     oom_suspected: bool = False
     laggards: Tuple[int, ...] = ()  # for a hang: the ranks holding the job up, most likely first
+    raised_ns: Optional[int] = None  # a failure's own time, where it said (Failure.raised_ns); failed_at_ns is its record's
 
 
 @dataclasses.dataclass(frozen=True)

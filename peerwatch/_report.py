@@ -77,6 +77,7 @@ def build(rd: RunDir) -> Dict[str, Any]:
         v = dataclasses.asdict(verdict)
         v["detected_at"] = _iso(verdict.detected_at_ns)
         v["failed_at"] = _iso(verdict.failed_at_ns)
+        v["raised_at"] = None if verdict.raised_ns is None else _iso(verdict.raised_ns)
         stack = rd.stack_path(verdict.rank)
         v["stack_file"] = stack if _non_empty(stack) else None
         report["verdict"] = v
@@ -99,7 +100,7 @@ def _state(rank: int, reg: Optional[Registration], events: Dict[str, Dict[int, A
         return FAILED
     if rank in events["success"]:
         return FAILED if failed_after_done(rank, events) else SUCCEEDED
-    if rank in events["failure"]:
+    if rank in events["failure"] and not echoed_verdict(rank, events, verdict):
         return FAILED
     if verdict is not None:
         if rank in events["unsignalled"] and rank not in events["ack"] and rank not in events["exit"]:
@@ -108,6 +109,18 @@ def _state(rank: int, reg: Optional[Registration], events: Dict[str, Dict[int, A
     if rank in events["exit"] or (reg is not None and not _identity.seems_alive(reg)):
         return ENDED
     return RUNNING
+
+
+def echoed_verdict(rank: int, events: Dict[str, Dict[int, Any]], verdict: Optional[Verdict]) -> bool:
+    """The rank's own failure is an exception torch.distributed raised (a collective's
+    timeout or "Connection closed by peer") and it acknowledged the verdict on another
+    rank: the echo of that failure (a hang's victims, whose collectives timed out). It is
+    torn down, and exits with the verdict's code (rule 1 of the plan), not its own."""
+    failure = events["failure"].get(rank)
+    return (
+        verdict is not None and verdict.rank != rank and failure is not None and failure.collective
+        and rank in events["ack"]
+    )
 
 
 def failed_after_done(rank: int, events: Dict[str, Dict[int, Any]]) -> bool:
@@ -128,6 +141,8 @@ def _exit_code(
     rather than expected it (the code it said it would exit with, the verdict's code)."""
     if status is not None:
         return returncode_exit_code(status.returncode), True
+    if state == TORN_DOWN and verdict is not None and failure is not None and failure.message != EXIT_MESSAGE:
+        return verdict.exit_code, False  # an echo of the verdict (echoed_verdict): the verdict's code
     if failure is not None and failure.exit_code is not None:
         # Written from the exit status itself (peerwatch._exitstatus), or said beforehand.
         return failure.exit_code, failure.cause == EXIT and failure.message == EXIT_MESSAGE
@@ -296,9 +311,12 @@ def summary(report: Dict[str, Any], traceback: bool = True) -> str:
         if v.get("signal"):
             extra += f", signal {v['signal']}"
         lines.append(f"  {extra}")
-        delay_ms = (v["detected_at_ns"] - v["failed_at_ns"]) / 1e6
+        # When it failed: as it reached peerwatch (before the wait that tells a cause from an
+        # echo), where the rank said; else when it was recorded or seen.
+        failed_ns = v.get("raised_ns") or v["failed_at_ns"]
+        delay_ms = (v["detected_at_ns"] - failed_ns) / 1e6
         lines.append(
-            f"  failed at {_clock(v['failed_at_ns'])}, verdict by rank {v['detected_by']} at "
+            f"  failed at {_clock(failed_ns)}, verdict by rank {v['detected_by']} at "
             f"{_clock(v['detected_at_ns'])} (+{max(delay_ms, 0.0):.1f} ms)"
         )
     lines.append(f"  {'rank':>4}  {'pid':>7}  {'state':<10} {'exit':>12}  {'step':>6}  stacks")
@@ -342,4 +360,4 @@ def _late_failure(r: Dict[str, Any]) -> str:
     return f"{who(r['rank'], r.get('pid'), r.get('host'))} failed after its success marker{code}"
 
 
-__all__ = ["REPORT_VERSION", "failed_after_done", "build", "exit_text", "summary", "write"]
+__all__ = ["REPORT_VERSION", "echoed_verdict", "failed_after_done", "build", "exit_text", "summary", "write"]

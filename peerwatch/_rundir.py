@@ -52,6 +52,9 @@ REMOTE_STALLS_FILE = "stalls-remote.json"
 FLIGHT_RECORDER = "flight_recorder"
 _FR_PREFIX = "rank_"
 REPORT_FILE = "report.json"
+# RUN/claims/summary: created by the rank that printed the summary, once it is out (the other
+# ranks say their one line after it: rule 4 of peerwatch._plan).
+SUMMARY_FILE = "summary"
 WARN_EACH = 10  # bad files warned about one by one, per folder, record kind and reason; then one summary
 _SUBDIRS = (RANKS, EVENTS, HEARTBEATS, STACKS, TMP)
 
@@ -1221,8 +1224,8 @@ class InPlace:
 
 
 __all__ = [
-    "InPlace", "EVENTS", "HEARTBEATS", "NEW_RUN", "OWNER_VAR", "RANKS", "REPORT_FILE", "STACKS", "TMP", "VERDICT_FILE", "DIAGNOSIS_FILE",
-    "REMOTE_STALLS_FILE", "SPAWNED_RUN", "STALL_FILE",
+    "InPlace", "EVENTS", "HEARTBEATS", "NEW_RUN", "OWNER_VAR", "RANKS", "REPORT_FILE", "SUMMARY_FILE", "STACKS", "TMP", "VERDICT_FILE",
+    "DIAGNOSIS_FILE", "REMOTE_STALLS_FILE", "SPAWNED_RUN", "STALL_FILE",
     "FLIGHT_RECORDER", "RunDir", "base_dir", "check_ancestors", "check_trusted", "fr_dump_name", "open_regular", "parse_fr_dump_name",
     "parse_rank_file", "is_multiprocessing_child", "process_key", "rank_file", "resolve", "safe_name", "stack_name",
 ]

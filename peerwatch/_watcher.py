@@ -48,11 +48,11 @@ from ._eventlog import sweep as sweep_events
 from ._frdump import FlightRecorderDump
 from ._heartbeat import HeartbeatWriter, OwnProgress
 from ._identity import is_local
-from ._notify import Hook, start_hook
+from ._notify import CLAIMS, Hook, start_hook
 from ._observer import Observer
 from ._records import EXCEPTION, WATCHER_DEATH, Ack, Failure, Registration, Success, Verdict, WatcherDeath, encode
 from ._records import warm as warm_record_types
-from ._rundir import EVENTS, REPORT_FILE, VERDICT_FILE, RunDir, rank_file
+from ._rundir import EVENTS, REPORT_FILE, SUMMARY_FILE, VERDICT_FILE, RunDir, rank_file
 from ._schedule import Schedule
 from ._sources import pidfd_supported
 from ._stacks import StackFile
@@ -62,6 +62,7 @@ logger = logging.getLogger("peerwatch")
 POLL_FALLBACK_S = 0.1  # where pidfds or inotify are missing: how often we look instead
 HANG_JUDGES = 2  # the lowest live local ranks judge hangs: O(N) heartbeat reads per host, not N^2
 STALE_BEATS = 3  # a peer whose heartbeat is this many intervals old has a silent watcher
+SUMMARY_POLL_S = 0.01  # how often a rank that says a line after the summary looks for it (only during a teardown)
 
 
 class Outcome:
@@ -414,7 +415,13 @@ class Watcher:
             failed_rank_speaks=self._speaks(verdict),
         )
         plan = _plan.plan(situation)
-        leave_by = time.monotonic() + plan.stay_s
+        acted = time.monotonic()
+        leave_by = acted + plan.stay_s
+        if plan.summary_now:
+            # Rule 4: the cause, at once (the failed rank has nothing more to say), before
+            # anything else: torchrun's agent SIGTERMs the workers 0-100 ms after it sees
+            # the dead one. The report is rewritten after the teardown.
+            self._write_report(True)
         if not self._acknowledge(leave_by):
             # Rule 9: the run directory cannot be written; a peer's missing ack is no evidence.
             plan = _plan.plan(dataclasses.replace(situation, ack_written=False))
@@ -429,12 +436,11 @@ class Watcher:
         self.stacks.arm_last_resort(plan.last_resort_s)
         if self.bridge is not None:
             self.bridge.on_verdict(verdict)  # other hosts tear down too (at most ~1 s, 2 s taking over; after our ack)
-        self._announce(verdict, plan)
         # The step it stopped at, for the report: after the ack, which the peers wait for
         # (a whole-file write costs a few ms on a busy host).
         self._final_heartbeat()
         _launchers.on_verdict(verdict)  # Lightning's observer must not SIGKILL us meanwhile
-        if plan.write_report and _launchers.ends_workers_early(self.me, verdict):
+        if plan.write_report and not plan.summary_now and _launchers.ends_workers_early(self.me, verdict):
             self._write_report(False)  # now, before a launcher's SIGTERM; again after the teardown
         self.stacks.dump()
         # Before the training thread is interrupted: the collective it waits in is recorded
@@ -444,6 +450,8 @@ class Watcher:
             _teardown.raise_in_main_thread(PeerFailure.bound_to(verdict), self.interrupt_installed)
         hook = self._carry_out(verdict, plan, leave_by)
         self._final_heartbeat()
+        if plan.stop_line:
+            self._announce(verdict, plan, acted + _plan.SUMMARY_WAIT_S)
         _launchers.before_exit(self.me, self.run_dir, verdict)  # under torchrun: the agent sees the failed worker first
         if plan.sweep_records:
             sweep_events(self.run_dir, self.rank)  # the last records of peers that left meanwhile
@@ -488,14 +496,21 @@ class Watcher:
         ack = Ack(rank=self.rank, pid=os.getpid(), time_ns=time.time_ns(), deadline_ns=int(leave_by * 1e9))
         return self.observer.write_event(rank_file("ack", self.rank), ack)
 
-    def _announce(self, verdict: Verdict, plan: _plan.Plan) -> None:
-        """The one line this rank says when a peer failed (the failing rank's own words are
-        its traceback, and the summary)."""
-        if verdict.rank != self.rank:
-            logger.error("%s", _terminal.stop_line(
-                _terminal.who(verdict.rank, verdict.pid, verdict.host), verdict.detail or verdict.cause,
-                _terminal.who(self.rank, self.me.pid, self.me.host), plan.exit_code,
-            ))
+    def _announce(self, verdict: Verdict, plan: _plan.Plan, deadline: float) -> None:
+        """The one line this rank says when a peer failed, below the summary (rule 4 of the
+        plan: the failing rank's own words, its traceback, and the summary come first).
+        Waits for the summary until ``deadline`` (``time.monotonic()``); past it, says its
+        line all the same (the rank that was to print the summary may never get to)."""
+        while not self.run_dir.exists(CLAIMS, SUMMARY_FILE):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                logger.debug("peerwatch: rank %d: no summary within %gs of the verdict", self.rank, _plan.SUMMARY_WAIT_S)
+                break
+            time.sleep(min(SUMMARY_POLL_S, left))  # only here, during a teardown
+        logger.error("%s", _terminal.stop_line(
+            _terminal.who(verdict.rank, verdict.pid, verdict.host), verdict.detail or verdict.cause,
+            _terminal.who(self.rank, self.me.pid, self.me.host), plan.exit_code,
+        ))
 
     def _carry_out(self, verdict: Verdict, plan: _plan.Plan, leave_by: float) -> Optional[Hook]:
         """This rank's share of the teardown; returns the on_verdict hook it started, if any
@@ -510,7 +525,8 @@ class Watcher:
             # Written now, while the peers are still leaving (their exit codes expected, not
             # yet seen): waiting for them would let this rank's own training run on.
             # ``peerwatch report`` rebuilds from the records, with the codes as they happened.
-            self._write_report(plan.print_summary and not (mine and plan.stay))
+            # (Its summary, if this rank prints it, is out already: rule 4.)
+            self._write_report(False)
         hook = None
         if plan.stay:
             # The hook starts now, while the main thread leaves (elsewhere _act starts it last).
@@ -541,6 +557,14 @@ class Watcher:
             self.stacks.arm_last_resort(plan.last_resort_s + c.on_verdict_timeout)  # the rank waits for it
         return hook
 
+    def _summary_out(self) -> None:
+        """The summary is out (flushed by the logger's handlers): the other ranks of this
+        host may say their lines now (rule 4 of the plan)."""
+        try:
+            self.run_dir.claim(CLAIMS, SUMMARY_FILE)
+        except OSError as e:
+            logger.debug("peerwatch: rank %d could not mark the summary as printed: %s", self.rank, e)
+
     def _final_heartbeat(self) -> None:
         """The step this rank stopped at: for the report and ``peerwatch status``."""
         try:
@@ -554,6 +578,7 @@ class Watcher:
             log_event("report", self.rank, path=self.run_dir.join(REPORT_FILE), outcome=report["outcome"])
             if print_summary:
                 logger.error("%s", _report.summary(report, traceback=traceback))
+                self._summary_out()
         except OSError as e:
             logger.error("peerwatch: rank %d could not write the report: %s", self.rank, e)
         except Exception:  # noqa: BLE001 - a report must never stop the teardown

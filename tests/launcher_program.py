@@ -12,6 +12,7 @@ Environment:
     LP_READY       folder: each rank writes ``rank-<i>`` (its pid) once it is training
     LP_WORLD       number of ranks (lightning, spawn; default 2)
     LP_PEERWATCH   0: do not install peerwatch (the "without" runs of the benchmark)
+    LP_WORKER_INSTALL  spawn: 0: the workers do not install peerwatch (with --install-in-parent: the parent only)
     LP_BLOCK       ``allreduce`` (default) or ``store`` (after READY, survivors wait in the
                    store for a key nobody sets: like NCCL, nothing notices a dead peer)
     LP_CRASH_RANK  worker: this rank raises before init_process_group, once every other
@@ -173,7 +174,7 @@ def ddp_main() -> None:
 
 
 def spawn_worker(i: int, world: int) -> None:
-    if peerwatch_on():
+    if peerwatch_on() and os.environ.get("LP_WORKER_INSTALL", "1") == "1":
         import peerwatch
 
         peerwatch.install(rank=i, world_size=world)

@@ -186,6 +186,7 @@ def behave(args: argparse.Namespace, rank: int, action: str, delay: float) -> No
     if name == "succeed":
         return
     if name == "raise":
+        note(args, f"raised-{rank}", str(time.time_ns()))  # when it raised, for the report's "failed at"
         raise RuntimeError(f"rank {rank} failed on purpose")
     if name == "done_exit":
         peerwatch.mark_success()

@@ -112,3 +112,30 @@ def test_the_torch_line_says_the_hang_diagnosis_reads_the_flight_recorder() -> N
     assert check.status == _doctor.OK, check
     assert "_dump_fr_trace_json" in check.detail, check
     assert "does not need" not in check.meaning and "hang diagnosis reads the flight recorder" in check.meaning, check
+
+
+@pytest.mark.timeout(200)
+def test_the_checks_alone_do_not_import_torch_in_the_doctors_process() -> None:
+    """Issue 23.5: `doctor --no-self-test` took 5-60 s on a loaded machine, importing torch
+    itself. torch is imported in a child (under a time limit), which says what the torch
+    and GPU lines need; the doctor's own process never holds it."""
+    code = ("import json, sys\n"
+            "from peerwatch import cli\n"
+            "rc = cli.main(['doctor', '--no-self-test', '--json'])\n"
+            "print(json.dumps({'rc': rc, 'torch': sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.'))}))\n")
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=180)
+    lines = out.stdout.strip().splitlines()
+    result, after = json.loads("\n".join(lines[:-1])), json.loads(lines[-1])
+    assert after == {"rc": 0, "torch": []}, out.stdout + out.stderr
+    torch_line = next(c for c in result["checks"] if c["name"] == "torch")
+    try:
+        import importlib.util
+
+        installed = importlib.util.find_spec("torch") is not None
+    except (ImportError, ValueError):
+        installed = False
+    if installed:  # the child's answer: the version, and what torch.distributed has
+        assert torch_line["detail"].startswith("torch ") and "gloo " in torch_line["detail"], torch_line
+    else:
+        assert torch_line["detail"] == "not installed", torch_line

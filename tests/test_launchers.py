@@ -244,6 +244,29 @@ def test_spawn_worker_sigkilled(job_dir: Path, where: str) -> None:
             assert len(dirs) == 1 and dirs[0].startswith("spawn-"), dirs
         else:  # the workers do not take the main process for their rank 0
             assert len(dirs) == 2 and dirs[1] == f"{dirs[0]}/spawn", dirs
+            # The main process, a "rank 0" of its own, says once what it is (issue 22.15).
+            log = job.log(limit=200_000)
+            assert log.count("is torch.multiprocessing.spawn's main process, not one of its workers") == 1, log[-4000:]
+            assert f"Its workers are watched in their own run: peerwatch report {job.run_dirs()[1]}" in log, log[-4000:]
+
+
+@pytest.mark.timeout(120)
+def test_spawn_install_in_the_main_process_only_says_the_workers_are_not_watched(job_dir: Path) -> None:
+    """install() only at the top of the script (the main process): the workers run
+    unprotected. When one is SIGKILLed, the main process is reported as "rank 0 ...
+    failed first: raised ProcessExitedException"; it says once that it is spawn's main
+    process and that its workers were not watched, and how to watch them (issue 22.15)."""
+    with spawn_job(job_dir, "--install-in-parent", env={"LP_WORKER_INSTALL": "0"}) as job:
+        job.start()
+        ranks = job.wait_ready()
+        job.kill(ranks[1])
+        assert job.wait_launcher(LAUNCHER_EXIT_S) == 1
+        job.wait_all_gone(WITHIN_S, but_launcher=True)
+        log = job.log(limit=200_000)
+        said = [line for line in log.splitlines() if "is torch.multiprocessing.spawn's main process" in line]
+        assert len(said) == 1, log[-4000:]
+        assert "install() ran only here: its workers were not watched" in said[0], said
+        assert "peerwatch.install(rank=i, world_size=nprocs) at the start of the worker function" in said[0], said
 
 
 @pytest.mark.timeout(120)

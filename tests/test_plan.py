@@ -147,6 +147,20 @@ def test_the_writer_prints_the_summary_of_an_exit_seen_by_the_parent() -> None:
     assert plan(situation(cause=EXIT, wrote_verdict=True, failed_rank_speaks=False)).print_summary
 
 
+@pytest.mark.parametrize("cause", [EXCEPTION, EXIT, SIGNAL, VANISHED])
+def test_the_summary_first_then_every_other_rank_says_its_line(cause: str) -> None:
+    """Rule 4, the order: a failing rank that speaks prints the summary once it has left
+    (not at the verdict); a writer that prints it for a rank that cannot, at once (before
+    a launcher's SIGTERM); every rank but the failing one says its line after it."""
+    failing = plan(situation(self_rank=2, failed_rank=2, cause=cause, own_exit_code=1))
+    assert not failing.stop_line and not failing.summary_now
+    speaks = cause in (EXCEPTION, EXIT)
+    writer = plan(situation(cause=cause, wrote_verdict=True, failed_rank_speaks=speaks))
+    assert writer.stop_line and writer.summary_now == (not speaks) == writer.print_summary
+    other = plan(situation(cause=cause, wrote_verdict=False, failed_rank_speaks=speaks))
+    assert other.stop_line and not other.summary_now and not other.print_summary
+
+
 # -- rule 5: the ack window ----------------------------------------------------------------
 
 

@@ -218,3 +218,53 @@ def test_cli_status_watch_refreshes_until_ctrl_c_and_ls_reads_well(make_job) -> 
         if watch.poll() is None:
             watch.kill()
             watch.wait()
+
+
+def test_a_hangs_victims_whose_collectives_timed_out_are_torn_down_with_the_verdicts_code(tmp_path: Path) -> None:
+    """Issue 22.15: after a collective-timeout end the summary listed the victims (their
+    collectives' timeouts recorded as failures, exit code 1) as `failed`, "1 (expected)",
+    under "ranks exit with code 124"; they exit with 124 (rule 1 of the plan), as a later
+    `peerwatch report` showed. One truth: torn down, 124 (expected), until seen."""
+    import time
+
+    from peerwatch import _identity, _report
+    from peerwatch._records import (
+        EXCEPTION,
+        HANG,
+        HANG_EXIT_CODE,
+        Ack,
+        ExitStatus,
+        Failure,
+        Registration,
+        Verdict,
+        encode,
+    )
+    from peerwatch._rundir import EVENTS, RANKS, VERDICT_FILE, RunDir, rank_file
+
+    me = _identity.self_info()
+    now = time.time_ns()
+    rd = RunDir(str(tmp_path / "run"))
+    regs = [Registration(rank=r, pid=me.pid, ppid=me.ppid, start_ticks=me.start_ticks, uid=me.uid,
+                         host=_identity.hostname(), boot_id=_identity.boot_id(), pidns=_identity.pid_namespace(),
+                         time_ns=now) for r in range(3)]
+    rd.prepare(regs[0], now)
+    for reg in regs[1:]:
+        rd.write(RANKS, rank_file("rank", reg.rank), encode(reg))
+    rd.write(EVENTS, VERDICT_FILE, encode(Verdict(
+        rank=2, cause=HANG, exit_code=HANG_EXIT_CODE, failed_at_ns=now, detected_by=0, detected_at_ns=now, pid=me.pid,
+        detail="hung", laggards=(2,))))
+    for rank in (0, 1):  # torch's collective timeout, raised before the verdict; then the ack
+        rd.write(EVENTS, rank_file("failure", rank), encode(Failure(
+            rank=rank, pid=me.pid, time_ns=now, cause=EXCEPTION, exit_code=1, exception="RuntimeError",
+            message="[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Read timeout", collective=True)))
+        rd.write(EVENTS, rank_file("ack", rank), encode(Ack(rank=rank, pid=me.pid, time_ns=now, deadline_ns=0)))
+    ranks = by_rank(_report.build(rd))
+    for rank in (0, 1):
+        assert (ranks[rank]["state"], ranks[rank]["exit_code"], ranks[rank]["exit_observed"]) == (
+            "torn_down", HANG_EXIT_CODE, False), ranks[rank]
+    summary = _report.summary(_report.build(rd))
+    assert "ranks exit with code 124" in summary and "1 (expected)" not in summary, summary
+    # Once seen, the code is the one seen.
+    rd.write(EVENTS, rank_file("exit", 1), encode(ExitStatus(rank=1, pid=me.pid, time_ns=now, returncode=124,
+                                                             observed_by=0)))
+    assert (by_rank(_report.build(rd))[1]["exit_code"], by_rank(_report.build(rd))[1]["exit_observed"]) == (124, True)

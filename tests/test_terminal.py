@@ -130,3 +130,61 @@ def test_lightning_ddp_a_rank_fails_mid_epoch(tmp_path: Path, how: str) -> None:
     with LauncherJob(tmp_path / "lightning", argv, world=WORLD, env=env, grace=GRACE_S) as job:
         log = run_to_the_end(job, failing=2)
     check_the_cause_once_first(log, failing=2, raised=how == "raise")
+
+
+# -- the order, several runs of each, 4 ranks (issue 23.2) ----------------------------
+
+ORDER_WORLD = 4
+ORDER_FAILING = 2
+REPEATS = 3  # the order is a race between processes: one run proves little
+
+
+def check_the_order(log: str, failing: int, world: int, raised: bool) -> None:
+    """The failing rank's traceback (if it raised), then one summary with the report's
+    path, then at most one line from each other rank: nothing of peerwatch's before."""
+    lines = log.splitlines()
+    shown = f"--- the job printed {len(lines)} lines ---\n{log[-8000:]}"
+    host = re.escape(hostname())
+    heads = [i for i, line in enumerate(lines)
+             if re.match(rf"peerwatch: rank {failing} \(pid \d+ on {host}\) failed first: ", line)]
+    assert len(heads) == 1, f"expected one summary\n{shown}"
+    head = heads[0]
+    report = next((i for i in range(head, len(lines)) if lines[i].startswith("  report: ")), None)
+    assert report is not None and lines[report].endswith("report.json"), f"the summary names no report\n{shown}"
+    assert all(lines[i].startswith("  ") for i in range(head + 1, report + 1)), f"the summary is cut\n{shown}"
+    if raised:
+        cause = [i for i, line in enumerate(lines) if line.startswith(f"[rank{failing}]: ")]
+        assert cause and lines[cause[-1]].endswith(f"RuntimeError: rank {failing} failed on purpose"), shown
+        assert cause[-1] < head, f"the summary came before the cause's traceback\n{shown}"
+    before = [line for line in lines[:head] if line.startswith("peerwatch:")]
+    assert not before, f"peerwatch said {before} before the cause's summary\n{shown}"
+    for rank in range(world):
+        if rank == failing:
+            continue
+        said = [i for i, line in enumerate(lines) if line.startswith(f"peerwatch: rank {rank} (pid ")]
+        assert len(said) <= 1, f"rank {rank} said {len(said)} lines\n{shown}"
+        assert all(i > report for i in said), f"rank {rank}'s line came before the summary's end\n{shown}"
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("repeat", range(REPEATS))
+@pytest.mark.parametrize("case", ["torchrun-raise", "torchrun-sigkill", "lightning-raise"])
+def test_the_cause_then_one_summary_then_the_other_ranks(tmp_path: Path, case: str, repeat: int) -> None:
+    """4 ranks, rank 2 fails (raises, or is SIGKILLed under torchrun: then the summary,
+    printed by a surviving rank, says how it died, before torchrun's agent ends them)."""
+    env = {"LP_WORLD": str(ORDER_WORLD)}
+    if case.startswith("torchrun"):
+        argv = [TORCHRUN, "--standalone", "--nproc-per-node", str(ORDER_WORLD), str(PROGRAM), "worker"]
+    else:
+        pytest.importorskip("lightning")
+        argv = [sys.executable, str(PROGRAM), "lightning", "--callback"]
+        env["MASTER_PORT"] = str(free_port())
+    raised = case.endswith("raise")
+    if raised:
+        env["LP_FAIL_RANK"] = str(ORDER_FAILING)
+    with LauncherJob(tmp_path / case, argv, world=ORDER_WORLD, env=env, grace=GRACE_S) as job:
+        job.start()
+        if not raised:
+            job.kill(job.wait_ready()[ORDER_FAILING])
+        log = run_to_the_end(job, failing=ORDER_FAILING)
+    check_the_order(log, ORDER_FAILING, ORDER_WORLD, raised)
