@@ -44,6 +44,7 @@ from ._rundir import EVENTS, REPORT_FILE, VERDICT_FILE, RunDir, rank_file
 from ._schedule import Schedule
 from ._sources import pidfd_supported
 from ._stacks import StackFile
+from ._stragglerwatch import StragglerWatch
 
 logger = logging.getLogger("peerwatch")
 
@@ -142,7 +143,8 @@ class Watcher:
         self.observer = Observer(run_dir, me, use_pidfd, remote)
         # torch's collective counters: for the diagnosis (hang_warn), and as progress for hang_timeout.
         self.heartbeat = HeartbeatWriter(run_dir, me, self.progress, with_position=bool(config.hang_timeout),
-                                         read_collectives=bool(config.hang_warn or config.hang_timeout))
+                                         read_collectives=bool(config.hang_warn or config.hang_timeout),
+                                         measure_waits=config.stragglers)
         self._policy = _decide.Policy(
             parent_wait_ns=int(config.parent_wait * 1e9), default_exit_code=config.exit_code,
             hang_timeout_ns=int(max(config.hang_timeout, 0) * 1e9), hang_auto=config.hang_timeout == HANG_AUTO,
@@ -156,6 +158,9 @@ class Watcher:
         self.thread = threading.Thread(target=self._main, name=f"peerwatch-rank{self.rank}", daemon=True)
         self._launcher_watch: Optional[_launchers.LauncherWatch] = None  # set by start()
         self.bridge = _bridge.Bridge.for_config(config, run_dir, me)  # other hosts, through the store
+        # The straggler finding (docs/stragglers.md): judged by the lowest live local rank.
+        self._stragglers = StragglerWatch(run_dir, me, config.heartbeat_interval, self.bridge is not None) \
+            if config.stragglers else None
 
     # -- read by other threads -------------------------------------------------------
 
@@ -224,6 +229,7 @@ class Watcher:
             self.stacks.cancel_timer()
         if self.bridge is not None:
             self.bridge.stop()
+        self.heartbeat.stop()
         self.observer.stop()
         if self._launcher_watch is not None:
             self._launcher_watch.stop()
@@ -328,6 +334,7 @@ class Watcher:
             self.stacks.arm_gil_watchdog(self.config.gil_timeout)
         if self.bridge is not None:
             self.bridge.tick()
+        self._judge_stragglers()
         # Diagnosis: judged only once this rank's collectives count (torch.distributed in use).
         diagnosing = self._diagnoser is not None and self.heartbeat.counts_collectives()
         hang, remote = bool(self.config.hang_timeout) or diagnosing, self.observer.remote is not None
@@ -335,6 +342,15 @@ class Watcher:
             return False, False  # nothing to judge: no need to know who the judges are
         judge = self.rank in self.observer.live_local_ranks()[:HANG_JUDGES]
         return hang and judge, remote and judge
+
+    def _judge_stragglers(self) -> None:
+        """Once a slot, on the lowest live local rank: who the others wait for."""
+        if self._stragglers is None or not self.heartbeat.counts_collectives():
+            return
+        live = self.observer.live_local_ranks()
+        if live[:1] == [self.rank]:
+            peers = {r: self.observer.peers[r].reg for r in live[1:] if r in self.observer.peers}
+            self._stragglers.tick(self.heartbeat.published(), peers)
 
     def _judge(self, sched: Schedule, judge_hang: bool, judge_remote: bool, missing: Tuple[int, ...]) -> Optional[Verdict]:
         """Decide from what was observed; the verdict to act on."""

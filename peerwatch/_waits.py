@@ -1,0 +1,83 @@
+"""How long this rank's main thread waits inside torch.distributed: the measure behind
+the straggler finding (:mod:`peerwatch._straggler`, pure).
+
+A small daemon thread (``peerwatch-waits-rank<N>``) looks at the main thread's innermost
+Python frame every ``SAMPLE_S``: inside torch.distributed's own code (an ``all_reduce``
+waiting for its peers) or not. It counts, and nothing else (a dict lookup and a string
+test, a few microseconds, 20 times a second). The watcher thread closes a slot every
+``SLOT_BEATS`` heartbeats with the samples counted and the collectives entered in it (from
+torch's counters, which it reads anyway), and the heartbeat publishes the last ``SLOTS``.
+
+What it cannot see: a wait that happens in C++ with no Python frame of torch.distributed
+above it (DDP's gradient all-reduces, waited for inside ``backward()``). A job whose only
+collectives are DDP's shows no waits, and no straggler is named (docs/stragglers.md).
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from collections import deque
+from typing import Deque, Optional, Tuple
+
+from ._collectives import Counters, waits_in_torch_distributed
+from ._straggler import SLOT_BEATS, SLOTS, Slot
+
+SAMPLE_S = 0.05  # how often the main thread is looked at
+
+
+class WaitSampler:
+    """Counts samples of the main thread, and those waiting in a collective. Its thread
+    writes ``counts`` (one tuple, replaced whole); anyone reads it."""
+
+    def __init__(self, rank: int) -> None:
+        self.counts: Tuple[int, int] = (0, 0)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"peerwatch-waits-rank{rank}", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(1.0)
+
+    def _run(self) -> None:
+        main = threading.main_thread()
+        samples = waiting = 0
+        while not self._stop.wait(SAMPLE_S) and main.is_alive():
+            frame = sys._current_frames().get(main.ident or 0)
+            samples += 1
+            if frame is not None and waits_in_torch_distributed(frame.f_code.co_filename):
+                waiting += 1
+            self.counts = (samples, waiting)
+
+
+class WaitWindow:
+    """The slots this rank publishes. Owned by the watcher thread (the heartbeat)."""
+
+    def __init__(self) -> None:
+        self._slots: Deque[Slot] = deque(maxlen=SLOTS)
+        self._start: Optional[Tuple[int, int, int, int]] = None  # (mono_ns, samples, waiting, entered)
+        self._beats = 0
+
+    def tick(self, counts: Tuple[int, int], counters: Counters) -> None:
+        """A heartbeat: close the slot if it is full."""
+        now = (time.monotonic_ns(), counts[0], counts[1], sum(e for _, e, _ in counters))
+        if self._start is None:
+            self._start = now
+            return
+        self._beats += 1
+        if self._beats < SLOT_BEATS:
+            return
+        start, self._start, self._beats = self._start, now, 0
+        self._slots.append(((now[0] - start[0]) // 1_000_000, now[1] - start[1], now[2] - start[2],
+                            max(0, now[3] - start[3])))
+
+    def slots(self) -> Tuple[Slot, ...]:
+        return tuple(self._slots)
+
+
+__all__ = ["SAMPLE_S", "WaitSampler", "WaitWindow"]
