@@ -83,7 +83,7 @@ class HeartbeatWriter:
 
     def __init__(
         self, run_dir: RunDir, me: Registration, progress: Progress, with_position: bool, read_collectives: bool = True,
-        measure_waits: bool = False,
+        measure_waits: bool = False, interval_s: float = 1.0,
     ) -> None:
         self._run_dir = run_dir
         self._me = me
@@ -114,7 +114,7 @@ class HeartbeatWriter:
         # The straggler's measure: sampled once the counters are read (torch.distributed in use).
         self._sampler: Optional[WaitSampler] = WaitSampler(me.rank) if measure_waits and read_collectives else None
         self._sampling = False
-        self._waits = WaitWindow()
+        self._waits = WaitWindow(interval_s)
 
     def stop(self) -> None:
         """Stop the wait sampler's thread (the rank is done)."""

@@ -8,8 +8,10 @@ its own clock, the share of its time its main thread waits inside torch.distribu
 (sampled, :mod:`peerwatch._waits`), slot by slot (``SLOT_BEATS`` heartbeats each), with
 the collectives it entered in the slot. From the last ``SLOTS`` slots of every rank:
 
-1. A rank's **gap** in a slot is the median wait share of its peers in the same slot (the
-   i-th last of each rank: aligned within a slot, whatever the clocks say) minus its own,
+1. A rank's **gap** in a slot is the median wait share of its peers in the same slot minus
+   its own (slots are numbered by the wall clock, so they line up on hosts whose clocks
+   are about right; where they are not, the i-th last of each rank is taken, aligned
+   within a slot or two, which the median below absorbs),
    and at most twice the job's median minus its own (a rank is late only if it is below
    most ranks: the two ranks one fast rank waits for are not stragglers).
    Its gap is the median of its slots' gaps: a one-off phase (a checkpoint on rank 0, an
@@ -48,7 +50,9 @@ MIN_SAMPLES = 10  # a slot with fewer samples says nothing (the sampler was not 
 MAX_HOST_BYTES = 64 * 1024  # a larger host summary in the store is not ours
 SUMMARY_VERSION = 1
 
-Slot = Tuple[int, int, int, int]  # (ms, samples, samples waiting in a collective, collectives entered)
+# (ms, samples, samples waiting in a collective, collectives entered, its number: the wall
+# clock's time over the slot's length, the same on every host whose clock is about right)
+Slot = Tuple[int, int, int, int, int]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +62,7 @@ class Profile:
     shares: Tuple[int, ...]  # per slot, oldest first: permille of its time waiting in a collective
     period_ms: int  # time per collective entered over those slots (0: none entered)
     host: str = ""
+    numbers: Tuple[int, ...] = ()  # each slot's number (as shares); () where unknown
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,17 +80,30 @@ class Straggler:
 
 def profile_of(slots: Sequence[Slot], host: str = "") -> Optional[Profile]:
     """A rank's profile from its heartbeat's slots; None while it has none that count."""
-    kept = [s for s in slots if len(s) == 4 and s[1] >= MIN_SAMPLES and s[0] > 0][-SLOTS:]
+    kept = [s for s in slots if len(s) == 5 and s[1] >= MIN_SAMPLES and s[0] > 0][-SLOTS:]
     if not kept:
         return None
     entered = sum(s[3] for s in kept)
     period = sum(s[0] for s in kept) // entered if entered > 0 else 0
-    return Profile(tuple(min(1000, 1000 * s[2] // s[1]) for s in kept), period, host)
+    return Profile(tuple(min(1000, 1000 * s[2] // s[1]) for s in kept), period, host, tuple(s[4] for s in kept))
 
 
-def gaps(profiles: Mapping[int, Profile], k: int) -> Dict[int, List[float]]:
-    """Each rank's gap (share) in each of the last ``k`` slots (rule 1)."""
-    last = {r: [v / 1000 for v in p.shares[-k:]] for r, p in profiles.items()}
+def aligned(profiles: Mapping[int, Profile]) -> Dict[int, Tuple[int, ...]]:
+    """Every rank's shares over the same slots, oldest first: the last slots that every rank
+    has by number (clocks about right), else each one's last ones (clocks apart: aligned
+    within a slot or two, which a median absorbs)."""
+    common = set.intersection(*(set(p.numbers) for p in profiles.values()))
+    if len(common) >= MIN_SLOTS and all(len(p.numbers) == len(p.shares) for p in profiles.values()):
+        wanted = sorted(common)[-SLOTS:]
+        return {r: tuple(dict(zip(p.numbers, p.shares))[n] for n in wanted) for r, p in profiles.items()}
+    k = min(SLOTS, min(len(p.shares) for p in profiles.values()))
+    return {r: p.shares[len(p.shares) - k:] for r, p in profiles.items()}
+
+
+def gaps(shares: Mapping[int, Sequence[int]]) -> Dict[int, List[float]]:
+    """Each rank's gap (share) in each slot, from its shares of the same slots (rule 1)."""
+    last = {r: [v / 1000 for v in s] for r, s in shares.items()}
+    k = min(len(s) for s in last.values())
     everyone = [statistics.median([s[i] for s in last.values()]) for i in range(k)]
     if len(last) > EXACT_PEERS:  # one rank moves the median of hundreds by nothing: O(N), not O(N^2)
         return {r: [everyone[i] - mine[i] for i in range(k)] for r, mine in last.items()}
@@ -104,13 +122,14 @@ def find(profiles: Mapping[int, Profile], named: Mapping[int, int], now_ns: int)
     to last. ``named``: the ranks named at the last look, and since when (rule 3)."""
     if len(profiles) < 2:
         return ()
-    k = min(SLOTS, min(len(p.shares) for p in profiles.values()))
+    shares = aligned(profiles)
+    k = min(len(s) for s in shares.values())
     if k < MIN_SLOTS:
         return ()
     periods = [p.period_ms for p in profiles.values() if p.period_ms > 0]
     period_ms = statistics.median(periods) if periods else 0
     found = []
-    for r, g in sorted(gaps(profiles, k).items()):
+    for r, g in sorted(gaps(shares).items()):
         gap = statistics.median(g)
         most = sum(1 for x in g if x >= CLEAR_SHARE) >= MOST * k
         if (r in named and gap >= CLEAR_SHARE) or (gap >= APPEAR_SHARE and most):
@@ -128,7 +147,7 @@ def changes(before: Sequence[Straggler], after: Sequence[Straggler]) -> Tuple[Li
 
 def host_json(host: str, profiles: Mapping[int, Profile]) -> bytes:
     body = {"v": SUMMARY_VERSION, "host": host,
-            "ranks": [[r, p.period_ms, list(p.shares)] for r, p in sorted(profiles.items())]}
+            "ranks": [[r, p.period_ms, list(p.shares), list(p.numbers)] for r, p in sorted(profiles.items())]}
     return json.dumps(body, separators=(",", ":")).encode()
 
 
@@ -142,10 +161,11 @@ def host_from_json(data: bytes) -> Dict[int, Profile]:
             return {}
         host = str(body["host"])[:255]
         out = {}
-        for r, period, shares in body["ranks"]:
+        for r, period, shares, numbers in body["ranks"]:
             values = tuple(_int(v) for v in shares)[-SLOTS:]
-            if _int(r) >= 0 and all(0 <= v <= 1000 for v in values):
-                out[_int(r)] = Profile(values, max(0, _int(period)), host)
+            numbered = tuple(_int(n) for n in numbers)[-SLOTS:]
+            if _int(r) >= 0 and all(0 <= v <= 1000 for v in values) and len(numbered) in (0, len(values)):
+                out[_int(r)] = Profile(values, max(0, _int(period)), host, numbered)
         return out
     except (UnicodeDecodeError, ValueError, TypeError, KeyError, AttributeError, RecursionError):
         return {}
@@ -182,5 +202,5 @@ def _int(v: Any) -> int:
 
 __all__ = [
     "APPEAR_SHARE", "CLEAR_SHARE", "MIN_SLOTS", "MOST", "SLOTS", "SLOT_BEATS", "Profile", "Slot", "Straggler", "changes",
-    "find", "finding_from_json", "finding_json", "gaps", "host_from_json", "host_json", "profile_of",
+    "aligned", "find", "finding_from_json", "finding_json", "gaps", "host_from_json", "host_json", "profile_of",
 ]

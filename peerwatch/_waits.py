@@ -5,7 +5,7 @@ A small daemon thread (``peerwatch-waits-rank<N>``) looks at the main thread's i
 Python frame every ``SAMPLE_S``: inside torch.distributed's own code (an ``all_reduce``
 waiting for its peers) or not. It counts, and nothing else (a dict lookup and a string
 test, a few microseconds, 20 times a second). The watcher thread closes a slot every
-``SLOT_BEATS`` heartbeats with the samples counted and the collectives entered in it (from
+slot (``SLOT_BEATS`` heartbeats, on the wall clock) with the samples counted and the collectives entered in it (from
 torch's counters, which it reads anyway), and the heartbeat publishes the last ``SLOTS``.
 
 What it cannot see: a wait that happens in C++ with no Python frame of torch.distributed
@@ -56,25 +56,28 @@ class WaitSampler:
 
 
 class WaitWindow:
-    """The slots this rank publishes. Owned by the watcher thread (the heartbeat)."""
+    """The slots this rank publishes. Owned by the watcher thread (the heartbeat).
 
-    def __init__(self) -> None:
+    A slot ends at the first heartbeat after the wall clock crossed a multiple of its length
+    (``SLOT_BEATS`` heartbeats): every rank's slot N covers about the same time, on every
+    host whose clock is about right (the judge aligns them by number)."""
+
+    def __init__(self, interval_s: float) -> None:
+        self._slot_ns = max(1, int(interval_s * SLOT_BEATS * 1e9))
         self._slots: Deque[Slot] = deque(maxlen=SLOTS)
-        self._start: Optional[Tuple[int, int, int, int]] = None  # (mono_ns, samples, waiting, entered)
-        self._beats = 0
+        self._start: Optional[Tuple[int, int, int, int, int]] = None  # (number, mono_ns, samples, waiting, entered)
 
     def tick(self, counts: Tuple[int, int], counters: Counters) -> None:
-        """A heartbeat: close the slot if it is full."""
-        now = (time.monotonic_ns(), counts[0], counts[1], sum(e for _, e, _ in counters))
-        if self._start is None:
-            self._start = now
+        """A heartbeat: close the slot if its time is over."""
+        now = (time.time_ns() // self._slot_ns, time.monotonic_ns(), counts[0], counts[1],
+               sum(e for _, e, _ in counters))
+        start = self._start
+        if start is not None and now[0] == start[0]:
             return
-        self._beats += 1
-        if self._beats < SLOT_BEATS:
-            return
-        start, self._start, self._beats = self._start, now, 0
-        self._slots.append(((now[0] - start[0]) // 1_000_000, now[1] - start[1], now[2] - start[2],
-                            max(0, now[3] - start[3])))
+        self._start = now
+        if start is not None:
+            self._slots.append(((now[1] - start[1]) // 1_000_000, now[2] - start[2], now[3] - start[3],
+                                max(0, now[4] - start[4]), start[0]))
 
     def slots(self) -> Tuple[Slot, ...]:
         return tuple(self._slots)

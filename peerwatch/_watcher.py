@@ -144,7 +144,7 @@ class Watcher:
         # torch's collective counters: for the diagnosis (hang_warn), and as progress for hang_timeout.
         self.heartbeat = HeartbeatWriter(run_dir, me, self.progress, with_position=bool(config.hang_timeout),
                                          read_collectives=bool(config.hang_warn or config.hang_timeout),
-                                         measure_waits=config.stragglers)
+                                         measure_waits=config.stragglers, interval_s=config.heartbeat_interval)
         self._policy = _decide.Policy(
             parent_wait_ns=int(config.parent_wait * 1e9), default_exit_code=config.exit_code,
             hang_timeout_ns=int(max(config.hang_timeout, 0) * 1e9), hang_auto=config.hang_timeout == HANG_AUTO,

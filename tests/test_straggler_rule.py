@@ -7,10 +7,8 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from peerwatch._straggler import (
-    APPEAR_SHARE, CLEAR_SHARE, MIN_SLOTS, SLOTS, Profile, Straggler, changes, find, finding_from_json, finding_json,
-    host_from_json, host_json, profile_of,
-)
+from peerwatch import _straggler
+from peerwatch._straggler import APPEAR_SHARE, CLEAR_SHARE, MIN_SLOTS, SLOTS, Profile, Straggler, find
 
 NOW = 1_700_000_000_000_000_000
 
@@ -72,22 +70,31 @@ def test_many_ranks_use_the_median_of_all() -> None:
 
 
 def test_profile_of_slots() -> None:
-    p = profile_of([(5000, 100, 30, 25), (5000, 5, 0, 0), (5000, 100, 40, 25)], "h")
-    assert p == Profile((300, 400), 200, "h")  # the slot of 5 samples says nothing
-    assert profile_of([]) is None and profile_of([(0, 0, 0, 0)]) is None
+    p = _straggler.profile_of([(5000, 100, 30, 25, 7), (5000, 5, 0, 0, 8), (5000, 100, 40, 25, 9)], "h")
+    assert p == Profile((300, 400), 200, "h", (7, 9))  # the slot of 5 samples says nothing
+    assert _straggler.profile_of([]) is None and _straggler.profile_of([(0, 0, 0, 0, 1)]) is None
+
+
+def test_slots_are_aligned_by_number_when_the_clocks_agree_by_position_when_not() -> None:
+    a = Profile(tuple(range(10)), 1, "", tuple(range(100, 110)))
+    b = Profile(tuple(range(50, 58)), 1, "", tuple(range(101, 109)))  # one slot late, one missing at the end
+    assert _straggler.aligned({0: a, 1: b}) == {0: tuple(range(1, 9)), 1: tuple(range(50, 58))}
+    far = Profile(tuple(range(50, 58)), 1, "", tuple(range(900, 908)))  # a clock far off: the last ones
+    assert _straggler.aligned({0: a, 1: far}) == {0: tuple(range(2, 10)), 1: tuple(range(50, 58))}
 
 
 def test_the_host_summary_and_the_finding_round_trip_and_garbage_is_nothing() -> None:
-    profiles = job({3: [1, 2, 3], 5: [1000, 0]}, 250, "node-b")
-    assert host_from_json(host_json("node-b", profiles)) == profiles
-    for junk in (b"", b"{", b"[]", b'{"v":2}', b'{"v":1,"host":"h","ranks":[[1,2,[2000]]]}', b"x" * 70000):
-        assert host_from_json(junk) == {}
+    profiles = {3: Profile((1, 2, 3), 250, "node-b", (4, 5, 6)), 5: Profile((1000, 0), 250, "node-b")}
+    assert _straggler.host_from_json(_straggler.host_json("node-b", profiles)) == profiles
+    for junk in (b"", b"{", b"[]", b'{"v":2}', b'{"v":1,"host":"h","ranks":[[1,2,[2000],[]]]}',
+                 b'{"v":1,"host":"h","ranks":[[1,2,[20],[1,2]]]}', b"x" * 70000):
+        assert _straggler.host_from_json(junk) == {}
     found = (Straggler(3, "node-b", 90, 0.3, NOW),)
-    assert finding_from_json(finding_json(found, NOW)) == found
-    assert finding_from_json(b'{"v":1,"stragglers":[{"rank":true}]}') is None
+    assert _straggler.finding_from_json(_straggler.finding_json(found, NOW)) == found
+    assert _straggler.finding_from_json(b'{"v":1,"stragglers":[{"rank":true}]}') is None
 
 
 def test_changes_say_who_appeared_and_who_cleared() -> None:
     a, b = Straggler(1, "", 9, 0.2, NOW), Straggler(2, "", 9, 0.2, NOW)
-    assert changes([a], [b]) == ([b], [a])
-    assert changes([a], [a]) == ([], [])
+    assert _straggler.changes([a], [b]) == ([b], [a])
+    assert _straggler.changes([a], [a]) == ([], [])

@@ -22,6 +22,7 @@ import pytest
 from test_diagnosis import DiagJob
 
 import peerwatch
+from peerwatch._straggler import MIN_SLOTS, aligned, gaps, profile_of
 
 pytest.importorskip("torch.distributed")
 
@@ -98,3 +99,37 @@ def test_the_slow_rank_and_no_other_is_named(make_job) -> None:
     assert "straggler: rank 2" in text, text
     assert len(job.lines("straggler: rank 2")) == 1, job.logs()
     print(f"named after {took:.1f}s: {found}")
+
+
+def _watch_nobody_named(job: StragglerJob, seconds: float) -> None:
+    """Watch for ``seconds`` (past the first window): no straggler named, ever, and the
+    measure was running (every rank published a full window)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        assert not job.finding(), f"{job.finding()} named\n{job.logs()}"
+        ended = [p.label for p in job.all_procs() if p.gone()]
+        assert not ended, f"{', '.join(ended)} ended\n{job.logs()}"
+        time.sleep(0.2)  # a file in a folder: no event to poll on; the deadline bounds it
+    assert job.lines("straggler") == [], job.logs()
+    assert job.status()["stragglers"] == []
+    profiles = {}
+    for rank in range(WORLD):
+        beat = json.loads((job.run_dir / "heartbeats" / f"rank-{rank:05d}.json").read_text())
+        assert len(beat["waits"]) >= MIN_SLOTS, beat
+        profiles[rank] = profile_of([tuple(s) for s in beat["waits"]])
+    assert all(p is not None for p in profiles.values()), profiles
+    print({r: [round(g, 2) for g in gs] for r, gs in gaps(aligned(profiles)).items()})  # type: ignore[arg-type]
+
+
+def test_balanced_ranks_are_not_named(make_job) -> None:
+    job = make_job()
+    job.wait_ready(timeout=START_S)
+    _watch_nobody_named(job, BALANCED_S)
+
+
+def test_a_rank_slow_only_in_a_periodic_checkpoint_is_not_named(make_job) -> None:
+    # Rank 0 sleeps 2 s every 150 steps (~12 s): 2 or 3 checkpoints while it is watched,
+    # each holding the others for a slot or two of the window's twelve.
+    job = make_job(behave=["0=every:2/150@0"])
+    job.wait_ready(timeout=START_S)
+    _watch_nobody_named(job, BALANCED_S)
