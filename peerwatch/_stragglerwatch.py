@@ -17,11 +17,12 @@ import json
 import logging
 import os
 import time
-from typing import Dict, Mapping, Optional, Sequence, Tuple
+from typing import Dict, Iterable, Mapping, Optional, Sequence, Tuple
 
 from . import _identity
 from ._records import Heartbeat, Registration
 from ._rundir import HEARTBEATS, RunDir, rank_file
+from ._store_protocol import Seal, StraggleExchange
 from ._straggler import (
     SLOT_BEATS,
     Profile,
@@ -123,6 +124,66 @@ class StragglerWatch:
             logger.debug("peerwatch: cannot write %s: %s", name, e)  # the finding waits for the next slot
 
 
+class StraggleRelay:
+    """The store bridge's share (its beat thread owns it): once a slot, publish this host's
+    profiles (``RUN/straggle.json``, fresh) in ``strag/<i>``; on host 0, hand the others'
+    to its judge (``RUN/straggle-hosts.json``) and publish its finding in ``strag/found``;
+    on the other hosts, copy that finding into ``RUN/stragglers.json`` and log it."""
+
+    def __init__(self, run_dir: RunDir, interval_s: float) -> None:
+        self._run_dir = run_dir
+        self._slot_ns = int(interval_s * SLOT_BEATS * 1e9)
+        self._last_ns: Optional[int] = None
+        self._published: Optional[bytes] = None  # host 0: the finding last put in the store
+        self._copied: Optional[bytes] = None  # elsewhere: the finding last copied from it
+
+    def plan(self, prefix: str, index: Optional[int], hosts: Iterable[int], seal: Seal) -> Optional[StraggleExchange]:
+        """This interval's exchange, if a slot has passed since the last one (None: nothing)."""
+        now = time.monotonic_ns()
+        if index is None or (self._last_ns is not None and now - self._last_ns < self._slot_ns):
+            return None
+        self._last_ns = now
+        mine = self._fresh(STRAGGLE_FILE)
+        if index != 0:
+            return StraggleExchange(prefix, index, mine, [], None, True, seal)
+        found = self._run_dir.read_bytes("", STRAGGLERS_FILE)
+        return StraggleExchange(prefix, index, mine, sorted(j for j in hosts if j != 0),
+                                found if found != self._published else None, False, seal)
+
+    def take(self, x: StraggleExchange, profiles: Mapping[int, bytes], found: Optional[bytes]) -> None:
+        """What the exchange read: hand it to the judges (host 0) or copy the finding."""
+        if x.index == 0:
+            if x.found is not None:
+                self._published = x.found
+            body = {"hosts": [v.decode("utf-8", "replace") for _, v in sorted(profiles.items())]}
+            self._write(STRAGGLE_HOSTS_FILE, json.dumps(body).encode())
+            return
+        if found is None or found == self._copied:
+            return
+        after = finding_from_json(found)
+        if after is None:
+            return
+        before = read_finding(self._run_dir) if self._copied is None else finding_from_json(self._copied)
+        if self._write(STRAGGLERS_FILE, found):
+            log_changes(before or (), after)
+            self._copied = found
+
+    def _fresh(self, name: str) -> Optional[bytes]:
+        try:
+            if time.time_ns() - os.stat(self._run_dir.join(name)).st_mtime_ns > HOSTS_FRESH_SLOTS * self._slot_ns:
+                return None
+        except OSError:
+            return None
+        return self._run_dir.read_bytes("", name)
+
+    def _write(self, name: str, data: bytes) -> bool:
+        try:
+            return self._run_dir.write("", name, data, replace=True)
+        except OSError as e:
+            logger.debug("peerwatch: cannot write %s: %s", name, e)
+            return False
+
+
 def read_finding(run_dir: RunDir) -> Optional[Tuple[Straggler, ...]]:
     """The stragglers named in RUN/stragglers.json; None if there is no finding."""
     data = run_dir.read_bytes("", STRAGGLERS_FILE)
@@ -146,5 +207,5 @@ def _on(host: str) -> str:
     return f" (on {host})" if host else ""
 
 
-__all__ = ["STRAGGLERS_FILE", "STRAGGLE_FILE", "STRAGGLE_HOSTS_FILE", "StragglerWatch", "log_changes",
+__all__ = ["STRAGGLERS_FILE", "STRAGGLE_FILE", "STRAGGLE_HOSTS_FILE", "StraggleRelay", "StragglerWatch", "log_changes",
            "read_finding"]
