@@ -15,6 +15,7 @@ collectives are DDP's shows no waits, and no straggler is named (docs/stragglers
 
 from __future__ import annotations
 
+import logging
 import sys
 import threading
 import time
@@ -23,6 +24,8 @@ from typing import Deque, Optional, Tuple
 
 from ._collectives import Counters, waits_in_torch_distributed
 from ._straggler import SLOT_BEATS, SLOTS, Slot
+
+logger = logging.getLogger("peerwatch")
 
 SAMPLE_S = 0.05  # how often the main thread is looked at
 
@@ -45,10 +48,16 @@ class WaitSampler:
         self._stop.set()
 
     def _run(self) -> None:
+        try:
+            self._sample()
+        except Exception:  # noqa: BLE001 - never silently: the finding just stops for this rank
+            logger.exception("peerwatch: the wait sampler failed; stragglers are no longer measured on this rank")
+
+    def _sample(self) -> None:
         main = threading.main_thread()
         samples = waiting = 0
         # time.sleep, not stopped.wait(SAMPLE_S): a quarter less CPU a wake-up (no lock made
-        # each time), 20 times a second; stop() waits one sample longer for it.
+        # each time), 20 times a second; the thread ends up to one sample after stop().
         while not self._stop.is_set() and main.is_alive():
             time.sleep(SAMPLE_S)
             frame = sys._current_frames().get(main.ident or 0)
