@@ -13,9 +13,12 @@
    busy-looping processes loading the machine; then the same with rank 0 sleeping 2 s every
    300 steps (a checkpoint every ~a minute). Counted: the straggler lines logged (none
    expected), and the largest median gap the rule saw (from the last heartbeats).
-3. **Cost.** Two 2-rank gloo jobs, both with peerwatch, ``stragglers`` on and off, run
-   blocks of steps in turn (A/B in random order, one run): a Python-heavy step (~8 ms) and
-   an all_reduce of 1000 floats. Step time and process CPU per step.
+3. **Cost.** In one process, blocks of a Python-heavy step (~5 ms) with the wait sampler
+   running and not, alternated in random order (``--pairs`` x 10 pairs of 0.3 s): what the
+   training thread pays, wall and its own CPU. Then two 2-rank gloo jobs, both with
+   peerwatch, ``stragglers`` on and off, running blocks of steps in turn (A/B in random
+   order, one run): a Python-heavy step and an all_reduce of 1000 floats (the whole of it:
+   sampler, slots, judge; noisier: two processes each, on a shared machine).
 4. **Reads.** In-process: one sample of the main thread (20 a second), one heartbeat's
    slot bookkeeping, and one judge's slot (read 8 heartbeats, judge 8 ranks; judge 1024).
 """
@@ -91,8 +94,9 @@ class Job:
                        for r in range(WORLD))
 
     def largest_gap(self) -> Tuple[float, int]:
-        """The largest median gap over the ranks' last windows (and whose), as the rule computes it."""
-        from peerwatch._straggler import aligned, gaps, profile_of
+        """The largest median gap over the ranks' last windows (and whose), as the rule computes
+        it; (0, -1) while it would not judge (fewer than MIN_SLOTS slots)."""
+        from peerwatch._straggler import MIN_SLOTS, aligned, gaps, profile_of
 
         profiles = {}
         for rank in range(WORLD):
@@ -100,7 +104,10 @@ class Job:
                 p = profile_of([tuple(s) for s in json.load(f)["waits"]])
             if p is not None:
                 profiles[rank] = p
-        g = {r: statistics.median(v) for r, v in gaps(aligned(profiles)).items()}
+        shares = aligned(profiles)
+        if len(shares) < WORLD or min(len(v) for v in shares.values()) < MIN_SLOTS:
+            return 0.0, -1  # the rule does not judge yet (a slot or two at the start say nothing)
+        g = {r: statistics.median(v) for r, v in gaps(shares).items()}
         rank = max(g, key=lambda r: g[r])
         return g[rank], rank
 
@@ -249,6 +256,47 @@ def cost(pairs: int, block_s: float) -> List[List[str]]:
              f"**{statistics.mean(diffs):+.2f} % ± {half:.2f} %**", f"{statistics.mean(cpu):+.2f} %"]]
 
 
+def _python_step(n: int = 7500) -> None:
+    rows = [{"id": i, "text": f"token-{(i * 7919) % 1000}", "w": i % 13} for i in range(n)]
+    counts: Dict[str, int] = {}
+    for row in rows:
+        counts[row["text"]] = counts.get(row["text"], 0) + row["w"]  # type: ignore[call-overload]
+
+
+def sampler_cost(pairs: int, block_s: float) -> List[List[str]]:
+    """In one process: blocks of a Python-heavy step with the wait sampler running and not,
+    alternated in random order, the sampler started before and ended after each block (not
+    timed). What the training thread pays for the 20 samples a second (the GIL handed over)."""
+    from peerwatch._waits import WaitSampler
+
+    t0 = time.perf_counter()
+    for _ in range(20):
+        _python_step()
+    steps = max(10, int(block_s / ((time.perf_counter() - t0) / 20)))
+    res: Dict[bool, List[Tuple[float, float]]] = {False: [], True: []}
+    for _ in range(pairs):
+        for on in random.sample([False, True], 2):
+            sampler = WaitSampler(0) if on else None
+            if sampler is not None:
+                sampler.start()
+                time.sleep(0.06)  # its first sample is due: it runs throughout the block
+            w0, c0 = time.perf_counter(), time.thread_time()
+            for _ in range(steps):
+                _python_step()
+            res[on].append(((time.perf_counter() - w0) * 1000 / steps, (time.thread_time() - c0) * 1000 / steps))
+            if sampler is not None:
+                sampler.stop()
+                sampler._thread.join()
+    rows = []
+    for i, what in ((0, "wall"), (1, "CPU of the training thread")):
+        d = [(b[i] - a[i]) / a[i] * 100 for a, b in zip(res[False], res[True])]
+        half = 1.97 * statistics.stdev(d) / len(d) ** 0.5
+        rows.append([f"Python step, one process, sampler on vs off ({what})", f"{pairs} x {steps}",
+                     f"{statistics.mean(a[i] for a in res[False]):.3f}", f"{statistics.mean(b[i] for b in res[True]):.3f}",
+                     f"**{statistics.mean(d):+.2f} % ± {half:.2f} %**", ""])
+    return rows
+
+
 def reads() -> List[List[str]]:
     import threading
 
@@ -337,6 +385,7 @@ def main() -> None:
     parser.add_argument("--hogs", type=int, default=2)
     parser.add_argument("--pairs", type=int, default=12)
     parser.add_argument("--block-s", type=float, default=3.0)
+    parser.add_argument("--in-process", action="store_true", help="cost: the in-process A/B only (no jobs)")
     args = parser.parse_args()
     print(f"peerwatch {peerwatch_commit()}, {machine()}, {datetime.datetime.now():%Y-%m-%d %H:%M}\n")
     if args.only in (None, "detect"):
@@ -350,8 +399,9 @@ def main() -> None:
               flush=True)
     if args.only in (None, "cost"):
         print("Cost: stragglers on vs off (both with peerwatch), blocks alternated in one run\n")
-        print(table(["loop", "pairs x steps", "step ms off", "on", "difference (95 %)", "CPU difference"],
-                    cost(args.pairs, args.block_s)), "\n", flush=True)
+        rows = sampler_cost(args.pairs * 10, 0.3) + (cost(args.pairs, args.block_s) if not args.in_process else [])
+        print(table(["loop", "pairs x steps", "step ms off", "on", "difference (95 %)", "CPU difference"], rows), "\n",
+              flush=True)
     if args.only in (None, "reads"):
         print("Reads (in-process, this machine)\n")
         print(table(["what", "cost", "share"], reads()))
