@@ -278,6 +278,7 @@ def sampler_cost(pairs: int, block_s: float) -> List[List[str]]:
         for on in random.sample([False, True], 2):
             sampler = WaitSampler(0) if on else None
             if sampler is not None:
+                sampler.moving(True)
                 sampler.start()
                 time.sleep(0.06)  # its first sample is due: it runs throughout the block
             w0, c0 = time.perf_counter(), time.thread_time()
@@ -345,6 +346,7 @@ def _sampler_share(seconds: float) -> float:
     from peerwatch._waits import WaitSampler
 
     sampler = WaitSampler(0)
+    sampler.moving(True)
     sampler.start()
     try:
         time.sleep(0.5)

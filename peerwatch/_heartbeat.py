@@ -23,7 +23,7 @@ from ._activity import ActivitySampler
 from ._collectives import FAILING, OFF, CollectiveReader, Counters, Entered, in_torch_distributed
 from ._records import Heartbeat, Registration, encode
 from ._rundir import HEARTBEATS, InPlace, RunDir, rank_file
-from ._waits import WaitSampler, WaitWindow
+from ._waits import STILL_BEATS, WaitSampler, WaitWindow
 
 logger = logging.getLogger("peerwatch")
 
@@ -145,7 +145,9 @@ class HeartbeatWriter:
         # that fails with the timeout completes too).
         entered_one = [(g, e) for g, e, _ in counters] != [(g, e) for g, e, _ in self._counters]
         self._counters = counters
-        self._measure_waits()
+        # Sampled while moving: a job whose steps are longer than STILL_BEATS heartbeats
+        # keeps its sampler going between collectives (twice its longest quiet spell).
+        self._measure_waits(entered_one or self._still + 1 < max(STILL_BEATS, 2 * self._longest_still + 1))
         if entered_one:
             self._moves += 1
             if self._moves > ENTRIES_WARMUP_MOVES:
@@ -161,9 +163,10 @@ class HeartbeatWriter:
         if self._still == max(ENTRIES_AFTER_BEATS, 2 * self._longest_still):
             self._entered = self._reader.entered(counters, ENTRIES_KEPT)
 
-    def _measure_waits(self) -> None:
+    def _measure_waits(self, moving: bool) -> None:
         if self._sampler is None:
             return
+        self._sampler.moving(moving)
         if not self._sampling:
             self._sampling = True
             self._sampler.start()

@@ -4,7 +4,9 @@ the straggler finding (:mod:`peerwatch._straggler`, pure).
 A small daemon thread (``peerwatch-waits-rank<N>``) looks at the main thread's innermost
 Python frame every ``SAMPLE_S``: inside torch.distributed's own code (an ``all_reduce``
 waiting for its peers) or not. It counts, and nothing else (a dict lookup and a string
-test, a few microseconds, 20 times a second). The watcher thread closes a slot every
+test, a few microseconds, 20 times a second), and only while the job moves (its
+collective counters changed in the last ``STILL_BEATS`` heartbeats): an idle or stuck
+job costs no wake-up. The watcher thread closes a slot every
 slot (``SLOT_BEATS`` heartbeats, on the wall clock) with the samples counted and the collectives entered in it (from
 torch's counters, which it reads anyway), and the heartbeat publishes the last ``SLOTS``.
 
@@ -28,6 +30,7 @@ from ._straggler import SLOT_BEATS, SLOTS, Slot
 logger = logging.getLogger("peerwatch")
 
 SAMPLE_S = 0.05  # how often the main thread is looked at
+STILL_BEATS = 5  # heartbeats (a slot) with unchanged counters after which the sampler sleeps
 
 
 class WaitSampler:
@@ -37,15 +40,26 @@ class WaitSampler:
     def __init__(self, rank: int) -> None:
         self.counts: Tuple[int, int] = (0, 0)
         self._stop = threading.Event()
+        self._moving = threading.Event()  # set while the job moves: a still job costs no wake-up
         self._thread = threading.Thread(target=self._run, name=f"peerwatch-waits-rank{rank}", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
 
+    def moving(self, yes: bool) -> None:
+        """Sample while the job moves (its collective counters did lately); not while it
+        stands still: an idle or stuck job pays nothing, and a phase with no collectives
+        (an evaluation, a checkpoint on every rank) is not counted."""
+        if yes:
+            self._moving.set()
+        else:
+            self._moving.clear()
+
     def stop(self) -> None:
         """Not joined: a daemon thread that holds nothing and ends within one sample; a
         rank ending cleanly does not wait those 50 ms."""
         self._stop.set()
+        self._moving.set()
 
     def _run(self) -> None:
         try:
@@ -59,6 +73,7 @@ class WaitSampler:
         # time.sleep, not stopped.wait(SAMPLE_S): a quarter less CPU a wake-up (no lock made
         # each time), 20 times a second; the thread ends up to one sample after stop().
         while not self._stop.is_set() and main.is_alive():
+            self._moving.wait()
             time.sleep(SAMPLE_S)
             frame = sys._current_frames().get(main.ident or 0)
             samples += 1
@@ -95,4 +110,4 @@ class WaitWindow:
         return tuple(self._slots)
 
 
-__all__ = ["SAMPLE_S", "WaitSampler", "WaitWindow"]
+__all__ = ["SAMPLE_S", "STILL_BEATS", "WaitSampler", "WaitWindow"]

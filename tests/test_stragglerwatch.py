@@ -81,3 +81,33 @@ def test_another_host_copies_the_finding_and_logs_it_once(run_dir: RunDir, caplo
     assert lines(caplog, "straggler: rank 2") == 1
     relay.take(x, {}, b"garbage")  # not a finding: the one copied stands
     assert [s.rank for s in read_finding(run_dir) or ()] == [2]
+
+
+def test_the_sampler_counts_only_while_the_job_moves() -> None:
+    import threading
+    import time
+
+    from peerwatch._waits import SAMPLE_S, WaitSampler
+
+    sampler = WaitSampler(0)
+    sampler.start()
+    try:
+        time.sleep(6 * SAMPLE_S)  # not told the job moves: no wake-up, no sample
+        assert sampler.counts == (0, 0)
+        sampler.moving(True)
+        deadline = time.monotonic() + 10.0
+        while sampler.counts[0] < 3:
+            assert time.monotonic() < deadline, sampler.counts
+            time.sleep(SAMPLE_S)  # a counter in memory: nothing to wait on; the deadline bounds it
+        # This thread (the "main" one here) runs Python: not waiting in a collective.
+        assert sampler.counts[1] == 0
+        sampler.moving(False)
+        time.sleep(2 * SAMPLE_S)
+        still = sampler.counts
+        time.sleep(6 * SAMPLE_S)
+        assert sampler.counts == still
+    finally:
+        sampler.stop()
+        thread = next(t for t in threading.enumerate() if t.name == "peerwatch-waits-rank0")
+        thread.join(5.0)
+        assert not thread.is_alive()
