@@ -264,37 +264,40 @@ def _python_step(n: int = 7500) -> None:
 
 
 def sampler_cost(pairs: int, block_s: float) -> List[List[str]]:
-    """In one process: blocks of a Python-heavy step with the wait sampler running and not,
-    alternated in random order, the sampler started before and ended after each block (not
-    timed). What the training thread pays for the 20 samples a second (the GIL handed over)."""
+    """In one process: blocks of a Python-heavy step with the wait sampler off, sampling
+    (the job moves), and started but asleep (the job stands still: the control, which
+    should cost nothing), in random order; the sampler started before and ended after each
+    block (not timed). What the training thread pays for the 20 samples a second."""
     from peerwatch._waits import WaitSampler
 
     t0 = time.perf_counter()
     for _ in range(20):
         _python_step()
     steps = max(10, int(block_s / ((time.perf_counter() - t0) / 20)))
-    res: Dict[bool, List[Tuple[float, float]]] = {False: [], True: []}
+    res: Dict[str, List[Tuple[float, float]]] = {"off": [], "on": [], "asleep": []}
     for _ in range(pairs):
-        for on in random.sample([False, True], 2):
-            sampler = WaitSampler(0) if on else None
+        for how in random.sample(list(res), 3):
+            sampler = WaitSampler(0) if how != "off" else None
             if sampler is not None:
-                sampler.moving(True)
+                sampler.moving(how == "on")
                 sampler.start()
-                time.sleep(0.06)  # its first sample is due: it runs throughout the block
+            time.sleep(0.06)  # the same pause before every block (the sampler's first sample is due)
             w0, c0 = time.perf_counter(), time.thread_time()
             for _ in range(steps):
                 _python_step()
-            res[on].append(((time.perf_counter() - w0) * 1000 / steps, (time.thread_time() - c0) * 1000 / steps))
+            res[how].append(((time.perf_counter() - w0) * 1000 / steps, (time.thread_time() - c0) * 1000 / steps))
             if sampler is not None:
                 sampler.stop()
                 sampler._thread.join()
     rows = []
-    for i, what in ((0, "wall"), (1, "CPU of the training thread")):
-        d = [(b[i] - a[i]) / a[i] * 100 for a, b in zip(res[False], res[True])]
-        half = 1.97 * statistics.stdev(d) / len(d) ** 0.5
-        rows.append([f"Python step, one process, sampler on vs off ({what})", f"{pairs} x {steps}",
-                     f"{statistics.mean(a[i] for a in res[False]):.3f}", f"{statistics.mean(b[i] for b in res[True]):.3f}",
-                     f"**{statistics.mean(d):+.2f} % ± {half:.2f} %**", ""])
+    for how in ("on", "asleep"):
+        cells = []
+        for i in (0, 1):
+            d = [(b[i] - a[i]) / a[i] * 100 for a, b in zip(res["off"], res[how])]
+            cells.append(f"{statistics.mean(d):+.2f} % ± {1.97 * statistics.stdev(d) / len(d) ** 0.5:.2f} %")
+        rows.append([f"Python step, one process, sampler {'sampling' if how == 'on' else 'asleep (control)'}",
+                     f"{pairs} x {steps}", f"{statistics.mean(a[0] for a in res['off']):.3f}",
+                     f"{statistics.mean(b[0] for b in res[how]):.3f}", f"**{cells[0]}**", cells[1]])
     return rows
 
 
@@ -402,7 +405,7 @@ def main() -> None:
     if args.only in (None, "cost"):
         print("Cost: stragglers on vs off (both with peerwatch), blocks alternated in one run\n")
         rows = sampler_cost(args.pairs * 10, 0.3) + (cost(args.pairs, args.block_s) if not args.in_process else [])
-        print(table(["loop", "pairs x steps", "step ms off", "on", "difference (95 %)", "CPU difference"], rows), "\n",
+        print(table(["loop", "pairs x steps", "step ms off", "on", "wall difference (95 %)", "CPU difference"], rows), "\n",
               flush=True)
     if args.only in (None, "reads"):
         print("Reads (in-process, this machine)\n")
