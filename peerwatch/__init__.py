@@ -11,6 +11,25 @@ first failure and its exit code.
 Importing peerwatch is cheap and never imports torch.
 """
 
+# The layers (tests/test_import.py checks every import, lazy and TYPE_CHECKING ones too,
+# against this table: a module imports only from a lower layer, or from its own layer where
+# that test's SIDEWAYS table allows it, with the reason):
+#
+#   pure     no I/O, no clock, no threads: values and the rules over them
+#            _errors _records _signals _mounts _config _terminal _schedule _decide
+#            _diagnose _plan _hosts _summary _straggler
+#   os       adapters to the OS, one concern each: processes, signals, the run directory
+#            _identity _activity _collectives _keeper _store_client _store_protocol
+#            _sources _teardown _rundir _sharedfs _exitwatch _eventlog _stacks _waits
+#   stages   one step of the data flow each, built on the adapters, called by the wiring
+#            _observer _heartbeat _diagnoser _enforce _leave _notify _bridge _election
+#            _launchers _frdump _report _timeline _gc _stragglerwatch
+#   wiring   the watcher thread, the hooks, the API and the tools
+#            _watcher _hooks _api cli _doctor __main__ integrations
+#
+# A lower layer that needs something done above it is passed a callable or a value (the
+# teardown records its signals through the ``note`` its caller passes), never imports it.
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any

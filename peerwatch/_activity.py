@@ -34,31 +34,10 @@ import time
 from collections import deque
 from typing import Deque, Dict, Iterable, List, Optional, Tuple
 
+from ._records import Activity  # the record (pure); this module samples it
+
 WINDOW = 8  # samples (heartbeats) the published figures cover
 _TICK_MS = 1000.0 / (os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100)
-
-
-@dataclasses.dataclass(frozen=True)
-class Activity:
-    """A rank's signs of work over its last samples (one shape from sampler to judge)."""
-
-    span_ms: int  # the time the figures cover
-    cpu_ms: int  # CPU time of the main thread in it
-    places: int  # different stacks the main thread was seen at
-    other_cpu_ms: int  # CPU time of the process's other threads (not peerwatch's)
-    io_bytes: int  # bytes its threads read and wrote (not peerwatch's)
-    children_cpu_ms: int  # CPU time of the rank's descendants
-    samples: int
-
-    def as_tuple(self) -> Tuple[int, ...]:
-        return dataclasses.astuple(self)
-
-    @classmethod
-    def of(cls, values: Tuple[int, ...]) -> Optional["Activity"]:
-        """From a heartbeat's ``activity`` field; None when it holds none (or not ours)."""
-        if len(values) != len(dataclasses.fields(cls)) or any(v < 0 for v in values):
-            return None
-        return cls(*values)
 
 
 @dataclasses.dataclass(frozen=True)

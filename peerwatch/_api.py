@@ -185,7 +185,7 @@ class watch:
         handle = _install(self._options)
         self._watcher = _registry.active() if handle is not None else None
         if self._watcher is not None:
-            self._watcher.in_watch += 1
+            self._watcher.enter_watch(+1)
         return handle
 
     def __exit__(
@@ -194,7 +194,7 @@ class watch:
         w = self._watcher
         if w is None or _registry.active() is not w:
             return
-        w.in_watch -= 1
+        w.enter_watch(-1)
         if exc is None or (isinstance(exc, SystemExit) and exc.code in (None, 0) and not isinstance(exc, PeerFailure)):
             w.record_success()
         elif not isinstance(exc, PeerFailure):

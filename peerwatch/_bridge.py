@@ -45,7 +45,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import functools
-import itertools
 import json
 import logging
 import os
@@ -82,22 +81,26 @@ from ._rundir import EVENTS, RANKS, REMOTE_STALLS_FILE, STALL_FILE, VERDICT_FILE
 from ._store_client import StoreClient, connect, import_torch
 from ._store_protocol import (
     NO_SEAL,
-    VERDICT,
+    VERDICT_TRIES,
     Exchange,
     Seal,
     Seen,
+    acceptable_verdict,
+    establish_nonce,
     exchange,
     poll_verdict,
     publish_verdict,
     read_host,
     send_beat,
     straggle_exchange,
+    verdict_key,
 )
 from ._stragglerwatch import StraggleRelay
 
 logger = logging.getLogger("peerwatch")
 
 STATE_FILE = "bridge.json"  # what the bridge sees, for people and tests: written, never read back
+NONCE_FILE = "store-nonce"  # the run's nonce in the store (with a store secret), for a successor bridge
 WAIT_CHUNK_S = 3600.0  # the verdict waiter's blocking wait, renewed (a timeout logs in torch's C++)
 PUBLISH_BUDGET_S = 1.0  # the teardown never waits longer than this for the store...
 # ... plus this where it takes the bridge over (its holder died) and must connect first: a
@@ -119,6 +122,7 @@ class _Link:
     client: StoreClient
     stopped: threading.Event
     seal: Seal = NO_SEAL  # signs and checks what goes through the store (a no-op without a store secret)
+    started_ns: int = 0  # when the run started on this host (time_ns): an older verdict is an earlier job's
 
     @property
     def op_timeout_s(self) -> float:
@@ -131,6 +135,40 @@ class _Link:
     @property
     def address(self) -> str:
         return self.facts.address
+
+
+class _BeatSeq:
+    """A beat's sequence number: strictly increasing, and across the successive bridges of
+    one host too (the other hosts take only a higher one for a beat, docs/security.md), as
+    it follows the host's monotonic clock (CLOCK_MONOTONIC is one for all processes of a
+    boot, and a host's index is per boot). Any thread."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._last = 0
+
+    def __call__(self) -> int:
+        with self._lock:
+            self._last = max(self._last + 1, time.monotonic_ns() // 1000)  # microseconds
+            return self._last
+
+
+class _NonceFile:
+    """The run's store nonce, kept in the run directory (first writer wins) so that a
+    successor bridge on this host signs and checks with the one this host adopted, whatever
+    the store holds by then."""
+
+    def __init__(self, run_dir: RunDir) -> None:
+        self.run_dir = run_dir
+
+    def load(self) -> Optional[bytes]:
+        return self.run_dir.read_bytes("", NONCE_FILE, limit=256)
+
+    def save(self, nonce: bytes) -> None:
+        try:
+            self.run_dir.write("", NONCE_FILE, nonce)
+        except OSError as e:
+            logger.debug("peerwatch: cannot write %s: %s", NONCE_FILE, e)  # a successor reads the store's
 
 
 class _TorchGate:
@@ -274,7 +312,7 @@ class _BeatLoop:
         run_dir = self.link.run_dir
         fresh_ns = int((STALL_FRESH_BEATS * self.link.config.heartbeat_interval + 1.0) * 1e9)
         try:
-            if time.time_ns() - os.stat(run_dir.join(STALL_FILE)).st_mtime_ns > fresh_ns:
+            if time.time_ns() - run_dir.stat("", STALL_FILE).st_mtime_ns > fresh_ns:
                 return None
         except OSError:
             return None
@@ -319,7 +357,7 @@ class _BeatLoop:
         """Our host/<i>, when it is to be (re)written: first, and when the local ranks changed."""
         run_dir = self.link.run_dir
         try:
-            mtime: Optional[int] = os.stat(run_dir.join(RANKS)).st_mtime_ns
+            mtime: Optional[int] = run_dir.stat(RANKS).st_mtime_ns
         except OSError:
             mtime = None
         if self.index is not None and mtime == self._ranks_mtime:
@@ -369,10 +407,7 @@ class _BeatLoop:
                         _identity.pid_namespace(), self._ranks, self.ident)
 
     def _local_success(self) -> bool:
-        try:
-            return any(name.startswith("success-") for name in os.listdir(self.link.run_dir.join(EVENTS)))
-        except OSError:
-            return False
+        return any(name.startswith("success-") for name in self.link.run_dir.names(EVENTS))
 
     def _host_lost(self, j: int, silent_s: float) -> None:
         self._lost_reported.add(j)
@@ -431,23 +466,33 @@ class _VerdictWaiter:
         link = self.link
         if not self._gate.wait(link.stopped):
             return
-        key = link.prefix + VERDICT
         backoff = link.config.heartbeat_interval
         conn: Any = None
+        attempt = 0
         while not link.stopped.is_set() and self.from_store is None:
             try:
                 if conn is None:
                     conn = self._connection()
                     if conn is None:
                         return self._poll()
+                establish_nonce(conn, link.prefix, link.seal)
+                key = verdict_key(link.prefix, link.seal, attempt)
                 self.waiting = True
                 try:
                     conn.wait([key], datetime.timedelta(seconds=WAIT_CHUNK_S))
                 finally:
                     self.waiting = False
-                data = link.seal.open(key, conn.get(key))
-                if data is None:  # forged (not signed with the secret): look for a signed one
-                    return self._poll()
+                data = acceptable_verdict(link.seal, key, conn.get(key), link.started_ns)
+                if data is None:
+                    # Refused (forged, an earlier job's, not a verdict; warned): a host of the
+                    # job that finds it there publishes under the next key; wait there.
+                    attempt += 1
+                    if attempt >= VERDICT_TRIES:
+                        logger.error("peerwatch: every verdict key in the store %s holds a value this run may not "
+                                     "obey; a failure on another host reaches this one only when that host falls "
+                                     "silent (peer_timeout)", link.address)
+                        return
+                    continue
                 self._deliver(data)
                 return
             except ImportError:
@@ -471,7 +516,7 @@ class _VerdictWaiter:
         """A store that cannot be waited on: look for the verdict once a heartbeat, through
         the client's owner thread."""
         link = self.link
-        look = functools.partial(poll_verdict, prefix=link.prefix, seal=link.seal)
+        look = functools.partial(poll_verdict, prefix=link.prefix, seal=link.seal, started_ns=link.started_ns)
         while not link.stopped.wait(link.config.heartbeat_interval):
             try:
                 data = link.client.call(look, link.op_timeout_s)
@@ -520,7 +565,7 @@ class Bridge:
         self.config, self.run_dir, self.me, self.facts = config, run_dir, me, facts
         self.ident = host_ident(_identity.boot_id(), _identity.pid_namespace(), run_dir.path)
         self.stopped = threading.Event()
-        self._seq = functools.partial(next, itertools.count(1))  # any thread: a beat's sequence number
+        self._seq = _BeatSeq()  # any thread: a beat's sequence number
         self._succeeded = threading.Event()  # the main thread's
         self._created = time.monotonic()
         self._unresolved_warned = False
@@ -534,7 +579,7 @@ class Bridge:
         self._waiter: Optional[_VerdictWaiter] = None
         self._wait_thread: Optional[threading.Thread] = None
         self._settle: Dict[Tuple[int, int], float] = {}
-        self._seal = Seal(config.store_secret)
+        self._seal = Seal(config.store_secret, memo=_NonceFile(run_dir))
 
     @classmethod
     def for_config(
@@ -594,7 +639,8 @@ class Bridge:
         if not self._resolve_late() or not self._election.take():
             return
         self.running = True
-        link = _Link(self.config, self.run_dir, self.facts, self._store_client(), self.stopped, self._seal)
+        link = _Link(self.config, self.run_dir, self.facts, self._store_client(), self.stopped, self._seal,
+                     self._started_ns())
         gate = _TorchGate()
         with self._life:
             if self.stopped.is_set():
@@ -607,6 +653,11 @@ class Bridge:
                 self._threads.append(t)
                 t.start()
             self._wait_thread = self._threads[-1]
+
+    def _started_ns(self) -> int:
+        """When the run started on this host: its earliest local registration (time_ns)."""
+        regs = [reg.time_ns for reg in self.run_dir.registrations().values() if _identity.is_local(reg)]
+        return min(regs + [self.me.time_ns])
 
     def _resolve_late(self) -> bool:
         """Where the launcher sets MASTER_ADDR/MASTER_PORT after install() (Lightning under
@@ -648,7 +699,8 @@ class Bridge:
             if not torch_loaded() or not self._resolve_late() or not self._election.take():
                 return
             connect_s = TAKEOVER_CONNECT_S
-        publish = functools.partial(publish_verdict, prefix=self.prefix, data=encode(verdict), seal=self._seal)
+        publish = functools.partial(publish_verdict, prefix=self.prefix, data=encode(verdict), seal=self._seal,
+                                    started_ns=self._started_ns())
         try:
             kept = self._store_client().call(publish, PUBLISH_BUDGET_S, connect_s=connect_s)
         except Exception as e:  # noqa: BLE001 - the store's errors are many; the teardown goes on
@@ -716,7 +768,7 @@ class Bridge:
         """The beat thread's question: does this host know a verdict already (then a silent
         host or store is its consequence, not news)?"""
         return (self.from_store is not None or self.published
-                or os.path.lexists(self.run_dir.join(EVENTS, VERDICT_FILE)))
+                or self.run_dir.exists(EVENTS, VERDICT_FILE))
 
     def _take_store_verdict(self, data: bytes) -> None:
         """Where the waiter thread hands what the store held (a seam: the load benchmark times it)."""

@@ -24,6 +24,7 @@ HANG_AUTO = -1.0  # hang_timeout / hang_warn "auto": the threshold learnt from t
 HANG_WARN_S = HANG_AUTO  # a diagnosis is logged when nothing moved for this long; 0: off
 GIL_TIMEOUT_S = 0.0  # 0: off. The watcher could not run for this long: faulthandler ends the rank
 PEER_TIMEOUT_S = 30.0  # another host (or the store) silent for this long: it is lost
+ON_VERDICT_TIMEOUT_S = 10.0  # the on_verdict hook's bound, from its start (whatever grace is)
 
 # The largest value of each duration. Every wait of the watcher is a poll(2) in
 # milliseconds (a C int: at most 2**31 - 1 ms, 24.8 days), an Event.wait (at most
@@ -41,7 +42,39 @@ MAX_SECONDS = {
     "hang_warn": WEEK_S,
     "gil_timeout": WEEK_S,
     "peer_timeout": WEEK_S,
+    "on_verdict_timeout": HOUR_S,
 }
+
+
+@dataclasses.dataclass(frozen=True)
+class HangSetting:
+    """``hang_timeout`` or ``hang_warn``, decoded: off, auto (the threshold learnt from the
+    job, peerwatch._diagnose), or a number of seconds. :class:`Config` keeps the number
+    users gave (0: off, ``HANG_AUTO``: auto); this is the one place that reads it."""
+
+    auto: bool = False
+    seconds: float = 0.0  # a fixed threshold; 0 (and not auto): off
+
+    @classmethod
+    def of(cls, value: float) -> HangSetting:
+        """The setting a Config value stands for."""
+        if value == HANG_AUTO:
+            return cls(auto=True)
+        return cls(seconds=value) if value > 0 else cls()
+
+    @property
+    def off(self) -> bool:
+        return not self.auto and self.seconds <= 0
+
+    @property
+    def enabled(self) -> bool:
+        return not self.off
+
+    @property
+    def fixed_s(self) -> Optional[float]:
+        """The seconds set; None when off or auto."""
+        return self.seconds if self.seconds > 0 else None
+
 
 # Environment variables that carry the rank, in order of preference.
 _RANK_VARS = ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
@@ -92,6 +125,7 @@ class Config:
     # Run once per host after a verdict (docs/notify.md): a shell command, or (a keyword
     # argument only) a callable ``f(verdict, report_path)``.
     on_verdict: Any = None
+    on_verdict_timeout: float = ON_VERDICT_TIMEOUT_S  # its bound: then its whole process tree is ended
     sources: Tuple[Tuple[str, str], ...] = ()
 
     @property
@@ -100,6 +134,14 @@ class Config:
 
     def source_of(self, option: str) -> str:
         return dict(self.sources).get(option, "default")
+
+    @property
+    def hang_timeout_setting(self) -> HangSetting:
+        return HangSetting.of(self.hang_timeout)
+
+    @property
+    def hang_warn_setting(self) -> HangSetting:
+        return HangSetting.of(self.hang_warn)
 
     @classmethod
     def resolve(cls, options: Mapping[str, Any], env: Mapping[str, str] | None = None) -> Config:
@@ -126,11 +168,17 @@ class Config:
         return config
 
     def _validate(self) -> None:
+        if self.on_verdict_timeout <= 0:
+            raise ConfigError(
+                "on_verdict_timeout", self.on_verdict_timeout, self.source_of("on_verdict_timeout"),
+                "must be above 0 (the hook's bound)",
+            )
         if self.heartbeat_interval <= 0:
             raise ConfigError(
                 "heartbeat_interval", self.heartbeat_interval, self.source_of("heartbeat_interval"), "must be above 0"
             )
-        if self.hang_timeout > 0 and self.hang_timeout < 2 * self.heartbeat_interval:
+        fixed_s = self.hang_timeout_setting.fixed_s
+        if fixed_s is not None and fixed_s < 2 * self.heartbeat_interval:
             raise ConfigError(
                 "hang_timeout", self.hang_timeout, self.source_of("hang_timeout"),
                 f"must be 0 (off) or at least twice heartbeat_interval ({self.heartbeat_interval:g}s)",
@@ -355,6 +403,7 @@ _OPTIONS: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "store_secret": ("PEERWATCH_STORE_SECRET", _secret),
     "store_secret_file": ("PEERWATCH_STORE_SECRET_FILE", _secret_file),
     "on_verdict": ("PEERWATCH_ON_VERDICT", _on_verdict),
+    "on_verdict_timeout": ("PEERWATCH_ON_VERDICT_TIMEOUT", _duration("on_verdict_timeout")),
 }
 _OPTION_NAMES = frozenset(_OPTIONS)
 
@@ -522,6 +571,6 @@ def key_prefix(run_id: str) -> str:
     return f"{KEY_ROOT}/{run_id}/"
 
 __all__ = [
-    "GRACE_S", "MAX_SECONDS", "Config", "LauncherFacts", "expected_hosts", "key_prefix", "resolve_run_id", "resolve_store",
+    "GRACE_S", "HANG_AUTO", "MAX_SECONDS", "Config", "HangSetting", "LauncherFacts", "expected_hosts", "key_prefix", "resolve_run_id", "resolve_store",
     "spans_hosts",
 ]

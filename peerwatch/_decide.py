@@ -15,8 +15,8 @@ Rules, in order:
    within ``CONSEQUENCE_WINDOW_NS`` (1 s) of it: such deaths are never consequences,
    while the collectives of the dead rank's peers fail with exceptions within
    milliseconds, possibly stamped before the death is seen. And an exception raised by
-   ``torch.distributed`` (``collective``) is judged only ``COLLECTIVE_SETTLE_NS`` after
-   it was raised, unless something else is found first: the socket of a rank that dies
+   ``torch.distributed`` (``collective``) is judged only ``COLLECTIVE_SETTLE_NS`` after it
+   was raised (``REMOTE_SETTLE_NS`` where the job spans hosts), unless something else is found first: the socket of a rank that dies
    closes a moment before its pidfd fires (a SIGKILLed rank's memory is still being torn
    down), and a rank leaving with ``raise SystemExit(3)`` closes its sockets while Python
    finalizes, before its exit status is written (at ``exit(3)``). Only a collective
@@ -30,6 +30,10 @@ Rules, in order:
    takes as long as it takes (a loaded machine, an atexit handler that destroys the
    process group and then uploads logs), and the exit status is written only at its end,
    while the sockets close at its start.
+   A rank killed by a signal its own parent sent (``signalled_by`` is its registered
+   ``ppid``: torchrun's agent, mp.spawn's main process) never outranks another failure:
+   a launcher stops its workers because it saw another one end, and on a loaded host it
+   can do so before a watcher has seen that end (its "seen" time then comes later).
 6. Hang (only with ``hang_timeout``): when no live rank has made progress (``beat()``) for
    ``hang_timeout``, and none is in a ``paused()`` phase, the job is hung. The laggard is,
    in this order of preference: a frozen rank (state T or D); a rank whose watcher has
@@ -63,9 +67,8 @@ Entering and leaving ``paused()`` count as progress, so a pause cannot age into 
 from __future__ import annotations
 
 import dataclasses
-from typing import AbstractSet, Dict, List, Mapping, Optional, Tuple
+from typing import TYPE_CHECKING, AbstractSet, Dict, List, Mapping, Optional, Tuple
 
-from ._activity import Activity
 from ._records import (
     BUSY,
     EXCEPTION,
@@ -76,6 +79,7 @@ from ._records import (
     MISSING,
     SIGNAL,
     VANISHED,
+    Activity,
     Diagnosis,
     ExitStatus,
     Failure,
@@ -84,6 +88,9 @@ from ._records import (
     returncode_exit_code,
     signal_name,
 )
+
+if TYPE_CHECKING:
+    from ._config import Config
 
 # A rank that dies without a word (SIGKILL, segfault, OOM, os._exit) is never the
 # consequence of another rank's exception, but the exceptions of its peers' collectives
@@ -94,6 +101,10 @@ CONSEQUENCE_WINDOW_NS = 1_000_000_000
 # How long an exception raised by torch.distributed waits for the failure it may echo
 # (rule 5). Within a failing rank's own wait at exit (_plan.verdict_wait_s: 0.85 s by default).
 COLLECTIVE_SETTLE_NS = 500_000_000
+# The same where the job spans hosts: a rank that died on another host is known here only
+# once its host's verdict comes through the store (tens of milliseconds idle; over a
+# second measured with 2 cores at load 10, where 0.5 s let a victim here be blamed).
+REMOTE_SETTLE_NS = 2_000_000_000
 # How long, from when a rank began to leave, an exception raised by torch.distributed waits
 # for that rank to end (rule 5): its interpreter's finalization, 0.1-0.2 s on an idle
 # machine, measured up to 5 s (2 cores at load 11). It is waited for only while that rank
@@ -157,6 +168,47 @@ class Policy:
     hang_timeout_ns: int = 0  # 0: no hang detection
     peer_timeout_ns: int = 0  # 0: remote ranks are never judged lost
     hang_auto: bool = False  # hang_timeout=auto: a diagnosis (made at the learnt threshold) ends the job
+    collective_settle_ns: int = COLLECTIVE_SETTLE_NS  # rule 5's wait (REMOTE_SETTLE_NS across hosts)
+
+    @classmethod
+    def from_config(cls, config: Config, shared_fs: bool = False, other_hosts: bool = False) -> Policy:
+        """The policy a rank's watcher decides by. ``shared_fs``: the run directory is shared
+        by the hosts (peerwatch._sharedfs), the only place a rank of another host is judged
+        lost here (through the store, the bridge judges it). ``other_hosts``: the job spans
+        hosts (a store bridge, or a shared run directory)."""
+        hang = config.hang_timeout_setting
+        return cls(
+            parent_wait_ns=_ns(config.parent_wait), default_exit_code=config.exit_code,
+            hang_timeout_ns=_ns(hang.seconds), hang_auto=hang.auto,
+            peer_timeout_ns=_ns(config.peer_timeout) if shared_fs else 0,
+            collective_settle_ns=REMOTE_SETTLE_NS if other_hosts or shared_fs else COLLECTIVE_SETTLE_NS,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class HangJudging:
+    """``hang_timeout`` and ``hang_warn``, decoded once for the watcher: what its heartbeat
+    reads, whether a Diagnoser (peerwatch._diagnoser) runs, and with which settings."""
+
+    timeout: bool  # hang_timeout is on (seconds or auto): hangs are judged from beat() too
+    diagnose: bool  # a diagnosis when nothing moves: hang_warn is on, or hang_timeout=auto
+    warn_fixed_s: Optional[float]  # the diagnosis's threshold as hang_warn set it; None: learnt
+    auto: bool  # hang_timeout=auto: a diagnosis ends the job
+
+    @property
+    def read_collectives(self) -> bool:
+        """The heartbeat reads torch's collective counters: the diagnosis, or progress for hang_timeout."""
+        return self.timeout or self.diagnose
+
+    @classmethod
+    def from_config(cls, config: Config) -> HangJudging:
+        timeout, warn = config.hang_timeout_setting, config.hang_warn_setting
+        return cls(timeout=timeout.enabled, diagnose=warn.enabled or timeout.auto, warn_fixed_s=warn.fixed_s,
+                   auto=timeout.auto)
+
+
+def _ns(seconds: float) -> int:
+    return int(seconds * 1e9)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -197,7 +249,7 @@ def decide(obs: Observed, policy: Policy) -> Decision:
     waiting = [until for rank, seen, until in held if horizon is None or seen <= horizon or rank in echoed]
     if waiting:
         return Decision(None, recheck_at_ns=min(waiting))
-    settled_ns = _collective_settled_ns(obs, first)
+    settled_ns = _collective_settled_ns(obs, first, policy.collective_settle_ns)
     if settled_ns is not None and obs.now_ns < settled_ns:
         return Decision(None, recheck_at_ns=settled_ns)
     if first is None and obs.missing:
@@ -219,15 +271,25 @@ def decide(obs: Observed, policy: Policy) -> Decision:
 def _order(obs: Observed, v: Verdict, found: List[Verdict]) -> Tuple[bool, int, int]:
     """Earliest first, except that an exception never outranks a death seen within
     CONSEQUENCE_WINDOW_NS of it, and a collective exception never outranks the failed end
-    of a rank that was leaving as it was raised, however late (rule 5 in the module docstring)."""
+    of a rank that was leaving as it was raised, however late, and a rank its own launcher
+    signalled never outranks another failure (rule 5 in the module docstring)."""
+    if v.cause == SIGNAL and _stopped_by_its_launcher(obs, v.rank):
+        return (any(d.rank != v.rank for d in found), v.failed_at_ns, v.rank)
     if v.cause != EXCEPTION:
         return (False, v.failed_at_ns, v.rank)
     leavers = _leavers_echoed(obs, v)
     consequence = any(
-        d.cause in _DEATHS and (d.failed_at_ns <= v.failed_at_ns + CONSEQUENCE_WINDOW_NS or d.rank in leavers)
+        d.cause in _DEATHS and not _stopped_by_its_launcher(obs, d.rank)
+        and (d.failed_at_ns <= v.failed_at_ns + CONSEQUENCE_WINDOW_NS or d.rank in leavers)
         for d in found
     )
     return (consequence, v.failed_at_ns, v.rank)
+
+
+def _stopped_by_its_launcher(obs: Observed, rank: int) -> bool:
+    """The rank's exit status says its own parent signalled it (rule 5)."""
+    status, reg = obs.exit_statuses.get(rank), obs.registrations.get(rank)
+    return status is not None and reg is not None and status.signalled_by is not None and status.signalled_by == reg.ppid
 
 
 def _leavers_echoed(obs: Observed, v: Verdict) -> Tuple[int, ...]:
@@ -242,7 +304,7 @@ def _leavers_echoed(obs: Observed, v: Verdict) -> Tuple[int, ...]:
     )
 
 
-def _collective_settled_ns(obs: Observed, first: Optional[Verdict]) -> Optional[int]:
+def _collective_settled_ns(obs: Observed, first: Optional[Verdict], settle_ns: int) -> Optional[int]:
     """When the root cause ``first`` may be acted on, if it is an exception raised by
     torch.distributed (rule 5): the failure it may echo gets COLLECTIVE_SETTLE_NS to show,
     and a rank leaving around it LEAVING_WAIT_NS from when it began to leave to end."""
@@ -251,7 +313,7 @@ def _collective_settled_ns(obs: Observed, first: Optional[Verdict]) -> Optional[
     failure = obs.failures.get(first.rank)
     if failure is None or not failure.collective:
         return None
-    settled_ns = first.failed_at_ns + COLLECTIVE_SETTLE_NS
+    settled_ns = first.failed_at_ns + settle_ns
     ended = set(obs.successes) | set(obs.failures) | set(obs.exit_statuses) | set(obs.gone)
     for rank in _leavers_echoed(obs, first):
         if rank not in ended:
@@ -494,6 +556,6 @@ def _vanished(obs: Observed, rank: int, seen_ns: int, policy: Policy) -> Verdict
 
 
 __all__ = [
-    "COLLECTIVE_SETTLE_NS", "CONSEQUENCE_WINDOW_NS", "FROZEN_STATES", "LEAVING_WAIT_NS", "Decision", "Observed", "Policy",
-    "Progress", "decide", "exit_code_for",
+    "COLLECTIVE_SETTLE_NS", "CONSEQUENCE_WINDOW_NS", "REMOTE_SETTLE_NS", "FROZEN_STATES", "LEAVING_WAIT_NS", "Decision", "HangJudging", "Observed",
+    "Policy", "Progress", "decide", "exit_code_for",
 ]

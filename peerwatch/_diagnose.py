@@ -52,8 +52,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
-from ._activity import Activity
-from ._records import BUSY, HANG, MISMATCH
+from ._records import BUSY, HANG, MISMATCH, Activity
 
 FACTOR = 5  # as NVIDIA's resiliency extension: 5x the longest interval seen
 FLOOR_S = 60.0  # never below a minute (unless the collective timeout is shorter)
@@ -288,7 +287,7 @@ def _hang_detail(
         return f"nothing moved for {since_ns / 1e9:.1f}s: {_ranks(laggards, ranks)} holds the job up{where}"
     text += f" {op or 'collective'} #{seq} of process group {group}"
     if entered:
-        text += f", which {_ranks(entered, ranks)} wait in"
+        text += f", which {_ranks(entered, ranks)} {'waits' if len(entered) == 1 else 'wait'} in"
     return text + f"; rank {laggards[0]}{where or ' is elsewhere'}"
 
 

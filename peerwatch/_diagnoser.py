@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 import time
 from typing import Dict, Optional
 
@@ -102,7 +101,7 @@ class Diagnoser:
         path = run_dir.join(REMOTE_STALLS_FILE)
         fresh_ns = int(REMOTE_FRESH_S * 1e9) + 2 * _summary.refresh_ns(threshold_ms, self._interval_ns)
         try:
-            if time.time_ns() - os.stat(path).st_mtime_ns > fresh_ns:
+            if time.time_ns() - run_dir.stat("", REMOTE_STALLS_FILE).st_mtime_ns > fresh_ns:
                 return {}
         except OSError:
             return {}

@@ -224,7 +224,7 @@ def _mount_options(mount_point: str) -> List[str]:
 
 def check_base() -> Check:
     base = _rundir.base_dir()
-    fix_move = "point XDG_RUNTIME_DIR or TMPDIR at a local disk, or give each job a PEERWATCH_DIR"
+    fix_move = "point XDG_RUNTIME_DIR (or XDG_CACHE_HOME) at a local disk, or give each job a PEERWATCH_DIR"
     existing = base
     while not os.path.lexists(existing):
         existing = os.path.dirname(existing)

@@ -24,7 +24,7 @@ import logging
 import os
 from typing import Optional
 
-from ._rundir import RunDir, open_regular
+from ._rundir import RunDir
 
 logger = logging.getLogger("peerwatch")
 
@@ -34,7 +34,7 @@ _BUSY = (errno.EACCES, errno.EAGAIN)  # lockf: another process holds it
 
 
 def _open(run_dir: RunDir, name: str) -> int:
-    return open_regular(run_dir.join(name), os.O_RDWR | os.O_CREAT)
+    return run_dir.open_file(name, os.O_RDWR | os.O_CREAT)
 
 
 def _try_lock(fd: int, exclusive: bool) -> bool:
@@ -112,7 +112,7 @@ def connected_elsewhere(run_dir: RunDir) -> bool:
     """Is this host's bridge, run by another local rank, connected to the store? Only for a
     process that is not the bridge itself (see the module's rule)."""
     try:
-        fd = open_regular(run_dir.join(UP_FILE), os.O_RDONLY)
+        fd = run_dir.open_file(UP_FILE, os.O_RDONLY)
     except OSError:
         return False  # never raised: no bridge has been connected on this host
     try:

@@ -13,19 +13,43 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import AbstractSet, List
+from typing import AbstractSet, Dict, List, Mapping, Protocol, Set
 
 from . import _eventlog, _identity, _plan, _teardown, _terminal
 from ._identity import is_local
-from ._observer import Observer
 from ._records import Heartbeat, NotSignalled, Registration, Verdict
-from ._rundir import HEARTBEATS, RANKS, rank_file
+from ._rundir import HEARTBEATS, RANKS, RunDir, rank_file
 
 logger = logging.getLogger("peerwatch")
 
 
+class _Peer(Protocol):
+    reg: Registration
+
+
+class Seen(Protocol):
+    """What an enforcer needs of the watcher's observer (:class:`peerwatch._observer.Observer`
+    has it): passed down, so this stage does not import the one that observes."""
+
+    run_dir: RunDir
+    me: Registration
+    gone: Dict[int, int]
+    registrations: Dict[int, Registration]
+
+    @property
+    def peers(self) -> Mapping[int, _Peer]: ...
+
+    def scan(self) -> None: ...
+    def flush(self) -> None: ...
+    def wait(self, timeout: float) -> bool: ...
+    def acked(self) -> Set[int]: ...
+    def finished(self) -> Set[int]: ...
+    def local_pids(self) -> Set[int]: ...
+    def write_event(self, name: str, record: object) -> bool: ...
+
+
 def tear_down_peers(
-    obs: Observer, verdict: Verdict, ack_window_s: float, grace_s: float, trusted: AbstractSet[int] = frozenset(),
+    obs: Seen, verdict: Verdict, ack_window_s: float, grace_s: float, trusted: AbstractSet[int] = frozenset(),
 ) -> None:
     """Give live peers the ack window to say they are leaving; signal those that do not.
     ``trusted``: peers never signalled here (rule 9 of the plan: a blind enforcer's fellow
@@ -41,14 +65,14 @@ def tear_down_peers(
     targets.extend(_orphans_of(obs, verdict, peer_pids))
     if targets:
         reason = f"rank {verdict.rank} failed ({verdict.cause}) and this process did not leave by itself"
-        _teardown.terminate(targets, grace_s, reason)
+        _teardown.terminate(targets, grace_s, reason, _eventlog.note)
         _teardown.close_all(targets)
         # The last records of the peers it ended (exits written as SIGTERM ended them)
         # reach the event log.
         _eventlog.sweep(obs.run_dir, obs.me.rank)
 
 
-def _await_acks(obs: Observer, ack_window_s: float, trusted: AbstractSet[int]) -> List[int]:
+def _await_acks(obs: Seen, ack_window_s: float, trusted: AbstractSet[int]) -> List[int]:
     """Rules 5 and 9 of the plan: wait for acknowledgements (or, blind, for the peers'
     processes to end: their pidfds wake us); the ranks that gave none."""
     window = _plan.AckWindow.opened(time.monotonic(), ack_window_s)
@@ -65,7 +89,7 @@ def _await_acks(obs: Observer, ack_window_s: float, trusted: AbstractSet[int]) -
 
 
 def _peer_and_tree(
-    obs: Observer, reg: Registration, finished: AbstractSet[int], peer_pids: AbstractSet[int], tree: dict,
+    obs: Seen, reg: Registration, finished: AbstractSet[int], peer_pids: AbstractSet[int], tree: dict,
 ) -> List[_teardown.Target]:
     target = _teardown.make_target(reg.pid, reg.start_ticks, reg.uid, f"rank {reg.rank}", rank=reg.rank)
     if target is None:
@@ -89,7 +113,7 @@ def _peer_and_tree(
         target.close()
         return []
     if _plan.ask_for_stacks(reg.rank, finished):
-        _teardown.send(target, _teardown.STACKS_SIGNAL, "dump stacks")  # terminate() lets it be taken first
+        _teardown.send(target, _teardown.STACKS_SIGNAL, "dump stacks", _eventlog.note)  # terminate() lets it be taken first
     found = [target]
     for pid, started in _teardown.descendants(reg.pid, reg.uid, set(peer_pids), tree):
         child = _teardown.make_target(pid, started, reg.uid, f"pid {pid}, a descendant of rank {reg.rank} (pid {reg.pid})")
@@ -98,7 +122,7 @@ def _peer_and_tree(
     return found
 
 
-def _not_signalled(obs: Observer, reg: Registration, reason: str) -> None:
+def _not_signalled(obs: Seen, reg: Registration, reason: str) -> None:
     """Say, in the log and for the report, that a peer could not be verified and was not signalled."""
     logger.warning(
         "peerwatch: %s could not be verified, not signalled: %s", _terminal.who(reg.rank, reg.pid, reg.host), reason,
@@ -107,7 +131,7 @@ def _not_signalled(obs: Observer, reg: Registration, reason: str) -> None:
     obs.write_event(rank_file("unsignalled", reg.rank), record)
 
 
-def _orphans_of(obs: Observer, verdict: Verdict, peer_pids: AbstractSet[int]) -> List[_teardown.Target]:
+def _orphans_of(obs: Seen, verdict: Verdict, peer_pids: AbstractSet[int]) -> List[_teardown.Target]:
     """Descendants of the failed rank (from its last heartbeat) that outlived it."""
     reg = obs.registrations.get(verdict.rank)
     beat = obs.run_dir.read(HEARTBEATS, rank_file("rank", verdict.rank), Heartbeat)
@@ -145,8 +169,8 @@ def tear_down_own_children(
         ) if t is not None
     ]
     if targets:
-        _teardown.terminate(targets, grace_s, f"rank {rank} is being torn down")
+        _teardown.terminate(targets, grace_s, f"rank {rank} is being torn down", _eventlog.note)
         _teardown.close_all(targets)
 
 
-__all__ = ["tear_down_own_children", "tear_down_peers"]
+__all__ = ["Seen", "tear_down_own_children", "tear_down_peers"]

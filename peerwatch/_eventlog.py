@@ -8,7 +8,9 @@ later (a sweep) is not the order of ``ts``: sort by ``ts`` for a history.
 
 Appended by whichever process observes the event, each line in one ``write(2)`` on an
 ``O_APPEND`` descriptor (:meth:`RunDir.append`), so lines of several processes never
-interleave. A record of ``events/`` (a failure, an acknowledgement...) is logged once per
+interleave. That holds within one kernel only: over NFS an append is not atomic across
+its clients, so where several hosts share the run directory each host appends to its own
+``events-<host>.jsonl`` (:meth:`RunDir.per_host`), and :func:`read_run` merges them. A record of ``events/`` (a failure, an acknowledgement...) is logged once per
 run: the one process that creates ``logged/<folder>.<name>`` (``O_EXCL``) logs it. Its
 writer does that at once; records written where Python cannot log them (at exit, by the
 C extension :mod:`peerwatch._exitstatus`) are logged by the peers that read them, by
@@ -20,12 +22,13 @@ Never raises: a log that cannot be written is said once at DEBUG; the teardown g
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
 import threading
 import time
-from typing import AbstractSet, Any, Dict, List, Optional, Set, Tuple
+from typing import AbstractSet, Any, Dict, Iterable, List, Optional, Set, Tuple
 
 from ._records import (
     EVENT_TYPES,
@@ -84,7 +87,7 @@ def append(rd: RunDir, event: str, rank: Optional[int], ts: Optional[int] = None
             value = list(value)
         body[key] = value
     try:
-        rd.append(EVENT_LOG, (json.dumps(body, separators=(",", ":"), default=str) + "\n").encode())
+        rd.append(rd.per_host(EVENT_LOG), (json.dumps(body, separators=(",", ":"), default=str) + "\n").encode())
     except (OSError, ValueError) as e:
         _failed(rd, e)
 
@@ -101,6 +104,11 @@ def log(event: str, rank: Optional[int], ts: Optional[int] = None, **fields: Any
     rd = bound()
     if rd is not None:
         append(rd, event, rank, ts, **fields)
+
+
+def note(event: str, rank: Optional[int], **fields: Any) -> None:
+    """:func:`log`, by this process's rank: the ``note`` a teardown records its signals with."""
+    log(event, rank, by=bound_rank(), **fields)
 
 
 def record(rd: RunDir, sub: str, name: str, rec: object, by: Optional[int]) -> bool:
@@ -251,5 +259,35 @@ def read(path: str) -> list:
     return events
 
 
-__all__ = ["EVENT_LOG", "LOGGED", "MAX_LOG_BYTES", "SCHEMA_VERSION", "append", "bind", "bound", "bound_rank", "describe", "leaving",
-           "log", "read", "record", "sweep", "wanted_from_scan"]
+def log_names(names: Iterable[str]) -> List[str]:
+    """Of the file names of a run directory, its event logs: ``events.jsonl`` and the
+    per-host ``events-<host>.jsonl`` of a run directory shared by several hosts."""
+    stem, _, ext = EVENT_LOG.partition(".")
+    return sorted(n for n in names if n == EVENT_LOG or (n.startswith(f"{stem}-") and n.endswith(f".{ext}")))
+
+
+def read_run(directory: str) -> list:
+    """The events of every event log of the run directory ``directory`` (:func:`log_names`),
+    merged and sorted by ``ts``. Raises OSError if the directory cannot be listed, or if
+    none of its logs can be read (:func:`read`); a log that cannot be read beside others
+    that can is left out."""
+    files = log_names(os.listdir(directory))
+    if not files:
+        raise FileNotFoundError(errno.ENOENT, "no event log", os.path.join(directory, EVENT_LOG))
+    events: list = []
+    error: Optional[OSError] = None
+    read_any = False
+    for name in files:
+        try:
+            events.extend(read(os.path.join(directory, name)))
+            read_any = True
+        except OSError as e:
+            error = e
+    if not read_any and error is not None:
+        raise error
+    events.sort(key=lambda e: e["ts"])
+    return events
+
+
+__all__ = ["EVENT_LOG", "LOGGED", "MAX_LOG_BYTES", "SCHEMA_VERSION", "append", "bind", "bound", "bound_rank", "describe", "leaving", "note",
+           "log", "log_names", "read", "read_run", "record", "sweep", "wanted_from_scan"]

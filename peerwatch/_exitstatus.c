@@ -67,7 +67,9 @@ static int registered;
  * mp.spawn's main process stop their workers with one as soon as they saw the failed
  * one). The first to claim writes the record; the others step aside. */
 typedef struct {
-    int armed;
+    int armed; /* a teardown began: leave() and exit() write the record too */
+    int term;  /* the record is prepared: a SIGTERM writes it, from install() on */
+    pid_t pid; /* the process it was prepared in (a forked child is not that rank) */
     char name[MAX_NAME];
     piece head, mid, mid2, tail; /* head <time_ns> mid <returncode> mid2 <sender pid or null> tail */
     char out[4 * MAX_PIECE + 3 * MAX_DIGITS];
@@ -242,7 +244,7 @@ static void on_term(int sig, siginfo_t *info, void *ctx)
 {
     (void)ctx;
     int saved_errno = errno;
-    if (st.armed && lv.armed && getpid() == st.pid && claim())
+    if (st.armed && lv.term && getpid() == st.pid && lv.pid == st.pid && claim())
         write_exit_record(-(long long)sig, info != NULL && info->si_code == SI_USER ? (long long)info->si_pid : 0);
     else if (claimed && getpid() == st.pid) {
         /* leave() or exit() claimed first: the process is ending with that status now. */
@@ -412,18 +414,22 @@ static PyObject *armed(PyObject *self, PyObject *unused)
 }
 
 PyDoc_STRVAR(arm_leaving_doc,
-"arm_leaving(name, head, mid, mid2, tail) -> bool\n"
+"arm_leaving(name, head, mid, mid2, tail, teardown=True) -> bool\n"
 "\n"
-"This rank is being torn down: from now on the first of leave(code), exit(code) and a\n"
-"SIGTERM writes events/<name>, the record ``head <time> mid <returncode> mid2 <sender> tail``.\n"
-"A SIGTERM handler is installed only where SIGTERM's action is the default one (the\n"
-"application's own handler is left alone); returns whether it was. Needs arm() first.");
+"Prepare events/<name>, the record ``head <time> mid <returncode> mid2 <sender> tail``,\n"
+"and from now on have a SIGTERM write it (a launcher may stop this rank before its\n"
+"watcher has seen why). With teardown true, this rank is being torn down: from now on\n"
+"the first of leave(code), exit(code) and a SIGTERM writes it. The record is prepared\n"
+"once; a later call only arms the teardown. A SIGTERM handler is installed only where\n"
+"SIGTERM's action is the default one (the application's own handler is left alone);\n"
+"returns whether it was. Needs arm() first.");
 
 static PyObject *arm_leaving(PyObject *self, PyObject *args)
 {
     Py_buffer nm, h, m, m2, t;
+    int teardown = 1;
     (void)self;
-    if (!PyArg_ParseTuple(args, "y*y*y*y*y*", &nm, &h, &m, &m2, &t))
+    if (!PyArg_ParseTuple(args, "y*y*y*y*y*|p", &nm, &h, &m, &m2, &t, &teardown))
         return NULL;
     static leaving_state next;
     int bad = copy_name(next.name, &nm) || copy_piece(&next.head, &h) || copy_piece(&next.mid, &m) ||
@@ -439,12 +445,21 @@ static PyObject *arm_leaving(PyObject *self, PyObject *args)
         PyErr_SetString(PyExc_RuntimeError, "arm() this process first");
         return NULL;
     }
-    if (lv.armed)
-        Py_RETURN_FALSE; /* armed once per process: a teardown happens once */
-    memcpy(&lv, &next, sizeof lv);
-    lv.armed = 1;
+    if (!lv.armed) {
+        /* (Re)prepared until a teardown begins: install() again, or in a forked child. */
+        __atomic_store_n(&lv.term, 0, __ATOMIC_SEQ_CST);
+        memcpy(&lv, &next, sizeof lv);
+        lv.pid = getpid();
+        __atomic_store_n(&lv.term, 1, __ATOMIC_SEQ_CST);
+    }
+    if (teardown)
+        lv.armed = 1;
     struct sigaction old, act;
-    if (sigaction(SIGTERM, NULL, &old) != 0 || (old.sa_flags & SA_SIGINFO) || old.sa_handler != SIG_DFL)
+    if (sigaction(SIGTERM, NULL, &old) != 0)
+        Py_RETURN_FALSE;
+    if ((old.sa_flags & SA_SIGINFO) && old.sa_sigaction == on_term)
+        Py_RETURN_TRUE; /* ours, from an earlier call */
+    if ((old.sa_flags & SA_SIGINFO) || old.sa_handler != SIG_DFL)
         Py_RETURN_FALSE;
     memset(&act, 0, sizeof act);
     act.sa_sigaction = on_term;

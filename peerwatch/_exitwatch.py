@@ -103,17 +103,20 @@ def exit_template(rank: int, pid: int) -> Tuple[bytes, bytes, bytes, bytes]:
     return head, mid, mid2, tail
 
 
-def arm_leaving(rank: int) -> bool:
+def arm_leaving(rank: int, teardown: bool = True) -> bool:
     """This rank is being torn down: whichever way it ends from now on (the verdict's code
     through :func:`leave`, ``exit()``, or a SIGTERM from its launcher) writes
-    ``events/exit-<rank>.json`` with what really happened. True if a SIGTERM will be
-    recorded too (SIGTERM had its default action: an application's handler is left
-    alone). False where the extension is not armed in this process."""
+    ``events/exit-<rank>.json`` with what really happened. With ``teardown`` false (at
+    :func:`arm`, from install() on) only a SIGTERM does: a launcher that saw another rank
+    end may stop this one before its watcher has seen why, and the record then still says
+    it was a SIGTERM and who sent it. True if a SIGTERM will be recorded (SIGTERM had its
+    default action: an application's handler is left alone). False where the extension is
+    not armed in this process."""
     native = _module()
     if native is None or native.armed() != os.getpid():
         return False
     try:
-        return bool(native.arm_leaving(rank_file("exit", rank).encode(), *exit_template(rank, os.getpid())))
+        return bool(native.arm_leaving(rank_file("exit", rank).encode(), *exit_template(rank, os.getpid()), teardown))
     except (RuntimeError, ValueError) as e:
         logger.debug("peerwatch: rank %d: its exit will not be recorded (%s)", rank, e)
         return False
@@ -143,11 +146,10 @@ def arm(run_dir: RunDir, rank: int, write_success: bool) -> bool:
     if native.armed() == pid:
         native.set_success(write_success)
         return True
-    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
     fds = []
     try:
         for sub in (EVENTS, TMP):
-            fds.append(os.open(run_dir.join(sub), flags))
+            fds.append(run_dir.open_folder(sub))  # the folders as checked, even if the path now names others
         native.arm(
             fds[0], fds[1], pid,
             rank_file("success", rank).encode(), *success_template(rank, pid),
@@ -162,6 +164,7 @@ def arm(run_dir: RunDir, rank: int, write_success: bool) -> bool:
         logger.warning("peerwatch: rank %d: cannot watch its own exit status (%s)%s; a SystemExit that "
                        "reaches the top will be taken for success", rank, e, hint)
         return False
+    arm_leaving(rank, teardown=False)
     return True
 
 

@@ -1,6 +1,6 @@
 """Garbage collection of finished run directories under the default base.
 
-The policy, :func:`plan`, is a pure function of what a scan found; :func:`collect` scans,
+The policy, :func:`gc_plan`, is a pure function of what a scan found; :func:`collect` scans,
 plans and removes. Rules, first match wins, for each entry of :func:`_rundir.base_dir`:
 
 1. not a real directory owned by this user (a symbolic link, a file, another user's
@@ -69,19 +69,19 @@ class Entry:
 
 
 @dataclasses.dataclass(frozen=True)
-class Decision:
+class GcDecision:
     path: str
     action: str  # REMOVE or KEEP
     reason: str
 
 
 @dataclasses.dataclass(frozen=True)
-class Policy:
+class GcPolicy:
     keep: Optional[int] = DEFAULT_KEEP  # None: no count limit
     age_s: Optional[float] = DEFAULT_AGE_S  # None: no age limit
 
 
-def policy_from_env(env: Mapping[str, str]) -> Policy:
+def policy_from_env(env: Mapping[str, str]) -> GcPolicy:
     """The policy ``PEERWATCH_GC_KEEP`` / ``PEERWATCH_GC_AGE`` say; raises ValueError naming
     the variable for a value that is neither a non-negative number nor ``off``."""
 
@@ -100,7 +100,7 @@ def policy_from_env(env: Mapping[str, str]) -> Policy:
         return value
 
     keep = read(KEEP_VAR, DEFAULT_KEEP)
-    return Policy(keep=None if keep is None else int(keep), age_s=read(AGE_VAR, DEFAULT_AGE_S))
+    return GcPolicy(keep=None if keep is None else int(keep), age_s=read(AGE_VAR, DEFAULT_AGE_S))
 
 
 def _age(seconds: float) -> str:
@@ -111,30 +111,30 @@ def _age(seconds: float) -> str:
     return f"{seconds:.0f} s"
 
 
-def plan(entries: Sequence[Entry], policy: Policy, now: float) -> List[Decision]:
+def gc_plan(entries: Sequence[Entry], policy: GcPolicy, now: float) -> List[GcDecision]:
     """The decision for every entry (rules in the module's docstring). Pure."""
     decisions = {}
     finished = []
     for e in entries:
         if e.kind == "link":
-            decisions[e.path] = Decision(e.path, KEEP, "a symbolic link: never followed")
+            decisions[e.path] = GcDecision(e.path, KEEP, "a symbolic link: never followed")
         elif e.kind == "foreign":
-            decisions[e.path] = Decision(e.path, KEEP, "not a directory owned by this user")
+            decisions[e.path] = GcDecision(e.path, KEEP, "not a directory owned by this user")
         elif e.kind == "other":
-            decisions[e.path] = Decision(e.path, KEEP, "not a peerwatch run directory")
+            decisions[e.path] = GcDecision(e.path, KEEP, "not a peerwatch run directory")
         elif e.kind == "trash":
-            decisions[e.path] = Decision(e.path, REMOVE, "left by a removal that was interrupted")
+            decisions[e.path] = GcDecision(e.path, REMOVE, "left by a removal that was interrupted")
         elif e.kind == "lock":
             if e.sibling_dir:
-                decisions[e.path] = Decision(e.path, KEEP, _LOCK_OF_A_DIR)
+                decisions[e.path] = GcDecision(e.path, KEEP, _LOCK_OF_A_DIR)
             elif now - e.last_activity > LOCK_AGE_S:
-                decisions[e.path] = Decision(e.path, REMOVE, f"a lock file of no directory, unused for {_age(now - e.last_activity)}")
+                decisions[e.path] = GcDecision(e.path, REMOVE, f"a lock file of no directory, unused for {_age(now - e.last_activity)}")
             else:
-                decisions[e.path] = Decision(e.path, KEEP, "a lock file used recently")
+                decisions[e.path] = GcDecision(e.path, KEEP, "a lock file used recently")
         elif e.live is not None:
-            decisions[e.path] = Decision(e.path, KEEP, e.live)
+            decisions[e.path] = GcDecision(e.path, KEEP, e.live)
         elif now - e.last_activity < MIN_AGE_S:
-            decisions[e.path] = Decision(e.path, KEEP, f"active within the last {MIN_AGE_S:.0f} s")
+            decisions[e.path] = GcDecision(e.path, KEEP, f"active within the last {MIN_AGE_S:.0f} s")
         else:
             finished.append(e)
     finished.sort(key=lambda e: e.last_activity, reverse=True)  # newest first
@@ -142,13 +142,13 @@ def plan(entries: Sequence[Entry], policy: Policy, now: float) -> List[Decision]
         idle = now - e.last_activity
         what = "set aside" if e.kind == "stale" else "finished"
         if policy.age_s is not None and idle > policy.age_s:
-            decisions[e.path] = Decision(e.path, REMOVE, f"{what}, idle for {_age(idle)} (over {AGE_VAR}={_age(policy.age_s)})")
+            decisions[e.path] = GcDecision(e.path, REMOVE, f"{what}, idle for {_age(idle)} (over {AGE_VAR}={_age(policy.age_s)})")
         elif policy.keep is not None and i >= policy.keep:
-            decisions[e.path] = Decision(
+            decisions[e.path] = GcDecision(
                 e.path, REMOVE, f"{what}, idle for {_age(idle)}; {i} newer finished runs (over {KEEP_VAR}={policy.keep})"
             )
         else:
-            decisions[e.path] = Decision(e.path, KEEP, f"{what}, idle for {_age(idle)}; within the policy")
+            decisions[e.path] = GcDecision(e.path, KEEP, f"{what}, idle for {_age(idle)}; within the policy")
     return [decisions[e.path] for e in entries]
 
 
@@ -277,7 +277,7 @@ def _remove(entry: Entry, env: Mapping[str, str]) -> Optional[str]:
     try:
         with lock:
             again = [e for e in scan(os.path.dirname(entry.path), env) if e.path == entry.path]
-            if not again or any(d.action != REMOVE for d in plan(again, Policy(keep=0, age_s=None), time.time())):
+            if not again or any(d.action != REMOVE for d in gc_plan(again, GcPolicy(keep=0, age_s=None), time.time())):
                 return "it is in use again"
             _trash(entry.path)
     except filelock.Timeout:
@@ -285,7 +285,7 @@ def _remove(entry: Entry, env: Mapping[str, str]) -> Optional[str]:
     return None
 
 
-def collect(dry_run: bool = False, env: Optional[Mapping[str, str]] = None, now: Optional[float] = None) -> List[Decision]:
+def collect(dry_run: bool = False, env: Optional[Mapping[str, str]] = None, now: Optional[float] = None) -> List[GcDecision]:
     """Remove the finished run directories under the default base that the policy says
     go (``dry_run``: only say which). Returns every decision, the removed ones first.
     Raises :class:`RunDirError` when the base is not trusted, ValueError for a bad setting."""
@@ -295,7 +295,7 @@ def collect(dry_run: bool = False, env: Optional[Mapping[str, str]] = None, now:
     if not os.path.lexists(base):
         return []
     check_trusted(base)
-    decisions = plan(scan(base, env), policy, time.time() if now is None else now)
+    decisions = gc_plan(scan(base, env), policy, time.time() if now is None else now)
     done = []
     for d in decisions:
         if d.action != REMOVE or dry_run:
@@ -311,7 +311,7 @@ def collect(dry_run: bool = False, env: Optional[Mapping[str, str]] = None, now:
             logger.info("peerwatch: gc removed %s: %s", d.path, d.reason)
             done.append(d)
         else:
-            done.append(Decision(d.path, KEEP, f"not removed: {why_not}"))
+            done.append(GcDecision(d.path, KEEP, f"not removed: {why_not}"))
     changed = {d.path: d for d in done}
     result = [changed.get(d.path, d) for d in decisions]
     return sorted(result, key=lambda d: d.action != REMOVE)
@@ -351,7 +351,7 @@ def auto(how: str) -> None:
         logger.exception("peerwatch: gc of old run directories failed")
 
 
-def describe(decisions: Iterable[Decision], dry_run: bool) -> List[str]:
+def describe(decisions: Iterable[GcDecision], dry_run: bool) -> List[str]:
     """One line per decision, for ``peerwatch gc``."""
     lines = []
     for d in decisions:
@@ -363,6 +363,6 @@ def describe(decisions: Iterable[Decision], dry_run: bool) -> List[str]:
 
 
 __all__ = [
-    "AGE_VAR", "DEFAULT_AGE_S", "DEFAULT_KEEP", "Decision", "Entry", "KEEP_VAR", "Policy", "auto", "collect",
-    "describe", "last_activity", "live_registrations", "plan", "policy_from_env", "scan",
+    "AGE_VAR", "DEFAULT_AGE_S", "DEFAULT_KEEP", "KEEP_VAR", "Entry", "GcDecision", "GcPolicy", "auto", "collect",
+    "describe", "gc_plan", "last_activity", "live_registrations", "policy_from_env", "scan",
 ]

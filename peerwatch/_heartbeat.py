@@ -1,7 +1,7 @@
 """This rank's heartbeat: that its watcher runs, how far its training got, its children.
 
 Threads:
-- :class:`Progress` is written by the training thread only (``beat()``, ``paused()``) and
+- :class:`OwnProgress` is written by the training thread only (``beat()``, ``paused()``) and
   read by the watcher thread (single ints: no torn reads).
 - :class:`HeartbeatWriter` writes from the watcher thread every ``heartbeat_interval``,
   and from the training thread when it enters or leaves ``paused()`` (the judges must
@@ -37,7 +37,7 @@ ENTRIES_WARMUP_MOVES = 10  # quiet spells before this many movements (start-up, 
 ENTRIES_KEPT = 3  # per process group, the last collectives published (a mismatch shows one back)
 
 
-class Progress:
+class OwnProgress:
     """What the training said of itself. Written by the training thread only."""
 
     def __init__(self) -> None:
@@ -82,7 +82,7 @@ class HeartbeatWriter:
     """
 
     def __init__(
-        self, run_dir: RunDir, me: Registration, progress: Progress, with_position: bool, read_collectives: bool = True,
+        self, run_dir: RunDir, me: Registration, progress: OwnProgress, with_position: bool, read_collectives: bool = True,
         measure_waits: bool = False, interval_s: float = 1.0,
     ) -> None:
         self._run_dir = run_dir
@@ -236,4 +236,4 @@ class HeartbeatWriter:
             rd.warn_once(rd.join(HEARTBEATS), f"heartbeat cannot be written ({e.strerror})")
 
 
-__all__ = ["CHILDREN_SCAN_EVERY", "HeartbeatWriter", "Progress", "main_thread_position"]
+__all__ = ["CHILDREN_SCAN_EVERY", "HeartbeatWriter", "OwnProgress", "main_thread_position"]

@@ -27,7 +27,7 @@ import traceback
 from types import FrameType, TracebackType
 from typing import Any, Callable, Optional, Type
 
-from . import _exitwatch, _stacks, _teardown, _terminal
+from . import _exitwatch, _leave, _stacks, _teardown, _terminal
 from ._collectives import raised_by_torch_distributed
 from ._errors import PeerFailure
 from ._plan import SETTLE_S
@@ -255,7 +255,7 @@ def tell_consequence(
     """
     me = _terminal.who(w.rank, w.me.pid, w.me.host)
     failed = _terminal.who(verdict.rank, verdict.pid, verdict.host)
-    kept = _terminal.keep_consequence(w.stacks.file, me, failed, exc_type, exc, tb)
+    kept = _terminal.keep_consequence(w.stack_file(), me, failed, exc_type, exc, tb)
     if raised_by_torch_distributed(exc, tb) and not w.config.verbose:
         return
     previous(exc_type, exc, tb)
@@ -396,15 +396,14 @@ def _at_exit(registry: Registry) -> None:
         # Being torn down: the watcher is the one to end the process, with the verdict's
         # exit code, once its share of the teardown is done. Tell it we are leaving.
         w.leave()
-        _teardown.flush_and_exit(w.exit_code())
+        _leave.flush_and_exit(w.exit_code())
         return
     if w.failed_code is None and registry.explicit:
         if _exitwatch.armed():
             # The exit status decides, once the interpreter is done: a SystemExit(3) that
             # reached the top has not been seen by any hook. Other hosts are told the job
             # is ending (as before): what this rank's peers act on is the local record.
-            if w.bridge is not None:
-                w.bridge.on_success()
+            w.tell_hosts_succeeded()
         else:
             w.record_success()
     else:

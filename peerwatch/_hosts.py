@@ -79,6 +79,13 @@ def beat_value(seq: int, done: bool, stalled: bool = False) -> bytes:
     return (DONE if done else b"") + str(seq).encode() + (STALLED if stalled else b"")
 
 
+def beat_seq(value: bytes) -> Optional[int]:
+    """The sequence number in a beat (:func:`beat_value`), or None: not a beat."""
+    body = value[len(DONE):] if value.startswith(DONE) else value
+    body = body[:-len(STALLED)] if body.endswith(STALLED) else body
+    return int(body) if body.isdigit() and len(body) <= 30 else None
+
+
 def stalled_hosts(beats: Mapping[int, Optional[bytes]]) -> List[int]:
     """The hosts whose last beat says their ranks stand still (their summaries are to read)."""
     return sorted(j for j, v in beats.items() if v is not None and v.endswith(STALLED))
@@ -87,8 +94,8 @@ def stalled_hosts(beats: Mapping[int, Optional[bytes]]) -> List[int]:
 class Liveness:
     """Which hosts have stopped beating, judged on this host's monotonic clock only.
 
-    A host is lost when its beat value has not changed for ``timeout_ns`` of our own
-    observations. No clock is compared across hosts. If we ourselves were not running for
+    A host is lost when its beat's sequence number has not grown for ``timeout_ns`` of our
+    own observations (a beat with a lower or equal one is an old beat written back: no news). No clock is compared across hosts. If we ourselves were not running for
     a while (frozen, starved: more than half the timeout between two looks), that gap is not
     held against anyone: the clock restarts. Hosts whose beat says ``done`` are never lost
     (the job is ending).
@@ -97,6 +104,7 @@ class Liveness:
     def __init__(self, timeout_ns: int) -> None:
         self.timeout_ns = timeout_ns
         self.values: Dict[int, bytes] = {}
+        self.seqs: Dict[int, int] = {}  # the highest sequence number seen per host
         self.changed_ns: Dict[int, int] = {}
         self.done: Set[int] = set()
         self._last_ns: Optional[int] = None
@@ -110,11 +118,17 @@ class Liveness:
         for host, value in beats.items():
             if value is None:
                 continue
+            # Only a higher sequence number is news: two old beats of a host written back in
+            # turn (replayed by whoever can reach the store) are not a host that beats.
+            seq = beat_seq(value)
+            if seq is None or (host in self.seqs and seq <= self.seqs[host]):
+                self.changed_ns.setdefault(host, now_ns)  # seen: its silence counts from now
+                continue
+            self.seqs[host] = seq
             if value.startswith(DONE):
                 self.done.add(host)
-            if self.values.get(host) != value or host not in self.changed_ns:
-                self.values[host] = value
-                self.changed_ns[host] = now_ns
+            self.values[host] = value
+            self.changed_ns[host] = now_ns
 
     def lost(self, now_ns: int, exclude: AbstractSet[int] = frozenset()) -> List[int]:
         return sorted(
@@ -247,7 +261,7 @@ def lost_store_failure(
 
 
 __all__ = [
-    "CONNECT_BACKOFF_MAX_S", "DONE", "REMOTE_SETTLE_S", "STALLED", "stalled_hosts", "HostInfo", "Liveness", "beat_value", "connect_allowance_s",
+    "CONNECT_BACKOFF_MAX_S", "DONE", "REMOTE_SETTLE_S", "STALLED", "beat_seq", "stalled_hosts", "HostInfo", "Liveness", "beat_value", "connect_allowance_s",
     "host_ident",
     "hosts_to_declare_lost", "hosts_to_read", "interval_deadline_s", "lost_host_failure", "lost_store_failure",
     "may_be_echo", "next_backoff_s", "op_timeout_s", "peers_to_watch", "ranks_text", "report_store_lost",

@@ -49,7 +49,7 @@ import threading
 import time
 from typing import Callable, Dict, List, Mapping, Optional, Protocol
 
-from . import _identity, _rundir, _teardown, _terminal
+from . import _identity, _leave, _rundir, _terminal
 from ._identity import is_local
 from ._records import LOST, Failure, Registration, Verdict
 
@@ -256,7 +256,7 @@ def _launcher_gone(w: RankLink, launcher: Launcher, exit_code: int) -> None:
     ))
     if not w.verdict_seen.wait(VERDICT_WAIT_S):
         logger.error("peerwatch: rank %d has no verdict %gs after losing its launcher; exiting", rank, VERDICT_WAIT_S)
-        _teardown.flush_and_exit(exit_code)
+        _leave.flush_and_exit(exit_code)
 
 
 # -- on verdict ----------------------------------------------------------------------

@@ -23,13 +23,13 @@ import time
 from typing import Any, Dict, List, Optional, Set, Tuple
 
 from . import _decide, _eventlog, _identity, _rundir, _sharedfs, _terminal
-from ._activity import Activity
-from ._heartbeat import Progress, main_thread_position
+from ._heartbeat import OwnProgress, main_thread_position
 from ._records import (
     EVENT_TYPES,
     HANG,
     MAX_TRACEBACK_CHARS,
     Ack,
+    Activity,
     Diagnosis,
     ExitStatus,
     Failure,
@@ -533,7 +533,7 @@ class Observer:
             self.remote.read(self.registrations, self.ended_ranks())
 
     def observed(
-        self, progress: Optional[Progress] = None, missing: Tuple[int, ...] = (), stale_after_s: float = 0.0,
+        self, progress: Optional[OwnProgress] = None, missing: Tuple[int, ...] = (), stale_after_s: float = 0.0,
         own: Optional[Heartbeat] = None,
     ) -> _decide.Observed:
         """Everything known now, for decide(). ``progress``: this rank's own (hang judges
@@ -577,7 +577,7 @@ class Observer:
         found = self.events.get(DIAGNOSIS_FILE)
         return found if isinstance(found, Diagnosis) else None
 
-    def _progress(self, mine: Progress, stale_after_s: float, own: Optional[Heartbeat]) -> Dict[int, _decide.Progress]:
+    def _progress(self, mine: OwnProgress, stale_after_s: float, own: Optional[Heartbeat]) -> Dict[int, _decide.Progress]:
         """Every live local rank's last progress, from its heartbeat (ours from memory)."""
         where, waiting = main_thread_position()
         found = {

@@ -1,8 +1,9 @@
 """The teardown policy, as pure functions: who enforces a verdict, whom to signal and when,
 how long this rank may stay, and the code it exits with.
 
-Nothing here touches the OS or a clock; :mod:`peerwatch._teardown` executes what these
-functions answer. Rules (numbered as in the tests):
+Nothing here touches the OS or a clock; :mod:`peerwatch._enforce` carries out what these
+functions answer, with the OS through :mod:`peerwatch._teardown`. Rules (numbered as in
+the tests):
 
 1. **Exit code.** A torn-down rank exits with the verdict's code. The failed rank itself
    exits with the code it recorded for its own failure, if it recorded one (a Python

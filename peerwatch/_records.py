@@ -32,6 +32,29 @@ HANG_EXIT_CODE = 124  # as timeout(1): the job was ended for not moving
 
 
 @dataclasses.dataclass(frozen=True)
+class Activity:
+    """A rank's signs of work over its last samples (one shape from sampler to judge)."""
+
+    span_ms: int  # the time the figures cover
+    cpu_ms: int  # CPU time of the main thread in it
+    places: int  # different stacks the main thread was seen at
+    other_cpu_ms: int  # CPU time of the process's other threads (not peerwatch's)
+    io_bytes: int  # bytes its threads read and wrote (not peerwatch's)
+    children_cpu_ms: int  # CPU time of the rank's descendants
+    samples: int
+
+    def as_tuple(self) -> Tuple[int, ...]:
+        return dataclasses.astuple(self)
+
+    @classmethod
+    def of(cls, values: Tuple[int, ...]) -> Optional["Activity"]:
+        """From a heartbeat's ``activity`` field; None when it holds none (or not ours)."""
+        if len(values) != len(dataclasses.fields(cls)) or any(v < 0 for v in values):
+            return None
+        return cls(*values)
+
+
+@dataclasses.dataclass(frozen=True)
 class Registration:
     """The pid file: which process is rank ``rank`` of this run."""
 
@@ -408,7 +431,7 @@ def signal_name(signum: int) -> str:
 
 __all__ = [
     "BUSY", "EXCEPTION", "EXIT", "HANG", "LOST", "MISMATCH", "MISSING", "SIGNAL", "VANISHED",
-    "EVENT_TYPES", "Ack", "Diagnosis", "ExitStatus", "Failure", "Heartbeat", "NotSignalled", "Registration", "Success", "Verdict",
+    "EVENT_TYPES", "Activity", "Ack", "Diagnosis", "ExitStatus", "Failure", "Heartbeat", "NotSignalled", "Registration", "Success", "Verdict",
     "WATCHER_DEATH", "WatcherDeath",
     "HANG_EXIT_CODE", "MAX_RECORD_BYTES", "MAX_SIGNAL", "RECORD_VERSION", "decode", "encode", "in_range", "named_ranks", "returncode_exit_code", "warm",
     "signal_name",

@@ -31,12 +31,13 @@ from ._rundir import (
     FLIGHT_RECORDER,
     HEARTBEATS,
     REPORT_FILE,
+    STRAGGLERS_FILE,
     VERDICT_FILE,
     RunDir,
     parse_fr_dump_name,
     rank_file,
 )
-from ._stragglerwatch import read_finding
+from ._straggler import finding_from_json
 from ._terminal import printable, who
 
 REPORT_VERSION = 1
@@ -188,7 +189,7 @@ def stragglers_entry(rd: RunDir) -> List[Dict[str, Any]]:
     """The ``stragglers`` list of report.json and ``peerwatch status --json`` (docs/stragglers.md):
     the ranks the others keep waiting for, as last found; [] when the job is balanced."""
     return [{"rank": s.rank, "host": s.host, "late_ms": s.late_ms, "share": s.share, "since": _iso(s.since_ns)}
-            for s in read_finding(rd) or ()]
+            for s in finding_from_json(rd.read_bytes("", STRAGGLERS_FILE) or b"") or ()]
 
 
 def straggler_lines(report: Dict[str, Any]) -> List[str]:

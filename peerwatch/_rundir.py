@@ -47,6 +47,11 @@ DIAGNOSIS_FILE = "diagnosis.json"  # events/: why the job stopped moving (peerwa
 # publish, and the other hosts' stalls as the bridge read them, for the judges.
 STALL_FILE = "stall.json"
 REMOTE_STALLS_FILE = "stalls-remote.json"
+# Stragglers (peerwatch._stragglerwatch): this host's ranks' waits, for the bridge to
+# publish; the other hosts' as host 0's bridge read them; the finding (status, report).
+STRAGGLE_FILE = "straggle.json"
+STRAGGLE_HOSTS_FILE = "straggle-hosts.json"
+STRAGGLERS_FILE = "stragglers.json"
 # torch's flight-recorder dumps, one file per rank, named as torch's analyzer expects
 # (``<prefix><rank>``, the prefix common to every file of the folder, which holds nothing else).
 FLIGHT_RECORDER = "flight_recorder"
@@ -91,16 +96,43 @@ def parse_rank_file(name: str) -> Optional[Tuple[str, int]]:
 
 def base_dir() -> str:
     """Where run directories live on this host when nothing says otherwise: a place no
-    other user can occupy first. ``$XDG_RUNTIME_DIR/peerwatch`` (or systemd's
-    ``/run/user/<uid>``) where there is one of ours; else ``$TMPDIR/peerwatch-<uid>`` (or
-    under ``/tmp``). In a world-writable ``/tmp`` another user may have made that name
-    first (a directory of theirs, a symlink): then ``peerwatch-<uid>-2`` ... ``-4``, with a
-    warning naming the squatter. Every rank of this user on this host picks the same."""
-    uid = os.geteuid()
-    for runtime in (os.environ.get("XDG_RUNTIME_DIR", ""), f"/run/user/{uid}"):
+    other user can make, take or hold first, and the same for every rank of this user on
+    this host (they all compute it). In order:
+
+    1. ``$XDG_RUNTIME_DIR/peerwatch`` (or systemd's ``/run/user/<uid>``) where there is one
+       of ours that nobody else can write;
+    2. ``$XDG_CACHE_HOME/peerwatch`` (``~/.cache/peerwatch``), created 0700, where it is
+       ours alone, its path safe from other users, and on a local filesystem (a home on
+       NFS is shared by hosts: a run directory there would be taken for a shared one);
+    3. a directory under ``$TMPDIR`` (or ``/tmp``) with an unpredictable name
+       (``peerwatch-<uid>-<random>``, made 0700 by ``mkdtemp``), recorded per host in that
+       per-user place (``<place>/bases/<host>-<n>``, first writer wins), so every rank
+       finds the same one; one that another user took since (a ``/tmp`` cleaner removed it
+       and they made its name) is passed over for the next record;
+    4. only where no per-user place can be had (no usable home): the fixed names
+       ``$TMPDIR/peerwatch-<uid>``, then ``-2`` ... ``-4``, with a warning naming a squatter.
+    """
+    return _choose_base(os.geteuid(), os.environ)
+
+
+_squatters: Dict[str, str] = {}  # a base name another user took first -> why it cannot be used
+_warned_bases: Set[str] = set()
+TMP_BASES = 8  # records of /tmp bases tried per host before the fixed names
+_LOCAL_FUSE = frozenset({"fuse-overlayfs", "fuse.fuse-overlayfs"})
+
+
+def _choose_base(uid: int, env: Mapping[str, str]) -> str:
+    for runtime in (env.get("XDG_RUNTIME_DIR", ""), f"/run/user/{uid}"):
         if runtime and _private_dir(runtime):
             return os.path.join(runtime, "peerwatch")
-    tmp = os.environ.get("TMPDIR", "") or "/tmp"
+    tmp = env.get("TMPDIR", "") or "/tmp"
+    place = _user_place(env)
+    if place is not None:
+        if _local_fs(place):
+            return place
+        recorded = _recorded_tmp_base(place, tmp, uid)
+        if recorded is not None:
+            return recorded
     first = os.path.join(tmp, f"peerwatch-{uid}")
     for path in [first] + [f"{first}-{n}" for n in range(2, 5)]:
         why = _squatted(path)
@@ -112,8 +144,121 @@ def base_dir() -> str:
     return first  # every name taken: prepare() says why, loudly
 
 
-_squatters: Dict[str, str] = {}  # a base name another user took first -> why it cannot be used
-_warned_bases: Set[str] = set()
+def _user_place(env: Mapping[str, str]) -> Optional[str]:
+    """``$XDG_CACHE_HOME/peerwatch`` (``$HOME/.cache/peerwatch``), made 0700 if need be; None
+    if it cannot be ours alone (no home, a home others can rename, a read-only one)."""
+    cache = env.get("XDG_CACHE_HOME", "")
+    if not os.path.isabs(cache):
+        home = env.get("HOME", "")
+        if not os.path.isabs(home):
+            return None
+        cache = os.path.join(home, ".cache")
+    place = os.path.join(cache, "peerwatch")
+    try:
+        for folder in (cache, place):
+            try:
+                os.mkdir(folder, 0o700)
+            except FileExistsError:
+                pass
+        check_ancestors(place)
+        check_trusted(place)
+    except (OSError, RunDirError) as e:
+        logger.debug("peerwatch: %s cannot hold run directories: %s", place, e)
+        return None
+    return place
+
+
+def _local_fs(path: str) -> bool:
+    """Is ``path`` on a filesystem of this host alone (not NFS, Lustre, a FUSE mount...)?"""
+    from . import _mounts
+
+    try:
+        with open(_mounts.MOUNTINFO) as f:
+            mounts = _mounts.parse_mountinfo(f.read())
+    except OSError:
+        return True  # no mount table (not Linux): as before, a home is taken as local
+    mount = _mounts.mount_of(os.path.realpath(path), mounts)
+    if mount is None:
+        return True
+    fstype = mount.fstype
+    return not (_mounts.is_network_fs(fstype) or (fstype.startswith("fuse") and fstype not in _LOCAL_FUSE))
+
+
+def _recorded_tmp_base(place: str, tmp: str, uid: int) -> Optional[str]:
+    """This host's base under ``tmp``, by an unpredictable name recorded in ``place`` (the
+    first record of this host whose directory is ours, or can be made again); None if
+    none can be had."""
+    records = os.path.join(place, "bases")
+    host = _safe(_identity.hostname())
+    try:
+        os.mkdir(records, 0o700)
+    except FileExistsError:
+        pass
+    except OSError:
+        return None
+    for n in range(TMP_BASES):
+        record = os.path.join(records, f"{host}-{n}")
+        path = _read_base_record(record)
+        if path is None:
+            path = _propose_base(records, record, tmp, uid)
+            if path is None:
+                return None
+        try:
+            os.mkdir(path, 0o700)  # removed since (a /tmp cleaner, a reboot): the same name again
+        except FileExistsError:
+            pass
+        except OSError:
+            continue
+        if _private_dir(path):
+            return path
+        why = _squatted(path) or "cannot be used"
+        if path not in _warned_bases:
+            _warned_bases.add(path)
+            logger.warning("peerwatch: the run directory base %s %s (another user made it after it was "
+                           "removed); passing over it", path, why)
+    return None
+
+
+def _read_base_record(record: str) -> Optional[str]:
+    try:
+        fd = os.open(record, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        data = os.read(fd, 4096).decode("utf-8", "replace").strip()
+    finally:
+        os.close(fd)
+    return data if os.path.isabs(data) and "\0" not in data else None
+
+
+def _propose_base(records: str, record: str, tmp: str, uid: int) -> Optional[str]:
+    """Make a directory by an unpredictable name under ``tmp`` and record it as this host's
+    (link(2): the first writer wins); the one recorded."""
+    import tempfile
+
+    try:
+        made = tempfile.mkdtemp(prefix=f"peerwatch-{uid}-", dir=tmp)
+    except OSError as e:
+        logger.debug("peerwatch: cannot make a run directory base under %s: %s", tmp, e)
+        return None
+    temp = None
+    try:
+        fd, temp = tempfile.mkstemp(dir=records, prefix=".record-")
+        with os.fdopen(fd, "wb") as f:
+            f.write(made.encode() + b"\n")
+        os.link(temp, record)
+        return made
+    except FileExistsError:
+        os.rmdir(made)  # another rank of ours recorded one first: that one
+        return _read_base_record(record)
+    except OSError as e:
+        logger.debug("peerwatch: cannot record the run directory base %s in %s: %s", made, records, e)
+        os.rmdir(made)
+        return None
+    finally:
+        if temp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(temp)
 
 
 def _private_dir(path: str) -> bool:
@@ -155,6 +300,9 @@ def _warn_base_once(first: str, chosen: str) -> None:
 
 NEW_RUN = "new run led by this process"  # resolve()'s `how` when nothing in the environment names a run
 OWNER_VAR = "PEERWATCH_DIR_OWNER"  # "<pid>.<start ticks>" of the install() that exported PEERWATCH_DIR
+# The run of the multiprocessing children (mp.spawn's workers) of a process that installed
+# peerwatch: <that process's run directory>/spawn.
+SPAWNED_RUN = "spawn"
 
 
 def resolve(run_dir: Optional[str], env: Mapping[str, str]) -> Tuple[str, str]:
@@ -194,7 +342,7 @@ def _derived(run_dir: Optional[str], env: Mapping[str, str]) -> Tuple[str, str]:
     spawned = is_multiprocessing_child()
     if run_dir:
         if spawned and env.get(OWNER_VAR) == _parent_key() and env.get("PEERWATCH_DIR") == run_dir:
-            return os.path.join(run_dir, "spawn"), "multiprocessing child of a launcher that installed peerwatch"
+            return os.path.join(run_dir, SPAWNED_RUN), "multiprocessing child of a launcher that installed peerwatch"
         return run_dir, "PEERWATCH_DIR"
     base = base_dir()
     parent = _parent_key()
@@ -322,7 +470,7 @@ def check_ancestors(path: str) -> None:
                     part,
                     f"is owned by uid {st.st_uid}, not by root or this user (uid {me}): that user could "
                     "swap the run directory below it for their own; choose a PEERWATCH_DIR under a folder of "
-                    "yours (the default, under $XDG_RUNTIME_DIR or $TMPDIR, is)",
+                    "yours (the default base, under $XDG_RUNTIME_DIR or ~/.cache, is)",
                 )
             if stat.S_ISLNK(st.st_mode):
                 continue
@@ -441,7 +589,10 @@ class RunDir:
     written to. A RunDir that was not prepared (``peerwatch report``, tests) opens the
     directory by its path for each operation, never following a symlink at its end.
     Paths that :meth:`join` and :meth:`stack_path` give are for people (logs, the report);
-    code that must open something by path uses :meth:`at`.
+    code that must open something by path uses :meth:`at`, and code that needs a
+    descriptor or a file's metadata :meth:`open_file`, :meth:`open_folder`, :meth:`stat`,
+    :meth:`exists`, :meth:`names` and :meth:`inodes` (no module outside this one opens, lists or stats a
+    path of :meth:`join`: tests/test_import.py checks).
     """
 
     def __init__(self, path: str, shared: Optional[str] = None) -> None:
@@ -463,6 +614,16 @@ class RunDir:
     def join(self, *parts: str) -> str:
         """The path of ``parts`` under the run directory, for people (logs, the report)."""
         return os.path.join(self.path, *parts)
+
+    def per_host(self, name: str) -> str:
+        """The name of this host's own copy of the file ``name``: ``name`` itself where the
+        run directory is this host's, ``<stem>-<host>.<ext>`` where several hosts share it
+        (``events.jsonl`` -> ``events-node3.jsonl``): what each host appends to or claims
+        for itself (an append over NFS is not atomic across its clients)."""
+        if self.shared is None:
+            return name
+        stem, dot, ext = name.partition(".")
+        return f"{stem}-{safe_name(_identity.hostname())}{dot}{ext}"
 
     def at(self, *parts: str) -> str:
         """A path to ``parts`` that goes through the held directory descriptor (Linux's
@@ -832,6 +993,37 @@ class RunDir:
             finally:
                 os.close(fd)
 
+    # -- for callers that need a descriptor or a file's metadata --------------------
+
+    def open_file(self, name: str, flags: int, sub: str = "") -> int:
+        """A descriptor of the regular file ``sub/name`` (:func:`open_regular`: never a
+        symlink, FIFO or device), opened through the folder's held descriptor: a lock file,
+        a flag held open. The caller closes it. Raises OSError."""
+        with self._dir(sub) as dir_fd:
+            return open_regular(name, flags, dir_fd=dir_fd)
+
+    def open_folder(self, sub: str) -> int:
+        """A descriptor of folder ``sub`` of its own (a dup of the held one): for code that
+        keeps it, such as the C exit watch that writes records with ``openat``. The caller
+        closes it. Raises OSError (missing, a symlink, no longer the folder checked)."""
+        with self._dir(sub) as dir_fd:
+            return os.dup(dir_fd)  # non-inheritable, as every descriptor Python makes
+
+    def stat(self, sub: str, name: str = "") -> os.stat_result:
+        """The metadata of ``sub/name`` (of folder ``sub`` itself without ``name``), never
+        following a symlink. Raises OSError."""
+        with self._dir(sub) as dir_fd:
+            return os.stat(name, dir_fd=dir_fd, follow_symlinks=False) if name else os.fstat(dir_fd)
+
+    def exists(self, sub: str, name: str) -> bool:
+        """Is there an entry ``sub/name`` (of any kind, a symlink too)? False where the
+        folder cannot be opened."""
+        try:
+            self.stat(sub, name)
+        except OSError:
+            return False
+        return True
+
     # -- reading -------------------------------------------------------------------
 
     def read_bytes(self, sub: str, name: str, limit: int = MAX_RECORD_BYTES) -> Optional[bytes]:
@@ -909,6 +1101,18 @@ class RunDir:
         except OSError as e:
             self.warn_once(self.join(sub), f"cannot be listed ({e.strerror})")
             return []
+
+    def inodes(self, sub: str) -> Dict[str, int]:
+        """Every name in folder ``sub`` with its inode, in one listing (a file replaced by a
+        rename shows a new inode); none if it is missing or cannot be listed (warned)."""
+        try:
+            with self._dir(sub) as dir_fd, os.scandir(dir_fd) as it:
+                return {entry.name: entry.inode() for entry in it}
+        except FileNotFoundError:
+            return {}
+        except OSError as e:
+            self.warn_once(self.join(sub), f"cannot be listed ({e.strerror})")
+            return {}
 
     def entries(self, sub: str) -> Iterator[Tuple[str, int, str]]:
         """(prefix, rank, name) of the rank files in sub; other entries are skipped."""
@@ -1023,7 +1227,8 @@ class InPlace:
 
 __all__ = [
     "InPlace", "EVENTS", "HEARTBEATS", "NEW_RUN", "OWNER_VAR", "RANKS", "REPORT_FILE", "STACKS", "TMP", "VERDICT_FILE", "DIAGNOSIS_FILE",
-    "REMOTE_STALLS_FILE", "STALL_FILE",
+    "REMOTE_STALLS_FILE", "SPAWNED_RUN", "STALL_FILE", "STRAGGLERS_FILE", "STRAGGLE_FILE",
+    "STRAGGLE_HOSTS_FILE",
     "FLIGHT_RECORDER", "RunDir", "base_dir", "check_ancestors", "check_trusted", "fr_dump_name", "open_regular", "parse_fr_dump_name",
     "parse_rank_file", "is_multiprocessing_child", "process_key", "rank_file", "resolve", "safe_name", "stack_name",
 ]

@@ -32,11 +32,11 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import re
 import time
-from typing import TYPE_CHECKING, AbstractSet, Dict, Hashable, Iterable, List, Mapping, Optional
+from typing import TYPE_CHECKING, AbstractSet, Dict, Hashable, Iterable, Mapping, Optional
 
 from ._identity import is_local
+from ._mounts import MOUNTINFO, NETWORK_FS_TYPES, Mount, is_network_fs, mount_of, parse_mountinfo
 from ._records import Heartbeat, Registration
 
 if TYPE_CHECKING:
@@ -46,77 +46,9 @@ logger = logging.getLogger("peerwatch")
 
 POLL_S = 0.5  # judges list events/ and ranks/ this often: 2 readdirs per judge, 2 judges per host
 REMOTE_READS_PER_TIMEOUT = 8  # remote heartbeats are read at least this often per peer_timeout
-MOUNTINFO = "/proc/self/mountinfo"
 # Test only: behave as if inotify could not see anything (as for another host's writes on
 # NFS), so the end-to-end tests exercise the polling path on one kernel. Not documented.
 NO_INOTIFY_VAR = "PEERWATCH_TEST_NO_INOTIFY"
-
-# Filesystem types (the mount table's) whose files other hosts may write: inotify cannot
-# see those writes. Network filesystems, and cluster filesystems on shared disks.
-NETWORK_FS_TYPES = frozenset({
-    "nfs", "nfs4",  # NFS (v2/v3 show as nfs)
-    "lustre",
-    "gpfs",  # IBM Spectrum Scale
-    "ceph", "fuse.ceph-fuse",  # CephFS: kernel client, FUSE client
-    "beegfs",
-    "glusterfs", "fuse.glusterfs",
-    "cifs", "smb3",  # SMB
-    "afs", "orangefs", "pvfs2", "wekafs", "fuse.juicefs",
-    "gfs2", "ocfs2",  # shared-disk cluster filesystems
-})
-
-
-@dataclasses.dataclass(frozen=True)
-class Mount:
-    """One line of ``/proc/self/mountinfo``: where, what type, from where."""
-
-    mount_point: str
-    fstype: str
-    source: str
-
-
-_OCTAL = re.compile(r"\\([0-7]{3})")
-
-
-def _unescape(field: str) -> str:
-    """The kernel writes space, tab, newline and backslash in paths as ``\\040`` etc."""
-    return _OCTAL.sub(lambda m: chr(int(m.group(1), 8)), field)
-
-
-def parse_mountinfo(text: str) -> List[Mount]:
-    """The mounts listed in a ``/proc/<pid>/mountinfo`` text, in order (later mounts last).
-
-    Format (proc(5)): ``id parent major:minor root mount_point options [optional...] -
-    fstype source super_options``. Malformed lines are skipped.
-    """
-    mounts = []
-    for line in text.splitlines():
-        fields = line.split(" ")
-        try:
-            dash = fields.index("-", 6)
-        except ValueError:
-            continue
-        if len(fields) < dash + 3:
-            continue
-        mounts.append(Mount(_unescape(fields[4]), fields[dash + 1], _unescape(fields[dash + 2])))
-    return mounts
-
-
-def mount_of(path: str, mounts: Iterable[Mount]) -> Optional[Mount]:
-    """The mount holding absolute ``path``: the longest mount point that is a prefix of it
-    (whole components only); of equal ones, the last mounted (it hides the others)."""
-    best: Optional[Mount] = None
-    for m in mounts:
-        point = m.mount_point.rstrip("/") or "/"
-        if point == "/" or path == point or path.startswith(point + "/"):
-            if best is None or len(point) >= len(best.mount_point.rstrip("/") or "/"):
-                best = m
-    return best
-
-
-def is_network_fs(fstype: str) -> bool:
-    return fstype in NETWORK_FS_TYPES
-
 
 def detect(shared_fs: str, source: str, path: str, mountinfo: Optional[str] = None) -> Optional[str]:
     """Why the run directory ``path`` is shared by several hosts, or ``None`` if it is not.
@@ -233,13 +165,7 @@ class RemoteWatch:
         if now < self._next_read:
             return
         self._next_read = now + self.interval_s
-        inodes: Dict[str, int] = {}
-        folder = self.run_dir.join(HEARTBEATS)
-        try:
-            with os.scandir(folder) as it:
-                inodes = {entry.name: entry.inode() for entry in it}
-        except OSError as e:
-            self.run_dir.warn_once(folder, f"cannot be listed ({e.strerror})")
+        inodes = self.run_dir.inodes(HEARTBEATS)
         now_ns = time.monotonic_ns()
         for rank, reg in list(registrations.items()):
             if is_local(reg):

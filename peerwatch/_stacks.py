@@ -18,7 +18,7 @@ import os
 from typing import IO, Optional
 
 from ._rundir import RunDir, open_regular
-from ._teardown import STACKS_SIGNAL
+from ._signals import STACKS_SIGNAL
 
 logger = logging.getLogger("peerwatch")
 

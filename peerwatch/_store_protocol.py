@@ -2,6 +2,7 @@
 
 Every key lives under ``peerwatch/<run_id>/``::
 
+    nonce        the run's nonce (with a store secret): the first host's, taken with compare_set
     hosts        a counter: each host takes its index with add(hosts, 1)
     index/<id>   the index of a host (by boot id, PID namespace and run directory): a
                  successor bridge on that host takes the same one
@@ -11,11 +12,15 @@ Every key lives under ``peerwatch/<run_id>/``::
     diag/<i>     host i's stall summary (peerwatch._summary), while its ranks stand still
     strag/<i>    host i's ranks' waits in collectives (peerwatch._straggler), once a slot
     strag/found  the stragglers host 0 found in the whole job (peerwatch._stragglerwatch)
-    verdict      the first verdict of the job (compare_set: the first writer wins)
+    verdict      the first verdict of the job (compare_set: the first writer wins); a value
+                 there that this run may not obey moves it to verdict/1, then /2...
+                 (:func:`verdict_key`; with a secret, names derived from it and the nonce)
 
 With a store secret (``store_secret``, docs/security.md), ``host/<i>``, ``beat/<i>``,
-``diag/<i>`` and ``verdict`` hold ``pw-hmac1:<HMAC-SHA256 of key and value, hex>:<value>`` (:class:`Seal`);
-a value that is not signed so is read as "not there", with one warning per kind of key.
+``diag/<i>`` and the verdict hold ``pw-hmac2:<nonce>:<HMAC-SHA256 of nonce, key and value,
+hex>:<value>`` (:class:`Seal`); ``nonce`` is signed the same way with an empty nonce. A
+value that is not signed so, or signed for another run's nonce, is read as "not there",
+with one warning per kind of key and reason.
 ``hosts`` and ``index/<id>`` stay unsigned (counters: whoever forges them can only make the
 bridges disagree about who is who, which ends as a lost host, never as a chosen verdict).
 
@@ -30,15 +35,22 @@ import dataclasses
 import hashlib
 import hmac
 import logging
+import secrets
 import threading
-from typing import Any, Dict, List, Mapping, Optional, Set, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Protocol, Set, Tuple
 
 from ._hosts import HostInfo, hosts_to_read, peers_to_watch, roster_incomplete, stalled_hosts
+from ._records import Verdict, decode
 
 logger = logging.getLogger("peerwatch")
 
-HOSTS, VERDICT = "hosts", "verdict"
-SIGNED = b"pw-hmac1:"  # a value signed with the store secret: SIGNED + hex digest + b":" + value
+HOSTS, VERDICT, NONCE = "hosts", "verdict", "nonce"
+SIGNED = b"pw-hmac2:"  # a signed value: SIGNED + the run's nonce (hex) + b":" + hex digest + b":" + value
+NONCE_BYTES = 16  # the run's nonce: this many random bytes, in hex
+VERDICT_TRIES = 8  # verdict keys in turn: a refused value in one (forged, replayed) moves everyone to the next
+# A verdict made this long before the run started on this host (its earliest registration)
+# is an earlier job's, written back: refused. The allowance is for the hosts' clocks.
+CLOCK_SKEW_NS = 10 * 1_000_000_000
 
 
 def index_key(ident: str) -> str:
@@ -59,48 +71,166 @@ def diag_key(index: int) -> str:
 
 class Seal:
     """Signs what this host writes to the store and checks what it reads, with a secret that
-    every host shares (HMAC-SHA256 over the key, which names the run, and the value). Without
-    a secret it changes nothing. Any thread: its only state is the warnings given, under a lock."""
+    every host shares: HMAC-SHA256 over the run's nonce, the key and the value. Without a
+    secret it changes nothing.
 
-    def __init__(self, secret: Optional[bytes]) -> None:
+    The nonce (``NONCE_BYTES`` random bytes) is what makes a run's signatures its own: the
+    run id, and so every key, is the same for two jobs launched alike (the same
+    ``MASTER_ADDR:MASTER_PORT``), and a value recorded from one must not be obeyed in the
+    other. The first host to register proposes one with ``compare_set``; every host adopts
+    the one the store keeps (signed, under the secret alone) and keeps it for the run, as
+    do its successor bridges (``memo``: the run directory). Any thread: its state (the
+    nonce, set once, and the warnings given) is under a lock."""
+
+    def __init__(self, secret: Optional[bytes], nonce: Optional[bytes] = None, memo: Optional[NonceMemo] = None) -> None:
         self._secret = secret
-        self._warned: Set[str] = set()
+        self._nonce = nonce
+        self._memo = memo
+        self._warned: Set[Tuple[str, str]] = set()
         self._lock = threading.Lock()
 
     @property
     def on(self) -> bool:
         return self._secret is not None
 
-    def _mac(self, key: str, value: bytes) -> bytes:
+    @property
+    def nonce(self) -> Optional[bytes]:
+        """The run's nonce, once this host knows it (always None without a secret)."""
+        if self._secret is None:
+            return None
+        with self._lock:
+            if self._nonce is None and self._memo is not None:
+                kept = self._memo.load()
+                self._nonce = kept if kept is not None and _is_nonce(kept) else None
+            return self._nonce
+
+    def adopt(self, nonce: bytes) -> bytes:
+        """Take ``nonce`` for the run unless one is already held; the one held."""
+        with self._lock:
+            if self._nonce is None:
+                self._nonce = nonce
+                if self._memo is not None:
+                    self._memo.save(nonce)
+            return self._nonce
+
+    def hidden(self, label: bytes, attempt: int) -> str:
+        """A name only the job's hosts can compute (from the secret and the run's nonce)."""
         assert self._secret is not None
-        return hmac.new(self._secret, key.encode() + b"\0" + value, hashlib.sha256).hexdigest().encode()
+        nonce = self._bound("")
+        return hmac.new(self._secret, label + b"\0" + nonce + b"\0" + str(attempt).encode(),
+                        hashlib.sha256).hexdigest()[:32]
+
+    def _mac(self, nonce: bytes, key: str, value: bytes) -> bytes:
+        assert self._secret is not None
+        return hmac.new(self._secret, nonce + b"\0" + key.encode() + b"\0" + value, hashlib.sha256).hexdigest().encode()
+
+    def _bound(self, key: str) -> bytes:
+        """The nonce a value under ``key`` is signed with (none for the nonce itself)."""
+        if key.endswith("/" + NONCE):
+            return b""
+        nonce = self.nonce
+        if nonce is None:
+            raise RuntimeError(f"peerwatch: {key} cannot be signed before the run's nonce is known")
+        return nonce
 
     def sign(self, key: str, value: bytes) -> bytes:
         """What to store under ``key`` (the full key, with its prefix)."""
         if self._secret is None:
             return value
-        return SIGNED + self._mac(key, value) + b":" + value
+        nonce = self._bound(key)
+        return SIGNED + nonce + b":" + self._mac(nonce, key, value) + b":" + value
 
     def open(self, key: str, stored: Optional[bytes]) -> Optional[bytes]:
-        """The value under ``key`` if it is signed with our secret (or there is no secret);
-        None if there is none, or it is unsigned or badly signed (one warning per kind of key)."""
+        """The value under ``key`` if it is signed with our secret for this run (or there is no
+        secret); None if there is none, or it is unsigned, badly signed or signed for another
+        run (one warning per kind of key and reason)."""
         if stored is None or self._secret is None:
             return stored
         stored = bytes(stored)
+        nonce = self._bound(key)
+        why = ("is not signed with this job's store secret; ignored (another user, or a host with another "
+               "secret, wrote it)")
         if stored.startswith(SIGNED):
-            mac, sep, value = stored[len(SIGNED):].partition(b":")
-            if sep and hmac.compare_digest(mac, self._mac(key, value)):
-                return value
-        parts = key.rsplit("/", 2)
-        kind = parts[-2] if parts[-1].isdigit() and len(parts) > 1 else parts[-1]  # beat, host, verdict
-        with self._lock:
-            if kind in self._warned:
-                return None
-            self._warned.add(kind)
-        logger.warning("peerwatch: the store holds a value under %s that is not signed with this job's store "
-                       "secret; ignored (another user, or a host with another secret, wrote it; further ones "
-                       "under %s are ignored without a warning)", key, kind)
+            theirs, sep, rest = stored[len(SIGNED):].partition(b":")
+            mac, sep2, value = rest.partition(b":")
+            if sep and sep2 and hmac.compare_digest(mac, self._mac(theirs, key, value)):
+                if theirs == nonce:
+                    return value
+                why = ("is signed for another run (nonce %s..., this run's is %s...): an earlier job's value, "
+                       "written back; ignored" % (theirs.decode("ascii", "replace")[:8], nonce.decode()[:8]))
+        self.warn(key, why)
         return None
+
+    def warn(self, key: str, why: str) -> None:
+        """Say once per kind of key (beat, host, verdict) and reason that a value was refused."""
+        parts = key.rsplit("/", 2)
+        kind = parts[-2] if len(parts) > 1 and (parts[-1].isdigit() or parts[-2] == VERDICT) else parts[-1]
+        with self._lock:
+            if (kind, why[:20]) in self._warned:
+                return
+            self._warned.add((kind, why[:20]))
+        logger.warning("peerwatch: the store holds a value under %s that %s; further ones under %s are ignored "
+                       "without a warning", key, why, kind)
+
+
+class NonceMemo(Protocol):
+    """Where a host keeps the run's nonce for its successor bridges (the run directory)."""
+
+    def load(self) -> Optional[bytes]: ...
+
+    def save(self, nonce: bytes) -> None: ...
+
+
+def _is_nonce(value: bytes) -> bool:
+    return len(value) == 2 * NONCE_BYTES and all(ch in b"0123456789abcdef" for ch in value)
+
+
+def establish_nonce(c: Any, prefix: str, seal: Seal) -> Optional[bytes]:
+    """The run's nonce (None without a secret): the one this host holds, else the one the store
+    holds, else ours, proposed with compare_set (the first host wins). A value there that is
+    not a nonce signed with the secret (forged) is replaced by ours."""
+    if not seal.on:
+        return None
+    held_nonce = seal.nonce
+    if held_nonce is not None:
+        return held_nonce
+    key = prefix + NONCE
+    proposed = seal.sign(key, secrets.token_hex(NONCE_BYTES).encode())
+    held = bytes(c.compare_set(key, "", proposed))
+    value = seal.open(key, held)
+    if value is None or not _is_nonce(value):
+        held = bytes(c.compare_set(key, held, proposed))
+        value = seal.open(key, held)
+        if value is None or not _is_nonce(value):
+            raise ValueError(f"{key} is not a nonce signed with the store secret")
+    return seal.adopt(value)
+
+
+def verdict_key(prefix: str, seal: Seal, attempt: int = 0) -> str:
+    """The ``attempt``-th key a verdict may be under. With a secret, a name derived from it and
+    the run's nonce: nobody without the secret can write there before a host of the job did
+    (the waiters would wake on it), nor name the next one."""
+    if not seal.on:
+        return prefix + VERDICT + (f"/{attempt}" if attempt else "")
+    return f"{prefix}{VERDICT}/{seal.hidden(b'verdict-key', attempt)}"
+
+
+def acceptable_verdict(seal: Seal, key: str, stored: Optional[bytes], started_ns: int = 0) -> Optional[bytes]:
+    """The verdict under ``key`` if this run may obey it: signed for this run (with a secret),
+    a valid record, and not made before the run started here (``started_ns``, time_ns; 0: any
+    age). None otherwise, with one warning per reason."""
+    data = seal.open(key, stored)
+    if data is None:
+        return None
+    verdict = decode(Verdict, data)
+    if verdict is None:
+        seal.warn(key, "is not a valid verdict; ignored")
+        return None
+    if started_ns and verdict.detected_at_ns < started_ns - CLOCK_SKEW_NS:
+        seal.warn(key, "is a verdict made %.0fs before this run started (an earlier job's, written back); ignored"
+                  % ((started_ns - verdict.detected_at_ns) / 1e9))
+        return None
+    return data
 
 
 NO_SEAL = Seal(None)
@@ -134,10 +264,12 @@ class Seen:
     stalls: Dict[int, Optional[bytes]] = dataclasses.field(default_factory=dict)  # diag/<j> of stalled hosts, if read
 
 
-def register(c: Any, prefix: str, ident: str) -> int:
+def register(c: Any, prefix: str, ident: str, seal: Seal = NO_SEAL) -> int:
     """This host's index; a successor bridge (the holder's rank exited) takes the same one,
     or the old index would go silent and be judged lost. Two registrations of one host at
-    once (an abandoned call finishing late) agree through compare_set: the first wins."""
+    once (an abandoned call finishing late) agree through compare_set: the first wins.
+    With a secret, the run's nonce is settled first (:func:`establish_nonce`)."""
+    establish_nonce(c, prefix, seal)
     key = prefix + index_key(ident)
     if c.check([key]):
         return int(c.get(key))
@@ -150,9 +282,13 @@ def exchange(c: Any, x: Exchange) -> Seen:
     read every other host's beat."""
     requests = 0
     index = x.index
-    if index is None:
-        index, requests = register(c, x.prefix, x.ident), 3
     seal = x.seal
+    if index is None:
+        requests = 3 + (seal.on and seal.nonce is None)
+        index = register(c, x.prefix, x.ident, seal)
+    elif seal.on and seal.nonce is None:  # a successor bridge of a host whose nonce was not kept
+        establish_nonce(c, x.prefix, seal)
+        requests += 1
     if x.stall is not None:  # before the beat that says it is there: a multi_get waits for a missing key
         key = x.prefix + diag_key(index)
         c.set(key, seal.sign(key, x.stall))
@@ -261,28 +397,40 @@ def send_beat(c: Any, prefix: str, index: int, beat: bytes, seal: Seal = NO_SEAL
     c.set(key, seal.sign(key, beat))
 
 
-def publish_verdict(c: Any, prefix: str, data: bytes, seal: Seal = NO_SEAL) -> bool:
+def publish_verdict(c: Any, prefix: str, data: bytes, seal: Seal = NO_SEAL, started_ns: int = 0) -> bool:
     """Offer our verdict; True if the store keeps it (False: another host's came first).
-    With a secret, a value there that is not signed with it (forged) is replaced by ours."""
-    key = prefix + VERDICT
-    signed = seal.sign(key, data)
-    held = c.compare_set(key, "", signed)
-    if held != signed and seal.on and seal.open(key, held) is None:
-        held = c.compare_set(key, held, signed)
-    return bool(held == signed)
+    A value there this run may not obey (forged, replayed from an earlier job, not a verdict)
+    is left alone and ours offered under the next key, where the waiters look next
+    (:func:`verdict_key`; after ``VERDICT_TRIES`` keys, False)."""
+    establish_nonce(c, prefix, seal)
+    for attempt in range(VERDICT_TRIES):
+        key = verdict_key(prefix, seal, attempt)
+        signed = seal.sign(key, data)
+        held = bytes(c.compare_set(key, "", signed))
+        if held == signed:
+            return True
+        if acceptable_verdict(seal, key, held, started_ns) is not None:
+            return False
+    return False
 
 
-def poll_verdict(c: Any, prefix: str, seal: Seal = NO_SEAL) -> Optional[bytes]:
-    """The job's verdict, if there is one (for a store that cannot be waited on); with a
-    secret, only one signed with it."""
-    key = prefix + VERDICT
-    if c.check([key]):
-        return seal.open(key, bytes(c.get(key)))
+def poll_verdict(c: Any, prefix: str, seal: Seal = NO_SEAL, started_ns: int = 0) -> Optional[bytes]:
+    """The job's verdict, if there is one this run may obey (for a store that cannot be
+    waited on): the first acceptable one along the verdict keys."""
+    establish_nonce(c, prefix, seal)
+    for attempt in range(VERDICT_TRIES):
+        key = verdict_key(prefix, seal, attempt)
+        if not c.check([key]):
+            return None
+        data = acceptable_verdict(seal, key, bytes(c.get(key)), started_ns)
+        if data is not None:
+            return data
     return None
 
 
 __all__ = [
-    "HOSTS", "NO_SEAL", "SIGNED", "VERDICT", "Exchange", "Seal", "Seen", "beat_key", "diag_key", "exchange", "host_key", "index_key", "poll_verdict",
-    "STRAG_FOUND", "StraggleExchange", "publish_verdict", "read_host", "register", "send_beat", "strag_key",
-    "straggle_exchange",
+    "CLOCK_SKEW_NS", "HOSTS", "NONCE", "NO_SEAL", "SIGNED", "STRAG_FOUND", "VERDICT", "VERDICT_TRIES", "Exchange",
+    "NonceMemo", "Seal", "Seen", "StraggleExchange", "acceptable_verdict", "beat_key", "diag_key", "establish_nonce",
+    "exchange", "host_key", "index_key", "poll_verdict", "publish_verdict", "read_host", "register", "send_beat",
+    "strag_key", "straggle_exchange", "verdict_key",
 ]

@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from typing import Dict, Iterable, Mapping, Optional, Sequence, Tuple
 
 from . import _identity
 from ._records import Heartbeat, Registration
-from ._rundir import HEARTBEATS, RunDir, rank_file
+from ._rundir import HEARTBEATS, STRAGGLE_FILE, STRAGGLE_HOSTS_FILE, STRAGGLERS_FILE, RunDir, rank_file
 from ._store_protocol import Seal, StraggleExchange
 from ._straggler import (
     SLOT_BEATS,
@@ -38,9 +37,6 @@ from ._straggler import (
 
 logger = logging.getLogger("peerwatch")
 
-STRAGGLE_FILE = "straggle.json"  # this host's profiles, for the bridge to publish
-STRAGGLE_HOSTS_FILE = "straggle-hosts.json"  # host 0 only: the other hosts' profiles, as its bridge read them
-STRAGGLERS_FILE = "stragglers.json"  # the finding (status and report read it)
 HOSTS_FRESH_SLOTS = 3  # straggle-hosts.json older than this many slots: host 0's bridge stopped
 
 
@@ -103,7 +99,7 @@ class StragglerWatch:
         not judge the job (the file is not there, or stale)."""
         path = self._run_dir.join(STRAGGLE_HOSTS_FILE)
         try:
-            if time.time_ns() - os.stat(path).st_mtime_ns > HOSTS_FRESH_SLOTS * self._slot_s * 1e9:
+            if time.time_ns() - self._run_dir.stat("", STRAGGLE_HOSTS_FILE).st_mtime_ns > HOSTS_FRESH_SLOTS * self._slot_s * 1e9:
                 return None
         except OSError:
             return None
@@ -170,7 +166,7 @@ class StraggleRelay:
 
     def _fresh(self, name: str) -> Optional[bytes]:
         try:
-            if time.time_ns() - os.stat(self._run_dir.join(name)).st_mtime_ns > HOSTS_FRESH_SLOTS * self._slot_ns:
+            if time.time_ns() - self._run_dir.stat("", name).st_mtime_ns > HOSTS_FRESH_SLOTS * self._slot_ns:
                 return None
         except OSError:
             return None
@@ -207,5 +203,5 @@ def _on(host: str) -> str:
     return f" (on {host})" if host else ""
 
 
-__all__ = ["STRAGGLERS_FILE", "STRAGGLE_FILE", "STRAGGLE_HOSTS_FILE", "StraggleRelay", "StragglerWatch", "log_changes",
+__all__ = ["StraggleRelay", "StragglerWatch", "log_changes",
            "read_finding"]

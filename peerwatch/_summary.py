@@ -30,8 +30,8 @@ import dataclasses
 import json
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
-from ._activity import Activity
 from ._diagnose import RankState
+from ._records import Activity
 
 SUMMARY_VERSION = 1
 # A host says it stands still from this share of the warning threshold on: a slow step

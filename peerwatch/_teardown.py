@@ -13,22 +13,23 @@ import os
 import select
 import signal
 import stat
-import sys
 import threading
 import time
-from typing import AbstractSet, Dict, Iterable, List, Optional, Sequence, Set, Tuple
+from typing import AbstractSet, Any, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 from . import _identity
+from ._signals import INTERRUPT_SIGNAL, STACKS_SIGNAL, signal_label
 
 logger = logging.getLogger("peerwatch")
 
-_RTMIN = int(getattr(signal, "SIGRTMIN", 34))
-# Signals of our own, from the real-time range that training code does not use.
-INTERRUPT_SIGNAL = _RTMIN + 4  # raise PeerFailure in a rank's main thread
-# faulthandler dumps all stacks on it (works under a held GIL). SIGURG because its default
-# action is to do nothing: a process whose handler is gone (an interpreter shutting down
-# unregisters faulthandler) is not killed by a late dump request.
-STACKS_SIGNAL = int(signal.SIGURG)
+# Where a teardown's signals are recorded: ``note(event, rank, **fields)`` (the caller's
+# event log; this layer knows no run directory).
+Note = Callable[..., None]
+
+
+def _no_note(event: str, rank: Optional[int], **fields: Any) -> None:
+    """Record nothing: a caller with no event log."""
+
 
 _PIDFD = hasattr(os, "pidfd_open") and hasattr(signal, "pidfd_send_signal")
 _DUMP_WAIT_S = 0.5  # at most, before SIGTERM: how long targets get to write a dump asked for
@@ -203,8 +204,9 @@ def _has_children() -> bool:
     return True
 
 
-def send(target: Target, sig: int, reason: str) -> bool:
-    """Signal a verified target. Returns False if it is gone (or no longer the same process)."""
+def send(target: Target, sig: int, reason: str, note: Note = _no_note) -> bool:
+    """Signal a verified target. Returns False if it is gone (or no longer the same process).
+    ``note`` records the signal (the caller's event log)."""
     try:
         if target.pidfd is not None:
             signal.pidfd_send_signal(target.pidfd, sig)
@@ -215,14 +217,11 @@ def send(target: Target, sig: int, reason: str) -> bool:
     except ProcessLookupError:
         return False
     except OSError as e:
-        logger.warning("peerwatch: could not send %s to %s: %s", _name(sig), _named(target), e)
+        logger.warning("peerwatch: could not send %s to %s: %s", signal_label(sig), _named(target), e)
         return False
     if sig != STACKS_SIGNAL:
-        logger.warning("peerwatch: sent %s to %s: %s", _name(sig), _named(target), reason)
-    from . import _eventlog
-
-    _eventlog.log("signal", target.rank, by=_eventlog.bound_rank(), pid=target.pid, signal=_name(sig),
-                  target=target.label, reason=reason)
+        logger.warning("peerwatch: sent %s to %s: %s", signal_label(sig), _named(target), reason)
+    note("signal", target.rank, pid=target.pid, signal=signal_label(sig), target=target.label, reason=reason)
     return True
 
 
@@ -258,33 +257,32 @@ def wait_gone(targets: Sequence[Target], deadline: float) -> List[Target]:
     return living
 
 
-def terminate(targets: Sequence[Target], grace: float, reason: str) -> Tuple[int, int]:
+def terminate(targets: Sequence[Target], grace: float, reason: str, note: Note = _no_note) -> Tuple[int, int]:
     """SIGTERM every target (SIGCONT for stopped ones), wait ``grace`` s, SIGKILL survivors.
 
-    One deadline for all (not one per process). Returns (signalled, killed).
+    One deadline for all (not one per process). Returns (signalled, killed). ``note``
+    records each signal and each signalled rank seen gone.
     """
     _wait_dumps_taken(targets, time.monotonic() + min(grace, _DUMP_WAIT_S))
-    signalled = [t for t in targets if send(t, signal.SIGTERM, reason)]
+    signalled = [t for t in targets if send(t, signal.SIGTERM, reason, note)]
     for t in signalled:
         info = _identity.probe(t.pid)
         if info is not None and info.state in ("T", "t"):
-            send(t, signal.SIGCONT, "it is stopped; SIGTERM takes effect only once it runs")
+            send(t, signal.SIGCONT, "it is stopped; SIGTERM takes effect only once it runs", note)
     survivors = wait_gone(signalled, time.monotonic() + grace)
-    _log_gone(t for t in signalled if t not in survivors)
+    _log_gone((t for t in signalled if t not in survivors), note)
     for t in survivors:
-        send(t, signal.SIGKILL, f"still alive {grace:g}s after SIGTERM")
+        send(t, signal.SIGKILL, f"still alive {grace:g}s after SIGTERM", note)
     left = wait_gone(survivors, time.monotonic() + 1.0)
-    _log_gone(t for t in survivors if t not in left)
+    _log_gone((t for t in survivors if t not in left), note)
     return len(signalled), len(survivors)
 
 
-def _log_gone(targets: Iterable[Target]) -> None:
+def _log_gone(targets: Iterable[Target], note: Note) -> None:
     """For the event log: the signalled ranks seen gone (a SIGKILLed rank writes no exit record)."""
-    from . import _eventlog
-
     for t in targets:
         if t.rank is not None:
-            _eventlog.log("gone", t.rank, by=_eventlog.bound_rank(), pid=t.pid)
+            note("gone", t.rank, pid=t.pid)
 
 
 def _wait_dumps_taken(targets: Sequence[Target], deadline: float) -> None:
@@ -329,38 +327,6 @@ def _dumping(pid: int) -> bool:
     return False
 
 
-def _name(sig: int) -> str:
-    if sig > _RTMIN:
-        return f"SIGRTMIN+{sig - _RTMIN}"
-    try:
-        return signal.Signals(sig).name
-    except ValueError:
-        return str(sig)
-
-
-def flush_and_exit(code: int) -> None:
-    """Leave now with ``code``: flush what people must see, then ``os._exit``."""
-    from . import _notify
-
-    _notify.kill_running()  # an on_verdict command outlives no rank that started it
-    for handler in logging.getLogger("peerwatch").handlers + logging.getLogger().handlers:
-        try:
-            handler.flush()
-        except Exception:  # noqa: BLE001, S110 - leaving must not fail
-            pass
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            if stream is not None:
-                stream.flush()
-        except Exception:  # noqa: BLE001, S110 - leaving must not fail
-            pass
-    from . import _eventlog, _exitwatch  # records how this rank ended, where a teardown armed it
-
-    _eventlog.leaving(code)
-
-    _exitwatch.leave(code)
-
-
 _interrupt_handler: Optional[object] = None  # the INTERRUPT_SIGNAL handler peerwatch installed
 _handler_gone_warned = False
 
@@ -393,7 +359,7 @@ def raise_in_main_thread(exc_type: type, use_signal: bool) -> None:
             logger.warning(
                 "peerwatch: %s is no longer handled by peerwatch (the application set %r); not sending it, "
                 "PeerFailure is raised in the main thread without it (a main thread blocked in a call is not "
-                "woken)", _name(INTERRUPT_SIGNAL), current,
+                "woken)", signal_label(INTERRUPT_SIGNAL), current,
             )
     import ctypes
 
@@ -406,7 +372,7 @@ def close_all(targets: Iterable[Target]) -> None:
 
 
 __all__ = [
-    "INTERRUPT_SIGNAL", "STACKS_SIGNAL", "Target", "alive", "close_all", "descendants", "process_tree", "holds_file", "inherited_run",
+    "INTERRUPT_SIGNAL", "STACKS_SIGNAL", "Note", "Target", "alive", "close_all", "descendants", "process_tree", "holds_file", "inherited_run",
     "stack_file_problem",
-    "flush_and_exit", "make_target", "own_interrupt_handler", "raise_in_main_thread", "send", "terminate", "wait_gone",
+    "make_target", "own_interrupt_handler", "raise_in_main_thread", "send", "terminate", "wait_gone",
 ]

@@ -61,7 +61,7 @@ def marks(rd: RunDir) -> Tuple[Dict[int, List[Tuple[int, str, str]]], Optional[D
     report = _report.build(rd)
     verdict = report.get("verdict")
     try:
-        events = _eventlog.read(rd.join(_eventlog.EVENT_LOG))
+        events = _eventlog.read_run(rd.path)  # events.jsonl, or each host's on a shared filesystem
     except OSError:
         events = []
     lanes: Dict[int, List[Tuple[int, str, str]]] = {r["rank"]: [] for r in report["ranks"]}

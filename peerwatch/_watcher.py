@@ -25,18 +25,30 @@ import logging
 import os
 import threading
 import time
-from typing import Optional, Tuple
+from typing import IO, Optional, Tuple
 
-from . import _bridge, _decide, _enforce, _exitwatch, _launchers, _plan, _report, _sharedfs, _teardown, _terminal
-from ._config import HANG_AUTO, Config
+from . import (
+    _bridge,
+    _decide,
+    _enforce,
+    _exitwatch,
+    _launchers,
+    _leave,
+    _plan,
+    _report,
+    _sharedfs,
+    _teardown,
+    _terminal,
+)
+from ._config import Config
 from ._diagnoser import Diagnoser
 from ._errors import PeerFailure
 from ._eventlog import log as log_event
 from ._eventlog import sweep as sweep_events
 from ._frdump import FlightRecorderDump
-from ._heartbeat import HeartbeatWriter, Progress
+from ._heartbeat import HeartbeatWriter, OwnProgress
 from ._identity import is_local
-from ._notify import start_hook
+from ._notify import Hook, start_hook
 from ._observer import Observer
 from ._records import EXCEPTION, WATCHER_DEATH, Ack, Failure, Registration, Success, Verdict, WatcherDeath, encode
 from ._records import warm as warm_record_types
@@ -129,7 +141,7 @@ class Watcher:
         self.rank = me.rank
         self.stacks = stacks
         self.interrupt_installed = interrupt_installed  # our signal handler raises PeerFailure in the main thread
-        self.progress = Progress()
+        self.progress = OwnProgress()
         self.in_watch = 0
         self.verdict_seen = threading.Event()
         self.done = threading.Event()
@@ -141,23 +153,17 @@ class Watcher:
         use_pidfd = config.use_pidfd and pidfd_supported()
         remote = _sharedfs.RemoteWatch(run_dir, config.heartbeat_interval, config.peer_timeout) if run_dir.shared else None
         self.observer = Observer(run_dir, me, use_pidfd, remote)
-        # torch's collective counters: for the diagnosis (hang_warn), and as progress for hang_timeout.
-        self.heartbeat = HeartbeatWriter(run_dir, me, self.progress, with_position=bool(config.hang_timeout),
-                                         read_collectives=bool(config.hang_warn or config.hang_timeout),
+        self._hangs = hangs = _decide.HangJudging.from_config(config)
+        self.heartbeat = HeartbeatWriter(run_dir, me, self.progress, with_position=hangs.timeout,
+                                         read_collectives=hangs.read_collectives,
                                          measure_waits=config.stragglers, interval_s=config.heartbeat_interval)
-        self._policy = _decide.Policy(
-            parent_wait_ns=int(config.parent_wait * 1e9), default_exit_code=config.exit_code,
-            hang_timeout_ns=int(max(config.hang_timeout, 0) * 1e9), hang_auto=config.hang_timeout == HANG_AUTO,
-            peer_timeout_ns=int(config.peer_timeout * 1e9) if run_dir.shared else 0,
-        )
-        # A diagnosis when nothing moves (on by default: hang_warn); hang_timeout=auto uses its threshold.
-        warn = config.hang_warn if config.hang_warn > 0 else None
-        auto = config.hang_timeout == HANG_AUTO
-        self._diagnoser = Diagnoser(self.rank, warn, self.observer, auto, config.heartbeat_interval) if config.hang_warn or auto else None
+        self._diagnoser = (Diagnoser(self.rank, hangs.warn_fixed_s, self.observer, hangs.auto, config.heartbeat_interval)
+                           if hangs.diagnose else None)
         self._flight_recorder = FlightRecorderDump(run_dir, self.rank)  # evidence torch's analyzer reads
         self.thread = threading.Thread(target=self._main, name=f"peerwatch-rank{self.rank}", daemon=True)
         self._launcher_watch: Optional[_launchers.LauncherWatch] = None  # set by start()
         self.bridge = _bridge.Bridge.for_config(config, run_dir, me)  # other hosts, through the store
+        self._policy = _decide.Policy.from_config(config, shared_fs=bool(run_dir.shared), other_hosts=self.bridge is not None)
         # The straggler finding (docs/stragglers.md): judged by the lowest live local rank.
         self._stragglers = StragglerWatch(run_dir, me, config.heartbeat_interval, self.bridge is not None) \
             if config.stragglers else None
@@ -250,7 +256,22 @@ class Watcher:
         self.main_left.set()
         self.wake()
         if threading.current_thread() is not self.thread:
-            self.thread.join(_plan.leave_join_s(self.config.grace, self.config.ack_window))
+            # The watcher may have an on_verdict hook to wait for, for its own bound.
+            hook_s = self.config.on_verdict_timeout if self.config.on_verdict is not None else 0.0
+            self.thread.join(_plan.leave_join_s(self.config.grace, self.config.ack_window) + hook_s)
+
+    def enter_watch(self, delta: int) -> None:
+        """The training thread entered (+1) or left (-1) ``watch()``: it alone writes ``in_watch``."""
+        self.in_watch += delta
+
+    def stack_file(self) -> Optional[IO[str]]:
+        """This rank's stack file, open (for a traceback kept out of the terminal), or None."""
+        return self.stacks.file
+
+    def tell_hosts_succeeded(self) -> None:
+        """Other hosts learn that this rank is ending well (its exit status decides here)."""
+        if self.bridge is not None:
+            self.bridge.on_success()
 
     # -- the thread ----------------------------------------------------------------
 
@@ -337,7 +358,7 @@ class Watcher:
         self._judge_stragglers()
         # Diagnosis: judged only once this rank's collectives count (torch.distributed in use).
         diagnosing = self._diagnoser is not None and self.heartbeat.counts_collectives()
-        hang, remote = bool(self.config.hang_timeout) or diagnosing, self.observer.remote is not None
+        hang, remote = self._hangs.timeout or diagnosing, self.observer.remote is not None
         if not (hang or remote):
             return False, False  # nothing to judge: no need to know who the judges are
         judge = self.rank in self.observer.live_local_ranks()[:HANG_JUDGES]
@@ -437,12 +458,20 @@ class Watcher:
         self._flight_recorder.dump("teardown")
         if plan.interrupt_main:
             _teardown.raise_in_main_thread(PeerFailure.bound_to(verdict), self.interrupt_installed)
-        self._carry_out(verdict, plan, leave_by)
+        hook = self._carry_out(verdict, plan, leave_by)
         self._final_heartbeat()
         _launchers.before_exit(self.me, self.run_dir, verdict)  # under torchrun: the agent sees the failed worker first
         if plan.sweep_records:
             sweep_events(self.run_dir, self.rank)  # the last records of peers that left meanwhile
-        _teardown.flush_and_exit(plan.exit_code)
+        if not plan.stay:
+            # Last, started right before this rank stops its training for it: a main thread
+            # that is not leaving by itself is held off Python while the hook runs.
+            hook = self._start_hook(verdict, plan)
+        if hook is not None:
+            # This rank stays until its hook ends or its bound passes (a launcher may end
+            # what is left of the job once its ranks are gone).
+            hook.finish(hold_gil=not plan.stay)
+        _leave.flush_and_exit(plan.exit_code)
 
     def _publish(self, verdict: Verdict) -> Tuple[Verdict, bool]:
         """Write the verdict (first writer wins) and make it known in this process."""
@@ -484,7 +513,9 @@ class Watcher:
                 _terminal.who(self.rank, self.me.pid, self.me.host), plan.exit_code,
             ))
 
-    def _carry_out(self, verdict: Verdict, plan: _plan.Plan, leave_by: float) -> None:
+    def _carry_out(self, verdict: Verdict, plan: _plan.Plan, leave_by: float) -> Optional[Hook]:
+        """This rank's share of the teardown; returns the on_verdict hook it started, if any
+        (where its main thread is leaving by itself; its caller waits for it last)."""
         c = self.config
         if plan.enforcer:
             _enforce.tear_down_peers(self.observer, verdict, plan.ack_window_s, c.grace, set(plan.trusted))
@@ -496,10 +527,10 @@ class Watcher:
             # yet seen): waiting for them would let this rank's own training run on.
             # ``peerwatch report`` rebuilds from the records, with the codes as they happened.
             self._write_report(plan.print_summary and not (mine and plan.stay))
-        # Someone is told, once per host: by a writer of the report, after it; it runs while
-        # this rank finishes its share, for at most grace.
-        hook = start_hook(c.on_verdict, self.run_dir, verdict, self.rank, c.grace) if plan.write_report else None
+        hook = None
         if plan.stay:
+            # The hook starts now, while the main thread leaves (elsewhere _act starts it last).
+            hook = self._start_hook(verdict, plan)
             # The main thread is leaving by itself (PeerFailure, or its own exception); at
             # exit it sets `main_left` and waits for us. If it is stuck, we end it.
             if not self.main_left.wait(max(0.0, leave_by - time.monotonic())):
@@ -510,11 +541,21 @@ class Watcher:
                 # until the main thread has left it): the summary follows it, without
                 # repeating it.
                 self._write_report(True, traceback=verdict.cause != EXCEPTION)
-            # The hook's command is spared: its own bound (finish() below) ends it.
+            # The hook's command is spared: its own bound (Hook.finish, in _act) ends it.
             spare = {hook.pid} if hook is not None and hook.pid is not None else set()
             _enforce.tear_down_own_children(self.rank, self.observer.local_pids(), c.grace, spare)
+        return hook
+
+    def _start_hook(self, verdict: Verdict, plan: _plan.Plan) -> Optional[Hook]:
+        """Someone is told, once per host: by a writer of the report, after it, for at most
+        on_verdict_timeout (not grace), which this rank then waits for."""
+        c = self.config
+        if not plan.write_report:
+            return None
+        hook = start_hook(c.on_verdict, self.run_dir, verdict, self.rank, c.on_verdict_timeout)
         if hook is not None:
-            hook.finish()
+            self.stacks.arm_last_resort(plan.last_resort_s + c.on_verdict_timeout)  # the rank waits for it
+        return hook
 
     def _final_heartbeat(self) -> None:
         """The step this rank stopped at: for the report and ``peerwatch status``."""

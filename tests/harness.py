@@ -163,7 +163,7 @@ class Job:
         behave: Sequence[str] = (),
         api: str = "install",
         grace: float = 1.0,
-        env: Optional[Mapping[str, str]] = None,
+        env: Optional[Mapping[str, Optional[str]]] = None,  # None: the variable is unset
         gloo: bool = False,
         sync: bool = True,
         name: str = "job",
@@ -199,8 +199,8 @@ class Job:
         )
         if self.gloo:
             env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), GLOO_SOCKET_IFNAME="lo")
-        env.update(self.extra_env)
-        return env
+        env.update({k: v for k, v in self.extra_env.items() if v is not None})
+        return {k: v for k, v in env.items() if self.extra_env.get(k, "") is not None}
 
     def _argv(self) -> List[str]:
         argv = [sys.executable, str(RANK_PROGRAM), "--world", str(self.world), "--style", self.style,

@@ -41,7 +41,8 @@ group). With ``--api watch``/``both``, a rank whose ``watch()`` block ends in Pe
 writes ``READY/peerfailure-<i>`` (JSON: rank, cause, exit_code of the failure) first.
 A ``gloo`` rank writes ``READY/collective-<i>`` just before its first all_reduce.
 Lightning-style rank 0 writes ``READY/exit-<i>`` (the returncode) once it has reaped rank i.
-With ``--sync`` (needs ``--ready``) a rank's SECONDS count from when every rank is ready.
+With ``--sync`` (needs ``--ready``) a rank's SECONDS (and raise_at's / succeed_at's steps) count
+from when every rank is ready.
 (Without SECONDS there is nothing to wait for: ``gil`` holds the GIL right after READY.)
 """
 
@@ -169,8 +170,8 @@ def behave(args: argparse.Namespace, rank: int, action: str, delay: float) -> No
         fault_behaviours.act(args, rank, name, arg, delay, ready, wait_for_all)
         return
     ready(args, rank)
-    if args.sync and delay:
-        wait_for_all(args)
+    if args.sync and (delay or name in ("raise_at", "succeed_at")):
+        wait_for_all(args)  # steps, like delays, count from when every rank is ready
     if delay:
         time.sleep(delay)
     if name in ("raise_at", "succeed_at"):

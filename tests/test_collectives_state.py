@@ -29,7 +29,7 @@ import pytest
 
 from peerwatch import cli
 from peerwatch._collectives import FAILING, MAX_ERROR_CHARS, NONE, OFF, READ, STATES, WAITING, CollectiveReader
-from peerwatch._heartbeat import HeartbeatWriter, Progress
+from peerwatch._heartbeat import HeartbeatWriter, OwnProgress
 from peerwatch._records import Heartbeat, Registration, encode
 from peerwatch._rundir import EVENTS, HEARTBEATS, RANKS, TMP, RunDir, rank_file
 
@@ -151,7 +151,7 @@ def writer(tmp_path: Path) -> Iterator[Callable[[bool], HeartbeatWriter]]:
             os.makedirs(tmp_path / "run" / sub, mode=0o700)
         me = Registration(rank=0, pid=os.getpid(), ppid=os.getppid(), start_ticks=0, uid=os.getuid(), host="h",
                           boot_id="b", pidns="p", time_ns=time.time_ns())
-        made.append(HeartbeatWriter(RunDir(str(tmp_path / "run")), me, Progress(), with_position=False,
+        made.append(HeartbeatWriter(RunDir(str(tmp_path / "run")), me, OwnProgress(), with_position=False,
                                     read_collectives=read_collectives))
         return made[-1]
 

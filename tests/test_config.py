@@ -479,6 +479,7 @@ _DURATION_VARS = {
     "parent_wait": "PEERWATCH_PARENT_WAIT", "startup_timeout": "PEERWATCH_STARTUP_TIMEOUT",
     "hang_timeout": "PEERWATCH_HANG_TIMEOUT", "gil_timeout": "PEERWATCH_GIL_TIMEOUT",
     "peer_timeout": "PEERWATCH_PEER_TIMEOUT", "hang_warn": "PEERWATCH_HANG_WARN",
+    "on_verdict_timeout": "PEERWATCH_ON_VERDICT_TIMEOUT",
 }
 
 
@@ -486,7 +487,7 @@ def test_every_duration_has_a_maximum():
     assert set(MAX_SECONDS) == set(_DURATION_VARS)
     # All together, the longest waits still fit poll(2)'s milliseconds and threading's timeouts.
     longest = MAX_SECONDS["hang_timeout"] + 4 * MAX_SECONDS["heartbeat_interval"] + MAX_SECONDS["grace"] \
-        + MAX_SECONDS["ack_window"] + MAX_SECONDS["parent_wait"]
+        + MAX_SECONDS["ack_window"] + MAX_SECONDS["parent_wait"] + MAX_SECONDS["on_verdict_timeout"]
     assert longest * 1000 < 2**31 - 1 and longest < threading.TIMEOUT_MAX
 
 
@@ -533,3 +534,36 @@ def test_the_longest_heartbeat_is_accepted_with_the_default_peer_timeout():
     assert Config.resolve({"heartbeat_interval": 5}, {}).peer_timeout == 30  # the default, when it is enough
     with pytest.raises(ConfigError, match="peer_timeout"):
         Config.resolve({"heartbeat_interval": 3600, "peer_timeout": 30}, {})
+
+
+# -- hang_timeout / hang_warn: off, auto or seconds (issue 25.4) ---------------------------
+
+
+def test_hang_setting_is_off_auto_or_seconds():
+    from peerwatch._config import HANG_AUTO, HangSetting
+
+    off, auto, secs = HangSetting.of(0.0), HangSetting.of(HANG_AUTO), HangSetting.of(12.5)
+    assert (off.off, off.auto, off.enabled, off.fixed_s, off.seconds) == (True, False, False, None, 0.0)
+    assert (auto.off, auto.auto, auto.enabled, auto.fixed_s, auto.seconds) == (False, True, True, None, 0.0)
+    assert (secs.off, secs.auto, secs.enabled, secs.fixed_s, secs.seconds) == (False, False, True, 12.5, 12.5)
+    assert HangSetting() == off and HangSetting(auto=True) == auto
+
+
+@pytest.mark.parametrize(("raw", "auto", "fixed_s"), [("auto", True, None), ("off", False, None), ("0", False, None),
+                                                      ("12", False, 12.0)])
+def test_config_gives_its_hang_numbers_as_settings_and_keeps_the_numbers(raw: str, auto: bool, fixed_s: object):
+    from peerwatch._config import HANG_AUTO
+
+    timeout_raw = "0" if raw == "off" else raw  # hang_timeout's word for off is 0 (docs/configuration.md)
+    c = Config.resolve({}, env={"PEERWATCH_HANG_TIMEOUT": timeout_raw, "PEERWATCH_HANG_WARN": raw})
+    for number, setting in ((c.hang_timeout, c.hang_timeout_setting), (c.hang_warn, c.hang_warn_setting)):
+        assert (setting.auto, setting.fixed_s) == (auto, fixed_s)
+        assert number == (HANG_AUTO if auto else fixed_s or 0.0)  # the public value is the number, as before
+    d = Config.resolve({}, env={})
+    assert d.hang_warn_setting.auto and d.hang_timeout_setting.off
+
+
+def test_hang_timeout_auto_is_not_checked_against_the_heartbeat():
+    assert Config.resolve({"hang_timeout": "auto", "heartbeat_interval": 30}, env={}).hang_timeout_setting.auto
+    with pytest.raises(ConfigError, match="hang_timeout"):
+        Config.resolve({"hang_timeout": 10, "heartbeat_interval": 30}, env={})

@@ -14,6 +14,7 @@ from peerwatch._decide import (
     CONSEQUENCE_WINDOW_NS,
     FROZEN_STATES,
     LEAVING_WAIT_NS,
+    REMOTE_SETTLE_NS,
     Decision,
     Observed,
     Policy,
@@ -61,9 +62,9 @@ def failure(rank: int, t: int, **kw: Any) -> Failure:
     return Failure(**fields)
 
 
-def status(rank: int, t: int, returncode: int, pid: Optional[int] = None) -> ExitStatus:
+def status(rank: int, t: int, returncode: int, pid: Optional[int] = None, sender: Optional[int] = None) -> ExitStatus:
     return ExitStatus(rank=rank, pid=1000 + rank if pid is None else pid, time_ns=t,
-                      returncode=returncode, observed_by=0)
+                      returncode=returncode, observed_by=0, signalled_by=sender)
 
 
 def observed(*, self_rank: int = 0, now: int = 10_000_000_000, registrations=None, successes=(),
@@ -288,6 +289,29 @@ def test_a_death_outranks_an_exception_just_before_it(death):
     kw = {"statuses": [status(2, late, -9)]} if death == "status" else {"gone": {2: late}}
     obs = observed(failures=[failure(1, t=1_000_000)], now=10**12, **kw)
     assert decide(obs, POLICY).verdict.rank == 1
+
+
+@pytest.mark.parametrize("other", ["gone", "status", "failure"])
+def test_a_rank_its_launcher_signalled_never_outranks_another_failure(other):
+    # torchrun's agent (pid 77, every rank's parent) reaped rank 2 and SIGTERMed rank 0
+    # before rank 1's watcher had seen rank 2 end: rank 0's record is stamped first.
+    regs = {r: reg(r, ppid=77) for r in range(4)}
+    kw: Dict[str, Any] = {
+        "gone": {"gone": {2: 500}},
+        "status": {"statuses": [status(0, 100, -15, sender=77), status(2, 500, 1)]},
+        "failure": {"failures": [failure(2, t=500)]},
+    }[other]
+    kw.setdefault("statuses", [status(0, 100, -15, sender=77)])
+    v = decide(observed(registrations=regs, now=10**12, self_rank=1, **kw), POLICY).verdict
+    assert v.rank == 2, v
+    # A SIGTERM from anyone else is a failure like any other: the earliest wins.
+    kw["statuses"] = [status(0, 100, -15, sender=4242)] + [s for s in kw["statuses"] if s.rank != 0]
+    v = decide(observed(registrations=regs, now=10**12, self_rank=1, **kw), POLICY).verdict
+    assert (v.rank, v.signal) == (0, "SIGTERM"), v
+    # Alone, it is the cause.
+    v = decide(observed(registrations=regs, now=10**12, self_rank=1, statuses=[status(0, 100, -15, sender=77)]),
+               POLICY).verdict
+    assert (v.rank, v.signal) == (0, "SIGTERM"), v
 
 
 def test_earliest_wins_across_kinds():
@@ -1099,3 +1123,70 @@ def test_a_resolved_diagnosis_has_no_victims():
     f = failure(1, DIAGNOSED_AT + 1, collective=True)
     v = _victim(diagnosed(diagnosis(resolved_ns=DIAGNOSED_AT), failures=[f]))
     assert v is not None and (v.rank, v.cause) == (1, EXCEPTION)
+
+
+def test_the_documented_windows_have_their_documented_values():
+    """The windows the tests above compute from, as _decide.py's comments state them (1 s,
+    0.5 s, 15 s), and the frozen states' words users read in a hang's detail."""
+    assert (CONSEQUENCE_WINDOW_NS, COLLECTIVE_SETTLE_NS, LEAVING_WAIT_NS) == (10**9, 5 * 10**8, 15 * 10**9)
+    assert FROZEN_STATES == {"T": "stopped (SIGSTOP)", "t": "stopped by a debugger", "D": "in uninterruptible sleep (I/O)"}
+
+
+# -- the policy and the hang settings, from Config (issue 25.4) --------------------------
+
+
+def _config(**options: Any) -> Any:
+    from peerwatch._config import Config
+
+    return Config.resolve(options, env={})
+
+
+@pytest.mark.parametrize(("hang_timeout", "hang_timeout_ns", "hang_auto"), [
+    (None, 0, False), (0, 0, False), ("0", 0, False),  # off (hang_timeout's word for it is 0)
+    ("auto", 0, True), (" AUTO ", 0, True),  # the diagnosis's learnt threshold
+    (12.5, 12_500_000_000, False), ("7", 7_000_000_000, False),  # seconds
+])
+def test_policy_from_config_decodes_hang_timeout(hang_timeout: Any, hang_timeout_ns: int, hang_auto: bool):
+    p = Policy.from_config(_config(hang_timeout=hang_timeout))
+    assert (p.hang_timeout_ns, p.hang_auto) == (hang_timeout_ns, hang_auto)
+
+
+def test_policy_from_config_sets_every_field():
+    assert {f.name for f in dataclasses.fields(Policy)} == {  # a new field: set it in from_config, test it here
+        "parent_wait_ns", "default_exit_code", "hang_timeout_ns", "peer_timeout_ns", "hang_auto", "collective_settle_ns"}
+    c = _config(parent_wait=0.25, exit_code=7, hang_timeout=30, peer_timeout=45)
+    assert Policy.from_config(c) == Policy(parent_wait_ns=250_000_000, default_exit_code=7, hang_timeout_ns=30 * 10**9,
+                                           peer_timeout_ns=0, hang_auto=False, collective_settle_ns=COLLECTIVE_SETTLE_NS)
+    # Only a run directory shared by the hosts judges their ranks lost here (else the bridge does).
+    assert Policy.from_config(c, shared_fs=True).peer_timeout_ns == 45 * 10**9
+    # A job that spans hosts gives a collective exception longer to turn out an echo (rule 5).
+    assert Policy.from_config(c, shared_fs=True).collective_settle_ns == REMOTE_SETTLE_NS == 2 * 10**9
+    assert Policy.from_config(c, other_hosts=True).collective_settle_ns == REMOTE_SETTLE_NS
+
+
+def test_a_collective_exception_waits_longer_for_an_echo_where_the_job_spans_hosts():
+    # Rank 1's all_reduce failed at t=1 s; rank 2 (on another host) died and its host's
+    # verdict is slow to come: at 1.6 s one host judges, the multi-host policy waits.
+    obs = observed(failures=[failure(1, t=10**9, collective=True)], now=16 * 10**8)
+    assert decide(obs, POLICY).verdict is not None
+    remote = dataclasses.replace(POLICY, collective_settle_ns=REMOTE_SETTLE_NS)
+    d = decide(obs, remote)
+    assert d.verdict is None and d.recheck_at_ns == 10**9 + REMOTE_SETTLE_NS, d
+    assert Policy.from_config(_config()) == Policy(parent_wait_ns=100_000_000, default_exit_code=1, hang_timeout_ns=0,
+                                                   peer_timeout_ns=0, hang_auto=False)
+
+
+@pytest.mark.parametrize(("hang_timeout", "hang_warn", "expected"), [
+    # (timeout, diagnose, warn_fixed_s, auto, read_collectives)
+    (None, None, (False, True, None, False, True)),  # the defaults: a learnt diagnosis that only warns
+    ("0", "off", (False, False, None, False, False)),  # nothing about hangs: torch's counters unread
+    ("auto", "off", (True, True, None, True, True)),  # auto needs the diagnosis, whatever hang_warn says
+    ("auto", "12", (True, True, 12.0, True, True)),
+    ("30", "off", (True, False, None, False, True)),  # beat() and the counters as progress, no diagnosis
+    (0, "12", (False, True, 12.0, False, True)),
+])
+def test_hang_judging_from_config(hang_timeout: Any, hang_warn: Any, expected: Tuple[Any, ...]):
+    from peerwatch._decide import HangJudging
+
+    h = HangJudging.from_config(_config(hang_timeout=hang_timeout, hang_warn=hang_warn))
+    assert (h.timeout, h.diagnose, h.warn_fixed_s, h.auto, h.read_collectives) == expected

@@ -337,3 +337,210 @@ def test_auto_ends_a_busy_laggard_only_at_its_end():
     assert late.verdict is not None and (late.verdict.rank, late.verdict.cause) == (0, HANG)
     assert "before the collective timeout" in late.verdict.detail
     assert at(NOW, None).verdict is not None  # a record from before end_at_ns: at once, as then
+
+
+# -- the documented numbers, the rules' edges and the texts users read (issue 25.8) ----------
+
+
+def test_the_documented_constants_have_the_documented_values():
+    """docs/hangs.md ("The threshold", "Busy or stuck") and README.md state these numbers; the
+    tests above compute their expectations from the constants, so a change shows here."""
+    from peerwatch import _diagnose
+
+    assert (FACTOR, WARMUP_GAPS, FLOOR_S, CAP_FRACTION, _diagnose.DEFAULT_CAP_S) == (5, 10, 60.0, 0.5, 300.0)
+    assert BUSY_END_FRACTION == 0.9 and _diagnose.ASSUMED_TIMEOUT_S == 600.0
+    assert (_diagnose.BUSY_SAMPLES, _diagnose.BUSY_CPU_SHARE, _diagnose.BUSY_PLACES, _diagnose.BUSY_OTHER_SHARE,
+            _diagnose.BUSY_IO_BYTES, _diagnose.BUSY_CHILDREN_SHARE) == (3, 0.05, 4, 0.10, 256 * 1024, 0.10)
+
+
+def test_ranks_that_read_their_entries_at_different_beats_are_no_mismatch_and_no_crash():
+    """Rank 2 published its counters but not yet its entry for #21: one side known, one
+    rank unknown is not a disagreement (and must not unpack a missing entry)."""
+    ranks = {0: rank(21, entered=tail(21)), 1: rank(21, entered=tail(21)), 2: rank(21, entered=tail(20))}
+    assert diagnose(ranks, NOW, 5 * S) is None
+    ranks[3] = rank(20, entered=tail(20))
+    d = diagnose(ranks, NOW, 5 * S)
+    assert d is not None and (d.kind, d.laggards, d.entered, d.op) == (HANG, (3,), (0, 1, 2), AR), d
+
+
+def test_two_sides_and_a_rank_not_read_yet_is_a_mismatch_still():
+    ranks = {0: rank(30, entered=tail(30)), 1: rank(30, entered=tail(29) + ((30, "gloo:barrier", ""),)),
+             2: rank(30, entered=tail(29))}
+    d = diagnose(ranks, NOW, 5 * S)
+    assert d is not None and (d.kind, d.laggards, d.entered, d.op) == (MISMATCH, (1,), (0,), AR), d
+
+
+def test_a_mismatch_tie_names_the_side_without_the_lowest_rank_and_its_text():
+    barrier = tail(29) + ((30, "gloo:barrier", ""),)
+    ranks = {0: rank(30, entered=tail(30)), 1: rank(30, entered=barrier), 2: rank(30, entered=barrier),
+             3: rank(30, entered=tail(30))}
+    d = diagnose(ranks, NOW, 5 * S)
+    assert d is not None and (d.kind, d.laggards, d.entered, d.group, d.seq) == (MISMATCH, (1, 2), (0, 3), "0", 30)
+    assert d.detail == ("ranks disagree on collective #30 of process group 0: ranks 0, 3 gloo:all_reduce [[4]] Float;"
+                        " ranks 1, 2 gloo:barrier: ranks 1, 2 called another collective (skipped or reordered one?)")
+    assert (d.since_ns, d.end_after_ns, d.busy) == (10 * S, 0, ())
+
+
+def test_of_several_process_groups_the_one_with_the_most_ranks_behind_is_named():
+    def two(seq0: int, seq1: int) -> RankState:
+        return RankState(collectives=(("0", seq0, seq0 - 1), ("1", seq1, seq1 - 1)), moved_mono_ns=NOW - 10 * S,
+                         entered=(("1", seq1, "gloo:broadcast", F4), ("0", seq0, AR, F4)))
+
+    d = diagnose({0: two(5, 8), 1: two(4, 7), 2: two(5, 7)}, NOW, 5 * S)
+    assert d is not None and (d.group, d.seq, d.laggards, d.entered, d.op) == ("1", 8, (1, 2), (0,), "gloo:broadcast")
+    d = diagnose({0: two(5, 8), 1: two(4, 8), 2: two(5, 7)}, NOW, 5 * S)  # a tie: the first group by name
+    assert d is not None and (d.group, d.seq, d.laggards, d.entered, d.op) == ("0", 5, (1,), (0, 2), AR)
+
+
+def test_no_counters_no_diagnosis_even_with_a_frozen_rank():
+    """Rule 1: ranks that never imported torch.distributed are judged by beat() and hang_timeout only."""
+    ranks = {0: RankState(beat_mono_ns=NOW - 50 * S), 1: RankState(beat_mono_ns=NOW - 50 * S, state="T")}
+    assert diagnose(ranks, NOW, 5 * S) is None
+    ranks = {0: RankState(beat_mono_ns=NOW - 50 * S), 1: RankState(watcher_silent=True)}
+    assert diagnose(ranks, NOW, 5 * S) is None
+
+
+def test_counters_but_no_time_of_a_move_is_no_diagnosis():
+    assert diagnose({0: rank(21, moved=None), 1: rank(20, moved=None)}, NOW, 5 * S) is None
+
+
+def test_a_threshold_of_zero_is_off_and_one_nanosecond_is_not():
+    ranks = {0: rank(21), 1: rank(20)}
+    assert diagnose(ranks, NOW, 0) is None and diagnose(ranks, NOW, -1) is None
+    assert diagnose(ranks, NOW, 1) is not None
+    assert diagnose({}, NOW, 5 * S) is None
+
+
+def test_last_move_is_the_latest_counter_move_or_beat_of_any_rank():
+    from peerwatch._diagnose import last_move
+
+    assert last_move({0: RankState(moved_mono_ns=5, beat_mono_ns=None), 1: RankState(beat_mono_ns=7)}) == 7
+    assert last_move({0: RankState(moved_mono_ns=9, beat_mono_ns=3), 1: RankState()}) == 9
+    assert last_move({0: RankState()}) is None and last_move({}) is None
+
+
+def test_the_hang_text_names_the_laggard_the_op_and_who_waits():
+    ranks = {0: rank(21, entered=tail(21)), 1: rank(20, entered=tail(20)), 2: rank(21, entered=tail(21))}
+    d = diagnose(ranks, NOW, 5 * S)
+    assert d is not None and d.detail == ("nothing moved for 10.0s: rank 1 never entered gloo:all_reduce #21 of process"
+                                          " group 0, which ranks 0, 2 wait in; rank 1 is elsewhere")
+    ranks[1] = rank(20, where="train.py:9 in step", in_collective=True)
+    d = diagnose(ranks, NOW, 5 * S)
+    assert d is not None and d.detail.endswith("; rank 1 (at train.py:9 in step (inside torch.distributed))"), d.detail
+    ranks[1] = rank(20, where="train.py:9 in step")
+    d = diagnose(ranks, NOW, 5 * S)
+    assert d is not None and d.detail.endswith("; rank 1 (at train.py:9 in step)"), d.detail
+
+
+def test_the_hang_text_without_the_op_names_a_collective_and_tenths_of_a_second():
+    ranks = {r: rank(q, moved=NOW - 10_050_000_000) for r, q in ((0, 21), (1, 20), (2, 19))}
+    d = diagnose(ranks, NOW, 5 * S)
+    assert d is not None and (d.laggards, d.op) == ((2, 1), None)
+    assert d.detail == ("nothing moved for 10.1s: ranks 2, 1 never entered collective #21 of process group 0,"
+                        " which rank 0 waits in; rank 2 is elsewhere")
+
+
+def test_a_frozen_rank_holds_the_job_up_text():
+    ranks = {0: rank(21, moved=NOW - 50_000_000), 1: rank(21, state="T", where="train.py:3 in f"), 2: rank(21)}
+    d = diagnose(ranks, NOW, 10_000_000)
+    assert d is not None and (d.laggards, d.entered, d.group, d.seq, d.op) == ((1,), (), None, None, None)
+    assert d.detail == "nothing moved for 0.1s: rank 1 holds the job up (its process is stopped (SIGSTOP), at train.py:3 in f)"
+
+
+def test_a_frozen_rank_at_the_top_is_a_laggard_not_one_that_waits():
+    ranks = {0: rank(21, entered=tail(21)), 1: rank(21, state="t", entered=tail(21)), 2: rank(20)}
+    d = diagnose(ranks, NOW, 5 * S)
+    assert d is not None and (d.kind, d.laggards, d.entered, d.group, d.seq) == (HANG, (1, 2), (0,), "0", 21), d
+    assert d.detail == ("nothing moved for 10.0s: ranks 1, 2 never entered gloo:all_reduce #21 of process group 0,"
+                        " which ranks 0, 1 wait in; rank 1 (its process is stopped by a debugger)")
+
+
+def test_a_silent_watcher_is_a_laggard_and_the_text_says_why_unless_stopped():
+    ranks = {0: rank(21), 1: rank(21, watcher_silent=True, state="S")}
+    d = diagnose(ranks, NOW, 5 * S)
+    assert d is not None and d.laggards == (1,)
+    assert d.detail == "nothing moved for 10.0s: rank 1 holds the job up (its watcher cannot run (the GIL is held?))"
+    ranks[1] = rank(21, watcher_silent=True, state="T")
+    d = diagnose(ranks, NOW, 5 * S)
+    assert d is not None and d.detail == "nothing moved for 10.0s: rank 1 holds the job up (its process is stopped (SIGSTOP))"
+
+
+def test_ranks_of_several_hosts_are_named_with_their_host():
+    ranks = {0: rank(21, host="a"), 1: rank(20, host="b"), 2: rank(21, host="b"), 3: rank(20, host="b")}
+    d = diagnose(ranks, NOW, 5 * S)
+    assert d is not None and d.detail == ("nothing moved for 10.0s: ranks 1, 3 on host b never entered collective #21"
+                                          " of process group 0, which rank 0 on host a and rank 2 on host b wait in;"
+                                          " rank 1 is elsewhere")
+
+
+def test_a_long_list_of_ranks_is_cut_after_sixteen():
+    from peerwatch._diagnose import MAX_NAMED, _ranks
+
+    assert MAX_NAMED == 16
+    assert _ranks(range(16)) == "ranks " + ", ".join(map(str, range(16)))
+    assert _ranks(range(17)) == "ranks " + ", ".join(map(str, range(16))) + " and 1 more"
+    assert _ranks([2]) == "rank 2" and _ranks([2], {}) == "rank 2"
+
+
+def test_sizes_read_in_kilobytes_or_megabytes():
+    from peerwatch._diagnose import _size
+
+    assert (_size(99_999), _size(100_000), _size(300_000_000)) == ("100 kB", "0.1 MB", "300.0 MB")
+
+
+@pytest.mark.parametrize("activity, busy", [
+    (act(cpu_ms=350, places=4), True),  # 5 % of the time exactly, at 4 places exactly
+    (act(cpu_ms=349, places=4), False),
+    (act(cpu_ms=7_000, places=3), False),  # 3 places of 7 samples: a loop
+    (act(other_cpu_ms=700), True), (act(other_cpu_ms=699), False),  # 10 % of a core
+    (act(io_bytes=256 * 1024), True), (act(io_bytes=256 * 1024 - 1), False),
+    (act(children_cpu_ms=700), True), (act(children_cpu_ms=699), False),
+])
+def test_busy_at_each_threshold_exactly(activity: Activity, busy: bool):
+    assert bool(busy_evidence(RankState(activity=activity))) is busy
+
+
+def test_the_evidence_text_lists_every_sign():
+    a = Activity(span_ms=1_000_000, cpu_ms=1_000_000, places=7, other_cpu_ms=100_000, io_bytes=300_000_000,
+                 children_cpu_ms=250_000, samples=7)
+    assert busy_evidence(RankState(activity=a)) == (
+        "its main thread on the CPU 100% of the time, at 7 places, its other threads on the CPU, 10% of a core,"
+        " 300.0 MB read or written, its child processes on the CPU, 25% of a core in the last 1000s")
+
+
+def test_a_window_of_no_time_is_too_early_to_tell():
+    no_time = Activity(span_ms=0, cpu_ms=5, places=5, other_cpu_ms=5, io_bytes=0, children_cpu_ms=5, samples=5)
+    assert busy_evidence(RankState(activity=no_time)) is None
+    one_ms = Activity(span_ms=1, cpu_ms=1, places=5, other_cpu_ms=0, io_bytes=0, children_cpu_ms=0, samples=5)
+    assert busy_evidence(RankState(activity=one_ms)) == "its main thread on the CPU 100% of the time, at 5 places in the last 0s"
+
+
+@pytest.mark.parametrize("timeout_ms, end_s", [(0, 0.9 * 600), (1, 0.9e-3), (20_000, 18.0)])
+def test_a_busy_laggard_is_ended_at_nine_tenths_of_the_timeout_or_of_the_assumed_one(timeout_ms: int, end_s: float):
+    """An unknown collective timeout (no rank has said it): 600 s assumed, so auto still ends a busy job."""
+    ranks = {0: rank(20, activity=act(cpu_ms=7_000, places=7)), 1: rank(21)}
+    d = diagnose(ranks, NOW, 5 * S, timeout_ms=timeout_ms)
+    assert d is not None and d.kind == BUSY and d.end_after_ns == int(end_s * S), d
+    if timeout_ms == 0:
+        assert diagnose(ranks, NOW, 5 * S) == d
+
+
+def test_threshold_with_an_unknown_timeout_is_capped_at_five_minutes():
+    t = Threshold()
+    assert t.value_ns(0) == int(FLOOR_S * S) and t.value_ns(1) == 500_000
+    for i in range(WARMUP_GAPS + 1):
+        t.observe(i * 100 * S)
+    assert t.value_ns(0) == 300 * S and t.value_ns(1_800_000) == FACTOR * 100 * S
+
+
+def test_threshold_counts_only_new_moves():
+    t = Threshold()
+    t.observe(None)
+    t.observe(0)
+    t.observe(None)
+    t.observe(20 * S)
+    for _ in range(WARMUP_GAPS):
+        t.observe(20 * S)  # the same move seen again
+        t.observe(10 * S)  # an older one
+    assert (t.gaps, t.longest_ns) == (1, 20 * S)
+    assert t.value_ns(1_800_000) == int(FLOOR_S * S)

@@ -220,5 +220,5 @@ def test_a_kept_lock_of_a_directory_is_not_a_line_of_its_own(tmp_path: Path) -> 
     (tmp_path / "peerwatch-run.lock").write_text("")
     entries = [_gc.Entry(str(run) + ".lock", "lock", time.time(), sibling_dir=True),
                _gc.Entry(str(tmp_path / "orphan.lock"), "lock", time.time() - 2 * _gc.LOCK_AGE_S)]
-    lines = _gc.describe(_gc.plan(entries, _gc.policy_from_env({}), time.time()), dry_run=True)
+    lines = _gc.describe(_gc.gc_plan(entries, _gc.policy_from_env({}), time.time()), dry_run=True)
     assert len(lines) == 1 and lines[0].startswith("would remove") and "orphan.lock" in lines[0], lines

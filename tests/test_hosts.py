@@ -18,6 +18,7 @@ from peerwatch._hosts import (
     REMOTE_SETTLE_S,
     HostInfo,
     Liveness,
+    beat_seq,
     beat_value,
     connect_allowance_s,
     host_ident,
@@ -109,8 +110,8 @@ def test_liveness_judges_on_the_local_clock_only() -> None:
 
 def test_liveness_lost_at_exactly_the_timeout_not_before() -> None:
     live = Liveness(timeout_ns=4)
-    live.observe(0, {1: b"a", 2: b"a"})
-    live.observe(2, {1: b"a", 2: b"a"})
+    live.observe(0, {1: b"1", 2: b"1"})
+    live.observe(2, {1: b"1", 2: b"1"})
     assert live.lost(3) == []
     assert live.lost(4) == [1, 2]  # sorted
 
@@ -130,22 +131,22 @@ def test_liveness_forgives_a_gap_of_our_own() -> None:
 
 def test_liveness_a_gap_of_half_the_timeout_is_not_forgiven_one_ns_more_is() -> None:
     live = Liveness(timeout_ns=10)
-    live.observe(0, {1: b"x"})
-    live.observe(5, {1: b"x"})  # exactly half: we were looking
-    live.observe(10, {1: b"x"})
+    live.observe(0, {1: b"1"})
+    live.observe(5, {1: b"1"})  # exactly half: we were looking
+    live.observe(10, {1: b"1"})
     assert live.lost(10) == [1]
     live = Liveness(timeout_ns=10)
-    live.observe(0, {1: b"x"})
-    live.observe(6, {1: b"x"})  # one more: our gap, the clock restarts
+    live.observe(0, {1: b"1"})
+    live.observe(6, {1: b"1"})  # one more: our gap, the clock restarts
     assert live.lost(10) == [] and live.silent_s(1, 10) == 4 / 1e9
 
 
 def test_liveness_a_gap_restarts_every_host_and_the_last_look_counts() -> None:
     live = Liveness(timeout_ns=10)
-    live.observe(0, {1: b"x", 2: b"x"})
-    live.observe(4, {1: b"x"})
-    live.observe(8, {1: b"x"})  # gaps of 4: no restart, host 2 unseen since 0
-    live.observe(14, {1: b"x"})  # a gap of 6: both restart
+    live.observe(0, {1: b"1", 2: b"1"})
+    live.observe(4, {1: b"1"})
+    live.observe(8, {1: b"1"})  # gaps of 4: no restart, host 2 unseen since 0
+    live.observe(14, {1: b"1"})  # a gap of 6: both restart
     assert live.lost(23) == [] and live.lost(24) == [1, 2]
 
 
@@ -163,17 +164,34 @@ def test_liveness_a_done_host_is_never_lost() -> None:
 
 def test_liveness_an_unknown_beat_is_no_sign_of_life() -> None:
     live = Liveness(timeout_ns=4)
-    live.observe(0, {1: b"a"})
+    live.observe(0, {1: b"1"})
     live.observe(2, {1: None, 3: None})
     assert 3 not in live.changed_ns and 3 not in live.values
     assert live.lost(4) == [1]
 
 
+def test_liveness_old_beats_written_back_in_turn_are_no_sign_of_life() -> None:
+    """Issue 22.4: two recorded beats of a dead host, replayed alternately, kept it alive."""
+    live = Liveness(timeout_ns=4)
+    live.observe(0, {1: b"7"})
+    live.observe(1, {1: b"8"})
+    for t, value in ((2, b"7"), (3, b"8"), (4, b"7"), (5, DONE + b"8")):
+        live.observe(t, {1: value})
+    assert live.lost(5) == [1] and live.done == set() and live.seqs == {1: 8}
+    live.observe(6, {1: b"9s"})  # a real new beat (stalled) is news again
+    assert live.lost(6) == [] and live.seqs == {1: 9}
+
+
+def test_beat_seq_reads_every_form_of_a_beat_and_nothing_else() -> None:
+    assert [beat_seq(v) for v in (b"7", DONE + b"7", b"7s", DONE + b"7s")] == [7, 7, 7, 7]
+    assert [beat_seq(v) for v in (b"", b"s", b"done:", b"x7", b"-1", b"1" * 31)] == [None] * 6
+
+
 def test_liveness_a_new_value_restarts_the_clock_of_that_host_only() -> None:
     live = Liveness(timeout_ns=4)
-    live.observe(0, {1: b"a", 2: b"a"})
-    live.observe(2, {1: b"b", 2: b"a"})
-    assert live.changed_ns == {1: 2, 2: 0} and live.values == {1: b"b", 2: b"a"}
+    live.observe(0, {1: b"1", 2: b"1"})
+    live.observe(2, {1: b"2", 2: b"1"})
+    assert live.changed_ns == {1: 2, 2: 0} and live.values == {1: b"2", 2: b"1"}
     assert live.lost(4) == [2] and live.lost(6) == [1, 2]
 
 
@@ -206,7 +224,7 @@ def test_peers_to_watch_never_ourselves() -> None:
 
 def test_silent_hosts_are_lost_unless_the_job_is_ending_or_judged() -> None:
     live = Liveness(timeout_ns=4)
-    live.observe(0, {1: b"a", 2: b"a"})
+    live.observe(0, {1: b"1", 2: b"1"})
     assert hosts_to_declare_lost(live, 4, set(), job_ending=False, verdict_known=False) == [1, 2]
     assert hosts_to_declare_lost(live, 4, {1}, job_ending=False, verdict_known=False) == [2]
     assert hosts_to_declare_lost(live, 4, set(), job_ending=True, verdict_known=False) == []

@@ -51,7 +51,9 @@ def _imports_of(path: "Path", package: str) -> set:
     found = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.level > 0:
-            base = list(here[: len(here) - node.level]) if path.name != "__init__.py" else list(here[: len(here) - node.level + 1])
+            # A package's __init__ is its own module: ``from . import x`` in it names the
+            # package itself, as in any module beside it.
+            base = list(here[: len(here) - node.level])
             if node.module:
                 base += node.module.split(".")
                 found.add(".".join(base))
@@ -95,3 +97,182 @@ def test_no_module_imports_a_module_that_imports_it() -> None:
                     stack.append((nxt, trail + [nxt]))
     assert not cycles, "\n".join(sorted(set(cycles))[:10])
     assert graph["peerwatch._errors"] == set(), "_errors imports nothing else from peerwatch"
+
+
+# -- the layers (the table is the comment at the top of peerwatch/__init__.py) --------------
+
+LAYERS = ("pure", "os", "stages", "wiring")
+
+# Whole layers whose modules may import each other (the cycle test above keeps them acyclic).
+SIDEWAYS_LAYERS = {
+    "pure": "values and rules only: one pure module importing another brings in no I/O",
+    "wiring": "the wiring calls itself: the API installs the hooks, which end the watcher; the CLI runs the doctor",
+}
+# Imports within the OS adapters and within the stages, each allowed for a reason.
+SIDEWAYS = {
+    ("_teardown", "_identity"): "a target is verified by its process identity right before it is signalled",
+    ("_sources", "_identity"): "a peer's pidfd is opened only for the process that registered",
+    ("_rundir", "_identity"): "a registration carries this process's identity; a stale run is told by it",
+    ("_sharedfs", "_identity"): "local ranks are watched through pidfds, remote ones through their heartbeats",
+    ("_sharedfs", "_rundir"): "remote heartbeats are listed and read through the run directory",
+    ("_exitwatch", "_rundir"): "the exit watch is armed with descriptors of the run directory's folders",
+    ("_eventlog", "_rundir"): "the event log is a file of the run directory",
+    ("_eventlog", "_exitwatch"): "an exit the C exit watch recorded is told apart by its message",
+    ("_stacks", "_rundir"): "the stack file is created through the run directory",
+    ("_observer", "_heartbeat"): "this rank's own progress (OwnProgress) and position, as its heartbeat writes them",
+    ("_diagnoser", "_observer"): "it judges what the observer saw and records its diagnosis through it (issue 25.2)",
+    ("_bridge", "_election"): "the election of the host's one bridge is part of the bridge, in a module for size",
+    ("_bridge", "_stragglerwatch"): "the bridge carries the stragglers' waits and finding across hosts (its relay)",
+    ("_waits", "_collectives"): "whether a frame is torch.distributed's own code has one home",
+    ("_timeline", "_report"): "the timeline draws the report's facts",
+    ("_launchers", "_leave"): "a rank whose launcher is gone leaves the way every torn-down rank does",
+    ("_leave", "_notify"): "an on_verdict command does not outlive the rank that started it",
+}
+# Modules of the standard library (and third-party ones) a pure module never imports.
+IMPURE_IMPORTS = frozenset({
+    "os", "subprocess", "socket", "select", "selectors", "threading", "multiprocessing", "ctypes", "fcntl", "time",
+    "tempfile", "shutil", "faulthandler", "pathlib", "io", "mmap", "psutil", "watchdog", "filelock", "torch",
+})
+PURE_BUT = {"_config": ({"os", "stat"}, "Config.resolve() reads the environment and the secret file; a Config is a frozen value")}
+
+
+def _layer_table() -> dict:
+    """{module (without ``peerwatch.``): layer}, as the comment in peerwatch/__init__.py says."""
+    table, layer = {}, None
+    for line in (_ROOT / "peerwatch" / "__init__.py").read_text().splitlines():
+        if not line.startswith("#   "):
+            continue
+        words = line[1:].split()
+        if words and words[0] in LAYERS:
+            layer = words[0]
+        elif layer is not None and words and all(w.startswith("_") or w in ("cli", "integrations") for w in words):
+            for w in words:
+                assert w not in table, f"{w} is in two layers"
+                table[w] = layer
+    return table
+
+
+def _layer_of(table: dict, module: str) -> str:
+    short = module[len("peerwatch."):] if module.startswith("peerwatch.") else ""
+    if module == "peerwatch":
+        return "wiring"  # re-exports the API
+    return table[short.split(".")[0]]
+
+
+def _package_graph() -> dict:
+    modules = {}
+    for path in sorted((_ROOT / "peerwatch").rglob("*.py")):
+        name = ".".join(path.with_suffix("").relative_to(_ROOT).parts)
+        modules[name[: -len(".__init__")] if name.endswith(".__init__") else name] = path
+    return {name: ({m for m in _imports_of(path, "peerwatch") if m in modules and m != name}, path) for name, path in modules.items()}
+
+
+def test_every_module_has_a_layer() -> None:
+    table = _layer_table()
+    assert set(LAYERS) == set(table.values()), "the layer table in peerwatch/__init__.py did not parse"
+    graph = _package_graph()
+    unplaced = sorted(m for m in graph if m != "peerwatch" and m.split(".")[1] not in table)
+    assert not unplaced, f"not in the layer table of peerwatch/__init__.py: {unplaced}"
+    stale = sorted(m for m in table if f"peerwatch.{m}" not in graph)
+    assert not stale, f"the layer table names modules that do not exist: {stale}"
+
+
+def test_imports_go_only_downward() -> None:
+    """Every import (top-level, lazy, TYPE_CHECKING) goes to a lower layer, or sideways where allowed."""
+    table = _layer_table()
+    crossings = []
+    for name, (imports, _) in _package_graph().items():
+        mine = _layer_of(table, name)
+        for dep in sorted(imports):
+            theirs = _layer_of(table, dep)
+            if LAYERS.index(theirs) < LAYERS.index(mine):
+                continue
+            pair = (name.split(".")[-1], dep.split(".")[-1])
+            if theirs == mine and (mine in SIDEWAYS_LAYERS or pair in SIDEWAYS):
+                continue
+            crossings.append(f"{name} ({mine}) imports {dep} ({theirs})")
+    assert not crossings, "\n".join(crossings)
+    used = {(a, b) for name, (imports, _) in _package_graph().items() for a, b in
+            ((name.split(".")[-1], d.split(".")[-1]) for d in imports)}
+    assert not set(SIDEWAYS) - used, f"allowed but no longer made: {sorted(set(SIDEWAYS) - used)}"
+
+
+def _stdlib_imports_of(path: "Path") -> set:
+    import ast
+
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(a.name.split(".")[0] for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.add(node.module.split(".")[0])
+    return found
+
+
+def test_pure_modules_import_nothing_impure() -> None:
+    """The most important rule: a pure module imports only pure modules of peerwatch, and no
+    module of the standard library that does I/O, keeps time or starts threads."""
+    table = _layer_table()
+    pure = {m for m, layer in table.items() if layer == "pure"}
+    for name, (imports, path) in _package_graph().items():
+        short = name.split(".")[-1]
+        if short not in pure:
+            continue
+        impure = sorted(d for d in imports if d.split(".")[-1] not in pure)
+        assert not impure, f"{name} is pure but imports {impure}"
+        allowed = PURE_BUT.get(short, (set(), ""))[0]
+        io = sorted(_stdlib_imports_of(path) & IMPURE_IMPORTS - allowed)
+        assert not io, f"{name} is pure but imports {io}"
+
+
+# -- the run directory's files only through its descriptors (issue 25.5) --------------------
+
+# Calls that open, list or look at a path: given a path of RunDir.join(), they would go
+# around the descriptors RunDir holds (RunDir.open_file, open_folder, stat, exists, names).
+_PATH_CALLS = frozenset({
+    "open", "open_regular", "os.open", "os.stat", "os.lstat", "os.listdir", "os.scandir", "os.unlink", "os.remove",
+    "os.rename", "os.replace", "os.mkdir", "os.makedirs", "os.rmdir", "os.chmod", "os.utime", "os.access",
+    "os.readlink", "os.symlink", "os.link", "os.path.exists", "os.path.lexists", "os.path.isfile", "os.path.isdir",
+    "os.path.islink", "os.path.getmtime", "os.path.getsize", "shutil.rmtree", "shutil.move",
+})
+
+
+def _dotted(node: object) -> str:
+    import ast
+
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        return f"{_dotted(node.value)}.{node.attr}"
+    return ""
+
+
+def _joined_path(node: object) -> bool:
+    """``something.join(...)`` that is not ``os.path.join`` nor ``"sep".join``: RunDir.join."""
+    import ast
+
+    return (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "join"
+            and _dotted(node.func.value) not in ("os.path", "posixpath")
+            and not isinstance(node.func.value, ast.Constant))
+
+
+def test_no_module_opens_lists_or_stats_a_path_of_run_dir_join() -> None:
+    import ast
+
+    found = []
+    for path in sorted((_ROOT / "peerwatch").rglob("*.py")):
+        if path.name == "_rundir.py":
+            continue
+        for func in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            joined = {  # names given a path of join() in this function
+                t.id for n in ast.walk(func) if isinstance(n, ast.Assign) and _joined_path(n.value)
+                for t in n.targets if isinstance(t, ast.Name)
+            }
+            for call in ast.walk(func):
+                if isinstance(call, ast.Call) and _dotted(call.func) in _PATH_CALLS:
+                    for arg in call.args[:1]:
+                        if _joined_path(arg) or (isinstance(arg, ast.Name) and arg.id in joined):
+                            found.append(f"{path.name}:{call.lineno} {_dotted(call.func)}(... .join(...))")
+    assert not found, "\n".join(sorted(set(found)))

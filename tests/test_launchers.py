@@ -247,6 +247,27 @@ def test_spawn_worker_sigkilled(job_dir: Path, where: str) -> None:
 
 
 @pytest.mark.timeout(120)
+def test_spawn_runs_on_verdict_once_with_install_in_parent_and_workers(job_dir: Path) -> None:
+    """Issue 22.10: the README's pattern (install() at the top, install(rank=i) in the
+    workers) ran the hook twice per failure: once in the workers' run, once in the main
+    process's. Once per job and host, by whichever of the two runs acts first."""
+    told = job_dir / "told.txt"
+    env = {"PEERWATCH_ON_VERDICT": f'echo "$PEERWATCH_FAILED_RANK $PEERWATCH_RUN_DIR" >> {told}',
+           "PEERWATCH_ON_VERDICT_TIMEOUT": "2", "LP_FAIL_RANK": "1"}
+    # Worker 1 raises: the workers' run has its verdict before the main process raises
+    # ProcessExitedException and has its own (a SIGKILLed worker races the main process's
+    # SIGTERM to the others, and the workers' run may never reach a verdict).
+    with spawn_job(job_dir, "--install-in-parent", env=env) as job:
+        job.start()
+        ranks = job.wait_ready()
+        job.wait_died(ranks[1], timeout=30)
+        assert job.wait_launcher(LAUNCHER_EXIT_S) == 1
+        job.wait_all_gone(WITHIN_S)
+        lines = told.read_text().splitlines() if told.exists() else []
+        assert len(lines) == 1, f"the hook ran {len(lines)} times: {lines}\n{job.log()}"
+
+
+@pytest.mark.timeout(120)
 def test_spawn_worker_that_raises_is_reported_with_its_exception(job_dir: Path) -> None:
     """mp.spawn's wrapper catches a worker's exception and calls sys.exit(1): the verdict
     is the exception (type, message, traceback), with the exit code the worker really

@@ -143,7 +143,8 @@ def test_bridges_through_a_store_object(tmp_path: Path, clone: bool) -> None:
         # A verdict published by a reaches the waiters of the others' store (first writer wins).
         from peerwatch._records import Verdict
 
-        v = Verdict(rank=0, cause="exception", exit_code=1, failed_at_ns=1, detected_by=1, detected_at_ns=2,
+        now = time.time_ns()
+        v = Verdict(rank=0, cause="exception", exit_code=1, failed_at_ns=now, detected_by=1, detected_at_ns=now,
                     host="hosta", detail="raised RuntimeError")
         a.on_verdict(v)
         assert hash_store.get("peerwatch/inproc/verdict") == encode(v)
@@ -161,6 +162,7 @@ def test_bridges_with_a_store_secret_sign_what_they_write_and_replace_a_forged_v
     first real one, which every host takes (docs/security.md)."""
     dist = pytest.importorskip("torch.distributed")
     from peerwatch._records import Verdict
+    from peerwatch._store_protocol import SIGNED, verdict_key
 
     caplog.set_level(logging.WARNING, logger="peerwatch")
     hash_store = dist.HashStore()
@@ -169,14 +171,25 @@ def test_bridges_with_a_store_secret_sign_what_they_write_and_replace_a_forged_v
     b = _in_process_host(tmp_path, "hostb", [2, 3], hash_store, store_secret=secret)
     try:
         _wait_for(lambda: all(len(x.hosts) == 2 for x in (a, b)), 10.0, "every host seen")
-        assert hash_store.get("peerwatch/inproc/beat/0").startswith(b"pw-hmac1:")
-        forged = Verdict(rank=3, cause="exception", exit_code=77, failed_at_ns=1, detected_by=3, detected_at_ns=2)
-        hash_store.set("peerwatch/inproc/verdict", encode(forged))
+        assert hash_store.get("peerwatch/inproc/beat/0").startswith(SIGNED)
+        # One nonce for the run, kept in each host's run directory for a successor bridge there.
+        from peerwatch._bridge import NONCE_FILE, _NonceFile
+        from peerwatch._store_protocol import Seal
+
+        assert a._seal.nonce is not None and a._seal.nonce == b._seal.nonce
+        assert Path(a.run_dir.join(NONCE_FILE)).read_bytes() == a._seal.nonce
+        assert Seal(secret.encode(), memo=_NonceFile(a.run_dir)).nonce == a._seal.nonce
+        now = time.time_ns()
+        forged = Verdict(rank=3, cause="exception", exit_code=77, failed_at_ns=now, detected_by=3, detected_at_ns=now)
+        hash_store.set("peerwatch/inproc/verdict", encode(forged))  # where it was before the store's nonce
+        # and where this run's verdict goes (named from the secret and the run's nonce)
+        hash_store.set(verdict_key("peerwatch/inproc/", a._seal), encode(forged))
         unsigned = "not signed with this job's store secret"
         _wait_for(lambda: caplog.text.count(unsigned) >= 2, 5.0, "both waiters rejecting the forged verdict")
         assert a.from_store is None and b.from_store is None
         assert not os.path.exists(b.run_dir.join("events", "verdict.json"))
-        v = Verdict(rank=0, cause="exception", exit_code=1, failed_at_ns=1, detected_by=1, detected_at_ns=2,
+        now = time.time_ns()
+        v = Verdict(rank=0, cause="exception", exit_code=1, failed_at_ns=now, detected_by=1, detected_at_ns=now,
                     host="hosta", detail="raised RuntimeError")
         a.on_verdict(v)
         assert a.published

@@ -268,3 +268,9 @@ def test_a_rank_that_does_not_enforce_is_never_blind() -> None:
     p = plan(situation(self_rank=4, ack_written=False, live_local_ranks=(0, 1, 3, 4)))
     assert not p.enforcer and not p.blind and p.trusted == ()
     assert p.last_resort_s == plan(situation(self_rank=4, live_local_ranks=(0, 1, 3, 4))).last_resort_s
+
+
+def test_the_documented_constants_have_the_documented_values() -> None:
+    """docs/security.md: a blind enforcer waits ``ack_window + 2 x grace``; docs/configuration.md
+    ("Fixed values"): 0.25 s settle. Tests above compute from the constants; a change shows here."""
+    assert (_plan.BLIND_GRACES, _plan.SETTLE_S, _plan.ENFORCERS) == (2, 0.25, 3)

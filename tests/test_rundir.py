@@ -442,6 +442,8 @@ def test_prepare_refuses_a_symlinked_run_directory(tmp_path):
 
 def test_prepare_checks_the_base_directory(tmp_path, monkeypatch):
     monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.setenv("HOME", "")  # no per-user place: the fixed name under TMPDIR
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     base = base_dir()
     assert base == str(tmp_path / f"peerwatch-{os.geteuid()}")
@@ -623,14 +625,24 @@ def test_base_dir_prefers_a_private_xdg_runtime_dir(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("setup", ["writable", "missing", "empty"])
-def test_base_dir_falls_back_to_tmpdir(tmp_path, monkeypatch, setup):
+def test_base_dir_falls_back_to_the_cache_home_then_tmpdir(tmp_path, monkeypatch, setup):
     xdg = tmp_path / "xdg"
     if setup == "writable":
         xdg.mkdir()
         xdg.chmod(0o777)
     monkeypatch.setenv("XDG_RUNTIME_DIR", "" if setup == "empty" else str(xdg))
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    home = tmp_path / "home"
+    home.mkdir(mode=0o700)
+    monkeypatch.setenv("HOME", str(home))
+    assert base_dir() == str(home / ".cache" / "peerwatch") and mode(home / ".cache" / "peerwatch") == 0o700
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    assert base_dir() == str(tmp_path / "cache" / "peerwatch")
+    home.chmod(0o777)  # others could rename .cache: not a private place
+    monkeypatch.delenv("XDG_CACHE_HOME")
     monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
     assert base_dir() == str(tmp_path / "tmp" / f"peerwatch-{os.geteuid()}")
+    monkeypatch.setenv("HOME", "")
     monkeypatch.delenv("TMPDIR")
     assert base_dir() == f"/tmp/peerwatch-{os.geteuid()}"
 
@@ -670,3 +682,73 @@ def test_every_rank_a_record_names_must_be_inside_the_world(rd, caplog):
     assert len(warned) == 2 and "names rank 99" in warned[0] and "names rank 3" in warned[1], warned  # once each
     rd.world_size = None  # unknown: not judged
     assert rd.read(EVENTS, VERDICT_FILE, Verdict) is not None
+
+
+# -- the held descriptors are the only way in (issue 25.5) ------------------------------
+
+_ARM_AND_EXIT = """
+import os, sys, time
+from peerwatch import _exitwatch, _identity
+from peerwatch._records import Registration
+from peerwatch._rundir import RunDir
+info = _identity.self_info()
+reg = Registration(rank=0, pid=info.pid, ppid=info.ppid, start_ticks=info.start_ticks, uid=info.uid,
+                   host=_identity.hostname(), boot_id=_identity.boot_id(), pidns=_identity.pid_namespace(),
+                   time_ns=time.time_ns())
+path, moved, decoy = sys.argv[1:]
+rd = RunDir(path)
+rd.prepare(reg, time.time_ns())
+os.rename(path, moved)
+os.symlink(decoy, path)
+assert _exitwatch.arm(rd, 0, write_success=True)
+sys.exit(0)
+"""
+
+
+def _decoy(tmp_path: Path) -> Path:
+    decoy = tmp_path / "decoy"
+    for sub in SUBDIRS:
+        (decoy / sub).mkdir(parents=True)
+    return decoy
+
+
+def test_a_directory_swapped_for_a_symlink_is_not_used_by_the_bridge_s_election_and_checks(rd, tmp_path):
+    """Renamed away and replaced by a symlink to a decoy: the bridge's lock and flag, and
+    what it checks (the verdict there, a folder's time), are still the directory checked."""
+    from peerwatch import _election
+
+    real = tmp_path / "moved"
+    os.rename(rd.path, real)
+    decoy = _decoy(tmp_path)
+    os.symlink(decoy, rd.path)
+    (decoy / EVENTS / VERDICT_FILE).write_bytes(b"not ours")
+    election, flag = _election.Election(rd), _election.UpFlag(rd)
+    try:
+        assert election.take()
+        flag.set(True)
+        assert (real / _election.LOCK_FILE).is_file() and (real / _election.UP_FILE).is_file()
+        assert not (decoy / _election.LOCK_FILE).exists() and not (decoy / _election.UP_FILE).exists()
+        assert not rd.exists(EVENTS, VERDICT_FILE)
+        assert rd.stat(RANKS).st_ino == os.stat(real / RANKS).st_ino
+        assert rd.stat("", _election.LOCK_FILE).st_ino == os.stat(real / _election.LOCK_FILE).st_ino
+        fd = rd.open_folder(EVENTS)
+        try:
+            assert os.fstat(fd).st_ino == os.stat(real / EVENTS).st_ino
+        finally:
+            os.close(fd)
+    finally:
+        flag.set(False)
+        if election.fd is not None:
+            os.close(election.fd)
+
+
+def test_the_exit_watch_writes_into_the_directory_checked_not_a_symlink_put_in_its_place(tmp_path):
+    from peerwatch import _exitwatch
+
+    if not _exitwatch.available():
+        pytest.skip("the exit-status extension is not built here")
+    decoy = _decoy(tmp_path)
+    path, moved = tmp_path / "run", tmp_path / "moved"
+    subprocess.run([sys.executable, "-c", _ARM_AND_EXIT, str(path), str(moved), str(decoy)], check=True, timeout=60)
+    assert (moved / EVENTS / rank_file("success", 0)).is_file()
+    assert not (decoy / EVENTS / rank_file("success", 0)).exists()

@@ -476,3 +476,27 @@ def test_clean_run_on_two_hosts_has_no_verdict(hosts) -> None:
     assert b.exit_codes() == {2: 0, 3: 0}, b.text()
     assert not (a.run_dir / "events" / "verdict.json").exists(), a.text() + b.text()
     assert a.signals_sent() == [] and b.signals_sent() == []
+
+
+@needs_unshare
+def test_each_host_runs_on_verdict_once_and_logs_to_its_own_event_log(hosts, tmp_path: Path) -> None:
+    # Issue 22.10: on a shared run directory the hook ran once per job, not once per host;
+    # issue 22.14: both hosts appended to one events.jsonl (not atomic across NFS clients).
+    told = tmp_path / "told.txt"
+    hook = {"PEERWATCH_ON_VERDICT": f'echo "$(hostname) $PEERWATCH_FAILED_RANK" >> {told}',
+            "PEERWATCH_ON_VERDICT_TIMEOUT": "2"}
+    a = hosts("hostA", [0, 1], world=4, env={**BLIND, **hook}).start()
+    b = hosts("hostB", [2, 3], world=4, env=hook).start()
+    a.wait_ready()
+    b.wait_ready()
+    b.signal(3, signal.SIGKILL)
+    b.wait_gone(10.0)
+    a.wait_gone(10.0)
+    assert sorted(told.read_text().splitlines()) == ["hostA 3", "hostB 3"], a.text() + b.text()
+    logs = sorted(p.name for p in a.run_dir.glob("events*.jsonl"))
+    assert logs == ["events-hostA.jsonl", "events-hostB.jsonl"], logs
+    from peerwatch import _eventlog
+
+    events = _eventlog.read_run(str(a.run_dir))
+    assert sorted(e["rank"] for e in events if e["event"] == "register") == [0, 1, 2, 3]
+    assert len([e for e in events if e["event"] == "notify"]) == 2, events

@@ -6,7 +6,9 @@ nothing changes. The store is a real TCPStore; the forger is another client of i
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
+import itertools
 import logging
 import os
 import threading
@@ -105,18 +107,40 @@ def test_without_a_secret_values_are_stored_as_they_are():
     assert seal.open(PREFIX + "verdict", b"anything") == b"anything"
 
 
+NONCE_1, NONCE_2 = b"1" * 32, b"2" * 32
+
+
 def test_a_signed_value_opens_only_under_its_key_with_its_secret(caplog):
-    seal = Seal(SECRET.encode())
+    seal = Seal(SECRET.encode(), nonce=NONCE_1)
     signed = seal.sign(PREFIX + "beat/1", b"42")
     assert signed.startswith(SIGNED) and seal.open(PREFIX + "beat/1", signed) == b"42"
     with caplog.at_level(logging.WARNING, logger="peerwatch"):
         assert seal.open(PREFIX + "beat/2", signed) is None  # replayed under another key
-        assert Seal(b"another-secret-of-16-bytes").open(PREFIX + "beat/1", signed) is None
+        assert Seal(b"another-secret-of-16-bytes", nonce=NONCE_1).open(PREFIX + "beat/1", signed) is None
         assert seal.open(PREFIX + "beat/1", signed[:-1] + b"3") is None  # value changed
         assert seal.open(PREFIX + "beat/1", b"43") is None  # unsigned
         assert seal.open(PREFIX + "verdict", b"{}") is None
     warned = [r for r in caplog.records if "not signed with this job's store secret" in r.getMessage()]
     assert len(warned) == 3, [r.getMessage() for r in warned]  # once per kind of key and Seal: beat, beat, verdict
+    # The same secret, key and value, signed for another run (its nonce): not this run's.
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="peerwatch"):
+        assert Seal(SECRET.encode(), nonce=NONCE_2).open(PREFIX + "beat/1", signed) is None
+    assert "signed for another run" in caplog.text
+
+
+def test_the_nonce_is_settled_once_in_the_store_and_a_forged_one_replaced(store):
+    from peerwatch._store_protocol import establish_nonce
+
+    _, client = store
+    forger = client()
+    forger.set(PREFIX + "nonce", b"0" * 32)  # unsigned
+    first, second = Seal(SECRET.encode()), Seal(SECRET.encode())
+    nonce = establish_nonce(client(), PREFIX, first)
+    assert nonce is not None and len(nonce) == 32 and nonce != b"0" * 32
+    assert establish_nonce(client(), PREFIX, second) == nonce == second.nonce  # the store's, not a new one
+    forger.set(PREFIX + "nonce", Seal(SECRET.encode(), nonce=NONCE_1).sign(PREFIX + "nonce", NONCE_1))
+    assert establish_nonce(client(), PREFIX, first) == nonce  # a host keeps the one it adopted
 
 
 # -- a real TCPStore -----------------------------------------------------------------------------
@@ -140,18 +164,23 @@ def store() -> Iterator[Tuple[Any, Callable[[], Any]]]:
     del server
 
 
-def _waiter(run_dir: RunDir, port_client: Callable[[], Any], secret: Any) -> Tuple[Any, threading.Event, Any]:
-    """A verdict waiter of a host whose store is the test's, started in its own thread."""
+def _waiter(run_dir: RunDir, port_client: Callable[[], Any], secret: Any, heartbeat_s: float = 0.1,
+            started_ns: int = 0) -> Tuple[Any, threading.Event, Any]:
+    """A verdict waiter of a host whose store is the test's, started in its own thread (its
+    run started at ``started_ns``, time_ns; 0: no age check)."""
     from peerwatch._bridge import _Link, _TorchGate, _VerdictWaiter
     from peerwatch._config import LauncherFacts
     from peerwatch._store_client import StoreClient
 
-    config = Config.resolve({"heartbeat_interval": 0.1, "peer_timeout": 1.0, "store_secret": secret}, env={})
+    config = Config.resolve({"heartbeat_interval": heartbeat_s, "peer_timeout": max(1.0, 2 * heartbeat_s),
+                             "store_secret": secret}, env={})
     probe = port_client()
     facts = LauncherFacts(wants_store=True, spans_hosts=True, store=probe, run_id="secret-test")
     stopped = threading.Event()
     client = StoreClient(lambda t: port_client(), 1.0, "test-store-owner")
     link = _Link(config, run_dir, facts, client, stopped, Seal(config.store_secret))
+    if started_ns:
+        link = dataclasses.replace(link, started_ns=started_ns)
     gate = _TorchGate()
     gate.open(loud=True)
     waiter = _VerdictWaiter(link, gate)
@@ -191,27 +220,41 @@ def test_without_a_secret_a_verdict_anyone_wrote_is_taken(store, tmp_path: Path)
         _stop(stopped, parts)
 
 
-def test_with_a_secret_a_forged_verdict_is_ignored_and_a_signed_one_taken(store, tmp_path: Path, caplog):
+def test_with_a_secret_a_forged_verdict_is_ignored_and_the_waiter_keeps_waiting_the_fast_way(
+        store, tmp_path: Path, caplog):
+    """Issue 22.4 (b): a value under the verdict key that is not signed used to drop the
+    waiter to polling once a heartbeat for the rest of the run. It is ignored, and the
+    waiter stays blocked in the store's wait: a real verdict arrives in one round trip."""
+    from peerwatch._store_protocol import establish_nonce, verdict_key
+
     _, client = store
     run_dir = _run_dir(tmp_path)
     caplog.set_level(logging.WARNING, logger="peerwatch")
-    waiter, stopped, parts = _waiter(run_dir, client, SECRET)
+    heartbeat_s = 30.0  # a waiter that fell back to polling would look again only after this
+    waiter, stopped, parts = _waiter(run_dir, client, SECRET, heartbeat_s=heartbeat_s)
     try:
         forger = client()
+        _wait("the waiter blocked in the store's wait", lambda: waiter.waiting, 20.0)
         forged = encode(_verdict(rank=3, exit_code=77))
         forger.set(PREFIX + "verdict", forged)
+        # One who learned where this run's verdict goes (the store lists its keys once a
+        # verdict is there) writes there too, unsigned.
+        probe = Seal(SECRET.encode())
+        establish_nonce(client(), PREFIX, probe)
+        forger.set(verdict_key(PREFIX, probe), forged)
         _wait("a warning about the forged verdict",
               lambda: "not signed with this job's store secret" in caplog.text, 20.0)
+        _wait("the waiter waiting again", lambda: waiter.waiting, 5.0)
         assert _local_verdict(run_dir) is None and waiter.from_store is None
-        # A host of the job publishes its verdict: it replaces the forged one.
+        # A host of the job publishes its verdict: taken at once, not at the next poll.
         real = _verdict(rank=1, exit_code=9)
-        host = client()
-        assert publish_verdict(host, PREFIX, encode(real), Seal(SECRET.encode()))
-        _wait("the signed verdict taken", lambda: _local_verdict(run_dir) is not None, 20.0)
+        published = time.monotonic()
+        assert publish_verdict(client(), PREFIX, encode(real), Seal(SECRET.encode()))
+        _wait("the signed verdict taken", lambda: _local_verdict(run_dir) is not None, 5.0)
+        assert time.monotonic() - published < heartbeat_s / 3
         assert _local_verdict(run_dir) == real
         assert decode(Verdict, waiter.from_store) == real
-        # Once by the waiter (however often it looked), once by the host that replaced it.
-        assert caplog.text.count("not signed with this job's store secret") == 2
+        assert waiter.requests == 0  # never polled
     finally:
         _stop(stopped, parts)
 
@@ -238,3 +281,162 @@ def test_with_a_secret_forged_beats_and_host_records_are_not_there(store):
     forger.set(PREFIX + "beat/1", b"done:8")
     seen = exchange(c, Exchange(PREFIX, 0, "ident-a", b"4", None, {0: me, 1: other}, 2, seal))
     assert seen.beats == {1: None}  # not there: no change, no "done"
+
+
+# -- replays: values recorded from the store, written back (issue 22.4) ------------------------
+
+
+def _record(reader: Any) -> dict:
+    """Every key the store holds and its value, as one who can reach it may record them."""
+    return {key: bytes(reader.get(key)) for key in reader.list_keys() if key.startswith(PREFIX)}
+
+
+def _job_one_failed(client: Callable[[], Any]) -> dict:
+    """Job 1 (two hosts, signed): host 1's rank 3 failed a minute ago; what its store held."""
+    seal_a, seal_b = Seal(SECRET.encode()), Seal(SECRET.encode())
+    a, b = client(), client()
+    exchange(a, Exchange(PREFIX, None, "ident-a", b"1", HostInfo(0, "host-a", ranks=(0, 1), ident="ident-a"), {}, 2,
+                         seal_a))
+    exchange(b, Exchange(PREFIX, None, "ident-b", b"1", HostInfo(1, "host-b", ranks=(2, 3), ident="ident-b"), {}, 2,
+                         seal_b))
+    before = time.time_ns() - 60 * 10**9
+    old = Verdict(rank=3, cause="exception", exit_code=77, failed_at_ns=before, detected_by=3, detected_at_ns=before)
+    assert publish_verdict(b, PREFIX, encode(old), seal_b)
+    return _record(client())
+
+
+def test_a_verdict_recorded_in_one_job_is_not_obeyed_in_the_next(tmp_path: Path, caplog):
+    """Job 2 has the same run id and secret as job 1 (launched alike: the same
+    MASTER_ADDR:MASTER_PORT, no rendezvous id). Job 1's store, recorded and written into
+    job 2's once job 2's hosts are there, must not end job 2: it did, naming job 1's rank."""
+    pytest.importorskip("torch")
+    import torch.distributed as dist
+    from harness import free_port
+
+    caplog.set_level(logging.WARNING, logger="peerwatch")
+    port_1 = free_port()
+    job_1 = dist.TCPStore("127.0.0.1", port_1, is_master=True, wait_for_workers=False)
+    recorded = _job_one_failed(lambda: dist.TCPStore("127.0.0.1", port_1, is_master=False, wait_for_workers=False))
+    del job_1
+    port_2 = free_port()
+    job_2 = dist.TCPStore("127.0.0.1", port_2, is_master=True, wait_for_workers=False)
+
+    def client() -> Any:
+        return dist.TCPStore("127.0.0.1", port_2, is_master=False, wait_for_workers=False,
+                             timeout=datetime.timedelta(seconds=10))
+
+    run_dir = _run_dir(tmp_path)
+    seal = Seal(SECRET.encode())
+    exchange(client(), Exchange(PREFIX, None, "ident-a", b"1", HostInfo(0, "host-a", ranks=(0, 1), ident="ident-a"),
+                                {}, 2, seal))
+    waiter, stopped, parts = _waiter(run_dir, client, SECRET)
+    try:
+        _wait("the waiter blocked in the store's wait", lambda: waiter.waiting, 20.0)
+        replayer = client()
+        for key, value in recorded.items():
+            if not key.endswith("/nonce"):  # job 2 has its own by now
+                replayer.set(key, value)
+        time.sleep(1.0)  # a replayed verdict would be taken within a round trip
+        assert _local_verdict(run_dir) is None and waiter.from_store is None
+        # Job 2's own failure is taken.
+        real = _verdict(rank=1, exit_code=9)
+        assert publish_verdict(client(), PREFIX, encode(real), Seal(SECRET.encode()))
+        _wait("job 2's verdict taken", lambda: _local_verdict(run_dir) is not None, 20.0)
+        assert _local_verdict(run_dir) == real
+    finally:
+        _stop(stopped, parts)
+        del job_2
+
+
+def test_a_recorded_nonce_and_verdict_written_first_are_refused_as_older_than_the_run(tmp_path: Path, caplog):
+    """The replayer is quicker: job 1's nonce and verdict are in job 2's store before any host
+    of job 2 registers, so job 2 adopts job 1's nonce. The verdict was made before job 2
+    started: refused, with a warning that says so."""
+    pytest.importorskip("torch")
+    import torch.distributed as dist
+    from harness import free_port
+
+    caplog.set_level(logging.WARNING, logger="peerwatch")
+    port_1 = free_port()
+    job_1 = dist.TCPStore("127.0.0.1", port_1, is_master=True, wait_for_workers=False)
+    recorded = _job_one_failed(lambda: dist.TCPStore("127.0.0.1", port_1, is_master=False, wait_for_workers=False))
+    del job_1
+    port_2 = free_port()
+    job_2 = dist.TCPStore("127.0.0.1", port_2, is_master=True, wait_for_workers=False)
+
+    def client() -> Any:
+        return dist.TCPStore("127.0.0.1", port_2, is_master=False, wait_for_workers=False,
+                             timeout=datetime.timedelta(seconds=10))
+
+    replayer = client()
+    for key, value in recorded.items():
+        replayer.set(key, value)
+    started_ns = time.time_ns()
+    run_dir = _run_dir(tmp_path)
+    waiter, stopped, parts = _waiter(run_dir, client, SECRET, started_ns=started_ns)
+    try:
+        _wait("a warning about the old verdict", lambda: "before this run started" in caplog.text, 20.0)
+        _wait("the waiter waiting again", lambda: waiter.waiting, 5.0)
+        assert _local_verdict(run_dir) is None and waiter.from_store is None
+        real = _verdict(rank=1, exit_code=9)
+        assert publish_verdict(client(), PREFIX, encode(real), Seal(SECRET.encode()), started_ns=started_ns)
+        _wait("job 2's verdict taken", lambda: _local_verdict(run_dir) is not None, 20.0)
+        assert _local_verdict(run_dir) == real
+    finally:
+        _stop(stopped, parts)
+        del job_2
+
+
+def test_two_recorded_beats_written_back_in_turn_do_not_keep_a_dead_host_alive(store, tmp_path: Path):
+    """Host 1 beat twice and died; a replayer writes its two recorded (signed) beats back in
+    turn. Its sequence number does not grow: host 1 is lost after peer_timeout (it was kept
+    "alive" for as long as the replay went on)."""
+    from peerwatch import _identity
+    from peerwatch._bridge import _BeatLoop, _Link, _TorchGate
+    from peerwatch._config import LauncherFacts
+    from peerwatch._records import Registration
+    from peerwatch._store_client import StoreClient
+
+    _, client = store
+    peer_timeout = 2.0
+    dead = client()
+    dead_seal = Seal(SECRET.encode())
+    info = HostInfo(0, "host-dead", ranks=(2, 3), ident="ident-dead")
+    beats = []
+    for seq in (1, 2):
+        exchange(dead, Exchange(PREFIX, None if seq == 1 else 0, "ident-dead", str(seq).encode(),
+                                info if seq == 1 else None, {}, 2, dead_seal))
+        beats.append(bytes(dead.get(PREFIX + "beat/0")))
+    config = Config.resolve({"heartbeat_interval": 0.2, "peer_timeout": peer_timeout, "store_secret": SECRET}, env={})
+    facts = LauncherFacts(wants_store=True, spans_hosts=True, store=client(), run_id="secret-test")
+    stopped = threading.Event()
+    owner = StoreClient(lambda t: client(), 1.0, "test-store-owner")
+    link = _Link(config, _run_dir(tmp_path), facts, owner, stopped, Seal(config.store_secret))
+    me = Registration(rank=0, pid=os.getpid(), ppid=os.getppid(), start_ticks=0, uid=os.getuid(),
+                      host=_identity.hostname(), boot_id=_identity.boot_id(), pidns=_identity.pid_namespace(),
+                      time_ns=time.time_ns())
+    seq = iter(range(1, 1_000_000))
+    loop = _BeatLoop(link, me, "ident-alive", lambda: next(seq), threading.Event(), lambda: False, _TorchGate())
+    thread = threading.Thread(target=loop.run, name="test-beat", daemon=True)
+    replaying = threading.Event()
+
+    def replay() -> None:
+        replayer = client()
+        for n in itertools.count():  # each value for a few of the watcher's looks: every change is seen
+            replayer.set(PREFIX + "beat/0", beats[n % 2])
+            if replaying.wait(0.5):
+                return
+
+    replayer_thread = threading.Thread(target=replay, name="test-replayer", daemon=True)
+    thread.start()
+    replayer_thread.start()
+    try:
+        _wait("host 0 watched", lambda: 0 in loop.hosts, 20.0)
+        _wait("the dead host judged lost", lambda: 0 in loop._lost_reported, peer_timeout + 10.0)
+    finally:
+        replaying.set()
+        stopped.set()
+        owner.close(time.monotonic() + 5.0)
+        thread.join(10.0)
+        replayer_thread.join(10.0)
+    assert not thread.is_alive() and not replayer_thread.is_alive()

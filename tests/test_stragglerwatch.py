@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 
 from peerwatch._records import Registration
-from peerwatch._rundir import RunDir
+from peerwatch._rundir import STRAGGLE_HOSTS_FILE, RunDir
 from peerwatch._store_protocol import NO_SEAL
 from peerwatch._straggler import SLOTS, Profile, find, finding_json, host_json
-from peerwatch._stragglerwatch import STRAGGLE_HOSTS_FILE, StraggleRelay, StragglerWatch, read_finding
+from peerwatch._stragglerwatch import StraggleRelay, StragglerWatch, read_finding
 
 NOW = 1_700_000_000_000_000_000
 ME = Registration(rank=0, pid=os.getpid(), ppid=1, start_ticks=1, uid=os.getuid(), host="h", boot_id="b", pidns="p",
