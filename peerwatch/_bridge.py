@@ -92,8 +92,10 @@ from ._store_protocol import (
     publish_verdict,
     read_host,
     send_beat,
+    straggle_exchange,
     verdict_key,
 )
+from ._stragglerwatch import StraggleRelay
 
 logger = logging.getLogger("peerwatch")
 
@@ -233,6 +235,7 @@ class _BeatLoop:
         self._stalls_read_ns = 0
         self._remote: Dict[int, Tuple[str, int, bytes]] = {}  # host -> (its stall, its last move on our clock, summary)
         self._remote_file = False  # RUN/stalls-remote.json names hosts
+        self._relay = StraggleRelay(link.run_dir, link.config.heartbeat_interval) if link.config.stragglers else None
 
     def run(self) -> None:
         """The beat thread's body."""
@@ -288,6 +291,19 @@ class _BeatLoop:
         self.connected = True
         self._up.set(True)
         self._write_state(connected=True)
+        self._stragglers()
+
+    def _stragglers(self) -> None:
+        """Once a slot: this host's waits out, the others' in (host 0), the finding across."""
+        link = self.link
+        plan = self._relay.plan(link.prefix, self.index, self.hosts, link.seal) if self._relay is not None else None
+        if plan is None or self._relay is None:
+            return
+        peer_timeout = link.config.peer_timeout
+        profiles, found, requests = link.client.call(functools.partial(straggle_exchange, x=plan),
+                                                     interval_deadline_s(peer_timeout), connect_allowance_s(peer_timeout))
+        self.requests += requests
+        self._relay.take(plan, profiles, found)
 
     # -- the hang diagnosis across hosts ----------------------------------------------------
 

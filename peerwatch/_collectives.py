@@ -229,6 +229,12 @@ def in_torch_distributed(filename: str) -> bool:
     return _TORCH_DISTRIBUTED_DIR in filename or filename.endswith(_DDP_FILE)
 
 
+def waits_in_torch_distributed(filename: str) -> bool:
+    """Is a main thread whose innermost frame is in ``filename`` waiting in a collective?
+    torch.distributed's own code, not DDP's forward (which computes)."""
+    return _TORCH_DISTRIBUTED_DIR in filename
+
+
 def raised_by_torch_distributed(exc: BaseException, tb: Optional[TracebackType]) -> bool:
     """Was ``exc`` raised by torch.distributed (a collective, DDP's reducer, the store)?
 
@@ -253,5 +259,5 @@ def in_backend_words(message: str) -> bool:
 __all__ = [
     "FAILING", "MAX_ERROR_CHARS", "NONE", "OFF", "READ", "STATES", "WAITING", "CollectiveReader", "Counters", "Entered",
     "c10d", "flight_recorder", "imported", "in_backend_words", "in_torch_distributed", "raised_by_torch_distributed",
-    "torch_loaded",
+    "torch_loaded", "waits_in_torch_distributed",
 ]

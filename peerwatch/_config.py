@@ -109,6 +109,7 @@ class Config:
     hang_timeout: float = HANG_TIMEOUT_S  # HANG_AUTO: the learnt threshold
     hang_warn: float = HANG_WARN_S  # HANG_AUTO: learnt; 0: off
     gil_timeout: float = GIL_TIMEOUT_S
+    stragglers: bool = True  # name a rank its peers keep waiting for (docs/stragglers.md); needs hang_warn or hang_timeout
     strict: bool = False
     use_pidfd: bool = True
     # A surviving rank's exception that follows a peer's failure (gloo's "Connection reset
@@ -391,6 +392,7 @@ _OPTIONS: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "hang_timeout": ("PEERWATCH_HANG_TIMEOUT", _hang_duration("hang_timeout", "0")),
     "hang_warn": ("PEERWATCH_HANG_WARN", _hang_duration("hang_warn", "off")),
     "gil_timeout": ("PEERWATCH_GIL_TIMEOUT", _duration("gil_timeout")),
+    "stragglers": ("PEERWATCH_STRAGGLERS", _flag),
     "strict": ("PEERWATCH_STRICT", _flag),
     "use_pidfd": ("PEERWATCH_PIDFD", _flag),
     "verbose": ("PEERWATCH_VERBOSE", _flag),

@@ -23,6 +23,7 @@ from ._activity import ActivitySampler
 from ._collectives import FAILING, OFF, CollectiveReader, Counters, Entered, in_torch_distributed
 from ._records import Heartbeat, Registration, encode
 from ._rundir import HEARTBEATS, InPlace, RunDir, rank_file
+from ._waits import STILL_BEATS, WaitSampler, WaitWindow
 
 logger = logging.getLogger("peerwatch")
 
@@ -82,6 +83,7 @@ class HeartbeatWriter:
 
     def __init__(
         self, run_dir: RunDir, me: Registration, progress: OwnProgress, with_position: bool, read_collectives: bool = True,
+        measure_waits: bool = False, interval_s: float = 1.0,
     ) -> None:
         self._run_dir = run_dir
         self._me = me
@@ -109,6 +111,15 @@ class HeartbeatWriter:
         self._timeouts_read: set = set()  # groups whose collective timeout was looked for
         self._activity = ActivitySampler()  # sampled while the counters stand still (busy or stuck?)
         self._published: Optional[Heartbeat] = None  # the last record written, guarded by _lock
+        # The straggler's measure: sampled once the counters are read (torch.distributed in use).
+        self._sampler: Optional[WaitSampler] = WaitSampler(me.rank) if measure_waits and read_collectives else None
+        self._sampling = False
+        self._waits = WaitWindow(interval_s)
+
+    def stop(self) -> None:
+        """Stop the wait sampler's thread (the rank is done)."""
+        if self._sampler is not None:
+            self._sampler.stop()
 
     def published(self) -> Optional[Heartbeat]:
         """This rank's heartbeat as last written (its collectives and signs of work, for
@@ -134,6 +145,9 @@ class HeartbeatWriter:
         # that fails with the timeout completes too).
         entered_one = [(g, e) for g, e, _ in counters] != [(g, e) for g, e, _ in self._counters]
         self._counters = counters
+        # Sampled while moving: a job whose steps are longer than STILL_BEATS heartbeats
+        # keeps its sampler going between collectives (twice its longest quiet spell).
+        self._measure_waits(entered_one or self._still + 1 < max(STILL_BEATS, 2 * self._longest_still + 1))
         if entered_one:
             self._moves += 1
             if self._moves > ENTRIES_WARMUP_MOVES:
@@ -148,6 +162,15 @@ class HeartbeatWriter:
         self._still += 1
         if self._still == max(ENTRIES_AFTER_BEATS, 2 * self._longest_still):
             self._entered = self._reader.entered(counters, ENTRIES_KEPT)
+
+    def _measure_waits(self, moving: bool) -> None:
+        if self._sampler is None:
+            return
+        self._sampler.moving(moving)
+        if not self._sampling:
+            self._sampling = True
+            self._sampler.start()
+        self._waits.tick(self._sampler.counts, self._counters)
 
     def write(self, peer_pids: Callable[[], AbstractSet[int]], read_counters: bool = False, last: bool = False) -> None:
         """Write the heartbeat now. ``peer_pids``: the local peers' pids (not our children to
@@ -199,7 +222,7 @@ class HeartbeatWriter:
             pg_timeout_ms=min(self._reader.timeout_ms.values(), default=0),
             activity=activity.as_tuple() if stalled and activity is not None else (),
             collectives_state=self._reader.state if self._read_collectives else OFF, collectives_error=self._reader.error,
-            leaving_ns=self._leaving_ns,
+            leaving_ns=self._leaving_ns, waits=self._waits.slots(),
         )
 
     def _write(self, beat: Heartbeat, atomic: bool = False) -> None:

@@ -164,6 +164,10 @@ class Heartbeat:
     # finalizing, its exit status will tell. Its sockets close from then on, and its peers'
     # collectives fail: echoes of how it ends (rule 5 of _decide).
     leaving_ns: Optional[int] = None
+    # The straggler's measure (peerwatch._waits): the last slots, each (ms, samples of the
+    # main thread, those inside a collective, collectives entered, the slot's number);
+    # () when not measured.
+    waits: Tuple[Tuple[int, int, int, int, int], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -31,11 +31,13 @@ from ._rundir import (
     FLIGHT_RECORDER,
     HEARTBEATS,
     REPORT_FILE,
+    STRAGGLERS_FILE,
     VERDICT_FILE,
     RunDir,
     parse_fr_dump_name,
     rank_file,
 )
+from ._straggler import finding_from_json
 from ._terminal import printable, who
 
 REPORT_VERSION = 1
@@ -71,6 +73,7 @@ def build(rd: RunDir) -> Dict[str, Any]:
         "verdict": None,
         "ranks": ranks,
         "diagnosis": diagnosis_entry(rd.read(EVENTS, DIAGNOSIS_FILE, Diagnosis)),
+        "stragglers": stragglers_entry(rd),
         "flight_recorder": flight_recorder_entry(rd, [r["rank"] for r in ranks]),
     }
     if verdict is not None:
@@ -195,6 +198,20 @@ def _rank_entry(
         "failed_after_done": state == FAILED and failed_after_done(rank, events),
         "unwatched": _unwatched(reg),
     }
+
+
+def stragglers_entry(rd: RunDir) -> List[Dict[str, Any]]:
+    """The ``stragglers`` list of report.json and ``peerwatch status --json`` (docs/stragglers.md):
+    the ranks the others keep waiting for, as last found; [] when the job is balanced."""
+    return [{"rank": s.rank, "host": s.host, "late_ms": s.late_ms, "share": s.share, "since": _iso(s.since_ns)}
+            for s in finding_from_json(rd.read_bytes("", STRAGGLERS_FILE) or b"") or ()]
+
+
+def straggler_lines(report: Dict[str, Any]) -> List[str]:
+    """One line per straggler, for status and the summary."""
+    return [f"straggler: rank {s['rank']}{' on ' + s['host'] if s['host'] else ''} enters its collectives "
+            f"{s['late_ms']} ms after its peers ({100 * s['share']:.0f}% of each step), since {s['since']}"
+            for s in report.get("stragglers") or ()]
 
 
 def diagnosis_entry(d: Optional[Diagnosis]) -> Optional[Dict[str, Any]]:
@@ -341,6 +358,7 @@ def summary(report: Dict[str, Any], traceback: bool = True) -> str:
     if d is not None:
         lines.append(f"  diagnosis ({d['kind']}{', resolved: the job moved again' if d.get('resolved_at') else ''}): "
                      f"{d['detail']}")
+    lines.extend(f"  {line}" for line in straggler_lines(report))
     fr = report.get("flight_recorder")
     if fr:
         lines.append(f"  flight recorder of ranks {', '.join(map(str, fr['ranks']))}: {fr['dir']} "
@@ -360,4 +378,5 @@ def _late_failure(r: Dict[str, Any]) -> str:
     return f"{who(r['rank'], r.get('pid'), r.get('host'))} failed after its success marker{code}"
 
 
-__all__ = ["REPORT_VERSION", "echoed_verdict", "failed_after_done", "build", "exit_text", "summary", "write"]
+__all__ = ["REPORT_VERSION", "echoed_verdict", "failed_after_done", "build", "exit_text", "straggler_lines", "stragglers_entry",
+           "summary", "write"]

@@ -47,6 +47,11 @@ DIAGNOSIS_FILE = "diagnosis.json"  # events/: why the job stopped moving (peerwa
 # publish, and the other hosts' stalls as the bridge read them, for the judges.
 STALL_FILE = "stall.json"
 REMOTE_STALLS_FILE = "stalls-remote.json"
+# Stragglers (peerwatch._stragglerwatch): this host's ranks' waits, for the bridge to
+# publish; the other hosts' as host 0's bridge read them; the finding (status, report).
+STRAGGLE_FILE = "straggle.json"
+STRAGGLE_HOSTS_FILE = "straggle-hosts.json"
+STRAGGLERS_FILE = "stragglers.json"
 # torch's flight-recorder dumps, one file per rank, named as torch's analyzer expects
 # (``<prefix><rank>``, the prefix common to every file of the folder, which holds nothing else).
 FLIGHT_RECORDER = "flight_recorder"
@@ -1225,7 +1230,7 @@ class InPlace:
 
 __all__ = [
     "InPlace", "EVENTS", "HEARTBEATS", "NEW_RUN", "OWNER_VAR", "RANKS", "REPORT_FILE", "SUMMARY_FILE", "STACKS", "TMP", "VERDICT_FILE",
-    "DIAGNOSIS_FILE", "REMOTE_STALLS_FILE", "SPAWNED_RUN", "STALL_FILE",
+    "DIAGNOSIS_FILE", "REMOTE_STALLS_FILE", "SPAWNED_RUN", "STALL_FILE", "STRAGGLERS_FILE", "STRAGGLE_FILE", "STRAGGLE_HOSTS_FILE",
     "FLIGHT_RECORDER", "RunDir", "base_dir", "check_ancestors", "check_trusted", "fr_dump_name", "open_regular", "parse_fr_dump_name",
     "parse_rank_file", "is_multiprocessing_child", "process_key", "rank_file", "resolve", "safe_name", "stack_name",
 ]

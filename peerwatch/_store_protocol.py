@@ -10,6 +10,8 @@ Every key lives under ``peerwatch/<run_id>/``::
     beat/<i>     host i's heartbeat: "<seq>", or "done:<seq>" once a rank there succeeded;
                  "<seq>s" while its ranks stand still (its summary is in diag/<i>)
     diag/<i>     host i's stall summary (peerwatch._summary), while its ranks stand still
+    strag/<i>    host i's ranks' waits in collectives (peerwatch._straggler), once a slot
+    strag/found  the stragglers host 0 found in the whole job (peerwatch._stragglerwatch)
     verdict      the first verdict of the job (compare_set: the first writer wins); a value
                  there that this run may not obey moves it to verdict/1, then /2...
                  (:func:`verdict_key`; with a secret, names derived from it and the nonce)
@@ -327,6 +329,60 @@ def exchange(c: Any, x: Exchange) -> Seen:
     return Seen(index, x.index is None, new_hosts, beats, requests, stalls)
 
 
+def strag_key(index: int) -> str:
+    return f"strag/{index}"
+
+
+STRAG_FOUND = "strag/found"
+
+
+@dataclasses.dataclass(frozen=True)
+class StraggleExchange:
+    """One slot's straggler work: publish our host's waits; on host 0, read the others' and
+    publish the finding; elsewhere, read the finding."""
+
+    prefix: str
+    index: int
+    mine: Optional[bytes]  # our host's profiles (None: none to publish)
+    others: List[int]  # host 0: the hosts whose profiles to read; [] elsewhere
+    found: Optional[bytes]  # host 0: the finding to publish (None: unchanged)
+    read_found: bool  # not host 0: read the finding
+    seal: Seal = NO_SEAL
+
+
+def straggle_exchange(c: Any, x: StraggleExchange) -> Tuple[Dict[int, bytes], Optional[bytes], int]:
+    """The other hosts' profiles that are there, the finding (if read), the requests made.
+    Keys are checked before they are read: a multi_get waits for a missing one."""
+    requests = 0
+    if x.mine is not None:
+        key = x.prefix + strag_key(x.index)
+        c.set(key, x.seal.sign(key, x.mine))
+        requests += 1
+    profiles: Dict[int, bytes] = {}
+    keys = [x.prefix + strag_key(j) for j in x.others]
+    if keys:
+        there = [j for j, key in zip(x.others, keys) if c.check([key])] if not c.check(keys) else list(x.others)
+        requests += 1 + (len(keys) if len(there) < len(keys) else 0)
+        wanted = [x.prefix + strag_key(j) for j in there]
+        values: List[Optional[bytes]] = c.multi_get(wanted) if wanted else []
+        requests += 1 if wanted else 0
+        for j, key, value in zip(there, wanted, values):
+            opened = x.seal.open(key, value)
+            if opened is not None:
+                profiles[j] = opened
+    found: Optional[bytes] = None
+    key = x.prefix + STRAG_FOUND
+    if x.found is not None:
+        c.set(key, x.seal.sign(key, x.found))
+        requests += 1
+    if x.read_found:
+        requests += 1
+        if c.check([key]):
+            found = x.seal.open(key, c.get(key))
+            requests += 1
+    return profiles, found, requests
+
+
 def read_host(c: Any, prefix: str, index: int, seal: Seal = NO_SEAL) -> HostInfo:
     """host/<index>; a badly signed one raises ValueError (the caller names the ranks it knows)."""
     key = prefix + host_key(index)
@@ -373,7 +429,8 @@ def poll_verdict(c: Any, prefix: str, seal: Seal = NO_SEAL, started_ns: int = 0)
 
 
 __all__ = [
-    "CLOCK_SKEW_NS", "HOSTS", "NONCE", "NO_SEAL", "SIGNED", "VERDICT", "VERDICT_TRIES", "Exchange", "NonceMemo", "Seal",
-    "Seen", "acceptable_verdict", "beat_key", "diag_key", "establish_nonce", "exchange", "host_key", "index_key",
-    "poll_verdict", "publish_verdict", "read_host", "register", "send_beat", "verdict_key",
+    "CLOCK_SKEW_NS", "HOSTS", "NONCE", "NO_SEAL", "SIGNED", "STRAG_FOUND", "VERDICT", "VERDICT_TRIES", "Exchange",
+    "NonceMemo", "Seal", "Seen", "StraggleExchange", "acceptable_verdict", "beat_key", "diag_key", "establish_nonce",
+    "exchange", "host_key", "index_key", "poll_verdict", "publish_verdict", "read_host", "register", "send_beat",
+    "strag_key", "straggle_exchange", "verdict_key",
 ]

@@ -56,6 +56,7 @@ from ._rundir import EVENTS, REPORT_FILE, SUMMARY_FILE, VERDICT_FILE, RunDir, ra
 from ._schedule import Schedule
 from ._sources import pidfd_supported
 from ._stacks import StackFile
+from ._stragglerwatch import StragglerWatch
 
 logger = logging.getLogger("peerwatch")
 
@@ -155,7 +156,8 @@ class Watcher:
         self.observer = Observer(run_dir, me, use_pidfd, remote)
         self._hangs = hangs = _decide.HangJudging.from_config(config)
         self.heartbeat = HeartbeatWriter(run_dir, me, self.progress, with_position=hangs.timeout,
-                                         read_collectives=hangs.read_collectives)
+                                         read_collectives=hangs.read_collectives,
+                                         measure_waits=config.stragglers, interval_s=config.heartbeat_interval)
         self._diagnoser = (Diagnoser(self.rank, hangs.warn_fixed_s, self.observer, hangs.auto, config.heartbeat_interval)
                            if hangs.diagnose else None)
         self._flight_recorder = FlightRecorderDump(run_dir, self.rank)  # evidence torch's analyzer reads
@@ -163,6 +165,9 @@ class Watcher:
         self._launcher_watch: Optional[_launchers.LauncherWatch] = None  # set by start()
         self.bridge = _bridge.Bridge.for_config(config, run_dir, me)  # other hosts, through the store
         self._policy = _decide.Policy.from_config(config, shared_fs=bool(run_dir.shared), other_hosts=self.bridge is not None)
+        # The straggler finding (docs/stragglers.md): judged by the lowest live local rank.
+        self._stragglers = StragglerWatch(run_dir, me, config.heartbeat_interval, self.bridge is not None) \
+            if config.stragglers else None
 
     # -- read by other threads -------------------------------------------------------
 
@@ -231,6 +236,7 @@ class Watcher:
             self.stacks.cancel_timer()
         if self.bridge is not None:
             self.bridge.stop()
+        self.heartbeat.stop()
         self.observer.stop()
         if self._launcher_watch is not None:
             self._launcher_watch.stop()
@@ -350,6 +356,7 @@ class Watcher:
             self.stacks.arm_gil_watchdog(self.config.gil_timeout)
         if self.bridge is not None:
             self.bridge.tick()
+        self._judge_stragglers()
         # Diagnosis: judged only once this rank's collectives count (torch.distributed in use).
         diagnosing = self._diagnoser is not None and self.heartbeat.counts_collectives()
         hang, remote = self._hangs.timeout or diagnosing, self.observer.remote is not None
@@ -357,6 +364,15 @@ class Watcher:
             return False, False  # nothing to judge: no need to know who the judges are
         judge = self.rank in self.observer.live_local_ranks()[:HANG_JUDGES]
         return hang and judge, remote and judge
+
+    def _judge_stragglers(self) -> None:
+        """Once a slot, on the lowest live local rank: who the others wait for."""
+        if self._stragglers is None or not self.heartbeat.counts_collectives():
+            return
+        live = self.observer.live_local_ranks()
+        if live[:1] == [self.rank]:
+            peers = {r: self.observer.peers[r].reg for r in live[1:] if r in self.observer.peers}
+            self._stragglers.tick(self.heartbeat.published(), peers)
 
     def _judge(self, sched: Schedule, judge_hang: bool, judge_remote: bool, missing: Tuple[int, ...]) -> Optional[Verdict]:
         """Decide from what was observed; the verdict to act on."""

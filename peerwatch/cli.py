@@ -152,6 +152,7 @@ def _status_text(rd: RunDir) -> str:
     if d is not None:
         state = f"resolved at {d['resolved_at']}" if d.get("resolved_at") else f"after {d['since']:g}s without progress"
         lines.append(f"diagnosis: {d['kind']} ({state}): {d['detail']}")
+    lines.extend(_report.straggler_lines(report))
     lines.extend(blind)
     lines.extend(_watcher_deaths(rd, {r["rank"]: r["pid"] for r in report["ranks"]}))
     return "\n".join(lines)

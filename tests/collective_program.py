@@ -14,6 +14,7 @@ trains: ``all_reduce`` of 4 floats, then ``--step-s`` seconds of "compute". Beha
                  collective early, while the others are in their last all_reduce)
     size         all_reduce 1 float instead of 4 at this step
     slow:S       every step from then on takes S seconds more
+    every:S/N    a sleep of S seconds every N steps from then on (a periodic checkpoint)
     paused:S     one ``peerwatch.paused()`` phase of S seconds (the others wait at all_reduce)
     sleep:S      one sleep of S seconds, not in paused() (a checkpoint nobody announced)
     checkpoint:S S seconds of writing a file (CPU and bytes written), not in paused()
@@ -129,6 +130,8 @@ def main() -> None:
     step = 0
     while args.steps == 0 or step < args.steps:
         skip = False
+        if name == "every" and step > at and (step - at) % int(arg.partition("/")[2]) == 0:
+            time.sleep(float(arg.partition("/")[0]))
         if step == at:
             note(args.ready, f"doing-{rank}", str(os.getpid()))
             if name == "loop":

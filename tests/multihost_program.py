@@ -24,6 +24,7 @@ wait in (``READY/doing-<rank>`` is noted right before it starts):
     gloo:lock_at=STEP        block forever on a lock it already holds (a deadlock)
     gloo:stop_at=STEP        SIGSTOP itself (frozen, its watcher with it)
     gloo:checkpoint_at=STEP  write a checkpoint (CPU and bytes written) for 600 s, then go on
+    gloo:step=S              compute S seconds a step (a sleep) rather than 0.01 (a straggler)
 """
 
 from __future__ import annotations
@@ -127,6 +128,7 @@ def rank_main(args: argparse.Namespace) -> None:
                                 timeout=datetime.timedelta(seconds=60))
         note(args.ready, f"pg-{rank}", "")
         what, _, at = arg.partition("_at=")
+        step_s = float(what.partition("=")[2]) if what.startswith("step=") else 0.01
         t = torch.ones(1)
         step = 0
         while True:
@@ -136,7 +138,7 @@ def rank_main(args: argparse.Namespace) -> None:
             step += 1
             dist.all_reduce(t)  # fails within milliseconds when a peer on any host dies
             peerwatch.beat()
-            time.sleep(0.01)
+            time.sleep(step_s)
     if name == "torch":
         import torch.distributed  # noqa: F401 - as a training script has it: the bridge can use it at once
         note(args.ready, f"torch-{rank}", "")

@@ -122,6 +122,8 @@ SIDEWAYS = {
     ("_observer", "_heartbeat"): "this rank's own progress (OwnProgress) and position, as its heartbeat writes them",
     ("_diagnoser", "_observer"): "it judges what the observer saw and records its diagnosis through it (issue 25.2)",
     ("_bridge", "_election"): "the election of the host's one bridge is part of the bridge, in a module for size",
+    ("_bridge", "_stragglerwatch"): "the bridge carries the stragglers' waits and finding across hosts (its relay)",
+    ("_waits", "_collectives"): "whether a frame is torch.distributed's own code has one home",
     ("_timeline", "_report"): "the timeline draws the report's facts",
     ("_launchers", "_leave"): "a rank whose launcher is gone leaves the way every torn-down rank does",
     ("_leave", "_notify"): "an on_verdict command does not outlive the rank that started it",

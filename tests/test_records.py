@@ -379,7 +379,7 @@ def test_the_encoding_on_disk_is_compact_json_with_version_1_and_its_kind_first(
         "version": 1, "kind": "heartbeat", "rank": 0, "pid": 5, "time_ns": 6, "seq": 7, "step": None,
         "progress_ns": None, "paused": False, "children": [[8, 9]], "where": "", "in_collective": False,
         "collectives": [], "moved_ns": None, "entered": [], "pg_timeout_ms": 0, "activity": [],
-        "collectives_state": "", "collectives_error": "", "leaving_ns": None,
+        "collectives_state": "", "collectives_error": "", "leaving_ns": None, "waits": [],
     }
 
 
