@@ -26,7 +26,9 @@ the tests):
    (it recorded its own exception or exit, and is alive on this host) prints it once its
    main thread has left, below its own traceback; otherwise the writer of the verdict
    prints it, at once (before its teardown: a launcher that ends its workers as soon as
-   it sees the failed one, torchrun's agent, must not cut it off). Every other rank says
+   it sees the failed one, torchrun's agent, must not cut it off), or, where the failed
+   rank has not ended (a hang, a lost host, a rank that never started: no launcher acts
+   on it), once its own stacks and flight recorder are dumped, to name them. Every other rank says
    its one line (:func:`peerwatch._terminal.stop_line`) after the summary, once it is out
    (:data:`peerwatch._rundir.SUMMARY_FILE`), waiting for it at most
    :data:`SUMMARY_WAIT_S` from the verdict, then says it all the same (the rank that was
@@ -64,7 +66,7 @@ import dataclasses
 from typing import AbstractSet, Iterable, Optional, Sequence, Tuple
 
 from ._decide import LEAVING_WAIT_NS
-from ._records import EXCEPTION, EXIT
+from ._records import EXCEPTION, EXIT, HANG, LOST, MISSING
 
 ENFORCERS = 3  # rule 3
 ACK_STRETCH_FRACTION = 4  # rule 5: the window stretches to ack_window / 4 after the latest ack
@@ -78,6 +80,10 @@ BLIND_GRACES = 2  # rule 9: a blind enforcer's window is ack_window + 2 x grace
 # before it leaves (it waits meanwhile only once its own share of the teardown is done).
 SUMMARY_WAIT_S = 1.0
 _LEAVES_BY_ITSELF = (EXCEPTION, EXIT)  # rule 2: causes whose rank's main thread is already leaving
+# Rule 4: causes whose rank has not ended (stuck, on another host, never there): no launcher
+# ends the workers on its account, so the summary waits for this rank's evidence (its
+# stacks, the flight recorder's dump) rather than come at the verdict.
+_STILL_THERE = (HANG, LOST, MISSING)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,6 +115,7 @@ class Plan:
     write_report: bool  # now, as the teardown begins (a summary after the main thread left is written then)
     print_summary: bool
     summary_now: bool  # print it at the verdict, before the teardown (rule 4: not a failing rank that stays)
+    summary_after_dumps: bool  # print it once this rank's stacks and flight recorder are dumped (rule 4: a hang)
     stop_line: bool  # say this rank's one line, once the summary is out (rule 4)
     sweep_records: bool  # log the records not logged yet to the event log before leaving (rule 4)
     last_resort_s: float  # faulthandler ends the process after this, whatever happens
@@ -149,15 +156,17 @@ def plan(s: Situation) -> Plan:
     first_enforcer = chosen[:1] == (s.self_rank,)
     # A failing rank that stays prints its summary (and writes the report) once its main
     # thread has left; written now too only where it is the one writer of this host.
-    summary_now = print_summary and not (mine and stay)
+    writer_prints = print_summary and not (mine and stay)
+    summary_now = writer_prints and s.cause not in _STILL_THERE
     return Plan(
         exit_code=exit_code(s.self_rank, s.failed_rank, s.verdict_exit_code, s.own_exit_code),
         interrupt_main=interrupt,
         stay_s=s.grace_s if stay else 0.0,
         enforcer=enforcer,
-        write_report=first_enforcer or summary_now,
+        write_report=first_enforcer or writer_prints,
         print_summary=print_summary,
         summary_now=summary_now,
+        summary_after_dumps=writer_prints and not summary_now,
         stop_line=not mine,
         sweep_records=first_enforcer,
         last_resort_s=s.ack_window_s + extra_s + LAST_RESORT_GRACES * s.grace_s + LAST_RESORT_EXTRA_S,

@@ -456,12 +456,14 @@ class Watcher:
         # (a whole-file write costs a few ms on a busy host).
         self._final_heartbeat()
         _launchers.on_verdict(verdict)  # Lightning's observer must not SIGKILL us meanwhile
-        if plan.write_report and not plan.summary_now and _launchers.ends_workers_early(self.me, verdict):
+        if plan.write_report and not plan.summary_now and not plan.summary_after_dumps and _launchers.ends_workers_early(self.me, verdict):
             self._write_report(False)  # now, before a launcher's SIGTERM; again after the teardown
         self.stacks.dump()
         # Before the training thread is interrupted: the collective it waits in is recorded
         # as it stands, and no process group is being destroyed meanwhile.
         self._flight_recorder.dump("teardown")
+        if plan.summary_after_dumps:
+            self._write_report(True)  # rule 4: a rank that has not ended; the report is rewritten after the teardown
         if plan.interrupt_main:
             _teardown.raise_in_main_thread(PeerFailure.bound_to(verdict), self.interrupt_installed)
         hook = self._carry_out(verdict, plan, leave_by)

@@ -159,6 +159,18 @@ def test_the_summary_first_then_every_other_rank_says_its_line(cause: str) -> No
     assert writer.stop_line and writer.summary_now == (not speaks) == writer.print_summary
     other = plan(situation(cause=cause, wrote_verdict=False, failed_rank_speaks=speaks))
     assert other.stop_line and not other.summary_now and not other.print_summary
+    assert not (failing.summary_after_dumps or writer.summary_after_dumps or other.summary_after_dumps)
+
+
+@pytest.mark.parametrize("cause", [HANG, LOST, MISSING])
+def test_the_summary_of_a_rank_that_has_not_ended_waits_for_the_writers_dumps(cause: str) -> None:
+    """Rule 4: nothing ends the workers on account of a hung rank, a lost host or a rank
+    that never started: the writer prints the summary once its stacks and flight recorder
+    are dumped (the summary names them), not at the verdict; it writes the report."""
+    writer = plan(situation(cause=cause, wrote_verdict=True, failed_rank_speaks=False))
+    assert writer.print_summary and writer.summary_after_dumps and not writer.summary_now and writer.write_report
+    other = plan(situation(cause=cause, wrote_verdict=False, failed_rank_speaks=False))
+    assert not other.summary_after_dumps and other.stop_line
 
 
 # -- rule 5: the ack window ----------------------------------------------------------------
