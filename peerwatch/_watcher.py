@@ -456,8 +456,12 @@ class Watcher:
         # (a whole-file write costs a few ms on a busy host).
         self._final_heartbeat()
         _launchers.on_verdict(verdict)  # Lightning's observer must not SIGKILL us meanwhile
-        if plan.write_report and not plan.summary_now and not plan.summary_after_dumps and _launchers.ends_workers_early(self.me, verdict):
+        early = plan.write_report and _launchers.ends_workers_early(self.me, verdict)
+        if early and not plan.summary_now and not plan.summary_after_dumps:
             self._write_report(False)  # now, before a launcher's SIGTERM; again after the teardown
+        # Where the launcher ends this rank any moment now (it saw the failed one), the hook
+        # starts at once or never; its keeper runs it to its bound once this rank is gone.
+        early_hook = self._start_hook(verdict, plan) if early and not plan.stay else None
         self.stacks.dump()
         # Before the training thread is interrupted: the collective it waits in is recorded
         # as it stands, and no process group is being destroyed meanwhile.
@@ -466,7 +470,7 @@ class Watcher:
             self._write_report(True)  # rule 4: a rank that has not ended; the report is rewritten after the teardown
         if plan.interrupt_main:
             _teardown.raise_in_main_thread(PeerFailure.bound_to(verdict), self.interrupt_installed)
-        hook = self._carry_out(verdict, plan, leave_by)
+        hook = self._carry_out(verdict, plan, leave_by, early_hook)
         self._final_heartbeat()
         if plan.stop_line:
             self._announce(verdict, plan, acted + _plan.SUMMARY_WAIT_S)
@@ -476,7 +480,7 @@ class Watcher:
         if not plan.stay:
             # Last, started right before this rank stops its training for it: a main thread
             # that is not leaving by itself is held off Python while the hook runs.
-            hook = self._start_hook(verdict, plan)
+            hook = early_hook or self._start_hook(verdict, plan)
         if hook is not None:
             # This rank stays until its hook ends or its bound passes (a launcher may end
             # what is left of the job once its ranks are gone).
@@ -530,14 +534,16 @@ class Watcher:
             _terminal.who(self.rank, self.me.pid, self.me.host), plan.exit_code,
         ))
 
-    def _carry_out(self, verdict: Verdict, plan: _plan.Plan, leave_by: float) -> Optional[Hook]:
+    def _carry_out(self, verdict: Verdict, plan: _plan.Plan, leave_by: float, early_hook: Optional[Hook]) -> Optional[Hook]:
         """This rank's share of the teardown; returns the on_verdict hook it started, if any
-        (where its main thread is leaving by itself; its caller waits for it last)."""
+        (where its main thread is leaving by itself; its caller waits for it last).
+        ``early_hook``: the hook already started (a launcher ends this rank early), spared."""
         c = self.config
         if plan.enforcer:
             _enforce.tear_down_peers(self.observer, verdict, plan.ack_window_s, c.grace, set(plan.trusted))
         if not plan.stay:
-            _enforce.tear_down_own_children(self.rank, self.observer.local_pids(), c.grace)
+            spared = {early_hook.pid} if early_hook is not None and early_hook.pid is not None else set()
+            _enforce.tear_down_own_children(self.rank, self.observer.local_pids(), c.grace, spared)
         mine = verdict.rank == self.rank
         if plan.write_report:
             # Written now, while the peers are still leaving (their exit codes expected, not

@@ -276,7 +276,7 @@ def test_spawn_runs_on_verdict_once_with_install_in_parent_and_workers(job_dir: 
     process's. Once per job and host, by whichever of the two runs acts first."""
     told = job_dir / "told.txt"
     env = {"PEERWATCH_ON_VERDICT": f'echo "$PEERWATCH_FAILED_RANK $PEERWATCH_RUN_DIR" >> {told}',
-           "PEERWATCH_ON_VERDICT_TIMEOUT": "2", "LP_FAIL_RANK": "1"}
+           "LP_FAIL_RANK": "1"}
     # Worker 1 raises: the workers' run has its verdict before the main process raises
     # ProcessExitedException and has its own (a SIGKILLed worker races the main process's
     # SIGTERM to the others, and the workers' run may never reach a verdict).
