@@ -30,6 +30,7 @@ from ._straggler import SLOT_BEATS, SLOTS, Slot
 logger = logging.getLogger("peerwatch")
 
 SAMPLE_S = 0.05  # how often the main thread is looked at
+JOIN_S = 0.5  # at most, at the interpreter's shutdown: it ends within one sample
 STILL_BEATS = 5  # heartbeats (a slot) with unchanged counters after which the sampler sleeps
 
 
@@ -45,6 +46,21 @@ class WaitSampler:
 
     def start(self) -> None:
         self._thread.start()
+        # Ended and joined as the interpreter begins to shut down, before it finalizes: a
+        # daemon thread waking 20 times a second during finalization made ranks that were
+        # ending cleanly abort ("terminate called without an active exception", SIGABRT)
+        # one exit in three, in jobs with gloo process groups.
+        register = getattr(threading, "_register_atexit", None)  # the stdlib's own (concurrent.futures), 3.9+
+        if register is not None:
+            try:
+                register(self._end)
+            except RuntimeError:  # the interpreter is shutting down already
+                self._end()
+
+    def _end(self) -> None:
+        self.stop()
+        if self._thread is not threading.current_thread():
+            self._thread.join(JOIN_S)
 
     def moving(self, yes: bool) -> None:
         """Sample while the job moves (its collective counters did lately); not while it
@@ -56,8 +72,8 @@ class WaitSampler:
             self._moving.clear()
 
     def stop(self) -> None:
-        """Not joined: a daemon thread that holds nothing and ends within one sample; a
-        rank ending cleanly does not wait those 50 ms."""
+        """Not joined here (the interpreter's shutdown joins it): a daemon thread that holds
+        nothing and ends within one sample."""
         self._stop.set()
         self._moving.set()
 
