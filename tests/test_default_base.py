@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Tuple
 
 import pytest
 from harness import free_port
@@ -102,6 +103,17 @@ def _squat_four(tmp: Path) -> None:
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to make directories another uid owns")
+def _squatted_tmp_and_home(tmp_path: Path) -> Tuple[Path, Path]:
+    """A world-writable tmp whose four fixed names another user took first, and a private home."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    os.chmod(tmp, 0o1777)
+    _squat_four(tmp)
+    home = tmp_path / "home"
+    home.mkdir(mode=0o700)
+    return tmp, home
+
+
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("where", ["default", "PEERWATCH_DIR in the shared tmp"])
 def test_four_names_taken_in_tmp_do_not_switch_protection_off(make_job, tmp_path: Path, where: str) -> None:
@@ -109,12 +121,7 @@ def test_four_names_taken_in_tmp_do_not_switch_protection_off(make_job, tmp_path
     first. Every rank still runs protected, with the default base or an explicit
     ``PEERWATCH_DIR`` in that tmp (whose lock lived in the squatted base), and a SIGKILLed
     rank is acted on: the others are torn down."""
-    tmp = tmp_path / "tmp"
-    tmp.mkdir()
-    os.chmod(tmp, 0o1777)
-    _squat_four(tmp)
-    home = tmp_path / "home"
-    home.mkdir(mode=0o700)
+    tmp, home = _squatted_tmp_and_home(tmp_path)
     env = {"TMPDIR": str(tmp), "HOME": str(home), "XDG_RUNTIME_DIR": None, "XDG_CACHE_HOME": None,
            "PEERWATCH_DIR": None if where == "default" else str(tmp / "x"), "PEERWATCH_GC_AGE": "off",
            # what makes ranks started by hand one run by default (their run directory's name)
@@ -144,12 +151,7 @@ def test_without_a_local_home_the_tmp_base_is_unpredictable_recorded_and_passed_
     after it was removed (a /tmp cleaner), it is passed over for a new one."""
     from peerwatch import _rundir
 
-    tmp = tmp_path / "tmp"
-    tmp.mkdir()
-    os.chmod(tmp, 0o1777)
-    _squat_four(tmp)
-    home = tmp_path / "home"
-    home.mkdir(mode=0o700)
+    tmp, home = _squatted_tmp_and_home(tmp_path)
     for var, value in (("TMPDIR", str(tmp)), ("HOME", str(home))):
         monkeypatch.setenv(var, value)
     for var in ("XDG_RUNTIME_DIR", "XDG_CACHE_HOME"):

@@ -305,15 +305,13 @@ def _job_one_failed(client: Callable[[], Any]) -> dict:
     return _record(client())
 
 
-def test_a_verdict_recorded_in_one_job_is_not_obeyed_in_the_next(tmp_path: Path, caplog):
-    """Job 2 has the same run id and secret as job 1 (launched alike: the same
-    MASTER_ADDR:MASTER_PORT, no rendezvous id). Job 1's store, recorded and written into
-    job 2's once job 2's hosts are there, must not end job 2: it did, naming job 1's rank."""
+def _two_jobs() -> Tuple[dict, Any, Callable[[], Any]]:
+    """Job 1's store as recorded after its failure (job 1 is gone), and job 2's store (keep
+    it referenced: it is the server) with a factory of clients of it."""
     pytest.importorskip("torch")
     import torch.distributed as dist
     from harness import free_port
 
-    caplog.set_level(logging.WARNING, logger="peerwatch")
     port_1 = free_port()
     job_1 = dist.TCPStore("127.0.0.1", port_1, is_master=True, wait_for_workers=False)
     recorded = _job_one_failed(lambda: dist.TCPStore("127.0.0.1", port_1, is_master=False, wait_for_workers=False))
@@ -324,6 +322,16 @@ def test_a_verdict_recorded_in_one_job_is_not_obeyed_in_the_next(tmp_path: Path,
     def client() -> Any:
         return dist.TCPStore("127.0.0.1", port_2, is_master=False, wait_for_workers=False,
                              timeout=datetime.timedelta(seconds=10))
+
+    return recorded, job_2, client
+
+
+def test_a_verdict_recorded_in_one_job_is_not_obeyed_in_the_next(tmp_path: Path, caplog):
+    """Job 2 has the same run id and secret as job 1 (launched alike: the same
+    MASTER_ADDR:MASTER_PORT, no rendezvous id). Job 1's store, recorded and written into
+    job 2's once job 2's hosts are there, must not end job 2: it did, naming job 1's rank."""
+    caplog.set_level(logging.WARNING, logger="peerwatch")
+    recorded, job_2, client = _two_jobs()
 
     run_dir = _run_dir(tmp_path)
     seal = Seal(SECRET.encode())
@@ -352,21 +360,8 @@ def test_a_recorded_nonce_and_verdict_written_first_are_refused_as_older_than_th
     """The replayer is quicker: job 1's nonce and verdict are in job 2's store before any host
     of job 2 registers, so job 2 adopts job 1's nonce. The verdict was made before job 2
     started: refused, with a warning that says so."""
-    pytest.importorskip("torch")
-    import torch.distributed as dist
-    from harness import free_port
-
     caplog.set_level(logging.WARNING, logger="peerwatch")
-    port_1 = free_port()
-    job_1 = dist.TCPStore("127.0.0.1", port_1, is_master=True, wait_for_workers=False)
-    recorded = _job_one_failed(lambda: dist.TCPStore("127.0.0.1", port_1, is_master=False, wait_for_workers=False))
-    del job_1
-    port_2 = free_port()
-    job_2 = dist.TCPStore("127.0.0.1", port_2, is_master=True, wait_for_workers=False)
-
-    def client() -> Any:
-        return dist.TCPStore("127.0.0.1", port_2, is_master=False, wait_for_workers=False,
-                             timeout=datetime.timedelta(seconds=10))
+    recorded, job_2, client = _two_jobs()
 
     replayer = client()
     for key, value in recorded.items():
