@@ -560,3 +560,23 @@ def test_warm_works_out_every_record_type():
     _records.warm()
     assert {Registration, Success, Failure, ExitStatus, Ack, Heartbeat, Verdict, Diagnosis,
             NotSignalled} <= set(_records._FIELDS)
+
+
+def test_the_same_bytes_decode_to_the_same_record_and_the_memo_stays_bounded():
+    from peerwatch import _records
+
+    data = encode(Ack(rank=3, pid=42, time_ns=5, deadline_ns=6))
+    first = decode(Ack, data)
+    assert first == Ack(rank=3, pid=42, time_ns=5, deadline_ns=6)
+    assert decode(Ack, bytes(bytearray(data))) is first  # equal bytes, not the same object: one decode
+    assert decode(Ack, bytearray(data)) == first  # not hashable: decoded all the same
+    assert decode(Failure, data) is None  # the class is part of the key
+    garbage = b'{"version": 1, "kind": "ack", "rank": -1, "pid": 1, "time_ns": 1, "deadline_ns": 1}'
+    assert decode(Ack, garbage) is None and (Ack, garbage) not in _records._DECODED
+    filler = 0
+    while filler <= _records.DECODED_BYTES:  # fill it past its bound: it empties, never grows past it
+        record = encode(Ack(rank=filler, pid=1, time_ns=1, deadline_ns=1))
+        decode(Ack, record)
+        filler += len(record)
+        assert _records._decoded_bytes <= _records.DECODED_BYTES
+    assert (Ack, data) not in _records._DECODED
