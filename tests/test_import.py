@@ -268,6 +268,22 @@ def _joined_path(node: object) -> bool:
             and not isinstance(node.func.value, ast.Constant))
 
 
+def _under_run_dir(node: object, joined: set) -> bool:
+    """A path under the run directory: ``run_dir.join(...)``, ``os.path.join(<a RunDir's
+    .path>, ...)`` (``rd.path``, ``self.run_dir.path``...), the same on a name given such a
+    path, or that name itself."""
+    import ast
+
+    if _joined_path(node) or (isinstance(node, ast.Name) and node.id in joined):
+        return True
+    if isinstance(node, ast.Call) and _dotted(node.func) in ("os.path.join", "posixpath.join") and node.args:
+        first = node.args[0]
+        run_dir_path = (isinstance(first, ast.Attribute) and first.attr == "path"
+                        and _dotted(first.value).split(".")[-1] in ("rd", "run_dir"))
+        return run_dir_path or _under_run_dir(first, joined)
+    return False
+
+
 def test_no_module_opens_lists_or_stats_a_path_of_run_dir_join() -> None:
     import ast
 
@@ -278,13 +294,14 @@ def test_no_module_opens_lists_or_stats_a_path_of_run_dir_join() -> None:
         for func in ast.walk(ast.parse(path.read_text())):
             if not isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 continue
-            joined = {  # names given a path of join() in this function
-                t.id for n in ast.walk(func) if isinstance(n, ast.Assign) and _joined_path(n.value)
-                for t in n.targets if isinstance(t, ast.Name)
-            }
+            joined: set = set()  # names given a path under the run directory in this function
+            assigns = [n for n in ast.walk(func) if isinstance(n, ast.Assign)]
+            for _ in range(3):  # a name built on such a name, built on such a name
+                joined |= {t.id for n in assigns if _under_run_dir(n.value, joined)
+                           for t in n.targets if isinstance(t, ast.Name)}
             for call in ast.walk(func):
                 if isinstance(call, ast.Call) and _dotted(call.func) in _PATH_CALLS:
                     for arg in call.args[:1]:
-                        if _joined_path(arg) or (isinstance(arg, ast.Name) and arg.id in joined):
-                            found.append(f"{path.name}:{call.lineno} {_dotted(call.func)}(... .join(...))")
+                        if _under_run_dir(arg, joined):
+                            found.append(f"{path.name}:{call.lineno} {_dotted(call.func)}(a path under the run directory)")
     assert not found, "\n".join(sorted(set(found)))

@@ -753,3 +753,34 @@ def test_the_exit_watch_writes_into_the_directory_checked_not_a_symlink_put_in_i
     subprocess.run([sys.executable, "-c", _ARM_AND_EXIT, str(path), str(moved), str(decoy)], check=True, timeout=60)
     assert (moved / EVENTS / rank_file("success", 0)).is_file()
     assert not (decoy / EVENTS / rank_file("success", 0)).exists()
+
+
+def test_spawn_s_main_process_looks_for_its_workers_in_the_directory_checked(rd, tmp_path, monkeypatch):
+    """torch.multiprocessing.spawn's main process says whether its workers were watched by
+    their registrations in ``RUN/spawn/ranks``: those of the directory checked, not of a
+    symlink put in its place (it would send the user to a run that is not theirs, or
+    tell them their watched workers were not)."""
+    import types
+
+    from peerwatch import _hooks
+    from peerwatch._rundir import SPAWNED_RUN
+
+    real = tmp_path / "moved"
+    os.rename(rd.path, real)
+    decoy = _decoy(tmp_path)
+    os.symlink(decoy, rd.path)
+    (decoy / SPAWNED_RUN / RANKS).mkdir(parents=True)
+    (decoy / SPAWNED_RUN / RANKS / rank_file("rank", 0)).write_bytes(encode(my_reg(0)))
+    failure = type("ProcessExitedException", (Exception,), {"__module__": "torch.multiprocessing.spawn"})
+    w = types.SimpleNamespace(rank=0, me=my_reg(0), run_dir=rd)
+
+    monkeypatch.setattr(_hooks, "_spawn_noted", False)
+    note = _hooks.spawn_main_note(w, failure())  # type: ignore[arg-type]
+    assert note is not None and "install() ran only here" in note, note
+
+    (decoy / SPAWNED_RUN / RANKS / rank_file("rank", 0)).unlink()
+    (real / SPAWNED_RUN / RANKS).mkdir(parents=True, mode=0o700)
+    (real / SPAWNED_RUN / RANKS / rank_file("rank", 0)).write_bytes(encode(my_reg(0)))
+    monkeypatch.setattr(_hooks, "_spawn_noted", False)
+    note = _hooks.spawn_main_note(w, failure())  # type: ignore[arg-type]
+    assert note is not None and "Its workers are watched in their own run" in note, note
