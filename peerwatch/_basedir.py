@@ -293,7 +293,7 @@ def _past_ended_runs(path: str) -> str:
 def _ended_before(path: str, started_ns: int) -> bool:
     """``path`` holds a run that ended before ``started_ns``: registered ranks, none alive,
     and a verdict or every rank's success marker, from before then. Anything else (no such
-    directory, a live or unfinished run, one we cannot read) is left to :meth:`RunDir.prepare`."""
+    directory, a live or unfinished run, one we cannot read) is left to :func:`peerwatch._prepare.prepare`."""
     try:
         if not os.path.isdir(os.path.join(path, RANKS)) or os.path.islink(path):
             return False

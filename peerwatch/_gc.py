@@ -20,7 +20,7 @@ plans and removes. Rules, first match wins, for each entry of :func:`_basedir.ba
 Either setting may be ``off``. Only the default base is ever collected: a run directory
 given with ``PEERWATCH_DIR`` (or ``run_dir=``) is the user's to keep or remove. A lock file
 (``NAME.lock``) beside no directory is removed once older than ``LOCK_AGE_S``. A directory
-is removed under its lock (the one ``RunDir.prepare`` takes), checked again, renamed to
+is removed under its lock (the one ``_prepare.prepare`` takes), checked again, renamed to
 ``.gc-trash-*`` (from then on no run finds it by name), then deleted without following links.
 """
 

@@ -245,7 +245,7 @@ class RunDir(HeldDir):
 
     def make_folder(self, sub: str) -> None:
         """Create folder ``sub`` (0700) of the run directory if it is missing (one made on
-        demand, not at :meth:`prepare`). Raises OSError to the caller."""
+        demand, not at :func:`peerwatch._prepare.prepare`). Raises OSError to the caller."""
         with self._dir("") as top:
             try:
                 os.mkdir(sub, 0o700, dir_fd=top)
