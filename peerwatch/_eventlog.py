@@ -43,7 +43,8 @@ from ._records import (
     returncode_exit_code,
     signal_name,
 )
-from ._rundir import EVENTS, RANKS, VERDICT_FILE, RunDir, open_regular, parse_rank_file, rank_file
+from ._rundir import EVENTS, RANKS, VERDICT_FILE, RunDir, parse_rank_file, rank_file
+from ._trust import open_regular
 
 logger = logging.getLogger("peerwatch")
 

@@ -17,8 +17,9 @@ import logging
 import os
 from typing import IO, Optional
 
-from ._rundir import RunDir, open_regular
+from ._rundir import RunDir
 from ._signals import STACKS_SIGNAL
+from ._trust import open_regular
 
 logger = logging.getLogger("peerwatch")
 

@@ -228,6 +228,7 @@ def test_a_hangs_victims_whose_collectives_timed_out_are_torn_down_with_the_verd
     import time
 
     from peerwatch import _identity, _report
+    from peerwatch._prepare import prepare
     from peerwatch._records import (
         EXCEPTION,
         HANG,
@@ -247,7 +248,7 @@ def test_a_hangs_victims_whose_collectives_timed_out_are_torn_down_with_the_verd
     regs = [Registration(rank=r, pid=me.pid, ppid=me.ppid, start_ticks=me.start_ticks, uid=me.uid,
                          host=_identity.hostname(), boot_id=_identity.boot_id(), pidns=_identity.pid_namespace(),
                          time_ns=now) for r in range(3)]
-    rd.prepare(regs[0], now)
+    prepare(rd, regs[0], now)
     for reg in regs[1:]:
         rd.write(RANKS, rank_file("rank", reg.rank), encode(reg))
     rd.write(EVENTS, VERDICT_FILE, encode(Verdict(
