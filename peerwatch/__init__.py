@@ -23,8 +23,8 @@ Importing peerwatch is cheap and never imports torch.
 #            _sources _teardown _sharedfs _exitwatch _eventlog _stacks _waits
 #            _trust _dirfd _rundir _basedir _prepare
 #   stages   one step of the data flow each, built on the adapters, called by the wiring
-#            _observer _heartbeat _diagnoser _enforce _leave _notify _bridge _election
-#            _launchers _frdump _report _timeline _gc _stragglerwatch
+#            _observer _waker _ownrecords _heartbeat _diagnoser _enforce _leave _notify
+#            _bridge _election _launchers _frdump _report _timeline _gc _stragglerwatch
 #   wiring   the watcher thread, the hooks, the API and the tools
 #            _watcher _hooks _api cli _doctor __main__ integrations
 #

@@ -12,7 +12,8 @@ Threads and what they own:
 - the training thread: ``progress``, ``in_watch`` (``watch()``), ``main_left`` (set when it
   leaves at exit during a teardown);
 - any thread that ends the rank (training thread, a thread's excepthook, the launcher
-  watch): ``_outcome``, under its lock;
+  watch): ``_outcome``, under its lock, and the rank's own records, written through
+  ``own_records`` (:class:`peerwatch._ownrecords.OwnRecords`), never the observer;
 - ``done`` (stop watching: the rank is finished) is set by :meth:`Watcher.stop`.
 Threads talk through events (``verdict_seen``, ``done``, ``main_left``), the wake pipe
 and the settle condition. :meth:`Watcher.stop` stops and joins every thread it started.
@@ -50,6 +51,7 @@ from ._heartbeat import HeartbeatWriter, OwnProgress
 from ._identity import is_local
 from ._notify import CLAIMS, Hook, start_hook
 from ._observer import Observer
+from ._ownrecords import OwnRecords
 from ._records import EXCEPTION, WATCHER_DEATH, Ack, Failure, Registration, Success, Verdict, WatcherDeath, encode
 from ._records import warm as warm_record_types
 from ._rundir import EVENTS, REPORT_FILE, SUMMARY_FILE, VERDICT_FILE, RunDir, rank_file
@@ -153,7 +155,11 @@ class Watcher:
         self._peer_failure_known = False
         use_pidfd = config.use_pidfd and pidfd_supported()
         remote = _sharedfs.RemoteWatch(run_dir, config.heartbeat_interval, config.peer_timeout) if run_dir.shared else None
-        self.observer = Observer(run_dir, me, use_pidfd, remote)
+        # This rank's own records (failure, success...) are written by whichever thread ends
+        # it, through their own writer: on disk before that thread goes on, and read back by
+        # the observer like any other record (its state has the watcher thread as one writer).
+        self.own_records = OwnRecords(run_dir, me)
+        self.observer = Observer(run_dir, me, use_pidfd, remote, self.own_records)
         self._hangs = hangs = _decide.HangJudging.from_config(config)
         self.heartbeat = HeartbeatWriter(run_dir, me, self.progress, with_position=hangs.timeout,
                                          read_collectives=hangs.read_collectives,
@@ -614,7 +620,7 @@ class Watcher:
         """This rank failed: say so before it goes (first record wins)."""
         self._outcome.fail(failure.exit_code, echo=failure.cause == EXCEPTION and failure.collective)
         self._final_heartbeat()
-        self.observer.write_event(rank_file("failure", self.rank), failure)
+        self.own_records.failure(failure)
         self.wake()
 
     def record_leaving(self) -> None:
@@ -629,7 +635,7 @@ class Watcher:
 
     def record_thread_exception(self, failure: Failure) -> None:
         """For the report only: another thread of this rank died of an exception."""
-        self.observer.write_event(rank_file("thread", self.rank), failure)
+        self.own_records.thread_exception(failure)
         logger.warning(
             "peerwatch: rank %d: thread %s died of %s: %s (recorded; set thread_exceptions=fail to fail the rank)",
             self.rank, failure.thread, failure.exception, failure.message,
@@ -639,7 +645,7 @@ class Watcher:
         if self.verdict_seen.is_set() or not self._outcome.succeed():
             return
         self._final_heartbeat()
-        self.observer.write_event(rank_file("success", self.rank), Success(rank=self.rank, pid=os.getpid(), time_ns=time.time_ns()))
+        self.own_records.success(Success(rank=self.rank, pid=os.getpid(), time_ns=time.time_ns()))
         if self.bridge is not None:
             self.bridge.on_success()  # the job is ending: other hosts going quiet is no failure
 
