@@ -21,7 +21,7 @@ from typing import Callable, Iterator, List, Optional, Set
 
 import pytest
 
-from peerwatch import _identity
+from peerwatch import _identity, _prepare
 from peerwatch._decide import Observed, Progress
 from peerwatch._diagnoser import Diagnoser
 from peerwatch._observer import Observer
@@ -46,7 +46,7 @@ def _reg(rank: int, pid: int) -> Registration:
 @pytest.fixture
 def run(tmp_path: Path) -> RunDir:
     rd = RunDir(str(tmp_path / "run"))
-    rd.prepare(_reg(0, os.getpid()), time.time_ns())
+    _prepare.prepare(rd, _reg(0, os.getpid()), time.time_ns())
     return rd
 
 
