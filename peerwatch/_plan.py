@@ -239,10 +239,12 @@ def _after_ack(s: Situation, p: Plan) -> Tuple[Step, ...]:
     steps += [] if p.enforcer else [Step.STOP_WATCHING_FOLDERS]
     steps += [Step.ARM_LAST_RESORT] + ([Step.TELL_HOSTS] if s.other_hosts else [])
     steps += [Step.FINAL_HEARTBEAT, Step.TELL_LAUNCHERS]  # after the ack, which the peers wait for
-    if early and not p.summary_now and not p.summary_after_dumps:
-        steps.append(Step.WRITE_REPORT)  # before the launcher's SIGTERM; again after the teardown
-    if early and hook and not p.stay:
-        steps.append(Step.START_HOOK)  # at once or never; its keeper runs it once this rank is gone
+    early_hook = early and hook and not p.stay  # at once or never; its keeper runs it once this rank is gone
+    if early and not p.summary_now and (early_hook or not p.summary_after_dumps):
+        # Before the launcher's SIGTERM, and before the hook, which reads it; again after the
+        # teardown (and after the dumps, with the summary, for a rank that has not ended).
+        steps.append(Step.WRITE_REPORT)
+    steps += [Step.START_HOOK] if early_hook else []
     steps += [Step.DUMP_STACKS, Step.DUMP_FLIGHT_RECORDER]
     steps += [Step.WRITE_SUMMARY] if p.summary_after_dumps else []
     steps += [Step.INTERRUPT_MAIN] if p.interrupt_main else []
