@@ -24,6 +24,7 @@ from ._errors import PeerFailure
 from ._eventlog import log as log_event
 from ._eventlog import sweep as sweep_events
 from ._frdump import FlightRecorderDump
+from ._heartbeat import HeartbeatWriter
 from ._notify import CLAIMS, Hook, start_hook
 from ._observer import Observer
 from ._plan import Step
@@ -50,7 +51,7 @@ class Teardown:
     bridge: Optional[Bridge]
     main_left: threading.Event  # set by the training thread as it leaves (Watcher.leave)
     interrupt_installed: bool  # our signal handler raises PeerFailure in the main thread
-    final_heartbeat: Callable[[], None]  # never raises
+    heartbeat: HeartbeatWriter
     verdict: Verdict
     situation: _plan.Situation
     plan: _plan.Plan
@@ -126,7 +127,7 @@ def _tell_hosts(t: Teardown) -> None:
 
 
 def _final_heartbeat(t: Teardown) -> None:
-    t.final_heartbeat()
+    t.heartbeat.write_last(t.observer.local_pids)  # the step it stopped at, for the report
 
 
 def _tell_launchers(t: Teardown) -> None:

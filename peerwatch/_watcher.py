@@ -418,7 +418,7 @@ class Watcher:
         _verdict.carry_out(_verdict.Teardown(
             config=c, run_dir=self.run_dir, me=self.me, observer=self.observer, stacks=self.stacks,
             flight_recorder=self._flight_recorder, bridge=self.bridge, main_left=self.main_left,
-            interrupt_installed=self.interrupt_installed, final_heartbeat=self._final_heartbeat,
+            interrupt_installed=self.interrupt_installed, heartbeat=self.heartbeat,
             verdict=verdict, situation=situation, plan=_plan.plan(situation),
         ))
 
@@ -439,10 +439,7 @@ class Watcher:
 
     def _final_heartbeat(self) -> None:
         """The step this rank stopped at: for the report and ``peerwatch status``."""
-        try:
-            self.heartbeat.write(self.observer.local_pids, last=True)
-        except Exception:  # noqa: BLE001 - the heartbeat must never stop a teardown or an exit
-            logger.debug("peerwatch: rank %d could not write its last heartbeat", self.rank, exc_info=True)
+        self.heartbeat.write_last(self.observer.local_pids)
 
     # -- called from the training thread (or whichever thread ends the rank) ---------
 

@@ -36,7 +36,7 @@ def _run(monkeypatch: pytest.MonkeyPatch, s: Situation, ack_written: bool) -> tu
     none: Any = None
     t = _verdict.Teardown(
         config=none, run_dir=none, me=none, observer=none, stacks=none, flight_recorder=none, bridge=none,
-        main_left=none, interrupt_installed=False, final_heartbeat=lambda: None, verdict=none, situation=s,
+        main_left=none, interrupt_installed=False, heartbeat=none, verdict=none, situation=s,
         plan=plan(s),
     )
     _verdict.carry_out(t)
