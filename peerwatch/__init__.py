@@ -25,8 +25,8 @@ Importing peerwatch is cheap and never imports torch.
 #   stages   one step of the data flow each, built on the adapters, called by the wiring
 #            _observer _waker _ownrecords _heartbeat _diagnoser _enforce _leave _notify
 #            _bridge _election _launchers _frdump _report _timeline _gc _stragglerwatch
-#   wiring   the watcher thread, the hooks, the API and the tools
-#            _watcher _hooks _api cli _doctor __main__ integrations
+#   wiring   the watcher thread and its verdict's executor, the hooks, the API and the tools
+#            _watcher _verdict _hooks _api cli _doctor __main__ integrations
 #
 # A lower layer that needs something done above it is passed a callable or a value (the
 # teardown records its signals through the ``note`` its caller passes), never imports it.
