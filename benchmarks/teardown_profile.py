@@ -4,7 +4,7 @@
 
 Runs :func:`teardown_latency.trial` (Lightning-style ranks sleeping in Python, one SIGKILLed)
 with a ``sitecustomize`` on the ranks' path that notes each rank's CPU time (``process_time``)
-from its first look at a dead peer's pidfd (or its verdict, whichever is first) and from
+from the moment it takes a peer for gone (or its verdict, whichever is first) and from
 ``Watcher._act`` to ``_leave.flush_and_exit``. On 2 cores the teardown's length is the sum
 of that CPU over the ranks, divided by two, plus the interpreters' exits. ``--cprofile K``
 also profiles those spans (``time.thread_time``, the watcher thread) and prints the K
@@ -44,10 +44,10 @@ if os.environ.get("PWPROF_DIR"):
             _state["prof"] = cProfile.Profile(time.thread_time)
             _state["prof"].enable()
 
-    _on_pidfd_ready = _observer.Observer._on_pidfd_ready
-    def on_pidfd_ready(self, rank):
-        _begin("pidfd")
-        return _on_pidfd_ready(self, rank)
+    _peer_gone = _observer.Observer._peer_gone
+    def peer_gone(self, rank):
+        _begin("peer gone")
+        return _peer_gone(self, rank)
 
     _act = _watcher.Watcher._act
     def act(self, verdict):
@@ -69,7 +69,7 @@ if os.environ.get("PWPROF_DIR"):
                 prof.dump_stats(out + ".prof")
         return _flush_and_exit(code)
 
-    _observer.Observer._on_pidfd_ready = on_pidfd_ready
+    _observer.Observer._peer_gone = peer_gone
     _watcher.Watcher._act = act
     _leave.flush_and_exit = flush_and_exit
 '''
