@@ -12,10 +12,8 @@ import time
 from typing import Any, Dict, List, Optional, Tuple
 
 from . import _identity
-from ._exitwatch import EXIT_MESSAGE
 from ._records import (
     EVENT_TYPES,
-    EXIT,
     Diagnosis,
     ExitStatus,
     Failure,
@@ -144,11 +142,11 @@ def _exit_code(
     rather than expected it (the code it said it would exit with, the verdict's code)."""
     if status is not None:
         return returncode_exit_code(status.returncode), True
-    if state == TORN_DOWN and verdict is not None and failure is not None and failure.message != EXIT_MESSAGE:
+    if state == TORN_DOWN and verdict is not None and failure is not None and not failure.observed:
         return verdict.exit_code, False  # an echo of the verdict (echoed_verdict): the verdict's code
     if failure is not None and failure.exit_code is not None:
         # Written from the exit status itself (peerwatch._exitstatus), or said beforehand.
-        return failure.exit_code, failure.cause == EXIT and failure.message == EXIT_MESSAGE
+        return failure.exit_code, failure.observed
     if state == TORN_DOWN and verdict is not None:
         return verdict.exit_code, False
     if state == SUCCEEDED:
