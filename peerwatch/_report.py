@@ -87,13 +87,7 @@ def build(rd: RunDir) -> Dict[str, Any]:
 
 def _events(rd: RunDir) -> Dict[str, Dict[int, Any]]:
     """prefix -> rank -> record, for every record in ``events/`` that names its own rank."""
-    events: Dict[str, Dict[int, Any]] = {k: {} for k in EVENT_TYPES}
-    for prefix, rank, name in rd.entries(EVENTS):
-        if prefix in EVENT_TYPES:
-            record = rd.read(EVENTS, name, EVENT_TYPES[prefix])
-            if record is not None and record.rank == rank:  # type: ignore[attr-defined]
-                events[prefix][rank] = record
-    return events
+    return rd.rank_records(EVENTS, EVENT_TYPES)
 
 
 def _state(rank: int, reg: Optional[Registration], events: Dict[str, Dict[int, Any]], verdict: Optional[Verdict]) -> str:

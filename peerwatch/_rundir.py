@@ -32,7 +32,7 @@ import stat
 import sys
 import threading
 import time
-from typing import Callable, Dict, Iterator, List, Mapping, Optional, Set, Tuple, Type, TypeVar
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Set, Tuple, Type, TypeVar
 
 from . import _identity
 from ._errors import RunDirError
@@ -1124,24 +1124,25 @@ class RunDir:
             if parsed is not None:
                 yield parsed[0], parsed[1], name
 
-    def _successes(self) -> Dict[int, Success]:
-        found = {}
-        for prefix, rank, name in self.entries(EVENTS):
-            if prefix == "success":
-                record = self.read(EVENTS, name, Success)
-                if record is not None and record.rank == rank:
-                    found[rank] = record
+    def rank_records(self, sub: str, types: Mapping[str, type]) -> Dict[str, Dict[int, Any]]:
+        """prefix -> rank -> record, for each file ``<prefix>-<rank>.json`` of folder ``sub``
+        whose prefix ``types`` names, read as that type (one listing). A malformed record,
+        or one that names another rank than its file name, is left out. The one reader of
+        a folder of rank files: registrations, success markers, the report's events."""
+        found: Dict[str, Dict[int, Any]] = {prefix: {} for prefix in types}
+        for prefix, rank, name in self.entries(sub):
+            cls = types.get(prefix)
+            if cls is not None:
+                record = self.read(sub, name, cls)
+                if record is not None and getattr(record, "rank", None) == rank:
+                    found[prefix][rank] = record
         return found
 
+    def _successes(self) -> Dict[int, Success]:
+        return self.rank_records(EVENTS, {"success": Success})["success"]
+
     def registrations(self) -> Dict[int, Registration]:
-        found = {}
-        for prefix, rank, name in self.entries(RANKS):
-            if prefix != "rank":
-                continue
-            reg = self.read(RANKS, name, Registration)
-            if reg is not None and reg.rank == rank:
-                found[rank] = reg
-        return found
+        return self.rank_records(RANKS, {"rank": Registration})["rank"]
 
     def warn_once(self, path: str, reason: str) -> None:
         """One warning per file and reason, and at most ``WARN_EACH`` per kind (folder, kind of
