@@ -159,15 +159,7 @@ class Diagnoser:
 
     @staticmethod
     def ranks(obs: _decide.Observed) -> Dict[int, _diagnose.RankState]:
-        live = {r: p for r, p in obs.progress.items() if r not in obs.successes and r not in obs.gone}
-        return {
-            r: _diagnose.RankState(
-                collectives=p.collectives, entered=p.entered, moved_mono_ns=p.moved_mono_ns,
-                beat_mono_ns=p.progress_mono_ns, paused=p.paused, state=p.state, watcher_silent=p.watcher_silent,
-                in_collective=p.in_collective, where=p.where, activity=p.activity,
-            )
-            for r, p in live.items()
-        }
+        return obs.live_progress()
 
 
 __all__ = ["Diagnoser"]

@@ -215,9 +215,7 @@ def wanted_from_scan(name: str, rec: object) -> bool:
         return True
     if isinstance(rec, ExitStatus):
         return rec.observed_by == rec.rank
-    from ._exitwatch import EXIT_MESSAGE
-
-    return isinstance(rec, Failure) and rec.message == EXIT_MESSAGE
+    return isinstance(rec, Failure) and rec.observed
 
 
 def leaving(code: int) -> None:

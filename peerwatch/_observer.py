@@ -17,20 +17,21 @@ back here like any other record; the hang diagnosis is recorded through
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import logging
 import os
 import stat
 import time
-from typing import Any, Dict, List, Optional, Set, Tuple
+from typing import Dict, List, Optional, Set, Tuple
 
 from . import _decide, _eventlog, _identity, _rundir, _sharedfs
+from ._diagnose import RankState
 from ._heartbeat import OwnProgress, main_thread_position
 from ._ownrecords import OwnRecords
 from ._records import (
     EVENT_TYPES,
     Ack,
-    Activity,
     Diagnosis,
     ExitStatus,
     Failure,
@@ -408,21 +409,21 @@ class Observer:
         found = self.events.get(DIAGNOSIS_FILE)
         return found if isinstance(found, Diagnosis) else None
 
-    def _progress(self, mine: OwnProgress, stale_after_s: float, own: Optional[Heartbeat]) -> Dict[int, _decide.Progress]:
-        """Every live local rank's last progress, from its heartbeat (ours from memory)."""
+    def _progress(self, mine: OwnProgress, stale_after_s: float, own: Optional[Heartbeat]) -> Dict[int, RankState]:
+        """Every live local rank's last progress, from its heartbeat (ours: its progress
+        and position from memory, its collectives as its heartbeat last published them)."""
         where, waiting = main_thread_position()
-        found = {
-            self.me.rank: _decide.Progress(
-                mine.step, mine.progress_ns, mine.paused > 0, "R", in_collective=waiting, where=where,
-                **(_collective_fields(own) if own is not None else {}),
-            )
-        }
+        published = RankState.of(own, "R") if own is not None else RankState(state="R")
+        found = {self.me.rank: dataclasses.replace(
+            published, step=mine.step, beat_mono_ns=mine.progress_ns, paused=mine.paused > 0,
+            in_collective=waiting, where=where,
+        )}
         for rank, peer in self.peers.items():
             if rank not in self.gone:
                 found[rank] = self._peer_progress(peer.reg, stale_after_s)
         return found
 
-    def _peer_progress(self, reg: Registration, stale_after_s: float) -> _decide.Progress:
+    def _peer_progress(self, reg: Registration, stale_after_s: float) -> RankState:
         beat = self.run_dir.read(HEARTBEATS, rank_file("rank", reg.rank), Heartbeat)
         if beat is None:
             # Caught mid-rewrite twice (a loaded machine): the last one read still says
@@ -433,23 +434,14 @@ class Observer:
         info = _identity.probe(reg.pid)
         state = info.state if info is not None and info.start_ticks == reg.start_ticks else "?"
         if beat is None or beat.pid != reg.pid:
-            return _decide.Progress(None, None, False, state)
-        silent = time.time_ns() - beat.time_ns > stale_after_s * 1e9
-        return _decide.Progress(
-            beat.step, beat.progress_ns, beat.paused, state,
-            in_collective=beat.in_collective, watcher_silent=silent, where=beat.where, **_collective_fields(beat),
-        )
+            return RankState(state=state)
+        return RankState.of(beat, state, watcher_silent=time.time_ns() - beat.time_ns > stale_after_s * 1e9)
 
 
 def _judging_an_echo(failures: Dict[int, object]) -> bool:
     """A failure record is an exception raised by torch.distributed: the echo, perhaps, of
     a rank that is leaving (rule 5 of _decide)."""
     return any(isinstance(f, Failure) and f.collective for f in failures.values())
-
-
-def _collective_fields(beat: Heartbeat) -> Dict[str, Any]:
-    return {"collectives": beat.collectives, "entered": beat.entered, "moved_mono_ns": beat.moved_ns,
-            "timeout_ms": beat.pg_timeout_ms, "activity": Activity.of(beat.activity)}
 
 
 def _dir_id(path: str) -> Optional[Tuple[int, int]]:

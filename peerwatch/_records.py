@@ -105,6 +105,10 @@ class Failure:
     # cause from an echo (up to 0.25 s): the failure's own time, for people. ``time_ns`` is
     # when it was recorded, and what the rules of _decide count from.
     raised_ns: Optional[int] = None
+    # ``exit_code`` was observed: written from the exit status itself as the rank ended
+    # (peerwatch._exitwatch's record, at exit()), not said beforehand (the code a rank
+    # expected to exit with). False in a record of an older peerwatch: not known to be seen.
+    observed: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

@@ -34,7 +34,7 @@ import os
 import stat
 import threading
 import time
-from typing import Callable, Dict, Iterator, List, Optional, Tuple, Type, TypeVar
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple, Type, TypeVar
 
 from . import _identity
 from ._dirfd import HeldDir
@@ -407,25 +407,26 @@ class RunDir(HeldDir):
             if parsed is not None:
                 yield parsed[0], parsed[1], name
 
-    def successes(self) -> Dict[int, Success]:
-        """{rank: its success marker}, for the valid markers in ``events/``."""
-        found = {}
-        for prefix, rank, name in self.entries(EVENTS):
-            if prefix == "success":
-                record = self.read(EVENTS, name, Success)
-                if record is not None and record.rank == rank:
-                    found[rank] = record
+    def rank_records(self, sub: str, types: Mapping[str, type]) -> Dict[str, Dict[int, Any]]:
+        """prefix -> rank -> record, for each file ``<prefix>-<rank>.json`` of folder ``sub``
+        whose prefix ``types`` names, read as that type (one listing). A malformed record,
+        or one that names another rank than its file name, is left out. The one reader of
+        a folder of rank files: registrations, success markers, the report's events."""
+        found: Dict[str, Dict[int, Any]] = {prefix: {} for prefix in types}
+        for prefix, rank, name in self.entries(sub):
+            cls = types.get(prefix)
+            if cls is not None:
+                record = self.read(sub, name, cls)
+                if record is not None and getattr(record, "rank", None) == rank:
+                    found[prefix][rank] = record
         return found
 
+    def successes(self) -> Dict[int, Success]:
+        """{rank: its success marker}, for the valid markers in ``events/``."""
+        return self.rank_records(EVENTS, {"success": Success})["success"]
+
     def registrations(self) -> Dict[int, Registration]:
-        found = {}
-        for prefix, rank, name in self.entries(RANKS):
-            if prefix != "rank":
-                continue
-            reg = self.read(RANKS, name, Registration)
-            if reg is not None and reg.rank == rank:
-                found[rank] = reg
-        return found
+        return self.rank_records(RANKS, {"rank": Registration})["rank"]
 
 
 class InPlace:

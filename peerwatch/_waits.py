@@ -24,7 +24,7 @@ import time
 from collections import deque
 from typing import Deque, Optional, Tuple
 
-from ._collectives import Counters, waits_in_torch_distributed
+from ._collectives import Counters, in_torch_distributed
 from ._straggler import SLOT_BEATS, SLOTS, Slot
 
 logger = logging.getLogger("peerwatch")
@@ -93,7 +93,7 @@ class WaitSampler:
             time.sleep(SAMPLE_S)
             frame = sys._current_frames().get(main.ident or 0)
             samples += 1
-            if frame is not None and waits_in_torch_distributed(frame.f_code.co_filename):
+            if frame is not None and in_torch_distributed(frame.f_code.co_filename):
                 waiting += 1
             self.counts = (samples, waiting)
 

@@ -34,7 +34,7 @@ from ._diagnoser import Diagnoser
 from ._eventlog import log as log_event
 from ._frdump import FlightRecorderDump
 from ._heartbeat import HeartbeatWriter, OwnProgress
-from ._identity import is_local
+from ._identity import local_ranks
 from ._observer import Observer
 from ._ownrecords import OwnRecords
 from ._records import EXCEPTION, WATCHER_DEATH, Failure, Registration, Success, Verdict, WatcherDeath, encode
@@ -398,8 +398,7 @@ class Watcher:
         on with startup_action=fail; logged either way)."""
         c = self.config
         regs = self.observer.registrations
-        local = {r for r, reg in regs.items() if is_local(reg)}
-        missing, why = _plan.missing_ranks(c.local_world_size, c.world_size, local, set(regs))
+        missing, why = _plan.missing_ranks(c.local_world_size, c.world_size, set(local_ranks(regs)), set(regs))
         if why:
             logger.warning("peerwatch: %s within startup_timeout=%gs%s", why, c.startup_timeout,
                            "; failing the job (startup_action=fail)" if missing and c.startup_action == "fail" else "")

@@ -175,11 +175,8 @@ def _not_read(r: Dict[str, Any]) -> Optional[str]:
 def _watcher_deaths(rd: RunDir, pids: Dict[int, Any]) -> List[str]:
     """One line per rank whose watcher died (its process, as registered: not an earlier one's)."""
     lines = []
-    for prefix, rank, name in sorted(rd.entries(EVENTS), key=lambda e: e[1]):
-        if prefix != WATCHER_DEATH:
-            continue
-        death = rd.read(EVENTS, name, WatcherDeath)
-        if death is None or death.rank != rank or pids.get(rank) not in (None, death.pid):
+    for rank, death in sorted(rd.rank_records(EVENTS, {WATCHER_DEATH: WatcherDeath})[WATCHER_DEATH].items()):
+        if pids.get(rank) not in (None, death.pid):
             continue
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(death.time_ns / 1e9))
         lines.append(f"rank {rank}: watcher died at {when}: {death.exception}: {death.message}; "

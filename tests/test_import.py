@@ -129,7 +129,6 @@ SIDEWAYS = {
     ("_sharedfs", "_rundir"): "remote heartbeats are listed and read through the run directory",
     ("_exitwatch", "_rundir"): "the exit watch is armed with descriptors of the run directory's folders",
     ("_eventlog", "_rundir"): "the event log is a file of the run directory",
-    ("_eventlog", "_exitwatch"): "an exit the C exit watch recorded is told apart by its message",
     ("_stacks", "_rundir"): "the stack file is created through the run directory",
     ("_observer", "_heartbeat"): "this rank's own progress (OwnProgress) and position, as its heartbeat writes them",
     ("_observer", "_waker"): "the observer sleeps on the waker's descriptors (its poll set, wake pipe and folder watch)",

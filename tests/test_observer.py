@@ -22,7 +22,8 @@ from typing import Callable, Iterator, List, Optional, Set
 import pytest
 
 from peerwatch import _identity, _prepare
-from peerwatch._decide import Observed, Progress
+from peerwatch._decide import Observed
+from peerwatch._diagnose import RankState
 from peerwatch._diagnoser import Diagnoser
 from peerwatch._observer import Observer
 from peerwatch._ownrecords import OwnRecords
@@ -289,10 +290,9 @@ def test_a_record_of_this_rank_left_by_another_process_does_not_block_ours(run):
 
 def _stalled(now_mono_ns: int, moved_mono_ns: int) -> Observed:
     """Rank 1 never entered all_reduce #21, which ranks 0 and 2 wait in, for 10 s."""
-    def progress(seq: int) -> Progress:
+    def progress(seq: int) -> RankState:
         entered = tuple(("0", q, "gloo:all_reduce", "[[4]] Float") for q in range(seq - 2, seq + 1))
-        return Progress(step=None, progress_mono_ns=None, state="S", collectives=(("0", seq, seq - 1),),
-                        entered=entered, moved_mono_ns=moved_mono_ns)
+        return RankState(state="S", collectives=(("0", seq, seq - 1),), entered=entered, moved_mono_ns=moved_mono_ns)
 
     regs = {r: _reg(r, os.getpid()) for r in range(3)}
     return Observed(self_rank=0, now_ns=time.time_ns(), registrations=regs, successes=set(), failures={},

@@ -784,3 +784,27 @@ def test_spawn_s_main_process_looks_for_its_workers_in_the_directory_checked(rd,
     monkeypatch.setattr(_hooks, "_spawn_noted", False)
     note = _hooks.spawn_main_note(w, failure())  # type: ignore[arg-type]
     assert note is not None and "Its workers are watched in their own run" in note, note
+
+
+def test_one_reader_of_a_folder_of_rank_files_for_the_watcher_the_report_and_the_cli(rd):
+    """Issue 25.3: the report read events/ its own way (and the CLI its watcher deaths, and
+    RunDir its registrations and success markers, each theirs). One reader now: each file
+    read as the type its prefix names, kept only if it names the rank its file name does."""
+    from peerwatch import _report
+    from peerwatch._records import EVENT_TYPES, Ack, Failure
+
+    pid = os.getpid()
+    rd.write(EVENTS, rank_file("success", 1), encode(Success(rank=1, pid=pid, time_ns=1)))
+    rd.write(EVENTS, rank_file("failure", 2), encode(Failure(rank=2, pid=pid, time_ns=2, cause="exit", exit_code=3)))
+    rd.write(EVENTS, rank_file("thread", 2), encode(Failure(rank=2, pid=pid, time_ns=2, cause="exception")))
+    rd.write(EVENTS, rank_file("failure", 3), encode(Failure(rank=4, pid=pid, time_ns=2, cause="exit")))  # another rank's
+    rd.write(EVENTS, rank_file("ack", 5), b"not a record")
+    rd.write(EVENTS, rank_file("ack", 6), encode(Ack(rank=6, pid=pid, time_ns=3, deadline_ns=0)))
+    rd.write(EVENTS, rank_file("junk", 7), encode(Success(rank=7, pid=pid, time_ns=1)))
+    found = rd.rank_records(EVENTS, EVENT_TYPES)
+    assert set(found) == set(EVENT_TYPES)
+    assert {k: sorted(v) for k, v in found.items() if v} == {"success": [1], "failure": [2], "thread": [2], "ack": [6]}
+    assert found["failure"][2].exit_code == 3 and found["thread"][2].cause == "exception"
+    assert _report._events(rd) == found
+    assert rd.rank_records(EVENTS, {"success": Success}) == {"success": {1: found["success"][1]}}
+    assert rd.registrations() == rd.rank_records(RANKS, {"rank": Registration})["rank"] == {0: rd.registrations()[0]}
