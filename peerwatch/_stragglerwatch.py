@@ -23,7 +23,6 @@ from ._records import Heartbeat, Registration
 from ._rundir import HEARTBEATS, STRAGGLE_FILE, STRAGGLE_HOSTS_FILE, STRAGGLERS_FILE, RunDir, rank_file
 from ._store_protocol import Seal, StraggleExchange
 from ._straggler import (
-    SLOT_BEATS,
     Profile,
     Straggler,
     changes,
@@ -34,6 +33,7 @@ from ._straggler import (
     host_json,
     profile_of,
 )
+from ._waits import slot_beats
 
 logger = logging.getLogger("peerwatch")
 
@@ -44,7 +44,8 @@ class StragglerWatch:
     def __init__(self, run_dir: RunDir, me: Registration, interval_s: float, spans_hosts: bool) -> None:
         self._run_dir = run_dir
         self._me = me
-        self._slot_s = interval_s * SLOT_BEATS
+        self._slot_beats = slot_beats(interval_s)
+        self._slot_s = interval_s * self._slot_beats
         self._spans_hosts = spans_hosts
         self._beats = 0
         self._found: Optional[Tuple[Straggler, ...]] = None  # None: not read from stragglers.json yet
@@ -53,7 +54,7 @@ class StragglerWatch:
         """A heartbeat of the judging rank: once a slot, gather and judge. ``own``: this
         rank's heartbeat as published; ``peers``: the live local peers' registrations."""
         self._beats += 1
-        if self._beats % SLOT_BEATS:
+        if self._beats % self._slot_beats:
             return
         host = _identity.hostname()
         profiles = self._local_profiles(own, peers, host)
@@ -128,7 +129,7 @@ class StraggleRelay:
 
     def __init__(self, run_dir: RunDir, interval_s: float) -> None:
         self._run_dir = run_dir
-        self._slot_ns = int(interval_s * SLOT_BEATS * 1e9)
+        self._slot_ns = int(interval_s * slot_beats(interval_s) * 1e9)
         self._last_ns: Optional[int] = None
         self._published: Optional[bytes] = None  # host 0: the finding last put in the store
         self._copied: Optional[bytes] = None  # elsewhere: the finding last copied from it

@@ -18,6 +18,7 @@ collectives are DDP's shows no waits, and no straggler is named (docs/stragglers
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import threading
 import time
@@ -30,8 +31,32 @@ from ._straggler import SLOT_BEATS, SLOTS, Slot
 logger = logging.getLogger("peerwatch")
 
 SAMPLE_S = 0.05  # how often the main thread is looked at
+# Tests only, not documented (as PEERWATCH_TEST_NO_INOTIFY): shorter slots, and a sampler as
+# much faster, so an end-to-end test sees the rule's 6 to 12 slots of as many samples as a
+# slot of its heartbeat would hold, in a fraction of the time (tests/harness.py).
+SLOT_S_VAR = "PEERWATCH_TEST_STRAGGLER_SLOT_S"  # a slot's length, rounded to whole heartbeats
+SAMPLE_S_VAR = "PEERWATCH_TEST_STRAGGLER_SAMPLE_S"  # the sampler's interval
 JOIN_S = 0.5  # at most, at the interpreter's shutdown: it ends within one sample
 STILL_BEATS = 5  # heartbeats (a slot) with unchanged counters after which the sampler sleeps
+
+
+def _test_override(var: str) -> Optional[float]:
+    try:
+        value = float(os.environ.get(var, ""))
+    except ValueError:
+        return None
+    return value if 0 < value < 3600 else None
+
+
+def slot_beats(interval_s: float) -> int:
+    """Heartbeats per slot: ``SLOT_BEATS``, unless a test set ``PEERWATCH_TEST_STRAGGLER_SLOT_S``."""
+    slot_s = _test_override(SLOT_S_VAR)
+    return SLOT_BEATS if slot_s is None else max(1, round(slot_s / interval_s))
+
+
+def sample_s() -> float:
+    """The sampler's interval: ``SAMPLE_S``, unless a test set ``PEERWATCH_TEST_STRAGGLER_SAMPLE_S``."""
+    return _test_override(SAMPLE_S_VAR) or SAMPLE_S
 
 
 class WaitSampler:
@@ -40,6 +65,7 @@ class WaitSampler:
 
     def __init__(self, rank: int) -> None:
         self.counts: Tuple[int, int] = (0, 0)
+        self._sample_s = sample_s()
         self._stop = threading.Event()
         self._moving = threading.Event()  # set while the job moves: a still job costs no wake-up
         self._thread = threading.Thread(target=self._run, name=f"peerwatch-waits-rank{rank}", daemon=True)
@@ -90,7 +116,7 @@ class WaitSampler:
         # each time), 20 times a second; the thread ends up to one sample after stop().
         while not self._stop.is_set() and main.is_alive():
             self._moving.wait()
-            time.sleep(SAMPLE_S)
+            time.sleep(self._sample_s)
             frame = sys._current_frames().get(main.ident or 0)
             samples += 1
             if frame is not None and in_torch_distributed(frame.f_code.co_filename):
@@ -106,7 +132,7 @@ class WaitWindow:
     host whose clock is about right (the judge aligns them by number)."""
 
     def __init__(self, interval_s: float) -> None:
-        self._slot_ns = max(1, int(interval_s * SLOT_BEATS * 1e9))
+        self._slot_ns = max(1, int(interval_s * slot_beats(interval_s) * 1e9))
         self._slots: Deque[Slot] = deque(maxlen=SLOTS)
         self._start: Optional[Tuple[int, int, int, int, int]] = None  # (number, mono_ns, samples, waiting, entered)
 
@@ -126,4 +152,4 @@ class WaitWindow:
         return tuple(self._slots)
 
 
-__all__ = ["SAMPLE_S", "STILL_BEATS", "WaitSampler", "WaitWindow"]
+__all__ = ["SAMPLE_S", "SAMPLE_S_VAR", "SLOT_S_VAR", "STILL_BEATS", "WaitSampler", "WaitWindow", "sample_s", "slot_beats"]

@@ -7,6 +7,14 @@
     assert job.returncodes() == {...}
     report = job.report()
 
+The straggler rule (peerwatch._straggler) judges slots of 5 heartbeats, 6 to 12 of them: at
+the tests' 0.5 s heartbeat, 15 s before a first finding and 30 s for a window. The tests
+shorten the slots with two private variables, read by peerwatch._waits and documented only
+here (as ``PEERWATCH_TEST_NO_INOTIFY``): ``PEERWATCH_TEST_STRAGGLER_SLOT_S`` (a slot's length,
+rounded to whole heartbeats) and ``PEERWATCH_TEST_STRAGGLER_SAMPLE_S`` (the wait sampler's
+interval, shortened as much, so a slot holds as many samples: the rule's noise is unchanged).
+:func:`straggler_env` sets both.
+
 Every wait is event-driven with a deadline: pidfds for processes (poll(2)), and the
 READY folder read every ``READY_POLL_S``. Nothing here kills what it did not start, and
 :meth:`Job.close` never kills: a job process still alive at the end of a test is a leak
@@ -34,6 +42,11 @@ RANK_PROGRAM = Path(__file__).with_name("rank_program.py")
 READY_POLL_S = 0.015  # how often the READY folder is read while waiting for ranks
 READY_TIMEOUT_S = 20.0  # python start + import; generous for torch on 2 loaded cores
 _PR_SET_CHILD_SUBREAPER = 36
+# Not imported from peerwatch._waits: conftest imports this module, and nothing of the
+# product is imported at collection (test_stragglerwatch checks the names agree).
+STRAGGLER_VARS = ("PEERWATCH_TEST_STRAGGLER_SLOT_S", "PEERWATCH_TEST_STRAGGLER_SAMPLE_S")
+STRAGGLER_SLOT_S = 1.0  # 2 heartbeats of 0.5 s: a first finding after 6 s, a window of 12 s
+STRAGGLER_SAMPLE_S = 0.02  # 50 samples a slot, as 5 heartbeats of 0.5 s at the default 20 Hz
 
 T = TypeVar("T")
 
@@ -57,6 +70,11 @@ def set_child_subreaper(on: bool) -> bool:
         return libc.prctl(_PR_SET_CHILD_SUBREAPER, 1 if on else 0, 0, 0, 0) == 0
     except (OSError, AttributeError):
         return False
+
+
+def straggler_env() -> Dict[str, str]:
+    """The environment that shortens the straggler rule's slots (see the module's docstring)."""
+    return dict(zip(STRAGGLER_VARS, (f"{STRAGGLER_SLOT_S:g}", f"{STRAGGLER_SAMPLE_S:g}")))
 
 
 def free_port() -> int:
@@ -466,4 +484,5 @@ def by_rank(report: dict) -> Dict[int, dict]:
     return {r["rank"]: r for r in report["ranks"]}
 
 
-__all__ = ["Job", "by_rank", "exit_code", "free_port", "set_child_subreaper", "wait_read"]
+__all__ = ["STRAGGLER_SAMPLE_S", "STRAGGLER_SLOT_S", "STRAGGLER_VARS", "Job", "by_rank", "exit_code", "free_port", "set_child_subreaper",
+           "straggler_env", "wait_read"]

@@ -13,8 +13,9 @@ import pytest
 from peerwatch._records import Registration
 from peerwatch._rundir import STRAGGLE_HOSTS_FILE, RunDir
 from peerwatch._store_protocol import NO_SEAL
-from peerwatch._straggler import SLOTS, Profile, find, finding_json, host_json
+from peerwatch._straggler import SLOT_BEATS, SLOTS, Profile, find, finding_json, host_json
 from peerwatch._stragglerwatch import StraggleRelay, StragglerWatch, read_finding
+from peerwatch._waits import SAMPLE_S, SAMPLE_S_VAR, SLOT_S_VAR, sample_s, slot_beats
 
 NOW = 1_700_000_000_000_000_000
 ME = Registration(rank=0, pid=os.getpid(), ppid=1, start_ticks=1, uid=os.getuid(), host="h", boot_id="b", pidns="p",
@@ -111,3 +112,28 @@ def test_the_sampler_counts_only_while_the_job_moves() -> None:
         thread = next(t for t in threading.enumerate() if t.name == "peerwatch-waits-rank0")
         thread.join(5.0)
         assert not thread.is_alive()
+
+
+def test_the_tests_private_override_shortens_the_slots_and_the_sampling(run_dir: RunDir,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    # The end-to-end straggler tests run on 1 s slots (tests/harness.py); a user never does.
+    from harness import STRAGGLER_VARS, straggler_env
+
+    assert STRAGGLER_VARS == (SLOT_S_VAR, SAMPLE_S_VAR)
+    for var in STRAGGLER_VARS:
+        monkeypatch.delenv(var, raising=False)
+    assert (slot_beats(0.5), sample_s()) == (SLOT_BEATS, SAMPLE_S)
+    for junk in ("", "x", "0", "-1", "nan", "1e9"):
+        monkeypatch.setenv(SLOT_S_VAR, junk)
+        monkeypatch.setenv(SAMPLE_S_VAR, junk)
+        assert (slot_beats(0.5), sample_s()) == (SLOT_BEATS, SAMPLE_S), junk
+    for var, value in straggler_env().items():
+        monkeypatch.setenv(var, value)
+    assert (slot_beats(0.5), sample_s()) == (2, 0.02)
+    assert slot_beats(5.0) == 1  # never less than a heartbeat
+    # The judge gathers once a (shortened) slot: here every second heartbeat.
+    watch = StragglerWatch(run_dir, ME, 0.5, spans_hosts=True)
+    watch.tick(None, {})
+    assert not os.path.exists(run_dir.join("straggle.json"))
+    watch.tick(None, {})
+    assert os.path.exists(run_dir.join("straggle.json"))
