@@ -4,6 +4,7 @@
     .venv/bin/python benchmarks/straggler.py --only detect --runs 3
     .venv/bin/python benchmarks/straggler.py --only balanced --minutes 10 --hogs 2
     .venv/bin/python benchmarks/straggler.py --only cost --pairs 12
+    .venv/bin/python benchmarks/straggler.py --only cost --cost-step ddp --pairs 20 --block-s 2 --in-jobs
 
 1. **Detect.** 4 ranks of tests/collective_program.py (all_reduce, then a sleep as the
    "compute"), the default heartbeat (1 s, slots of 5 s), three computing 0.20 s a step and
@@ -18,9 +19,14 @@
    training thread pays, wall and its own CPU. Then two 2-rank gloo jobs, both with
    peerwatch, ``stragglers`` on and off, running blocks of steps in turn (A/B in random
    order, one run): a Python-heavy step and an all_reduce of 1000 floats (the whole of it:
-   sampler, slots, judge; noisier: two processes each, on a shared machine).
+   sampler, slots, judge; noisier: two processes each, on a shared machine); with
+   ``--cost-step ddp``, a DDP step instead (a small model's forward and backward, its
+   gradient all-reduce in C++), which adds the enqueue measure's reads of the flight
+   recorder (one every 2 slots, the ring full after the first ~20 s).
 4. **Reads.** In-process: one sample of the main thread (20 a second), one heartbeat's
-   slot bookkeeping, and one judge's slot (read 8 heartbeats, judge 8 ranks; judge 1024).
+   slot bookkeeping, and one judge's slot (read 8 heartbeats, judge 8 ranks; judge 1024);
+   the enqueue measure's read of a full flight recorder (a one-rank gloo group, 2000
+   entries), and its judge's slot (8 ranks' rows).
 """
 
 from __future__ import annotations
@@ -178,8 +184,21 @@ peerwatch.install()
 import torch, torch.distributed as dist
 dist.init_process_group("gloo")
 t = torch.ones(1000)
+if sys.argv[2] == "ddp":
+    torch.set_num_threads(1)
+    model = torch.nn.parallel.DistributedDataParallel(
+        torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 10)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = torch.randn(64, 256), torch.randint(0, 10, (64,))
+
+def ddp_step(state):
+    opt.zero_grad()
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
 
 def step(state):
+    if sys.argv[2] == "ddp":
+        return ddp_step(state)
     rows = [{"id": i, "text": f"token-{(i * 7919 + state[0]) % 1000}", "w": i % 13} for i in range(7500)]
     counts = {}
     for row in rows:
@@ -204,11 +223,11 @@ for line in sys.stdin:
 
 
 class CostJob:
-    def __init__(self, workdir: str, on: bool) -> None:
+    def __init__(self, workdir: str, on: bool, kind: str = "python") -> None:
         port = str(free_port())
         env = clean_env(PEERWATCH_DIR=os.path.join(workdir, f"run-{on}"), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
                         MASTER_PORT=port, PEERWATCH_STRAGGLERS="1" if on else "0")
-        self.procs = [subprocess.Popen([sys.executable, "-c", COST_RANK, ROOT], env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
+        self.procs = [subprocess.Popen([sys.executable, "-c", COST_RANK, ROOT, kind], env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for r in range(2)]
         for p in self.procs:
             assert p.stdout is not None
@@ -234,13 +253,15 @@ class CostJob:
             p.wait(timeout=60)
 
 
-def cost(pairs: int, block_s: float) -> List[List[str]]:
+def cost(pairs: int, block_s: float, kind: str = "python") -> List[List[str]]:
     with tempfile.TemporaryDirectory() as tmp:
-        jobs = {on: CostJob(tmp, on) for on in (False, True)}
+        jobs = {on: CostJob(tmp, on, kind) for on in (False, True)}
         try:
             warm = statistics.mean(jobs[on].block(50)[0] for on in (False, True))
             steps = max(50, int(block_s * 1000 / warm))
-            time.sleep(12.0)  # past two slots: the sampler runs, and a judge has judged
+            # Past two slots: the sampler runs, and a judge has judged; for DDP, past 25 s: the
+            # flight recorder's ring is full (its reads cost the most from then on).
+            time.sleep(12.0 if kind == "python" else 25.0)
             res: Dict[bool, List[Tuple[float, float]]] = {False: [], True: []}
             for _ in range(pairs):
                 for on in random.sample([False, True], 2):
@@ -251,7 +272,8 @@ def cost(pairs: int, block_s: float) -> List[List[str]]:
     diffs = [(b[0] - a[0]) / a[0] * 100 for a, b in zip(res[False], res[True])]
     cpu = [(b[1] - a[1]) / a[1] * 100 for a, b in zip(res[False], res[True])]
     half = 2.2 * statistics.stdev(diffs) / len(diffs) ** 0.5
-    return [["Python step + all_reduce(1000), 2 ranks", f"{pairs} x {steps}",
+    what = "Python step + all_reduce(1000), 2 ranks" if kind == "python" else "DDP step (256-512-10 MLP), 2 ranks"
+    return [[what, f"{pairs} x {steps}",
              f"{statistics.mean(a for a, _ in res[False]):.3f}", f"{statistics.mean(a for a, _ in res[True]):.3f}",
              f"**{statistics.mean(diffs):+.2f} % ± {half:.2f} %**", f"{statistics.mean(cpu):+.2f} %"]]
 
@@ -333,6 +355,7 @@ def reads() -> List[List[str]]:
 
     read_ms = _read_heartbeats_ms(8)
     thread_share = _sampler_share(5.0)
+    fr_ms, add_ms, late_ms = _enqueue_ms()
     return [
         ["one sample's work (a frame lookup and a name test)", f"{sample_us:.1f} µs", ""],
         ["the sampler thread, 20 samples a second (its CPU time: wake-ups included)",
@@ -341,7 +364,48 @@ def reads() -> List[List[str]]:
         ["judge's slot: read 8 heartbeats (lowest local rank, once a slot)", f"{read_ms:.2f} ms", ""],
         ["judge's slot: the rule over 8 ranks", f"{judge_ms(8, 200):.2f} ms", ""],
         ["judge's slot: the rule over 1024 ranks (host 0 of a large job)", f"{judge_ms(1024, 5):.1f} ms", ""],
+        ["enqueue measure: read a full flight recorder (2000 entries; GIL held), every 2 slots",
+         f"{fr_ms:.1f} ms", f"{fr_ms / 10_000 * 100:.2f} % of 10 s"],
+        ["enqueue measure: the read's entries into slots' rows", f"{add_ms:.2f} ms", ""],
+        ["enqueue measure: judge's slot, 8 ranks' rows (12 slots of 24)", f"{late_ms:.2f} ms", ""],
     ]
+
+
+def _enqueue_ms() -> Tuple[float, float, float]:
+    """A full flight recorder read (a one-rank gloo group, 2100 all_reduces), its entries
+    made into rows, and the lateness of 8 ranks' rows: median ms of each."""
+    import torch
+    import torch.distributed as dist
+
+    from peerwatch._collectives import CollectiveReader
+    from peerwatch._straggler import lateness, row_from_text
+    from peerwatch._waits import EnqueueWindow
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        t = torch.ones(4)
+        for _ in range(2100):
+            dist.all_reduce(t)
+        reader = CollectiveReader(0)
+        reads, adds = [], []
+        entries: list = []
+        for _ in range(10):
+            t0 = time.perf_counter()
+            entries = reader.enqueued()
+            reads.append((time.perf_counter() - t0) * 1000)
+            window = EnqueueWindow(0.001)  # slots of 5 ms: the 2000 entries fill many
+            t0 = time.perf_counter()
+            window.add(entries, time.time_ns())
+            adds.append((time.perf_counter() - t0) * 1000)
+    finally:
+        dist.destroy_process_group()
+    rows = [row_from_text(r) for r in window.rows()]
+    ranks = {r: [tuple(v if i != 3 else v + r for i, v in enumerate(row)) for row in rows if row] for r in range(8)}
+    t0 = time.perf_counter()
+    for _ in range(10):
+        lateness(ranks)
+    return statistics.median(reads), statistics.median(adds), (time.perf_counter() - t0) * 100
 
 
 def _sampler_share(seconds: float) -> float:
@@ -391,6 +455,8 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=12)
     parser.add_argument("--block-s", type=float, default=3.0)
     parser.add_argument("--in-process", action="store_true", help="cost: the in-process A/B only (no jobs)")
+    parser.add_argument("--in-jobs", action="store_true", help="cost: the jobs' A/B only (not in-process)")
+    parser.add_argument("--cost-step", choices=["python", "ddp"], default="python")
     args = parser.parse_args()
     print(f"peerwatch {peerwatch_commit()}, {machine()}, {datetime.datetime.now():%Y-%m-%d %H:%M}\n")
     if args.only in (None, "detect"):
@@ -404,7 +470,8 @@ def main() -> None:
               flush=True)
     if args.only in (None, "cost"):
         print("Cost: stragglers on vs off (both with peerwatch), blocks alternated in one run\n")
-        rows = sampler_cost(args.pairs * 10, 0.3) + (cost(args.pairs, args.block_s) if not args.in_process else [])
+        rows = (sampler_cost(args.pairs * 10, 0.3) if not args.in_jobs else []) + \
+            (cost(args.pairs, args.block_s, args.cost_step) if not args.in_process else [])
         print(table(["loop", "pairs x steps", "step ms off", "on", "wall difference (95 %)", "CPU difference"], rows), "\n",
               flush=True)
     if args.only in (None, "reads"):

@@ -130,7 +130,9 @@ class CollectiveReader:
         """(group's pg_id, seq, enqueue time_ns) of every collective in the recorder's ring,
         point-to-point ones left out: the straggler's enqueue measure. Costly (the whole
         ring: 20-50 ms with 2000 entries, holding the GIL): read once every few slots."""
-        out = []
+        out: List[Tuple[int, int, int]] = []
+        if not self.available():
+            return out
         for body in self._read(True) or ():
             for entry in body.get("entries") or ():
                 try:

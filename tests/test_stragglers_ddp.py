@@ -91,3 +91,20 @@ def test_balanced_ddp_ranks_are_not_named(make_job) -> None:
     late = lateness({b["rank"]: [row_from_text(r) for r in b["enqueued"]] for b in _beats(job)})
     assert sorted(late) == list(range(WORLD)) and all(len(v[0]) >= MIN_SLOTS for v in late.values()), late
     print({r: v[0] for r, v in late.items()})
+
+
+def test_the_enqueue_window_reads_every_two_slots_while_the_job_moves_and_publishes_closed_slots() -> None:
+    from peerwatch._waits import ENQ_READ_SLOTS, EnqueueWindow
+
+    window = EnqueueWindow(1.0)  # slots of 5 s
+    moving = [(("0", 10 * i, 10 * i),) for i in range(1, 5)]
+    assert [window.due(c) for c in moving] == [False, True, False, True] and ENQ_READ_SLOTS == 2
+    assert not window.due(moving[-1]) and not window.due(moving[-1])  # stood still: no read
+    slot_ns = 5_000_000_000
+    # Slots 100 and 101 closed, 102 under way: group 1 is the busiest; slot 102 waits.
+    entries = [(1, s, 100 * slot_ns + s * 250_000_000) for s in range(1, 31)] + [(0, 1, 100 * slot_ns)]
+    window.add(entries, 102 * slot_ns + 1)
+    rows = [row_from_text(r) for r in window.rows()]
+    assert [(r[0], r[1], r[2], len(r)) for r in rows if r] == [(100, 1, 1, 22), (101, 1, 20, 14)]
+    window.add(entries, 102 * slot_ns + 2)  # the same slots again: nothing more
+    assert len(window.rows()) == 2
