@@ -5,6 +5,7 @@
     .venv/bin/python benchmarks/straggler.py --only balanced --minutes 10 --hogs 2
     .venv/bin/python benchmarks/straggler.py --only cost --pairs 12
     .venv/bin/python benchmarks/straggler.py --only cost --cost-step ddp --pairs 20 --block-s 2 --in-jobs
+    .venv/bin/python benchmarks/straggler.py --only enqueue-cost --pairs 20
 
 1. **Detect.** 4 ranks of tests/collective_program.py (all_reduce, then a sleep as the
    "compute"), the default heartbeat (1 s, slots of 5 s), three computing 0.20 s a step and
@@ -371,6 +372,81 @@ def reads() -> List[List[str]]:
     ]
 
 
+def enqueue_cost(pairs: int, block_s: float) -> List[List[str]]:
+    """In one process (a one-rank gloo group, its recorder's ring full): blocks of DDP steps
+    with a thread reading the flight recorder once a second (ten times the real rate: the
+    effect is measurable) and without, in random order. What the training thread pays per
+    read, and so at the real rate (one read every 10 s at the default heartbeat)."""
+    import threading
+
+    import torch
+    import torch.distributed as dist
+
+    from peerwatch._collectives import CollectiveReader
+    from peerwatch._waits import EnqueueWindow
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    torch.set_num_threads(1)
+    model = torch.nn.parallel.DistributedDataParallel(
+        torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 10)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = torch.randn(64, 256), torch.randint(0, 10, (64,))
+
+    def step() -> None:
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+
+    reading, stop = threading.Event(), threading.Event()
+    reads = [0]
+
+    def reader_thread() -> None:
+        reader, window = CollectiveReader(0), EnqueueWindow(1.0)
+        while not stop.is_set():
+            reading.wait()
+            if stop.is_set():
+                return
+            window.add(reader.enqueued(), time.time_ns())
+            reads[0] += 1
+            stop.wait(1.0)
+
+    try:
+        for _ in range(2100):  # the ring full: the costliest read
+            step()
+        t0 = time.perf_counter()
+        for _ in range(50):
+            step()
+        steps = max(50, int(block_s / ((time.perf_counter() - t0) / 50)))
+        thread = threading.Thread(target=reader_thread, daemon=True)
+        thread.start()
+        res: Dict[bool, List[float]] = {False: [], True: []}
+        on_s = 0.0
+        for _ in range(pairs):
+            for on in random.sample([False, True], 2):
+                if on:
+                    reading.set()
+                w0 = time.perf_counter()
+                for _ in range(steps):
+                    step()
+                took = time.perf_counter() - w0
+                reading.clear()
+                on_s += took if on else 0.0
+                res[on].append(took * 1000 / steps)
+                time.sleep(1.1)  # the reader's last read of an "on" block is over
+        stop.set()
+        reading.set()
+        thread.join()
+    finally:
+        dist.destroy_process_group()
+    d = [(b - a) / a * 100 for a, b in zip(res[False], res[True])]
+    mean, half = statistics.mean(d), 1.97 * statistics.stdev(d) / len(d) ** 0.5
+    rate = reads[0] / on_s  # reads a second while "on"
+    return [["DDP step, one process, a full recorder read every second (10x the real rate)", f"{pairs} x {steps}",
+             f"{statistics.mean(res[False]):.3f}", f"{statistics.mean(res[True]):.3f}",
+             f"**{mean:+.2f} % ± {half:.2f} %**", f"at the real rate (1 read / 10 s): {mean / (10 * rate):+.3f} %"]]
+
+
 def _enqueue_ms() -> Tuple[float, float, float]:
     """A full flight recorder read (a one-rank gloo group, 2100 all_reduces), its entries
     made into rows, and the lateness of 8 ranks' rows: median ms of each."""
@@ -448,7 +524,7 @@ def _read_heartbeats_ms(n: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--only", choices=["detect", "balanced", "cost", "reads"])
+    parser.add_argument("--only", choices=["detect", "balanced", "cost", "reads", "enqueue-cost"])
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--minutes", type=float, default=10.0)
     parser.add_argument("--hogs", type=int, default=2)
@@ -474,6 +550,10 @@ def main() -> None:
             (cost(args.pairs, args.block_s, args.cost_step) if not args.in_process else [])
         print(table(["loop", "pairs x steps", "step ms off", "on", "wall difference (95 %)", "CPU difference"], rows), "\n",
               flush=True)
+    if args.only in (None, "enqueue-cost"):
+        print("Cost of the enqueue measure's reads (in-process, alternated)\n")
+        print(table(["loop", "pairs x steps", "step ms off", "on", "wall difference (95 %)", "scaled"],
+                    enqueue_cost(args.pairs, 2.0)), "\n", flush=True)
     if args.only in (None, "reads"):
         print("Reads (in-process, this machine)\n")
         print(table(["what", "cost", "share"], reads()))

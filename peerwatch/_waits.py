@@ -11,8 +11,9 @@ slot (``SLOT_BEATS`` heartbeats, on the wall clock) with the samples counted and
 torch's counters, which it reads anyway), and the heartbeat publishes the last ``SLOTS``.
 
 What it cannot see: a wait that happens in C++ with no Python frame of torch.distributed
-above it (DDP's gradient all-reduces, waited for inside ``backward()``). A job whose only
-collectives are DDP's shows no waits, and no straggler is named (docs/stragglers.md).
+above it (DDP's gradient all-reduces, waited for inside ``backward()``). For those,
+:class:`EnqueueWindow` publishes when this rank entered its collectives, from torch's
+flight recorder, which the judge compares between the ranks of the host (docs/stragglers.md).
 """
 
 from __future__ import annotations
