@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/straggler.py                         (everything, ~25 min)
     .venv/bin/python benchmarks/straggler.py --only detect --runs 3
+    .venv/bin/python benchmarks/straggler.py --only detect --runs 3 --ddp
     .venv/bin/python benchmarks/straggler.py --only balanced --minutes 10 --hogs 2
     .venv/bin/python benchmarks/straggler.py --only cost --pairs 12
     .venv/bin/python benchmarks/straggler.py --only cost --cost-step ddp --pairs 20 --block-s 2 --in-jobs
@@ -60,7 +61,8 @@ START_TIMEOUT_S = 120.0
 class Job:
     """WORLD ranks of collective_program.py, started now; ``close()`` kills and reaps them."""
 
-    def __init__(self, workdir: str, behave: List[str], env_extra: Optional[Dict[str, str]] = None) -> None:
+    def __init__(self, workdir: str, behave: List[str], env_extra: Optional[Dict[str, str]] = None,
+                 flags: Optional[List[str]] = None) -> None:
         self.run, self.ready, self.workdir = os.path.join(workdir, "run"), os.path.join(workdir, "ready"), workdir
         os.makedirs(self.ready)
         port = str(free_port())
@@ -68,7 +70,8 @@ class Job:
         for rank in range(WORLD):
             env = clean_env(PEERWATCH_DIR=self.run, RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank),
                             MASTER_ADDR="127.0.0.1", MASTER_PORT=port, PYTHONPATH=ROOT, **(env_extra or {}))
-            argv = [sys.executable, PROGRAM, "--world", str(WORLD), "--ready", self.ready, "--step-s", str(STEP_S)]
+            argv = [sys.executable, PROGRAM, "--world", str(WORLD), "--ready", self.ready, "--step-s", str(STEP_S),
+                    *(flags or [])]
             for item in behave:
                 argv += ["--behave", item]
             with open(os.path.join(workdir, f"rank-{rank}.log"), "wb") as log:
@@ -126,11 +129,11 @@ class Job:
             p.wait()
 
 
-def detect(runs: int) -> List[List[str]]:
+def detect(runs: int, ddp: bool = False) -> List[List[str]]:
     rows = []
     for _ in range(runs):
         with tempfile.TemporaryDirectory() as tmp:
-            job = Job(tmp, [f"2=slow:{SLOW_S}@0"])
+            job = Job(tmp, [f"2=slow:{SLOW_S}@0"], flags=["--ddp"] if ddp else [])
             try:
                 t0 = job.wait_started()
                 while not job.found() and time.monotonic() - t0 < 300:
@@ -139,7 +142,8 @@ def detect(runs: int) -> List[List[str]]:
                 found = job.found() or []
             finally:
                 job.close()
-        rows.append([f"{STEP_S:.2f} s x3, {STEP_S + SLOW_S:.2f} s on rank 2", f"{took:.1f} s",
+        rows.append([f"{'DDP, data loading ' if ddp else ''}{STEP_S:.2f} s x3, {STEP_S + SLOW_S:.2f} s on rank 2",
+                     f"{took:.1f} s",
                      ", ".join(f"rank {s['rank']} ({s['late_ms']} ms, {100 * s['share']:.0f} %)" for s in found)
                      or "nobody"])
     return rows
@@ -533,11 +537,12 @@ def main() -> None:
     parser.add_argument("--in-process", action="store_true", help="cost: the in-process A/B only (no jobs)")
     parser.add_argument("--in-jobs", action="store_true", help="cost: the jobs' A/B only (not in-process)")
     parser.add_argument("--cost-step", choices=["python", "ddp"], default="python")
+    parser.add_argument("--ddp", action="store_true", help="detect: DDP steps (waits in C++: the enqueue measure)")
     args = parser.parse_args()
     print(f"peerwatch {peerwatch_commit()}, {machine()}, {datetime.datetime.now():%Y-%m-%d %H:%M}\n")
     if args.only in (None, "detect"):
         print("Detect: 4 ranks, default heartbeat; seconds from the first step to the finding\n")
-        print(table(["job", "named after", "named"], detect(args.runs)), "\n", flush=True)
+        print(table(["job", "named after", "named"], detect(args.runs, args.ddp)), "\n", flush=True)
     if args.only in (None, "balanced"):
         rows = [watch(args.minutes, args.hogs, [], "balanced, 0.20 s a step"),
                 watch(args.minutes, args.hogs, ["0=every:2/300@0"], "rank 0 sleeps 2 s every 300 steps")]
