@@ -50,6 +50,9 @@ DEFAULT_TARGETS = [
     ("peerwatch/_plan.py", ["tests/test_plan.py"]),
     ("peerwatch/_schedule.py", ["tests/test_schedule.py"]),
     ("peerwatch/_hosts.py", ["tests/test_hosts.py"]),
+    ("peerwatch/_diagnose.py", ["tests/test_diagnose.py"]),
+    ("peerwatch/_straggler.py", ["tests/test_straggler_rule.py"]),
+    ("peerwatch/_summary.py", ["tests/test_summary.py"]),
 ]
 COPIED = ("peerwatch", "tests", "pyproject.toml", "setup.cfg")  # what a worker's copy holds
 PYTEST_ARGS = ("-x", "-q", "-p", "no:cacheprovider")

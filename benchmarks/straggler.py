@@ -331,7 +331,7 @@ def sampler_cost(pairs: int, block_s: float) -> List[List[str]]:
 def reads() -> List[List[str]]:
     import threading
 
-    from peerwatch._collectives import waits_in_torch_distributed
+    from peerwatch._collectives import in_torch_distributed
     from peerwatch._straggler import SLOTS, Profile, find
     from peerwatch._waits import WaitWindow
 
@@ -340,7 +340,7 @@ def reads() -> List[List[str]]:
     t0 = time.perf_counter()
     for _ in range(n):
         frame = sys._current_frames().get(main.ident or 0)
-        waits_in_torch_distributed(frame.f_code.co_filename if frame is not None else "")
+        in_torch_distributed(frame.f_code.co_filename if frame is not None else "")
     sample_us = (time.perf_counter() - t0) / n * 1e6
     window = WaitWindow(1.0)
     counters = (("0", 10, 10),)

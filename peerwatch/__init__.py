@@ -20,12 +20,13 @@ Importing peerwatch is cheap and never imports torch.
 #            _diagnose _plan _hosts _summary _straggler
 #   os       adapters to the OS, one concern each: processes, signals, the run directory
 #            _identity _activity _collectives _keeper _store_client _store_protocol
-#            _sources _teardown _rundir _sharedfs _exitwatch _eventlog _stacks _waits
+#            _sources _teardown _sharedfs _exitwatch _eventlog _stacks _waits
+#            _trust _dirfd _rundir _basedir _prepare
 #   stages   one step of the data flow each, built on the adapters, called by the wiring
-#            _observer _heartbeat _diagnoser _enforce _leave _notify _bridge _election
-#            _launchers _frdump _report _timeline _gc _stragglerwatch
-#   wiring   the watcher thread, the hooks, the API and the tools
-#            _watcher _hooks _api cli _doctor __main__ integrations
+#            _observer _waker _ownrecords _heartbeat _diagnoser _enforce _leave _notify
+#            _bridge _election _launchers _frdump _report _timeline _gc _stragglerwatch
+#   wiring   the watcher thread and its verdict's executor, the hooks, the API and the tools
+#            _watcher _verdict _hooks _api cli _doctor __main__ integrations
 #
 # A lower layer that needs something done above it is passed a callable or a value (the
 # teardown records its signals through the ``note`` its caller passes), never imports it.

@@ -14,7 +14,7 @@ import time
 from types import TracebackType
 from typing import Any, Callable, Optional, Type
 
-from . import _eventlog, _hooks, _identity, _launchers, _rundir, _sharedfs, _terminal
+from . import _basedir, _eventlog, _hooks, _identity, _launchers, _prepare, _rundir, _sharedfs, _terminal
 from ._config import Config
 from ._errors import PeerFailure, RunDirError
 from ._records import Registration, Verdict
@@ -105,7 +105,7 @@ def _install(options: Any) -> Optional[Handle]:
         if not config.enabled:
             logger.info("peerwatch: disabled (%s)", config.source_of("enabled"))
             return None
-        if _rundir.is_multiprocessing_child() and "rank" not in options:
+        if _basedir.is_multiprocessing_child() and "rank" not in options:
             logger.debug("peerwatch: a multiprocessing child without rank=; not a rank, not watching")
             return None
         try:
@@ -125,7 +125,7 @@ def _install(options: Any) -> Optional[Handle]:
 def _start(config: Config) -> Watcher:
     me = _identity.self_info()
     rank = config.effective_rank
-    path, how = _rundir.resolve(config.run_dir, os.environ)
+    path, how = _basedir.resolve(config.run_dir, os.environ)
     shared = _sharedfs.detect(config.shared_fs, config.source_of("shared_fs"), path)
     if shared is not None:
         logger.info(
@@ -139,7 +139,7 @@ def _start(config: Config) -> Watcher:
         time_ns=time.time_ns(), world_size=config.world_size, local_rank=config.local_rank,
         argv=" ".join(sys.argv)[:500],
     )
-    rd.prepare(reg, _identity.start_time_ns())  # registers this rank: the first claim of a slot wins
+    _prepare.prepare(rd, reg, _identity.start_time_ns())  # registers this rank: the first claim of a slot wins
     try:
         from . import _gc  # old run directories under the default base: once per process, never raises
 

@@ -363,7 +363,7 @@ class _BeatLoop:
         if self.index is not None and mtime == self._ranks_mtime:
             return None
         self._ranks_mtime = mtime
-        ranks = tuple(sorted(r for r, reg in run_dir.registrations().items() if _identity.is_local(reg)))
+        ranks = _identity.local_ranks(run_dir.registrations())
         if self.index is not None and ranks == self._ranks:
             return None
         return dataclasses.replace(self._me_info(), ranks=ranks)
@@ -656,8 +656,8 @@ class Bridge:
 
     def _started_ns(self) -> int:
         """When the run started on this host: its earliest local registration (time_ns)."""
-        regs = [reg.time_ns for reg in self.run_dir.registrations().values() if _identity.is_local(reg)]
-        return min(regs + [self.me.time_ns])
+        regs = self.run_dir.registrations()
+        return min([regs[r].time_ns for r in _identity.local_ranks(regs)] + [self.me.time_ns])
 
     def _resolve_late(self) -> bool:
         """Where the launcher sets MASTER_ADDR/MASTER_PORT after install() (Lightning under
@@ -686,8 +686,7 @@ class Bridge:
         """The watcher acts on ``verdict``: make sure the other hosts learn it (bounded)."""
         if self.from_store is not None or self.published:
             return
-        local = {r for r, reg in self.run_dir.registrations().items() if _identity.is_local(reg)}
-        if verdict.detected_by not in local:
+        if verdict.detected_by not in _identity.local_ranks(self.run_dir.registrations()):
             return  # made on another host: it came through the store
         if self.running and not self.connected:
             logger.info("peerwatch: the store at %s is unreachable: the verdict stays on this host", self.address)

@@ -228,7 +228,12 @@ def _shape(entry: Dict[str, Any]) -> str:
 
 # torch.distributed's own Python code: the package, and DDP's module, which is
 # torch.distributed's though it lives in torch.nn.parallel (the rest of torch.nn.parallel,
-# DataParallel, is one process: not distributed).
+# DataParallel, is one process: not distributed). DDP's module is innermost where DDP
+# calls its collectives from Python: a rank whose peer is late waits at the top of DDP's
+# forward, in _pre_forward (the reducer's bucket rebuild) or _distributed_broadcast_coalesced
+# (the buffers' broadcast), seen with torch 2.13 and gloo. Its backward never shows it: the
+# gradient all-reduces run from the reducer's C++ hooks, waited for under autograd's frame
+# (torch/autograd/graph.py), in no file of torch.distributed, so they count as neither.
 _TORCH_DISTRIBUTED_DIR = os.sep + os.path.join("torch", "distributed") + os.sep
 _DDP_FILE = os.sep + os.path.join("torch", "nn", "parallel", "distributed.py")
 # What torch.distributed's backends say when a peer is gone or does not answer: gloo's
@@ -241,14 +246,10 @@ _MESSAGE_CHARS = 2000  # of an exception's message, read for the backend's words
 
 
 def in_torch_distributed(filename: str) -> bool:
-    """Is ``filename`` (a code object's) torch.distributed's own code?"""
+    """Is ``filename`` (a code object's) torch.distributed's own code? The one meaning of
+    "inside torch.distributed": for a main thread waiting there (the heartbeat's
+    ``in_collective``, the wait sampler's waits) and for an exception raised there."""
     return _TORCH_DISTRIBUTED_DIR in filename or filename.endswith(_DDP_FILE)
-
-
-def waits_in_torch_distributed(filename: str) -> bool:
-    """Is a main thread whose innermost frame is in ``filename`` waiting in a collective?
-    torch.distributed's own code, not DDP's forward (which computes)."""
-    return _TORCH_DISTRIBUTED_DIR in filename
 
 
 def raised_by_torch_distributed(exc: BaseException, tb: Optional[TracebackType]) -> bool:
@@ -275,5 +276,5 @@ def in_backend_words(message: str) -> bool:
 __all__ = [
     "FAILING", "MAX_ERROR_CHARS", "NONE", "OFF", "READ", "STATES", "WAITING", "CollectiveReader", "Counters", "Entered",
     "c10d", "flight_recorder", "imported", "in_backend_words", "in_torch_distributed", "raised_by_torch_distributed",
-    "torch_loaded", "waits_in_torch_distributed",
+    "torch_loaded",
 ]

@@ -69,6 +69,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, AbstractSet, Dict, List, Mapping, Optional, Tuple
 
+from ._diagnose import FROZEN_STATES, RankState, explain
 from ._records import (
     BUSY,
     EXCEPTION,
@@ -79,7 +80,6 @@ from ._records import (
     MISSING,
     SIGNAL,
     VANISHED,
-    Activity,
     Diagnosis,
     ExitStatus,
     Failure,
@@ -113,27 +113,6 @@ REMOTE_SETTLE_NS = 2_000_000_000
 LEAVING_WAIT_NS = 15_000_000_000
 _DEATHS = (SIGNAL, VANISHED, EXIT)
 
-FROZEN_STATES = {"T": "stopped (SIGSTOP)", "t": "stopped by a debugger", "D": "in uninterruptible sleep (I/O)"}
-
-
-@dataclasses.dataclass(frozen=True)
-class Progress:
-    """What a live local rank last said of its training, and its process state."""
-
-    step: Optional[int]
-    progress_mono_ns: Optional[int]  # its last beat(), CLOCK_MONOTONIC (one clock per host)
-    paused: bool = False
-    state: str = "?"  # from /proc: R, S, D, T, ...
-    in_collective: bool = False  # its main thread waits inside torch.distributed
-    watcher_silent: bool = False  # its watcher has not written a heartbeat for a while (GIL held?)
-    where: str = ""
-    # torch's collective counters as its heartbeat published them (peerwatch._collectives).
-    collectives: Tuple[Tuple[str, int, int], ...] = ()
-    entered: Tuple[Tuple[str, int, str, str], ...] = ()
-    moved_mono_ns: Optional[int] = None  # when they last changed, CLOCK_MONOTONIC
-    timeout_ms: int = 0  # the shortest collective timeout it saw (0: unknown)
-    activity: Optional[Activity] = None  # its signs of work while its counters stand still
-
 @dataclasses.dataclass(frozen=True)
 class Observed:
     """What one watcher knows at ``now_ns`` (``time.time_ns()``)."""
@@ -147,7 +126,8 @@ class Observed:
     gone: Mapping[int, int]  # rank -> when this watcher saw its process gone (time_ns)
     verdict: Optional[Verdict] = None
     oom_kills: int = 0  # how many more OOM kills the kernel counts than when we started
-    progress: Mapping[int, Progress] = dataclasses.field(default_factory=dict)
+    # This host's live ranks' progress, as their heartbeats say (hang judges only).
+    progress: Mapping[int, RankState] = dataclasses.field(default_factory=dict)
     now_mono_ns: int = 0
     missing: Tuple[int, ...] = ()  # ranks that never registered by startup_timeout (to fail on)
     # Ranks on other hosts (shared-filesystem mode) -> how long their heartbeat has not
@@ -159,6 +139,10 @@ class Observed:
     # ended with no outcome recorded, its interpreter finalizes, its exit status is to come.
     # This host's ranks, read only while a collective exception is to be judged (rule 5).
     leaving: Mapping[int, int] = dataclasses.field(default_factory=dict)
+
+    def live_progress(self) -> Dict[int, RankState]:
+        """The progress of the ranks neither finished nor gone: those a hang is judged by."""
+        return {r: p for r, p in self.progress.items() if r not in self.successes and r not in self.gone}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -362,11 +346,11 @@ def _missing(obs: Observed, policy: Policy) -> Verdict:
 def _hang(obs: Observed, policy: Policy) -> Optional[Verdict]:
     if policy.hang_timeout_ns <= 0:
         return None
-    live = {r: p for r, p in obs.progress.items() if r not in obs.successes and r not in obs.gone}
+    live = obs.live_progress()
     if not live or any(p.paused for p in live.values()):
         return None
     # Progress: a beat(), or torch's collective counters moving (no code change needed).
-    beats = [t for p in live.values() for t in (p.progress_mono_ns, p.moved_mono_ns) if t is not None]
+    beats = [t for p in live.values() for t in (p.beat_mono_ns, p.moved_mono_ns) if t is not None]
     if not beats:
         return None  # nobody reports progress (no beat() nor collective yet): nothing to judge by
     silent_ns = obs.now_mono_ns - max(beats)
@@ -377,23 +361,18 @@ def _hang(obs: Observed, policy: Policy) -> Optional[Verdict]:
         p = live[rank]
         return (
             p.state not in FROZEN_STATES, not p.watcher_silent, p.in_collective,
-            -1 if p.step is None else p.step, p.progress_mono_ns or 0, rank,
+            -1 if p.step is None else p.step, p.beat_mono_ns or 0, rank,
         )
 
     order = sorted(live, key=lag)
     laggards = tuple(r for r in order if lag(r)[:4] == lag(order[0])[:4])
     first = order[0]
     p = live[first]
-    why = []
-    if p.state in FROZEN_STATES:
-        why.append(f"its process is {FROZEN_STATES[p.state]}")
-    if p.watcher_silent:
-        why.append("its watcher cannot run (the GIL is held, e.g. by C code)")
+    context = []
     if not p.in_collective and any(live[r].in_collective for r in live):
-        why.append("the others wait for it in torch.distributed")
-    why.append("it never reported progress" if p.step is None else f"step {p.step}")
-    if p.where:
-        why.append(f"at {p.where}")
+        context.append("the others wait for it in torch.distributed")
+    context.append("it never reported progress" if p.step is None else f"step {p.step}")
+    why = explain(p, context)
     others = [r for r in laggards if r != first]
     detail = f"no rank made progress for {silent_ns / 1e9:.1f}s; rank {first} holds the job up ({', '.join(why)})"
     if others:
@@ -557,6 +536,6 @@ def _vanished(obs: Observed, rank: int, seen_ns: int, policy: Policy) -> Verdict
 
 
 __all__ = [
-    "COLLECTIVE_SETTLE_NS", "CONSEQUENCE_WINDOW_NS", "REMOTE_SETTLE_NS", "FROZEN_STATES", "LEAVING_WAIT_NS", "Decision", "HangJudging", "Observed",
-    "Policy", "Progress", "decide", "exit_code_for",
+    "COLLECTIVE_SETTLE_NS", "CONSEQUENCE_WINDOW_NS", "REMOTE_SETTLE_NS", "LEAVING_WAIT_NS", "Decision", "HangJudging", "Observed",
+    "Policy", "decide", "exit_code_for",
 ]

@@ -52,7 +52,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
-from ._records import BUSY, HANG, MISMATCH, Activity
+from ._records import BUSY, HANG, MISMATCH, Activity, Heartbeat
 
 FACTOR = 5  # as NVIDIA's resiliency extension: 5x the longest interval seen
 FLOOR_S = 60.0  # never below a minute (unless the collective timeout is shorter)
@@ -68,24 +68,41 @@ BUSY_PLACES = 4  # ...seen at this many different stacks (or at every sample, if
 BUSY_OTHER_SHARE = 0.10  # or its other threads (torch's intra-op pool...) on the CPU this share of a core
 BUSY_IO_BYTES = 256 * 1024  # or bytes read or written by its threads (more than a progress bar)
 BUSY_CHILDREN_SHARE = 0.10  # or its descendants (data loader workers...) on the CPU this share of a core
+# A process state (/proc's) in which a rank cannot be making progress, and how to say it.
 FROZEN_STATES = {"T": "stopped (SIGSTOP)", "t": "stopped by a debugger", "D": "in uninterruptible sleep (I/O)"}
+STOPPED_STATES = ("T", "t")  # stopped: its watcher is stopped too, and no I/O is under way
 
 
 @dataclasses.dataclass(frozen=True)
 class RankState:
-    """What one live rank last published (its heartbeat), as the judge saw it."""
+    """What one live rank last published (its heartbeat) and its process state, as a judge
+    saw it: the one shape of a rank's progress, for the hang rule (peerwatch._decide), the
+    diagnosis and a host's summary (peerwatch._summary). Made from a heartbeat by :meth:`of`
+    only; a field the judges need is added here, to :class:`Heartbeat` and to :meth:`of`."""
 
+    step: Optional[int] = None  # its last beat()'s step (None: it never said)
+    beat_mono_ns: Optional[int] = None  # its last beat(), CLOCK_MONOTONIC (one clock per host)
+    paused: bool = False  # inside paused()
+    state: str = "?"  # from /proc: R, S, D, T, ...
+    watcher_silent: bool = False  # its watcher has not written a heartbeat for a while (GIL held?)
+    in_collective: bool = False  # its main thread waits inside torch.distributed
+    where: str = ""  # its main thread's innermost frame outside torch.distributed
     collectives: Tuple[Tuple[str, int, int], ...] = ()  # (group, last enqueued seq, last completed)
     entered: Tuple[Tuple[str, int, str, str], ...] = ()  # (group, seq, op, sizes) of its last collectives
-    moved_mono_ns: Optional[int] = None  # when its counters last changed
-    beat_mono_ns: Optional[int] = None  # its last beat()
-    paused: bool = False
-    state: str = "?"
-    watcher_silent: bool = False
-    in_collective: bool = False
-    where: str = ""
+    moved_mono_ns: Optional[int] = None  # when its counters last changed, CLOCK_MONOTONIC
+    timeout_ms: int = 0  # the shortest collective timeout it saw (0: unknown)
     activity: Optional[Activity] = None  # its signs of work while its counters stand still
     host: str = ""  # its host, where ranks of several hosts are judged together (peerwatch._summary)
+
+    @classmethod
+    def of(cls, beat: Heartbeat, state: str = "?", watcher_silent: bool = False) -> RankState:
+        """The rank as its heartbeat ``beat`` says, in process ``state``."""
+        return cls(
+            step=beat.step, beat_mono_ns=beat.progress_ns, paused=beat.paused, state=state,
+            watcher_silent=watcher_silent, in_collective=beat.in_collective, where=beat.where,
+            collectives=beat.collectives, entered=beat.entered, moved_mono_ns=beat.moved_ns,
+            timeout_ms=beat.pg_timeout_ms, activity=Activity.of(beat.activity),
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,7 +169,7 @@ def busy_evidence(s: RankState) -> Optional[str]:
     """Rule 6: what shows that a rank works while its counters stand still ("" if nothing
     does: it is stuck); None if it has published too few samples to tell yet."""
     a = s.activity
-    if s.state in ("T", "t") or s.watcher_silent or a is None:
+    if s.state in STOPPED_STATES or s.watcher_silent or a is None:
         return ""  # frozen, unseen, or a rank that publishes no samples (not judged by them)
     if a.samples < BUSY_SAMPLES or a.span_ms <= 0:
         return None
@@ -170,7 +187,7 @@ def busy_evidence(s: RankState) -> Optional[str]:
 
 def _frozen(s: RankState, evidence: Optional[str]) -> bool:
     """Rule 2: stopped, or in uninterruptible sleep with nothing moving, or unseen."""
-    return s.state in ("T", "t") or s.watcher_silent or (s.state == "D" and not evidence)
+    return s.state in STOPPED_STATES or s.watcher_silent or (s.state == "D" and not evidence)
 
 
 def _timeout_ns(timeout_ms: int) -> int:
@@ -269,18 +286,27 @@ def _ranks(ranks: Sequence[int], states: Optional[Mapping[int, RankState]] = Non
     return " and ".join(parts)
 
 
+def explain(s: RankState, context: Sequence[str] = ()) -> List[str]:
+    """Why a laggard holds the job up, as far as its own state says: frozen, its watcher
+    unable to run, then ``context`` (what its caller knows: its step, the others waiting
+    for it), then where its main thread is. The one wording of a hang's laggard, for the
+    diagnosis and for the hang_timeout verdict (peerwatch._decide)."""
+    why = []
+    if s.state in FROZEN_STATES and (s.state != "D" or not busy_evidence(s)):  # D with bytes moving: busy
+        why.append(f"its process is {FROZEN_STATES[s.state]}")
+    if s.watcher_silent and s.state not in STOPPED_STATES:  # a stopped process's watcher is stopped too
+        why.append("its watcher cannot run (the GIL is held, e.g. by C code)")
+    why.extend(context)
+    if s.where:
+        why.append(f"at {s.where}" + (" (inside torch.distributed)" if s.in_collective else ""))
+    return why
+
+
 def _hang_detail(
     ranks: Mapping[int, RankState], laggards: Sequence[int], entered: Sequence[int], group: Optional[str],
     seq: Optional[int], op: Optional[str], since_ns: int,
 ) -> str:
-    first = ranks[laggards[0]]
-    why = []
-    if first.state in FROZEN_STATES and (first.state != "D" or not busy_evidence(first)):
-        why.append(f"its process is {FROZEN_STATES[first.state]}")
-    if first.watcher_silent and first.state not in ("T", "t"):  # a stopped process's watcher is stopped too
-        why.append("its watcher cannot run (the GIL is held?)")
-    if first.where:
-        why.append(f"at {first.where}" + (" (inside torch.distributed)" if first.in_collective else ""))
+    why = explain(ranks[laggards[0]])
     where = f" ({', '.join(why)})" if why else ""
     text = f"nothing moved for {since_ns / 1e9:.1f}s: {_ranks(laggards, ranks)} never entered"
     if group is None:
@@ -322,6 +348,6 @@ class Threshold:
 
 
 __all__ = [
-    "BUSY_END_FRACTION", "CAP_FRACTION", "FACTOR", "FLOOR_S", "Found", "RankState", "Threshold", "WARMUP_GAPS",
-    "busy_evidence", "diagnose", "last_move",
+    "BUSY_END_FRACTION", "CAP_FRACTION", "FACTOR", "FLOOR_S", "FROZEN_STATES", "Found", "RankState", "STOPPED_STATES",
+    "Threshold", "WARMUP_GAPS", "busy_evidence", "diagnose", "explain", "last_move",
 ]

@@ -2,6 +2,10 @@
 :mod:`peerwatch._diagnose`), write ``events/diagnosis.json`` (first writer wins, so the
 job logs it once), and say when the job moved again. Owned by the watcher thread.
 
+It writes no one else's state: the diagnosis is recorded through its observer
+(:meth:`peerwatch._observer.Observer.record_diagnosis`, the one writer of what the observer
+knows), which says whether this judge's record was written or another judge's stands.
+
 Across hosts: while this host's ranks stand still, the judge writes their summary
 (:mod:`peerwatch._summary`) into ``RUN/stall.json`` for the store bridge to publish, and
 judges the other hosts' ranks beside its own from ``RUN/stalls-remote.json``, which the
@@ -14,20 +18,29 @@ import dataclasses
 import json
 import logging
 import time
-from typing import Dict, Optional
+from typing import Dict, Optional, Protocol
 
 from . import _decide, _diagnose, _identity, _summary
-from ._observer import Observer
 from ._records import BUSY, Diagnosis
-from ._rundir import DIAGNOSIS_FILE, REMOTE_STALLS_FILE, STALL_FILE
+from ._rundir import REMOTE_STALLS_FILE, STALL_FILE, RunDir
 
 logger = logging.getLogger("peerwatch")
 REMOTE_FRESH_S = 10.0  # stalls-remote.json older than this (plus two refreshes) is the past: left out
 
 
+class Recorder(Protocol):
+    """What a diagnoser needs of the watcher's observer (:class:`peerwatch._observer.Observer`
+    has it): passed down, so this stage does not import the one that observes."""
+
+    run_dir: RunDir
+
+    def diagnosis(self) -> Optional[Diagnosis]: ...
+    def record_diagnosis(self, record: Diagnosis, replace: bool) -> bool: ...
+
+
 class Diagnoser:
     def __init__(
-        self, rank: int, fixed_s: Optional[float], observer: Observer, auto: bool = False, interval_s: float = 1.0,
+        self, rank: int, fixed_s: Optional[float], observer: Recorder, auto: bool = False, interval_s: float = 1.0,
     ) -> None:
         self._rank = rank
         self._interval_ns = int(interval_s * 1e9)
@@ -61,19 +74,12 @@ class Diagnoser:
             end_at_ns=stalled_at_ns + found.end_after_ns if found.kind == BUSY else obs.now_ns,
             hosts=tuple((r, ranks[r].host) for r in found.laggards if ranks[r].host),
         )
-        name = DIAGNOSIS_FILE
-        if current is not None:  # an earlier stall's, resolved, or a busy laggard now stuck: this one replaces it
-            wrote = self._observer.write_event_replacing(name, record)
-        else:
-            wrote = self._observer.write_event(name, record)
-        if wrote:
+        # An earlier stall's, resolved, or a busy laggard now stuck: this one replaces it.
+        # Else the first judge's stands (the observer then knows that one).
+        if self._observer.record_diagnosis(record, replace=current is not None):
             self._mine, self._mine_last = record, last
-            self._observer.events[name] = record
             logger.warning("peerwatch: %s: %s (diagnosed by rank %d; %s)", found.kind, found.detail, self._rank,
                            self._what_next(record))
-        else:
-            self._observer.events.pop(name, None)
-            self._observer.scan()
         return self._observer.diagnosis()
 
     def _with_other_hosts(
@@ -145,8 +151,7 @@ class Diagnoser:
         if self._mine_last is not None and last <= self._mine_last:
             return
         resolved = dataclasses.replace(mine, resolved_ns=now_ns)
-        if self._observer.write_event_replacing(DIAGNOSIS_FILE, resolved):
-            self._observer.events[DIAGNOSIS_FILE] = resolved
+        if self._observer.record_diagnosis(resolved, replace=True):
             logger.warning("peerwatch: the job moved again %.1fs after it stopped: %s (%s)",
                            (now_ns - mine.stalled_at_ns) / 1e9,
                            "it was busy, as diagnosed" if mine.finding == BUSY else "it was slow, not stuck", mine.detail)
@@ -154,15 +159,7 @@ class Diagnoser:
 
     @staticmethod
     def ranks(obs: _decide.Observed) -> Dict[int, _diagnose.RankState]:
-        live = {r: p for r, p in obs.progress.items() if r not in obs.successes and r not in obs.gone}
-        return {
-            r: _diagnose.RankState(
-                collectives=p.collectives, entered=p.entered, moved_mono_ns=p.moved_mono_ns,
-                beat_mono_ns=p.progress_mono_ns, paused=p.paused, state=p.state, watcher_silent=p.watcher_silent,
-                in_collective=p.in_collective, where=p.where, activity=p.activity,
-            )
-            for r, p in live.items()
-        }
+        return obs.live_progress()
 
 
 __all__ = ["Diagnoser"]

@@ -31,7 +31,7 @@ import time
 import uuid
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from . import _collectives, _identity, _rundir, _sharedfs
+from . import _basedir, _collectives, _identity, _rundir, _sharedfs, _trust
 from ._errors import RunDirError
 
 OK, WARN, FAIL = "ok", "warn", "fail"
@@ -226,7 +226,7 @@ def _mount_options(mount_point: str) -> List[str]:
 
 
 def check_base() -> Check:
-    base = _rundir.base_dir()
+    base = _basedir.base_dir()
     fix_move = "point XDG_RUNTIME_DIR (or XDG_CACHE_HOME) at a local disk, or give each job a PEERWATCH_DIR"
     existing = base
     while not os.path.lexists(existing):
@@ -251,7 +251,7 @@ def check_base() -> Check:
         st = os.lstat(base)
         parts.append(f"owner uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):o}")
         try:
-            _rundir.check_trusted(base)
+            _trust.check_trusted(base)
         except RunDirError as e:
             return Check("run dir base", FAIL, "; ".join(parts), f"install() refuses it: {e}",
                          f"remove it (it is recreated 0700) or {fix_move}")

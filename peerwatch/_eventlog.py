@@ -43,7 +43,8 @@ from ._records import (
     returncode_exit_code,
     signal_name,
 )
-from ._rundir import EVENTS, RANKS, VERDICT_FILE, RunDir, open_regular, parse_rank_file, rank_file
+from ._rundir import EVENTS, RANKS, VERDICT_FILE, RunDir, parse_rank_file, rank_file
+from ._trust import open_regular
 
 logger = logging.getLogger("peerwatch")
 
@@ -214,9 +215,7 @@ def wanted_from_scan(name: str, rec: object) -> bool:
         return True
     if isinstance(rec, ExitStatus):
         return rec.observed_by == rec.rank
-    from ._exitwatch import EXIT_MESSAGE
-
-    return isinstance(rec, Failure) and rec.message == EXIT_MESSAGE
+    return isinstance(rec, Failure) and rec.observed
 
 
 def leaving(code: int) -> None:

@@ -83,9 +83,10 @@ def success_template(rank: int, pid: int) -> Tuple[bytes, bytes]:
 
 def failure_template(rank: int, pid: int) -> Tuple[bytes, bytes, bytes]:
     """(head, mid, tail): ``head + str(time_ns) + mid + str(code) + tail`` is the encoded
-    ``Failure(cause=EXIT, exit_code=code, message=EXIT_MESSAGE)`` of this rank."""
+    ``Failure(cause=EXIT, exit_code=code, message=EXIT_MESSAGE, observed=True)`` of this rank."""
     failure = Failure(
         rank=rank, pid=pid, time_ns=TIME_SENTINEL, cause=EXIT, exit_code=CODE_SENTINEL, message=EXIT_MESSAGE,
+        observed=True,
     )
     head, mid, tail = _split(encode(failure), TIME_SENTINEL, CODE_SENTINEL)
     return head, mid, tail

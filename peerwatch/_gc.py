@@ -1,7 +1,7 @@
 """Garbage collection of finished run directories under the default base.
 
 The policy, :func:`gc_plan`, is a pure function of what a scan found; :func:`collect` scans,
-plans and removes. Rules, first match wins, for each entry of :func:`_rundir.base_dir`:
+plans and removes. Rules, first match wins, for each entry of :func:`_basedir.base_dir`:
 
 1. not a real directory owned by this user (a symbolic link, a file, another user's
    folder): never touched, never followed;
@@ -20,7 +20,7 @@ plans and removes. Rules, first match wins, for each entry of :func:`_rundir.bas
 Either setting may be ``off``. Only the default base is ever collected: a run directory
 given with ``PEERWATCH_DIR`` (or ``run_dir=``) is the user's to keep or remove. A lock file
 (``NAME.lock``) beside no directory is removed once older than ``LOCK_AGE_S``. A directory
-is removed under its lock (the one ``RunDir.prepare`` takes), checked again, renamed to
+is removed under its lock (the one ``_prepare.prepare`` takes), checked again, renamed to
 ``.gc-trash-*`` (from then on no run finds it by name), then deleted without following links.
 """
 
@@ -35,9 +35,11 @@ import time
 from typing import Iterable, List, Mapping, Optional, Sequence
 
 from . import _identity
+from ._basedir import base_dir
 from ._errors import RunDirError
 from ._records import Registration
-from ._rundir import RANKS, RunDir, base_dir, check_trusted
+from ._rundir import RANKS, RunDir
+from ._trust import check_trusted
 
 logger = logging.getLogger("peerwatch")
 
@@ -49,7 +51,7 @@ LOCK_AGE_S = 3600.0  # an orphan lock file older than this goes
 _LOCK_OF_A_DIR = "the lock of a directory that exists"  # kept with it: not said line by line
 AUTO_EVERY_S = 3600.0  # install() collects at most this often per base (a stamp file says when)
 STAMP = ".gc-stamp"
-STALE_MARK = ".stale-"  # _rundir's suffix for a directory set aside
+STALE_MARK = ".stale-"  # _prepare's suffix for a directory set aside
 TRASH = ".gc-trash-"  # a directory being removed is first renamed to this prefix (atomic)
 
 REMOVE, KEEP = "remove", "keep"

@@ -199,6 +199,14 @@ class HeartbeatWriter:
             self._published = beat
             self._write(beat, atomic=self._ending)
 
+    def write_last(self, peer_pids: Callable[[], AbstractSet[int]]) -> None:
+        """The step this rank stopped at, for the report and ``peerwatch status``: the last
+        heartbeat (``write(last=True)``). Never raises: it must never stop a teardown or an exit."""
+        try:
+            self.write(peer_pids, last=True)
+        except Exception:  # noqa: BLE001
+            logger.debug("peerwatch: rank %d could not write its last heartbeat", self._me.rank, exc_info=True)
+
     def leaving(self, peer_pids: Callable[[], AbstractSet[int]]) -> None:
         """The rank's program has ended with no outcome recorded, and its interpreter is about
         to finalize: say so (``leaving_ns``) in a heartbeat written whole, now, before the

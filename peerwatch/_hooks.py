@@ -32,7 +32,7 @@ from ._collectives import raised_by_torch_distributed
 from ._errors import PeerFailure
 from ._plan import SETTLE_S
 from ._records import EXCEPTION, EXIT, MAX_TRACEBACK_CHARS, Failure, Verdict
-from ._rundir import RANKS, SPAWNED_RUN
+from ._rundir import RANKS, SPAWNED_RUN, RunDir
 from ._terminal import exception_message
 from ._watcher import Watcher
 
@@ -186,11 +186,9 @@ def spawn_main_note(w: Watcher, exc: BaseException) -> Optional[str]:
     me = _terminal.who(w.rank, w.me.pid, w.me.host)
     head = (f"peerwatch: {me} is torch.multiprocessing.spawn's main process, not one of its workers: "
             f"what it raised is a worker's failure")
-    workers = os.path.join(w.run_dir.path, SPAWNED_RUN)
-    try:
-        watched = any(name.startswith("rank-") for name in os.listdir(os.path.join(workers, RANKS)))
-    except OSError:
-        watched = False
+    workers = w.run_dir.join(SPAWNED_RUN)  # for people; looked at through the held descriptor
+    spawned = RunDir(w.run_dir.at(SPAWNED_RUN))
+    watched = any(name.startswith("rank-") for name in spawned.names(RANKS))
     if watched:
         return f"{head}. Its workers are watched in their own run: peerwatch report {workers} names the one that failed first"
     return (f"{head}. install() ran only here: its workers were not watched (none was ended at once, no report "

@@ -11,7 +11,7 @@ import dataclasses
 import functools
 import os
 import time
-from typing import Optional
+from typing import Mapping, Optional, Tuple
 
 from ._records import Registration
 
@@ -116,6 +116,12 @@ def is_local(reg: Registration) -> bool:
     return reg.boot_id == boot_id() and reg.pidns == pid_namespace()
 
 
+def local_ranks(regs: Mapping[int, Registration]) -> Tuple[int, ...]:
+    """This host's ranks among ``regs`` (rank -> registration), lowest first: the one way
+    the run's ranks are split into this host's and the others' (by :func:`is_local`)."""
+    return tuple(sorted(rank for rank, reg in regs.items() if is_local(reg)))
+
+
 def seems_alive(reg: Registration) -> bool:
     """As far as this host can tell. A local process is checked; one of this host from an
     earlier boot (same host name, another boot id) is dead; another host's, or another PID
@@ -148,6 +154,6 @@ def self_info() -> ProcessInfo:
 
 
 __all__ = [
-    "ProcessInfo", "boot_id", "hostname", "is_local", "is_same_process", "pid_namespace", "probe",
+    "ProcessInfo", "boot_id", "hostname", "is_local", "is_same_process", "local_ranks", "pid_namespace", "probe",
     "seems_alive", "self_info",
 ]

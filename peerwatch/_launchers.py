@@ -6,7 +6,7 @@ The watcher calls in here at three fixed points; nothing here imports torch or L
 ``after_install``
     Marks ``PEERWATCH_DIR`` as exported by this process (so that a multiprocessing child
     of a process that installed peerwatch, an ``mp.spawn`` worker, does not take its
-    parent for a peer: see :func:`peerwatch._rundir.resolve`), and watches the launcher.
+    parent for a peer: see :func:`peerwatch._basedir.resolve`), and watches the launcher.
     Under torchrun (and ``accelerate launch --multi_gpu``, which runs torchrun's agent),
     ``torch.multiprocessing.spawn`` and DeepSpeed the rank's parent is a launcher that is
     not a rank: the agent, the main process, ``deepspeed.launcher.launch``. If it dies (SIGKILL, OOM killer),
@@ -49,7 +49,7 @@ import threading
 import time
 from typing import Callable, Dict, List, Mapping, Optional, Protocol
 
-from . import _identity, _leave, _rundir, _terminal
+from . import _basedir, _identity, _leave, _rundir, _terminal
 from ._identity import is_local
 from ._records import LOST, Failure, Registration, Verdict
 
@@ -106,7 +106,7 @@ def after_install(link: RankLink, exit_code: int) -> Optional[LauncherWatch]:
     """Called once the watcher runs: marks ``PEERWATCH_DIR`` as ours, and starts watching
     the launcher, if this rank has one. Never raises."""
     try:
-        os.environ[_rundir.OWNER_VAR] = _rundir.process_key(os.getpid())
+        os.environ[_basedir.OWNER_VAR] = _basedir.process_key(os.getpid())
         launcher = launcher_of(link.me, os.environ)
         if launcher is None:
             return None
@@ -186,7 +186,7 @@ def launcher_of(me: Registration, env: Mapping[str, str]) -> Optional[Launcher]:
     its tasks itself)."""
     if env.get("TORCHELASTIC_RUN_ID"):
         kind = TORCHRUN_AGENT  # also `accelerate launch --multi_gpu`: torchrun's agent in accelerate's process
-    elif _rundir.is_multiprocessing_child():
+    elif _basedir.is_multiprocessing_child():
         kind = MP_PARENT
     elif is_deepspeed_launcher(me.ppid):
         kind = DEEPSPEED_LAUNCHER

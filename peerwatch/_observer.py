@@ -7,29 +7,31 @@ writes to the wake pipe), the heartbeats of local peers (for the hang judges), o
 hosts' records on a shared filesystem, and post-mortems of a peer that ended: its exit
 status where we are its parent, else faulthandler's last words in its stack file.
 
-Threads: everything here is owned by the watcher thread, except :meth:`Observer.wake`,
-which any thread may call (one byte down a non-blocking pipe).
+Threads: everything here is owned by the watcher thread, except :meth:`Observer.wake`
+and :meth:`Observer.stop`, which any thread may call (see :class:`peerwatch._waker.Waker`).
+Nothing else writes its state: the rank's own records (failure, success...), written by
+other threads, go to disk through :class:`peerwatch._ownrecords.OwnRecords` and are read
+back here like any other record; the hang diagnosis is recorded through
+:meth:`Observer.record_diagnosis`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import logging
 import os
-import select
 import stat
-import threading
 import time
-from typing import Any, Dict, List, Optional, Set, Tuple
+from typing import Dict, List, Optional, Set, Tuple
 
-from . import _decide, _eventlog, _identity, _rundir, _sharedfs, _terminal
+from . import _decide, _eventlog, _identity, _rundir, _sharedfs
+from ._diagnose import RankState
 from ._heartbeat import OwnProgress, main_thread_position
+from ._ownrecords import OwnRecords
 from ._records import (
     EVENT_TYPES,
-    HANG,
-    MAX_TRACEBACK_CHARS,
     Ack,
-    Activity,
     Diagnosis,
     ExitStatus,
     Failure,
@@ -37,54 +39,35 @@ from ._records import (
     Registration,
     Success,
     Verdict,
-    decode,
     encode,
 )
 from ._rundir import DIAGNOSIS_FILE, EVENTS, HEARTBEATS, RANKS, VERDICT_FILE, RunDir, rank_file
-from ._sources import (
-    FolderWatch,
-    OwnedFd,
-    Peer,
-    child_returncode,
-    fatal_signal_in,
-    gil_timeout_in,
-    oom_kill_count,
-    still_running,
-)
+from ._sources import Peer, oom_kill_count, post_mortem
+from ._waker import Waker
 
 logger = logging.getLogger("peerwatch")
 
 _IDENTIFIED = (Success, Failure, ExitStatus, Ack)  # a rank's records that name its process
 _WATCHED_EVENTS = {k: v for k, v in EVENT_TYPES.items() if k not in ("thread", "unsignalled")}  # for the report only
 STACK_DUMP_LIMIT = 1 << 20  # bytes of a dead peer's stack file read for its last words
-CHILD_STATUS_WAIT_S = 0.05  # a dead child's status, when its pidfd fired before waitid sees it: at most
-# How often the watcher checks, unasked, that its descriptors are still its own (the wake
-# pipe, one pidfd in turn, inotify's): a few fstat calls and a read of /proc/self/fdinfo,
-# O(1) however many peers. Most takeovers show at once (a closed fd polls POLLNVAL,
-# /dev/null polls readable: both are checked when they fire); this look is for a pidfd
-# replaced by something that never becomes readable, which blinds this rank alone (its
-# peers still watch that process). Every second, it doubled the watcher's idle CPU.
-FD_CHECK_S = 5.0
 
 
 class Observer:
     """The sources of one rank, and what they said so far."""
 
-    def __init__(self, run_dir: RunDir, me: Registration, use_pidfd: bool, remote: Optional[_sharedfs.RemoteWatch]):
+    def __init__(
+        self, run_dir: RunDir, me: Registration, use_pidfd: bool, remote: Optional[_sharedfs.RemoteWatch],
+        records: Optional[OwnRecords] = None,
+    ) -> None:
         self.run_dir = run_dir
         self.me = me
         self.use_pidfd = use_pidfd
         self.remote = remote  # shared-filesystem mode: other hosts' heartbeats
-        self._poller = select.poll()
-        self._wake_r, self._wake_w = self._new_wake_pipe()
-        self._poller.register(self._wake_r.fd, select.POLLIN)
-        self._repaired = False  # a descriptor was replaced: the poll set is made anew
-        self._next_fd_check = time.monotonic() + FD_CHECK_S
-        self._fd_turn = 0  # which peer's pidfd the next unasked check looks at
-        self._folder_args: Optional[Tuple[str, bool]] = None
-        self._fd_rank: Dict[int, int] = {}
         self.peers: Dict[int, Peer] = {}  # local peers watched through the OS
         self.gone: Dict[int, int] = {}  # rank -> when we saw its process gone (time_ns)
+        self._waker = Waker(me.rank, self.peers, self.gone)  # what the watcher sleeps on
+        # Where this process's records are written (its own, from other threads, too).
+        self._records = records if records is not None else OwnRecords(run_dir, me)
         self.registrations: Dict[int, Registration] = {me.rank: me}
         self._local_pids: Set[int] = {me.pid}  # of this host's registrations: kept as they come
         self._last_beats: Dict[int, Heartbeat] = {}  # the last heartbeat read of each peer (hang judges)
@@ -95,8 +78,6 @@ class Observer:
         # the one that can judge at once, and the write would only delay it.
         self._unwritten: List[Tuple[str, ExitStatus]] = []
         self._oom_kills_at_start = oom_kill_count()
-        self._folders: Optional[FolderWatch] = None
-        self.write_failed = False  # a record of this rank could not be written (a full disk...)
         self._events_path = run_dir.join(EVENTS)  # stat'ed on every wake-up: joined once
         try:
             self._events_id = _dir_id(self._events_path)  # to tell when the run directory is removed
@@ -123,165 +104,41 @@ class Observer:
             return "was replaced by another directory"  # moved aside, or removed, and made anew
         return "was removed" if now is None else "was replaced by another directory"
 
-    # -- waking and sleeping ---------------------------------------------------------
+    # -- waking and sleeping (the descriptors are the Waker's) ----------------------------
 
     def start(self, thread_name: str) -> bool:
         """Start inotify on the folders; False if it cannot be used (the caller polls)."""
-        self._folder_args = (f"peerwatch-inotify-{thread_name}", self.remote is not None and _sharedfs.inotify_disabled())
-        self._folders = self._watch_folders()
-        return self._folders.active
-
-    def _watch_folders(self) -> FolderWatch:
-        assert self._folder_args is not None
-        name, disabled = self._folder_args
+        disabled = self.remote is not None and _sharedfs.inotify_disabled()
         rd = self.run_dir
-        return FolderWatch([rd.at(EVENTS), rd.at(RANKS)], self.wake, name=name, disabled=disabled)
+        # The paths through the held descriptors, as they are when (re)made.
+        return self._waker.watch_folders(lambda: [rd.at(EVENTS), rd.at(RANKS)], f"peerwatch-inotify-{thread_name}", disabled)
 
     def stop(self) -> None:
-        if self._folders is not None:
-            self._folders.stop()
+        """Stop the folder watch for good (any thread may call this)."""
+        self._waker.stop()
 
     def stop_watching_folders(self) -> None:
-        """No more wakes from the folders, for a rank that acts on a verdict and looks at
-        them no more: every rank that leaves adds a record to ``events/`` (its
-        acknowledgement, its exit) that each watching rank's inotify threads read, which at
-        N = 128 on 2 cores was about 20 ms of CPU per rank, half of its teardown. Stopped
-        from a thread of its own (watchdog joins its reader); stop() has nothing left to do."""
-        folders, self._folders = self._folders, None
-        if folders is not None and folders.active:
-            name = f"{self._folder_args[0]}-stop" if self._folder_args else "peerwatch-inotify-stop"
-            threading.Thread(target=folders.stop, name=name, daemon=True).start()
-
-    def _new_wake_pipe(self) -> Tuple[OwnedFd, OwnedFd]:
-        r, w = os.pipe()
-        for fd in (r, w):
-            os.set_blocking(fd, False)
-            os.set_inheritable(fd, False)
-        return OwnedFd(r), OwnedFd(w)
+        """No more wakes from the folders (a rank that acts on a verdict): see :class:`Waker`."""
+        self._waker.stop_watching_folders()
 
     def wake(self) -> None:
         """Wake the watcher thread (any thread may call this)."""
-        w = self._wake_w
-        if not w.intact():
-            return  # taken over by the application: not ours to write to (the watcher repairs it)
-        try:
-            os.write(w.fd, b"\0")
-        except OSError:
-            pass  # the pipe is full (BlockingIOError): the watcher will wake anyway
+        self._waker.wake()
 
     def wait(self, timeout: float) -> bool:
         """Sleep until a source fires or ``timeout`` s pass; True if something woke us.
-
-        Readiness alone proves nothing: the application may have closed our descriptors
-        or put another file in their place (``/dev/null`` is always readable). A pidfd
-        that fired is believed only if it still is ours and the process is gone by its
-        identity; a descriptor that is not ours any more is replaced, never closed.
-        """
-        now = time.monotonic()
-        if now >= self._next_fd_check:
-            self._next_fd_check = now + FD_CHECK_S
-            self.check_fds()
-        events = self._poller.poll(max(0, int(timeout * 1000) + 1))
-        wake_fd = self._wake_r.fd
-        for fd, flags in events:
-            rank = self._fd_rank.get(fd)
-            if fd == wake_fd:
-                self._on_wake_ready(flags)
-            elif rank is not None and self.peers[rank].pidfd == fd and rank not in self.gone:
-                self._on_pidfd_ready(rank)
-        if self._repaired:
-            self._rebuild_poll()
-        return bool(events)
-
-    def _rebuild_poll(self) -> None:
-        """A new poll set of the descriptors that are ours now. After a repair, a number
-        may have changed hands (a new pipe can get a closed pidfd's number)."""
-        self._repaired = False
-        self._poller = select.poll()
-        self._poller.register(self._wake_r.fd, select.POLLIN)
-        self._fd_rank = {}
-        for rank, peer in self.peers.items():
-            if peer.pidfd is not None and rank not in self.gone:
-                self._fd_rank[peer.pidfd] = rank
-                self._poller.register(peer.pidfd, select.POLLIN)
-
-    def _on_wake_ready(self, flags: int) -> None:
-        if flags & (select.POLLNVAL | select.POLLERR) or not (self._wake_r.intact() and self._wake_w.intact()):
-            self._repair_wake_pipe()
-            return
-        try:
-            while os.read(self._wake_r.fd, 4096):
-                pass
-            self._repair_wake_pipe()  # EOF: the write end was closed behind our back
-        except BlockingIOError:
-            pass
-        except OSError:
-            self._repair_wake_pipe()
-
-    def _repair_wake_pipe(self) -> None:
-        old_r, old_w = self._wake_r, self._wake_w
-        self._wake_r, self._wake_w = self._new_wake_pipe()
-        self._repaired = True
-        old_r.close()  # each only if it is still ours
-        old_w.close()
-        logger.warning(
-            "peerwatch: rank %d: the watcher's wake pipe (fds %d, %d) was closed or replaced by the application "
-            "(os.closerange, dup2?); opened a new one", self.me.rank, old_r.fd, old_w.fd,
-        )
-
-    def _on_pidfd_ready(self, rank: int) -> None:
-        peer = self.peers[rank]
-        intact = peer.pidfd_intact()
-        if not still_running(peer.reg):
-            self._peer_gone(rank)  # gone by its identity (pid and start time), not by a readiness alone
-            return
-        # Alive by its identity: what fired was not its pidfd.
-        self._replace_pidfd(rank, "it fired while the process still runs" if intact else "closed or replaced")
-
-    def _replace_pidfd(self, rank: int, why: str) -> None:
-        peer = self.peers[rank]
-        fd = peer.pidfd
-        self._repaired = True
-        if not peer.reopen():
+        A peer whose pidfd fired is gone only if it is gone by its identity (see :class:`Waker`)."""
+        woken, ended = self._waker.wait(timeout)
+        for rank in ended:
             self._peer_gone(rank)
-            return
-        logger.warning(
-            "peerwatch: rank %d: its pidfd of %s, fd %s, was %s by the application (os.closerange, "
-            "dup2?); rank %d still runs, so it is watched through a new pidfd (fd %d)",
-            self.me.rank, _terminal.who(rank, peer.reg.pid, peer.reg.host), fd, why, rank, peer.pidfd,
-        )
+        return woken
 
     def check_fds(self, every_pidfd: bool = False) -> None:
         """Check that the watcher's descriptors are still its own, and replace those that
         are not: the wake pipe, inotify's, and one pidfd (each in turn), or all of them."""
-        if not (self._wake_r.intact() and self._wake_w.intact()):
-            self._repair_wake_pipe()
-            every_pidfd = True  # whatever hit the pipe may have hit the rest
-        if self._folders is not None and self._folders.active and not self._folders.intact():
-            every_pidfd = True
-            self._repair_folders()
-        watched = [r for r, p in self.peers.items() if p.pidfd is not None and r not in self.gone]
-        if not watched:
-            return
-        if not every_pidfd:
-            self._fd_turn = (self._fd_turn + 1) % len(watched)
-            watched = [watched[self._fd_turn]]
-        for rank in watched:
-            if not self.peers[rank].pidfd_intact():
-                self._replace_pidfd(rank, "closed or replaced")
-        if self._repaired:
-            self._rebuild_poll()
+        for rank in self._waker.check_fds(every_pidfd):
+            self._peer_gone(rank)
 
-    def _repair_folders(self) -> None:
-        old = self._folders
-        assert old is not None
-        old.abandon()
-        self._folders = self._watch_folders()
-        logger.warning(
-            "peerwatch: rank %d: the watcher's inotify descriptor was closed or replaced by the application "
-            "(os.closerange, dup2?); %s", self.me.rank,
-            "watching the run directory with a new one" if self._folders.active else "it now looks on every heartbeat",
-        )
 
     # -- looking at the run directory ------------------------------------------------
 
@@ -344,10 +201,6 @@ class Observer:
         reg = self.registrations.get(record.rank)
         return reg is None or record.pid in (0, reg.pid) or not _identity.is_local(reg)
 
-    def _valid(self, cls: type, data: bytes) -> bool:
-        record = decode(cls, data)
-        return record is not None and self._belongs(record)
-
     def _changed(self, sub: str) -> List[str]:
         seen = self._seen[sub]
         changed = []
@@ -401,8 +254,7 @@ class Observer:
         if not peer.alive:
             self._peer_gone(reg.rank)
         elif peer.pidfd is not None:
-            self._fd_rank[peer.pidfd] = reg.rank
-            self._poller.register(peer.pidfd, select.POLLIN)
+            self._waker.add(reg.rank, peer.pidfd)
 
     # -- a peer ended: the post-mortem ---------------------------------------------------
 
@@ -411,40 +263,19 @@ class Observer:
         if peer is None or rank in self.gone:
             return
         self.gone[rank] = time.time_ns()
-        if peer.pidfd is not None and self._fd_rank.get(peer.pidfd) == rank:
-            del self._fd_rank[peer.pidfd]
-            self._poller.unregister(peer.pidfd)
+        self._waker.remove(rank, peer.pidfd)
         peer.alive = False
         peer.close()
-        # Only a parent can learn how its child ended; failing that, faulthandler's last
-        # words in the rank's stack file name a fatal signal. Tell everyone.
-        returncode = child_returncode(peer.reg.pid, CHILD_STATUS_WAIT_S) if peer.reg.ppid == os.getpid() else None
-        dump = b""
-        if returncode is None:
-            dump = self.run_dir.read_bytes(_rundir.STACKS, _rundir.stack_name(rank), limit=STACK_DUMP_LIMIT) or b""
-            signum = fatal_signal_in(dump)
-            returncode = -signum if signum else None
-        starved = gil_timeout_in(dump) if returncode is None else None
-        if starved is not None:
-            self._starved(peer.reg, starved, dump)
-        if returncode is not None:
-            status = ExitStatus(
-                rank=rank, pid=peer.reg.pid, time_ns=self.gone[rank], returncode=returncode,
-                observed_by=self.me.rank,
-            )
+        status, failure = post_mortem(peer.reg, self.gone[rank], self.me.rank, lambda: self._stack_dump(rank))
+        if failure is not None:  # its own GIL watchdog ended it: say so on its behalf
+            self.write_event(rank_file("failure", rank), failure)
+            self.events.setdefault(rank_file("failure", rank), failure)
+        if status is not None:
             self.events.setdefault(rank_file("exit", rank), status)
             self._unwritten.append((rank_file("exit", rank), status))
 
-    def _starved(self, reg: Registration, starved: str, dump: bytes) -> None:
-        """Its own GIL watchdog ended it: the rank was stuck with the GIL held."""
-        failure = Failure(
-            rank=reg.rank, pid=reg.pid, time_ns=self.gone[reg.rank], cause=HANG,
-            message=f"its watcher could not run for {starved} (the GIL was held, e.g. by C code); "
-            "faulthandler's gil_timeout watchdog ended it",
-            traceback=dump.decode("utf-8", "replace")[-MAX_TRACEBACK_CHARS:],
-        )
-        self.write_event(rank_file("failure", reg.rank), failure)
-        self.events.setdefault(rank_file("failure", reg.rank), failure)
+    def _stack_dump(self, rank: int) -> bytes:
+        return self.run_dir.read_bytes(_rundir.STACKS, _rundir.stack_name(rank), limit=STACK_DUMP_LIMIT) or b""
 
     def flush(self) -> None:
         """Write the exit statuses learnt since the last flush."""
@@ -454,20 +285,7 @@ class Observer:
 
     def write_event(self, name: str, record: object) -> bool:
         """Write a record into ``events/`` (first writer wins); False if it was not ours."""
-        cls = type(record)
-        try:
-            # Garbage, or another process's record of this rank (another job's), must not block this run's.
-            wrote = self.run_dir.write(EVENTS, name, encode(record), valid=lambda data: self._valid(cls, data))
-            if wrote:
-                _eventlog.record(self.run_dir, EVENTS, name, record, self.me.rank)
-            return wrote
-        except OSError as e:
-            if not self.write_failed:
-                self.write_failed = True  # said loudly once: records of this rank may be missing from now on
-                logger.error("peerwatch: rank %d: protection degraded: cannot write to %s: %s", self.me.rank,
-                             self.run_dir.path, e.strerror or e)
-            logger.error("peerwatch: rank %d could not write %s: %s", self.me.rank, name, e)
-            return False
+        return self._records.write(name, record, self._belongs)
 
     def write_event_replacing(self, name: str, record: object) -> bool:
         """Replace a record in ``events/`` (the diagnosis, as it is resolved); False if it failed."""
@@ -476,6 +294,20 @@ class Observer:
         except OSError as e:
             logger.error("peerwatch: rank %d could not write %s: %s", self.me.rank, name, e)
             return False
+
+    def record_diagnosis(self, record: Diagnosis, replace: bool) -> bool:
+        """Write the hang diagnosis (``replace``: over the one there; else the first writer
+        wins); True if it was written. What is known follows: ``record``, or what is there
+        now (another judge's)."""
+        wrote = self.write_event_replacing(DIAGNOSIS_FILE, record) if replace else self.write_event(DIAGNOSIS_FILE, record)
+        if wrote:
+            self.events[DIAGNOSIS_FILE] = record
+        else:
+            self.events.pop(DIAGNOSIS_FILE, None)
+            existing = self.run_dir.read(EVENTS, DIAGNOSIS_FILE, Diagnosis)
+            if existing is not None:
+                self.events[DIAGNOSIS_FILE] = existing
+        return wrote
 
     def record_lost(self, lost: Tuple[Failure, ...]) -> None:
         """Shared filesystem: say on the lost ranks' behalf that they are lost (first record wins)."""
@@ -577,21 +409,21 @@ class Observer:
         found = self.events.get(DIAGNOSIS_FILE)
         return found if isinstance(found, Diagnosis) else None
 
-    def _progress(self, mine: OwnProgress, stale_after_s: float, own: Optional[Heartbeat]) -> Dict[int, _decide.Progress]:
-        """Every live local rank's last progress, from its heartbeat (ours from memory)."""
+    def _progress(self, mine: OwnProgress, stale_after_s: float, own: Optional[Heartbeat]) -> Dict[int, RankState]:
+        """Every live local rank's last progress, from its heartbeat (ours: its progress
+        and position from memory, its collectives as its heartbeat last published them)."""
         where, waiting = main_thread_position()
-        found = {
-            self.me.rank: _decide.Progress(
-                mine.step, mine.progress_ns, mine.paused > 0, "R", in_collective=waiting, where=where,
-                **(_collective_fields(own) if own is not None else {}),
-            )
-        }
+        published = RankState.of(own, "R") if own is not None else RankState(state="R")
+        found = {self.me.rank: dataclasses.replace(
+            published, step=mine.step, beat_mono_ns=mine.progress_ns, paused=mine.paused > 0,
+            in_collective=waiting, where=where,
+        )}
         for rank, peer in self.peers.items():
             if rank not in self.gone:
                 found[rank] = self._peer_progress(peer.reg, stale_after_s)
         return found
 
-    def _peer_progress(self, reg: Registration, stale_after_s: float) -> _decide.Progress:
+    def _peer_progress(self, reg: Registration, stale_after_s: float) -> RankState:
         beat = self.run_dir.read(HEARTBEATS, rank_file("rank", reg.rank), Heartbeat)
         if beat is None:
             # Caught mid-rewrite twice (a loaded machine): the last one read still says
@@ -602,23 +434,14 @@ class Observer:
         info = _identity.probe(reg.pid)
         state = info.state if info is not None and info.start_ticks == reg.start_ticks else "?"
         if beat is None or beat.pid != reg.pid:
-            return _decide.Progress(None, None, False, state)
-        silent = time.time_ns() - beat.time_ns > stale_after_s * 1e9
-        return _decide.Progress(
-            beat.step, beat.progress_ns, beat.paused, state,
-            in_collective=beat.in_collective, watcher_silent=silent, where=beat.where, **_collective_fields(beat),
-        )
+            return RankState(state=state)
+        return RankState.of(beat, state, watcher_silent=time.time_ns() - beat.time_ns > stale_after_s * 1e9)
 
 
 def _judging_an_echo(failures: Dict[int, object]) -> bool:
     """A failure record is an exception raised by torch.distributed: the echo, perhaps, of
     a rank that is leaving (rule 5 of _decide)."""
     return any(isinstance(f, Failure) and f.collective for f in failures.values())
-
-
-def _collective_fields(beat: Heartbeat) -> Dict[str, Any]:
-    return {"collectives": beat.collectives, "entered": beat.entered, "moved_mono_ns": beat.moved_ns,
-            "timeout_ms": beat.pg_timeout_ms, "activity": Activity.of(beat.activity)}
 
 
 def _dir_id(path: str) -> Optional[Tuple[int, int]]:

@@ -1,9 +1,9 @@
 """The teardown policy, as pure functions: who enforces a verdict, whom to signal and when,
 how long this rank may stay, and the code it exits with.
 
-Nothing here touches the OS or a clock; :mod:`peerwatch._enforce` carries out what these
-functions answer, with the OS through :mod:`peerwatch._teardown`. Rules (numbered as in
-the tests):
+Nothing here touches the OS or a clock; :mod:`peerwatch._verdict` carries out a plan's
+steps (rule 10), an enforcer's share through :mod:`peerwatch._enforce`, with the OS through
+:mod:`peerwatch._teardown`. Rules (numbered as in the tests):
 
 1. **Exit code.** A torn-down rank exits with the verdict's code. The failed rank itself
    exits with the code it recorded for its own failure, if it recorded one (a Python
@@ -58,11 +58,25 @@ the tests):
    done, and two blind enforcers would otherwise end each other. Its last resort moves
    out by the same ``2 x grace``. Limit: an enforcer whose watcher never runs (the GIL
    held in C) is then not ended by the other enforcers.
+10. **The order.** What a rank does once it acts on a verdict, step by step
+    (:class:`Step`; :mod:`peerwatch._verdict` carries them out, one call each), is the
+    plan's ``until_ack`` then ``after_ack``: the second part is planned again with the
+    acknowledgement's result (rule 9). The order that matters: the summary of a rank that
+    ended comes first, before the acknowledgement (torchrun's agent SIGTERMs the workers
+    0-100 ms after it sees the dead one); the peers wait for the acknowledgement, so the
+    rest (the last heartbeat, other hosts, launchers) follows it; where the launcher ends
+    this rank early, the report is written and the hook started before the dumps; the
+    stacks and the flight recorder are dumped before the main thread is interrupted (the
+    collective it waits in is recorded as it stands), and before the summary of a rank that
+    has not ended (it names them); the report is written before the hook starts; a rank
+    that does not stay starts its hook last, right before it stops its training for it (a
+    main thread not leaving by itself is held off Python while the hook runs); it exits last.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 from typing import AbstractSet, Iterable, Optional, Sequence, Tuple
 
 from ._decide import LEAVING_WAIT_NS
@@ -104,6 +118,39 @@ class Situation:
     # The failed rank, another one, recorded its own failure and is alive on this host:
     # it prints the summary itself (rule 4).
     failed_rank_speaks: bool = False
+    # This rank's launcher ends it as soon as it has seen the failed rank, another one
+    # (torchrun's agent, mp.spawn's parent: :func:`peerwatch._launchers.ends_workers_early`).
+    ends_workers_early: bool = False
+    other_hosts: bool = False  # the job spans hosts: this host's bridge tells the others
+    on_verdict: bool = False  # an on_verdict hook is configured
+
+
+class Step(enum.Enum):
+    """One step of a rank's teardown (rule 10), carried out by :mod:`peerwatch._verdict`."""
+
+    ARM_EXIT_WATCH = "from now on this rank's end is recorded as it happens"
+    WRITE_SUMMARY = "write the report and print the summary"
+    ACK = "write this rank's acknowledgement"
+    SAY_BLIND = "say that this enforcer is blind (rule 9)"
+    STOP_WATCHING_FOLDERS = "look at the run directory no more"
+    ARM_LAST_RESORT = "arm faulthandler's last resort (rule 7)"
+    TELL_HOSTS = "tell the other hosts, through the bridge"
+    FINAL_HEARTBEAT = "write the step this rank is at, for the report"
+    TELL_LAUNCHERS = "quiet Lightning's observer, call the verdict listeners"
+    WRITE_REPORT = "write the report"
+    START_HOOK = "start the on_verdict hook"
+    DUMP_STACKS = "dump this rank's stacks"
+    DUMP_FLIGHT_RECORDER = "dump torch's flight recorder"
+    INTERRUPT_MAIN = "raise PeerFailure in the main thread"
+    TEAR_DOWN_PEERS = "wait for the peers' acknowledgements, signal the rest (an enforcer)"
+    TEAR_DOWN_CHILDREN = "end this rank's own children (the hook's spared)"
+    WAIT_MAIN = "wait for the main thread to leave by itself"
+    WRITE_SUMMARY_BELOW_TRACEBACK = "write the report and print the summary, without the traceback just printed"
+    SAY_STOP_LINE = "say this rank's one line, once the summary is out"
+    LET_LAUNCHER_SEE = "let the launcher see the failed rank first"
+    SWEEP_RECORDS = "log the records not logged yet"
+    FINISH_HOOK = "wait for the hook, to its bound"
+    EXIT = "flush and exit with the plan's code"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,6 +169,8 @@ class Plan:
     ack_window_s: float = 0.0  # how long an enforcer waits for its peers (rule 5; rule 9 when blind)
     blind: bool = False  # rule 9: an enforcer that cannot trust a missing ack file
     trusted: Tuple[int, ...] = ()  # rule 9: peers a blind enforcer never signals (the other enforcers)
+    until_ack: Tuple[Step, ...] = ()  # rule 10: the steps up to the acknowledgement, included
+    after_ack: Tuple[Step, ...] = ()  # rule 10: the rest, as planned with the acknowledgement's result
 
     @property
     def stay(self) -> bool:
@@ -143,7 +192,7 @@ def enforcers(live_local_ranks: Sequence[int], failed_rank: int) -> Tuple[int, .
 
 
 def plan(s: Situation) -> Plan:
-    """Rules 1-4, 7 and 9 for one rank."""
+    """Rules 1-4, 7, 9 and 10 for one rank."""
     mine = s.failed_rank == s.self_rank
     interrupt = s.in_watch and not mine
     stay = interrupt or (mine and s.cause in _LEAVES_BY_ITSELF)
@@ -158,7 +207,7 @@ def plan(s: Situation) -> Plan:
     # thread has left; written now too only where it is the one writer of this host.
     writer_prints = print_summary and not (mine and stay)
     summary_now = writer_prints and s.cause not in _STILL_THERE
-    return Plan(
+    p = Plan(
         exit_code=exit_code(s.self_rank, s.failed_rank, s.verdict_exit_code, s.own_exit_code),
         interrupt_main=interrupt,
         stay_s=s.grace_s if stay else 0.0,
@@ -174,6 +223,47 @@ def plan(s: Situation) -> Plan:
         blind=blind,
         trusted=tuple(r for r in chosen if r != s.self_rank) if blind else (),
     )
+    return dataclasses.replace(p, until_ack=_until_ack(p), after_ack=_after_ack(s, p))
+
+
+def _until_ack(p: Plan) -> Tuple[Step, ...]:
+    """Rule 10, up to the acknowledgement: the summary of a rank that ended, then the ack."""
+    return (Step.ARM_EXIT_WATCH,) + ((Step.WRITE_SUMMARY,) if p.summary_now else ()) + (Step.ACK,)
+
+
+def _after_ack(s: Situation, p: Plan) -> Tuple[Step, ...]:
+    """Rule 10, from the acknowledgement on (planned with its result: rule 9)."""
+    early = p.write_report and s.ends_workers_early  # the launcher may end this rank any moment now
+    hook = p.write_report and s.on_verdict  # a writer of the report starts the hook, after it
+    steps = [Step.SAY_BLIND] if p.blind else []
+    steps += [] if p.enforcer else [Step.STOP_WATCHING_FOLDERS]
+    steps += [Step.ARM_LAST_RESORT] + ([Step.TELL_HOSTS] if s.other_hosts else [])
+    steps += [Step.FINAL_HEARTBEAT, Step.TELL_LAUNCHERS]  # after the ack, which the peers wait for
+    early_hook = early and hook and not p.stay  # at once or never; its keeper runs it once this rank is gone
+    if early and not p.summary_now and (early_hook or not p.summary_after_dumps):
+        # Before the launcher's SIGTERM, and before the hook, which reads it; again after the
+        # teardown (and after the dumps, with the summary, for a rank that has not ended).
+        steps.append(Step.WRITE_REPORT)
+    steps += [Step.START_HOOK] if early_hook else []
+    steps += [Step.DUMP_STACKS, Step.DUMP_FLIGHT_RECORDER]
+    steps += [Step.WRITE_SUMMARY] if p.summary_after_dumps else []
+    steps += [Step.INTERRUPT_MAIN] if p.interrupt_main else []
+    steps += [Step.TEAR_DOWN_PEERS] if p.enforcer else []
+    steps += [] if p.stay else [Step.TEAR_DOWN_CHILDREN]
+    steps += [Step.WRITE_REPORT] if p.write_report else []  # while the peers are still leaving
+    if p.stay:
+        steps += [Step.START_HOOK] if hook else []  # while the main thread leaves
+        steps.append(Step.WAIT_MAIN)
+        if p.print_summary and s.failed_rank == s.self_rank:  # below its own traceback, out now
+            steps.append(Step.WRITE_SUMMARY_BELOW_TRACEBACK if s.cause == EXCEPTION else Step.WRITE_SUMMARY)
+        steps.append(Step.TEAR_DOWN_CHILDREN)
+    steps.append(Step.FINAL_HEARTBEAT)
+    steps += [Step.SAY_STOP_LINE] if p.stop_line else []
+    steps += [Step.LET_LAUNCHER_SEE] if s.ends_workers_early else []
+    steps += [Step.SWEEP_RECORDS] if p.sweep_records else []
+    steps += [Step.START_HOOK] if hook and not p.stay and not early else []  # last: see rule 10
+    steps += [Step.FINISH_HOOK] if hook else []
+    return tuple(steps) + (Step.EXIT,)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -248,6 +338,6 @@ def ask_for_stacks(rank: int, finished: AbstractSet[int]) -> bool:
 
 
 __all__ = [
-    "BLIND_GRACES", "ENFORCERS", "SUMMARY_WAIT_S", "AckWindow", "Plan", "Situation", "ask_for_stacks", "enforcers", "exit_code", "leave_join_s", "missing_ranks",
+    "BLIND_GRACES", "ENFORCERS", "SUMMARY_WAIT_S", "AckWindow", "Plan", "Situation", "Step", "ask_for_stacks", "enforcers", "exit_code", "leave_join_s", "missing_ranks",
     "pending", "plan", "verdict_wait_s",
 ]

@@ -12,10 +12,8 @@ import time
 from typing import Any, Dict, List, Optional, Tuple
 
 from . import _identity
-from ._exitwatch import EXIT_MESSAGE
 from ._records import (
     EVENT_TYPES,
-    EXIT,
     Diagnosis,
     ExitStatus,
     Failure,
@@ -89,13 +87,7 @@ def build(rd: RunDir) -> Dict[str, Any]:
 
 def _events(rd: RunDir) -> Dict[str, Dict[int, Any]]:
     """prefix -> rank -> record, for every record in ``events/`` that names its own rank."""
-    events: Dict[str, Dict[int, Any]] = {k: {} for k in EVENT_TYPES}
-    for prefix, rank, name in rd.entries(EVENTS):
-        if prefix in EVENT_TYPES:
-            record = rd.read(EVENTS, name, EVENT_TYPES[prefix])
-            if record is not None and record.rank == rank:  # type: ignore[attr-defined]
-                events[prefix][rank] = record
-    return events
+    return rd.rank_records(EVENTS, EVENT_TYPES)
 
 
 def _state(rank: int, reg: Optional[Registration], events: Dict[str, Dict[int, Any]], verdict: Optional[Verdict]) -> str:
@@ -144,11 +136,11 @@ def _exit_code(
     rather than expected it (the code it said it would exit with, the verdict's code)."""
     if status is not None:
         return returncode_exit_code(status.returncode), True
-    if state == TORN_DOWN and verdict is not None and failure is not None and failure.message != EXIT_MESSAGE:
+    if state == TORN_DOWN and verdict is not None and failure is not None and not failure.observed:
         return verdict.exit_code, False  # an echo of the verdict (echoed_verdict): the verdict's code
     if failure is not None and failure.exit_code is not None:
         # Written from the exit status itself (peerwatch._exitstatus), or said beforehand.
-        return failure.exit_code, failure.cause == EXIT and failure.message == EXIT_MESSAGE
+        return failure.exit_code, failure.observed
     if state == TORN_DOWN and verdict is not None:
         return verdict.exit_code, False
     if state == SUCCEEDED:

@@ -1,4 +1,9 @@
-"""The run directory: where it is, whether to trust it, and reading/writing its records.
+"""The run directory's layout (one home for each path) and its records: written atomically,
+read tolerantly, always through the descriptors held since it was checked.
+
+Elsewhere: where it is (:mod:`peerwatch._basedir`), whether to trust it
+(:mod:`peerwatch._trust`), the held descriptors (:mod:`peerwatch._dirfd`), and making it
+ready for a run (:mod:`peerwatch._prepare`).
 
 Layout (per host)::
 
@@ -13,6 +18,7 @@ Layout (per host)::
     RUN/flight_recorder/rank_3      torch's flight recorder, as its analyzer reads it (peerwatch._frdump)
     RUN/report.json                 the report
     RUN/tmp/                        temp files; records are written here first
+    RUN/spawn/                      the run of this process's multiprocessing children (mp.spawn's workers)
 
 Records are written to ``tmp/`` and then linked (write-once records) or renamed into
 place: a reader never sees half a record. The heartbeat, rewritten every second, is the
@@ -23,22 +29,17 @@ to pair them.
 
 from __future__ import annotations
 
-import contextlib
 import errno
-import hashlib
-import logging
 import os
 import stat
-import sys
 import threading
 import time
-from typing import Callable, Dict, Iterator, List, Mapping, Optional, Set, Tuple, Type, TypeVar
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple, Type, TypeVar
 
 from . import _identity
-from ._errors import RunDirError
-from ._records import MAX_RECORD_BYTES, Registration, Success, Verdict, decode, encode, named_ranks
-
-logger = logging.getLogger("peerwatch")
+from ._dirfd import HeldDir
+from ._records import MAX_RECORD_BYTES, Registration, Success, decode, encode, named_ranks
+from ._trust import open_regular
 
 RANKS, EVENTS, HEARTBEATS, STACKS, TMP = "ranks", "events", "heartbeats", "stacks", "tmp"
 VERDICT_FILE = "verdict.json"
@@ -60,7 +61,9 @@ REPORT_FILE = "report.json"
 # RUN/claims/summary: created by the rank that printed the summary, once it is out (the other
 # ranks say their one line after it: rule 4 of peerwatch._plan).
 SUMMARY_FILE = "summary"
-WARN_EACH = 10  # bad files warned about one by one, per folder, record kind and reason; then one summary
+# The run of the multiprocessing children (mp.spawn's workers) of a process that installed
+# peerwatch: <that process's run directory>/spawn.
+SPAWNED_RUN = "spawn"
 _SUBDIRS = (RANKS, EVENTS, HEARTBEATS, STACKS, TMP)
 
 R = TypeVar("R")
@@ -97,432 +100,10 @@ def parse_rank_file(name: str) -> Optional[Tuple[str, int]]:
     return prefix, int(number)
 
 
-def base_dir() -> str:
-    """Where run directories live on this host when nothing says otherwise: a place no
-    other user can make, take or hold first, and the same for every rank of this user on
-    this host (they all compute it). In order:
-
-    1. ``$XDG_RUNTIME_DIR/peerwatch`` (or systemd's ``/run/user/<uid>``) where there is one
-       of ours that nobody else can write;
-    2. ``$XDG_CACHE_HOME/peerwatch`` (``~/.cache/peerwatch``), created 0700, where it is
-       ours alone, its path safe from other users, and on a local filesystem (a home on
-       NFS is shared by hosts: a run directory there would be taken for a shared one);
-    3. a directory under ``$TMPDIR`` (or ``/tmp``) with an unpredictable name
-       (``peerwatch-<uid>-<random>``, made 0700 by ``mkdtemp``), recorded per host in that
-       per-user place (``<place>/bases/<host>-<n>``, first writer wins), so every rank
-       finds the same one; one that another user took since (a ``/tmp`` cleaner removed it
-       and they made its name) is passed over for the next record;
-    4. only where no per-user place can be had (no usable home): the fixed names
-       ``$TMPDIR/peerwatch-<uid>``, then ``-2`` ... ``-4``, with a warning naming a squatter.
-    """
-    return _choose_base(os.geteuid(), os.environ)
-
-
-_squatters: Dict[str, str] = {}  # a base name another user took first -> why it cannot be used
-_warned_bases: Set[str] = set()
-TMP_BASES = 8  # records of /tmp bases tried per host before the fixed names
-_LOCAL_FUSE = frozenset({"fuse-overlayfs", "fuse.fuse-overlayfs"})
-
-
-def _choose_base(uid: int, env: Mapping[str, str]) -> str:
-    for runtime in (env.get("XDG_RUNTIME_DIR", ""), f"/run/user/{uid}"):
-        if runtime and _private_dir(runtime):
-            return os.path.join(runtime, "peerwatch")
-    tmp = env.get("TMPDIR", "") or "/tmp"
-    place = _user_place(env)
-    if place is not None:
-        if _local_fs(place):
-            return place
-        recorded = _recorded_tmp_base(place, tmp, uid)
-        if recorded is not None:
-            return recorded
-    first = os.path.join(tmp, f"peerwatch-{uid}")
-    for path in [first] + [f"{first}-{n}" for n in range(2, 5)]:
-        why = _squatted(path)
-        if why is None:
-            if path != first:
-                _warn_base_once(first, path)
-            return path
-        _squatters[path] = why
-    return first  # every name taken: prepare() says why, loudly
-
-
-def _user_place(env: Mapping[str, str]) -> Optional[str]:
-    """``$XDG_CACHE_HOME/peerwatch`` (``$HOME/.cache/peerwatch``), made 0700 if need be; None
-    if it cannot be ours alone (no home, a home others can rename, a read-only one)."""
-    cache = env.get("XDG_CACHE_HOME", "")
-    if not os.path.isabs(cache):
-        home = env.get("HOME", "")
-        if not os.path.isabs(home):
-            return None
-        cache = os.path.join(home, ".cache")
-    place = os.path.join(cache, "peerwatch")
-    try:
-        for folder in (cache, place):
-            try:
-                os.mkdir(folder, 0o700)
-            except FileExistsError:
-                pass
-        check_ancestors(place)
-        check_trusted(place)
-    except (OSError, RunDirError) as e:
-        logger.debug("peerwatch: %s cannot hold run directories: %s", place, e)
-        return None
-    return place
-
-
-def _local_fs(path: str) -> bool:
-    """Is ``path`` on a filesystem of this host alone (not NFS, Lustre, a FUSE mount...)?"""
-    from . import _mounts
-
-    try:
-        with open(_mounts.MOUNTINFO) as f:
-            mounts = _mounts.parse_mountinfo(f.read())
-    except OSError:
-        return True  # no mount table (not Linux): as before, a home is taken as local
-    mount = _mounts.mount_of(os.path.realpath(path), mounts)
-    if mount is None:
-        return True
-    fstype = mount.fstype
-    return not (_mounts.is_network_fs(fstype) or (fstype.startswith("fuse") and fstype not in _LOCAL_FUSE))
-
-
-def _recorded_tmp_base(place: str, tmp: str, uid: int) -> Optional[str]:
-    """This host's base under ``tmp``, by an unpredictable name recorded in ``place`` (the
-    first record of this host whose directory is ours, or can be made again); None if
-    none can be had."""
-    records = os.path.join(place, "bases")
-    host = _safe(_identity.hostname())
-    try:
-        os.mkdir(records, 0o700)
-    except FileExistsError:
-        pass
-    except OSError:
-        return None
-    for n in range(TMP_BASES):
-        record = os.path.join(records, f"{host}-{n}")
-        path = _read_base_record(record)
-        if path is None:
-            path = _propose_base(records, record, tmp, uid)
-            if path is None:
-                return None
-        try:
-            os.mkdir(path, 0o700)  # removed since (a /tmp cleaner, a reboot): the same name again
-        except FileExistsError:
-            pass
-        except OSError:
-            continue
-        if _private_dir(path):
-            return path
-        why = _squatted(path) or "cannot be used"
-        if path not in _warned_bases:
-            _warned_bases.add(path)
-            logger.warning("peerwatch: the run directory base %s %s (another user made it after it was "
-                           "removed); passing over it", path, why)
-    return None
-
-
-def _read_base_record(record: str) -> Optional[str]:
-    try:
-        fd = os.open(record, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
-        return None
-    try:
-        data = os.read(fd, 4096).decode("utf-8", "replace").strip()
-    finally:
-        os.close(fd)
-    return data if os.path.isabs(data) and "\0" not in data else None
-
-
-def _propose_base(records: str, record: str, tmp: str, uid: int) -> Optional[str]:
-    """Make a directory by an unpredictable name under ``tmp`` and record it as this host's
-    (link(2): the first writer wins); the one recorded."""
-    import tempfile
-
-    try:
-        made = tempfile.mkdtemp(prefix=f"peerwatch-{uid}-", dir=tmp)
-    except OSError as e:
-        logger.debug("peerwatch: cannot make a run directory base under %s: %s", tmp, e)
-        return None
-    temp = None
-    try:
-        fd, temp = tempfile.mkstemp(dir=records, prefix=".record-")
-        with os.fdopen(fd, "wb") as f:
-            f.write(made.encode() + b"\n")
-        os.link(temp, record)
-        return made
-    except FileExistsError:
-        os.rmdir(made)  # another rank of ours recorded one first: that one
-        return _read_base_record(record)
-    except OSError as e:
-        logger.debug("peerwatch: cannot record the run directory base %s in %s: %s", made, records, e)
-        os.rmdir(made)
-        return None
-    finally:
-        if temp is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(temp)
-
-
-def _private_dir(path: str) -> bool:
-    """A real directory of ours that nobody else can write to."""
-    try:
-        st = os.lstat(path)
-    except OSError:
-        return False
-    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & 0o022
-
-
-def _squatted(path: str) -> Optional[str]:
-    """Why ``path`` cannot be our base (None: it is ours, or free for us to make)."""
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return None
-    except OSError as e:
-        return f"cannot be read ({e.strerror})"
-    if stat.S_ISLNK(st.st_mode):
-        return f"is a symbolic link owned by uid {st.st_uid}"
-    if not stat.S_ISDIR(st.st_mode):
-        return "is not a directory"
-    if st.st_uid != os.geteuid():
-        return f"is owned by uid {st.st_uid}"
-    if st.st_mode & 0o022:
-        return f"is group- or world-writable (mode {stat.S_IMODE(st.st_mode):o})"
-    return None
-
-
-def _warn_base_once(first: str, chosen: str) -> None:
-    if chosen in _warned_bases:
-        return
-    _warned_bases.add(chosen)
-    logger.warning("peerwatch: %s %s (another user made it first); run directories go to %s instead. Set "
-                   "XDG_RUNTIME_DIR or PEERWATCH_DIR to a directory of yours to avoid this",
-                   first, _squatters.get(first, "cannot be used"), chosen)
-
-
-NEW_RUN = "new run led by this process"  # resolve()'s `how` when nothing in the environment names a run
-OWNER_VAR = "PEERWATCH_DIR_OWNER"  # "<pid>.<start ticks>" of the install() that exported PEERWATCH_DIR
-# The run of the multiprocessing children (mp.spawn's workers) of a process that installed
-# peerwatch: <that process's run directory>/spawn.
-SPAWNED_RUN = "spawn"
-
-
-def resolve(run_dir: Optional[str], env: Mapping[str, str]) -> Tuple[str, str]:
-    """Pick this run's directory so that all ranks of one run agree, with no configuration.
-
-    Returns ``(path, how)``. The rule, first match wins:
-
-    ======================================  ==================================================
-    what the environment says               run directory (under :func:`base_dir`)
-    ======================================  ==================================================
-    ``PEERWATCH_DIR`` / ``run_dir=``        that directory (also how rank 0 tells its children)
-    the same, exported by ``install()`` in  ``<that directory>/spawn``: the parent launched
-    the parent of a multiprocessing child   this rank (``mp.spawn``); it is not one of its peers
-    torchrun: ``TORCHELASTIC_RUN_ID``       ``torchrun-<run id>-<agent pid>.<agent start>-r<restart>``
-    a multiprocessing child (``mp.spawn``)  ``spawn-<parent pid>.<parent start>``
-    Slurm: ``SLURM_JOB_ID``                 ``slurm-<job id>.<step id>``
-    ``MASTER_ADDR`` and ``MASTER_PORT``     ``master-<addr>-<port>-<parent pid>.<parent start>``
-    nothing                                 ``run-<pid>.<start>``: a new run led by this process
-    ======================================  ==================================================
-
-    A multiprocessing child only gets this far when it was given ``rank=`` (a DataLoader
-    worker never installs), so it is a rank started by ``torch.multiprocessing.spawn`` (or
-    Lightning's ``ddp_spawn``), and its siblings share its parent.
-
-    A derived name already holding an earlier run that ended before this process started
-    (a verdict, or every rank's success marker, and none of its processes alive) gets
-    ``-2``, ``-3``, ...: two runs from one shell keep their own evidence, and every rank
-    of the new run, judging the same directories, lands in the same one.
-    """
-    path, how = _derived(run_dir, env)
-    if how in ("PEERWATCH_DIR", "multiprocessing child of a launcher that installed peerwatch"):
-        return path, how
-    return _past_ended_runs(path), how
-
-
-def _derived(run_dir: Optional[str], env: Mapping[str, str]) -> Tuple[str, str]:
-    spawned = is_multiprocessing_child()
-    if run_dir:
-        if spawned and env.get(OWNER_VAR) == _parent_key() and env.get("PEERWATCH_DIR") == run_dir:
-            return os.path.join(run_dir, SPAWNED_RUN), "multiprocessing child of a launcher that installed peerwatch"
-        return run_dir, "PEERWATCH_DIR"
-    base = base_dir()
-    parent = _parent_key()
-    if env.get("TORCHELASTIC_RUN_ID"):
-        restart = env.get("TORCHELASTIC_RESTART_COUNT", "0")
-        name = f"torchrun-{_safe(env['TORCHELASTIC_RUN_ID'])}-{parent}-r{_safe(restart)}"
-        return os.path.join(base, name), "torchrun (TORCHELASTIC_RUN_ID)"
-    if spawned:
-        return os.path.join(base, f"spawn-{parent}"), "multiprocessing child (torch.multiprocessing.spawn)"
-    if env.get("SLURM_JOB_ID"):
-        step = env.get("SLURM_STEP_ID", "batch")
-        return os.path.join(base, f"slurm-{_safe(env['SLURM_JOB_ID'])}.{_safe(step)}"), "Slurm (SLURM_JOB_ID)"
-    if env.get("MASTER_ADDR") and env.get("MASTER_PORT"):
-        name = f"master-{_safe(env['MASTER_ADDR'])}-{_safe(env['MASTER_PORT'])}-{parent}"
-        return os.path.join(base, name), "MASTER_ADDR/MASTER_PORT and parent process"
-    me = _identity.self_info()
-    return os.path.join(base, f"run-{me.pid}.{me.start_ticks}"), NEW_RUN
-
-
-MAX_RUNS_PER_NAME = 1000  # -2 ... -1000; then the last one is set aside as before
-
-
-def _past_ended_runs(path: str) -> str:
-    """``path``, or the first of ``path-2``, ``path-3``, ... not holding an earlier run that ended."""
-    started_ns = _identity.start_time_ns()
-    candidate = path
-    for n in range(2, MAX_RUNS_PER_NAME + 1):
-        if not _ended_before(candidate, started_ns):
-            return candidate
-        candidate = f"{path}-{n}"
-    return candidate
-
-
-def _ended_before(path: str, started_ns: int) -> bool:
-    """``path`` holds a run that ended before ``started_ns``: registered ranks, none alive,
-    and a verdict or every rank's success marker, from before then. Anything else (no such
-    directory, a live or unfinished run, one we cannot read) is left to :meth:`RunDir.prepare`."""
-    try:
-        if not os.path.isdir(os.path.join(path, RANKS)) or os.path.islink(path):
-            return False
-        rd = RunDir(path)
-        regs = rd.registrations()
-        if not regs or any(_identity.seems_alive(r) for r in regs.values()):
-            return False
-        verdict = rd.read(EVENTS, VERDICT_FILE, Verdict)
-        if verdict is not None:
-            return verdict.detected_at_ns < started_ns
-        successes = rd._successes()
-        return all(r in successes and successes[r].time_ns < started_ns for r in regs)
-    except OSError:
-        return False
-
-
-def process_key(pid: int) -> str:
-    """``"<pid>.<start ticks>"``: names a process for as long as the machine is up."""
-    info = _identity.probe(pid)
-    return f"{pid}.{info.start_ticks if info else 0}"
-
-
-def is_multiprocessing_child() -> bool:
-    mp = sys.modules.get("multiprocessing")  # not imported: this cannot be a multiprocessing child
-    return mp is not None and mp.parent_process() is not None
-
-
-def _parent_key() -> str:
-    return process_key(os.getppid())
-
-
-def _safe(text: str) -> str:
-    cleaned = "".join(c if c.isalnum() or c in "._" else "_" for c in text)
-    return cleaned[:64] or "_"
-
-
 def safe_name(text: str) -> str:
     """``text`` made safe for a file name: letters, digits, ``.`` and ``_``; at most 64 characters."""
-    return _safe(text)
-
-
-def check_trusted(path: str) -> None:
-    """Raise :class:`RunDirError` unless path is a real directory, ours, not group/world-writable."""
-    try:
-        st = os.lstat(path)
-    except OSError as e:
-        raise RunDirError(path, f"cannot be read ({e.strerror})") from None
-    if stat.S_ISLNK(st.st_mode):
-        raise RunDirError(path, "is a symbolic link; refusing to follow it")
-    _check_own_dir(path, st)
-
-
-def _check_own_dir(path: str, st: os.stat_result) -> None:
-    if not stat.S_ISDIR(st.st_mode):
-        raise RunDirError(path, "is not a directory")
-    if st.st_uid != os.geteuid():
-        raise RunDirError(path, f"is owned by uid {st.st_uid}, not by this user (uid {os.geteuid()})")
-    if st.st_mode & 0o022:
-        raise RunDirError(path, f"is group- or world-writable (mode {stat.S_IMODE(st.st_mode):o})")
-
-
-def check_ancestors(path: str) -> None:
-    """Raise :class:`RunDirError` unless no other user can rename ``path`` or any folder above it.
-
-    OpenSSH's rule for a secure path, applied to every component of ``path`` as written
-    and as resolved (``realpath``): each one is owned by root or by this user, and one that
-    is group- or world-writable has the sticky bit (as ``/tmp``), so that only its owner,
-    root and the owner of an entry can rename that entry. A symlink on the way must be
-    owned by root or by this user too (in a sticky folder its owner can replace it). A
-    component that does not exist yet is skipped: it will be created by this user.
-    """
-    me = os.geteuid()
-    absolute = os.path.abspath(path)
-    seen: Set[str] = set()
-    for candidate in (absolute, os.path.realpath(absolute)):
-        for part in _prefixes(candidate):
-            if part in seen:
-                continue
-            seen.add(part)
-            try:
-                st = os.lstat(part)
-            except FileNotFoundError:
-                continue
-            except OSError as e:
-                raise RunDirError(part, f"cannot be read ({e.strerror}), so the run directory below it cannot be trusted") from None
-            if st.st_uid not in (0, me):
-                raise RunDirError(
-                    part,
-                    f"is owned by uid {st.st_uid}, not by root or this user (uid {me}): that user could "
-                    "swap the run directory below it for their own; choose a PEERWATCH_DIR under a folder of "
-                    "yours (the default base, under $XDG_RUNTIME_DIR or ~/.cache, is)",
-                )
-            if stat.S_ISLNK(st.st_mode):
-                continue
-            if not stat.S_ISDIR(st.st_mode):
-                raise RunDirError(part, "is not a directory")
-            if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
-                raise RunDirError(
-                    part,
-                    f"is group- or world-writable without the sticky bit (mode {stat.S_IMODE(st.st_mode):o}): "
-                    "others could swap the run directory below it for their own; choose a PEERWATCH_DIR "
-                    "under a folder only you can write",
-                )
-
-
-def _prefixes(path: str) -> List[str]:
-    """``/a/b/c`` -> ``["/", "/a", "/a/b", "/a/b/c"]``."""
-    out = []
-    while True:
-        out.append(path)
-        parent = os.path.dirname(path)
-        if parent == path:
-            return out[::-1]
-        path = parent
-
-
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-
-
-def open_regular(path: str, flags: int, mode: int = 0o600, dir_fd: Optional[int] = None) -> int:
-    """``os.open`` for a file peerwatch keeps in a run directory: never through a symlink
-    (``O_NOFOLLOW``), never blocking (``O_NONBLOCK``: a FIFO without its other end fails at
-    once, ENXIO, instead of hanging the caller), and only a regular file (a FIFO, a device,
-    a socket there is refused: OSError EINVAL "not a regular file"). Raises OSError."""
-    try:
-        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode, dir_fd=dir_fd)
-    except OSError as e:
-        if e.errno == errno.ENXIO:  # a FIFO with no reader (or a device without its driver)
-            raise OSError(errno.EINVAL, "not a regular file (a FIFO, a device or a socket)") from None
-        raise
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(errno.EINVAL, "not a regular file (a FIFO, a device or a socket)")
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-_FD_ROOT = "/proc/self/fd"  # where a path through a held descriptor starts (Linux)
-_HAVE_FD_PATHS = os.path.isdir(_FD_ROOT)
+    cleaned = "".join(c if c.isalnum() or c in "._" else "_" for c in text)
+    return cleaned[:64] or "_"
 
 
 def same_job(a: Registration, b: Registration) -> bool:
@@ -534,89 +115,27 @@ def same_job(a: Registration, b: Registration) -> bool:
     return size is None or (a.rank < size and b.rank < size)
 
 
-def stale_because(
-    reg: Registration, mine: Optional[Registration], regs: Mapping[int, Registration], live: bool,
-    successes: Mapping[int, Success], process_start_ns: int, verdict: Optional[Verdict],
-) -> Optional[str]:
-    """Why the directory ``reg`` is about to register in holds an earlier, ended run (to be
-    set aside), or None: it is this run's (or empty). Only when no registered process lives:
-    - ``reg``'s slot is held by a process that is gone;
-    - it holds a verdict from before this process started;
-    - every registered rank finished cleanly before this process started (an earlier run
-      that succeeded: ``torch.multiprocessing.spawn`` called again from one process);
-    - its ranks were of another world size (an earlier job of another size).
-    A rank of this run that died before this process started (Lightning's rank 0, after it
-    started its children) is none of these: its death is this run's failure."""
-    if live:
-        return None
-    if mine is not None and (mine.pid, mine.start_ticks) != (reg.pid, reg.start_ticks):
-        return f"rank {reg.rank} was registered by pid {mine.pid}, which is gone"
-    if verdict is not None and verdict.detected_at_ns < process_start_ns:
-        return "it holds a verdict from before this process started"
-    if regs and all(r in successes and successes[r].time_ns < process_start_ns for r in regs):
-        return f"every rank of its run (ranks {sorted(regs)}) finished before this process started"
-    strangers = sorted(r.rank for r in regs.values() if not same_job(r, reg))
-    if strangers:
-        return f"ranks {strangers} were of a run of world size {regs[strangers[0]].world_size}"
-    return None
+class RunDir(HeldDir):
+    """One run directory on this host, and its records. Reads are tolerant; writes are atomic.
 
-
-def lock_path(path: str) -> str:
-    """The lock ``prepare`` holds while it creates or sets aside the run directory ``path``:
-    beside it (``<path>.lock``) where that folder is ours alone, else in the base
-    (``<base>/locks/<hash of path>.lock``): in a folder others can write (a sticky
-    ``/tmp``), another user could make ``<path>.lock`` first and hold it, or own it."""
-    path = os.path.abspath(path)
-    if _private_dir(os.path.dirname(path)):
-        return path + ".lock"
-    base = base_dir()
-    locks = os.path.join(base, "locks")
-    for folder in (base, locks):
-        try:
-            os.mkdir(folder, 0o700)
-        except FileExistsError:
-            pass
-        except OSError as e:
-            raise RunDirError(folder, f"cannot be created ({e.strerror})") from None
-        check_trusted(folder)
-    return os.path.join(locks, hashlib.sha256(path.encode()).hexdigest()[:32] + ".lock")
-
-
-class RunDir:
-    """One run directory on this host. Reads are tolerant; writes are atomic.
-
-    Once :meth:`prepare` has made and checked the directory, it is held by a descriptor
-    (and so is each of its folders): every later read, write and listing goes through
-    those descriptors, never through the path again, so a directory renamed away and
-    replaced by another (by a user who can write a folder above it) is never read from or
-    written to. A RunDir that was not prepared (``peerwatch report``, tests) opens the
-    directory by its path for each operation, never following a symlink at its end.
-    Paths that :meth:`join` and :meth:`stack_path` give are for people (logs, the report);
-    code that must open something by path uses :meth:`at`, and code that needs a
-    descriptor or a file's metadata :meth:`open_file`, :meth:`open_folder`, :meth:`stat`,
+    Once :func:`peerwatch._prepare.prepare` has made and checked the directory, it is held
+    by a descriptor (and so is each of its folders, :class:`peerwatch._dirfd.HeldDir`):
+    every later read, write and listing goes through those descriptors, never through the
+    path again. Paths that :meth:`join` and :meth:`stack_path` give are for people (logs,
+    the report); code that must open something by path uses :meth:`at`, and code that needs
+    a descriptor or a file's metadata :meth:`open_file`, :meth:`open_folder`, :meth:`stat`,
     :meth:`exists`, :meth:`names` and :meth:`inodes` (no module outside this one opens, lists or stats a
     path of :meth:`join`: tests/test_import.py checks).
     """
 
     def __init__(self, path: str, shared: Optional[str] = None) -> None:
-        self.path = path
+        super().__init__(path)
         # Why several hosts share this directory (shared-filesystem mode; see _sharedfs),
         # or None: it belongs to this host.
         self.shared = shared
         # The run's world size once known (from this rank's registration): records of
         # ranks outside it are not records of this run.
         self.world_size: Optional[int] = None
-        self._warned: Set[Tuple[str, str]] = set()
-        self._kinds: Dict[Tuple[str, str, str], int] = {}  # warnings given per kind (see warn_once)
-        self._warn_lock = threading.Lock()
-        # "" -> the run directory, "events" -> its folder...: held once prepare() checked them.
-        self._fds: Dict[str, int] = {}
-        self._ids: Dict[str, Tuple[int, int]] = {}  # (st_dev, st_ino) of each, as checked
-        self._fd_lock = threading.RLock()
-
-    def join(self, *parts: str) -> str:
-        """The path of ``parts`` under the run directory, for people (logs, the report)."""
-        return os.path.join(self.path, *parts)
 
     def per_host(self, name: str) -> str:
         """The name of this host's own copy of the file ``name``: ``name`` itself where the
@@ -628,19 +147,6 @@ class RunDir:
         stem, dot, ext = name.partition(".")
         return f"{stem}-{safe_name(_identity.hostname())}{dot}{ext}"
 
-    def at(self, *parts: str) -> str:
-        """A path to ``parts`` that goes through the held directory descriptor (Linux's
-        ``/proc/self/fd/N/...``): for code that must open or watch something by path.
-        The directory as it was checked, even if renamed and replaced since. Before
-        :meth:`prepare` (or where there is no ``/proc``), :meth:`join`."""
-        try:
-            fd = self._held("")
-        except OSError:
-            fd = -1  # held, but lost: a path that leads nowhere, never the path again
-        if fd is None or not _HAVE_FD_PATHS:
-            return self.join(*parts)
-        return os.path.join(_FD_ROOT, str(fd), *parts)
-
     def stack_path(self, rank: int) -> str:
         """Where rank ``rank`` keeps its stack file (open for faulthandler as long as it runs); for people."""
         return self.join(STACKS, stack_name(rank))
@@ -649,180 +155,22 @@ class RunDir:
         """Rank ``rank``'s stack file, through the held descriptor (see :meth:`at`): to open or check it."""
         return self.at(STACKS, stack_name(rank))
 
-    def close(self) -> None:
-        """Let go of the directory descriptors (a later operation opens the path again)."""
-        with self._fd_lock:
-            fds = [fd for sub, fd in self._fds.items() if self._is(fd, sub)]  # others' numbers now: not ours to close
-            self._fds, self._ids = {}, {}
-        for fd in fds:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+    def hold_folders(self) -> None:
+        """Create the run directory's folders (0700) where missing, check them, and hold
+        them (the directory itself is held: :meth:`hold`). Raises RunDirError."""
+        for sub in _SUBDIRS:
+            self.hold_folder(sub)
 
-    # -- directory descriptors ----------------------------------------------------
-
-    @contextlib.contextmanager
-    def _dir(self, sub: str) -> Iterator[int]:
-        """A descriptor of folder ``sub`` ("" for the run directory itself); OSError if it
-        cannot be opened (missing, a symlink, not a directory)."""
-        held = self._held(sub)
-        if held is not None:
-            yield held
-            return
-        fd = os.open(self.path, _DIR_FLAGS)
-        try:
-            if sub:
-                top, fd = fd, -1
-                try:
-                    fd = os.open(sub, _DIR_FLAGS, dir_fd=top)
-                finally:
-                    os.close(top)
-            yield fd
-        finally:
-            if fd >= 0:
-                os.close(fd)
-
-    def _held(self, sub: str) -> Optional[int]:
-        """The held descriptor of ``sub``, or None if the directory is not held.
-
-        The application may take a descriptor's number (``os.closerange``, ``dup2`` of
-        ``/dev/null`` over it): a held descriptor that is no longer the folder that was
-        checked (device and inode) is let go, never closed (the number is the
-        application's now), and the folder opened again, accepted only if it is that very
-        folder. OSError if it cannot be.
-        """
-        with self._fd_lock:
-            if "" not in self._ids:
-                return None
-            fd = self._fds.get(sub)
-            if fd is not None and self._is(fd, sub):
-                return fd
-            self._fds.pop(sub, None)
-            top = None if not sub else self._held(sub="")
-            fd = os.open(sub if sub else self.path, _DIR_FLAGS, dir_fd=top)
-            st = os.fstat(fd)
-            if sub not in self._ids:
-                self._ids[sub] = (st.st_dev, st.st_ino)  # a folder first opened now, within the held directory
-            elif not self._is(fd, sub):
-                os.close(fd)
-                self.warn_once(self.join(sub), "is no longer the directory that was checked; not used")
-                raise OSError(errno.ESTALE, "not the directory that was checked")
-            self._fds[sub] = fd
-            return fd
-
-    def _is(self, fd: int, sub: str) -> bool:
-        try:
-            st = os.fstat(fd)
-        except OSError:
-            return False
-        return stat.S_ISDIR(st.st_mode) and (st.st_dev, st.st_ino) == self._ids.get(sub)
-
-    def _hold(self, path: str) -> None:
-        """Open the run directory at ``path``, check what was opened, and hold it."""
-        try:
-            fd = os.open(path, _DIR_FLAGS)
-        except OSError as e:
-            check_trusted(path)  # says why: a symlink, not a directory, missing...
-            raise RunDirError(path, f"cannot be opened ({e.strerror})") from None
-        try:
-            _check_own_dir(path, os.fstat(fd))
-        except RunDirError:
-            os.close(fd)
-            raise
-        self.close()
-        st = os.fstat(fd)
-        with self._fd_lock:
-            self._fds[""] = fd
-            self._ids[""] = (st.st_dev, st.st_ino)
-
-    def _hold_sub(self, sub: str) -> None:
-        """Create folder ``sub`` (0700) in the held run directory, check it, and hold it."""
-        top = self._fds[""]
-        where = self.join(sub)
-        try:
-            os.mkdir(sub, 0o700, dir_fd=top)
-        except FileExistsError:
-            pass
-        except OSError as e:
-            raise RunDirError(where, f"cannot be created ({e.strerror})") from None
-        try:
-            fd = os.open(sub, _DIR_FLAGS, dir_fd=top)
-        except OSError as e:
-            try:
-                st = os.lstat(sub, dir_fd=top)
-            except OSError:
-                st = None
-            reason = "is a symbolic link; refusing to follow it" if st is not None and stat.S_ISLNK(st.st_mode) else (
-                f"cannot be opened ({e.strerror})")
-            raise RunDirError(where, reason) from None
-        try:
-            _check_own_dir(where, os.fstat(fd))
-        except RunDirError:
-            os.close(fd)
-            raise
-        st = os.fstat(fd)
-        with self._fd_lock:
-            old = self._fds.get(sub)
-            self._fds[sub] = fd
-            self._ids[sub] = (st.st_dev, st.st_ino)
-        if old is not None:
-            os.close(old)
-
-    # -- creation and registration -------------------------------------------------
-
-    def prepare(self, reg: Registration, process_start_ns: int) -> None:
-        """Create the directory and its folders (0700), and register rank ``reg.rank`` in it.
-
-        Every folder above it must be safe from other users (:func:`check_ancestors`),
-        else :class:`RunDirError`. Under a lock beside the directory: a directory left by
-        an earlier run (this rank's slot held by a dead process, or a verdict older than
-        this process) is set aside first. A slot held by another live process means two
-        jobs share the directory: :class:`RunDirError`. The registration is published
-        under that same lock, so the check and the claim are one step: the first process to
-        claim a slot holds it. From then on the directory is held by a descriptor (see the class).
-        """
-        parent = os.path.dirname(os.path.abspath(self.path))
-        try:
-            os.makedirs(parent, 0o700, exist_ok=True)
-        except OSError as e:
-            raise RunDirError(parent, f"cannot be created ({e.strerror})") from None
-        check_ancestors(parent)
-        if parent == base_dir():
-            check_trusted(parent)
-        import filelock
-
-        lock = filelock.FileLock(lock_path(self.path), timeout=30)
-        try:
-            with lock:
-                self.close()
-                self._set_aside_if_stale(reg, process_start_ns)
-                try:
-                    os.mkdir(self.path, 0o700)
-                except FileExistsError:
-                    pass
-                except OSError as e:
-                    raise RunDirError(self.path, f"cannot be created ({e.strerror})") from None
-                self._hold(self.path)
-                for sub in _SUBDIRS:
-                    self._hold_sub(sub)
-                if reg.world_size is not None and reg.world_size > 0:
-                    # From now on (not while judging an earlier run's records, above).
-                    self.world_size = reg.world_size
-                # Under the lock that covered the check: of two processes claiming one slot
-                # at once, the first to take the lock registers, the second is refused above.
-                self.publish_registration(reg)
-        except filelock.Timeout:
-            raise RunDirError(self.path, "timed out waiting for its lock file") from None
+    # -- registration --------------------------------------------------------------
 
     def publish_registration(self, reg: Registration) -> None:
-        """Write this rank's pid file: from now on its peers watch it. (:meth:`prepare` does,
-        under its lock; anything else would race another process claiming the slot.)"""
+        """Write this rank's pid file: from now on its peers watch it. (:func:`peerwatch._prepare.prepare`
+        does, under its lock; anything else would race another process claiming the slot.)"""
         self.write(RANKS, rank_file("rank", reg.rank), encode(reg), replace=True)
 
     def withdraw_registration(self, reg: Registration) -> None:
         """Remove this rank's pid file if it is still ``reg`` (the rank could not be watched
-        after all: install() failed after :meth:`prepare`). Never raises."""
+        after all: install() failed after :func:`peerwatch._prepare.prepare`). Never raises."""
         name = rank_file("rank", reg.rank)
         try:
             if self.read(RANKS, name, Registration) == reg:
@@ -830,71 +178,6 @@ class RunDir:
                     os.unlink(name, dir_fd=dir_fd)
         except OSError:
             pass
-
-    def _set_aside_if_stale(self, reg: Registration, process_start_ns: int) -> None:
-        if not os.path.lexists(self.path):
-            return
-        self._hold(self.path)  # read what was checked, not what the path names a moment later
-        mine = self.read(RANKS, rank_file("rank", reg.rank), Registration)
-        if mine is not None and (mine.host, mine.pidns) != (reg.host, reg.pidns):
-            raise self._held_by_another_host(reg, mine)
-        regs = self.registrations()
-        live = {r.rank: r for r in regs.values() if r.rank != reg.rank and _identity.seems_alive(r)}
-        self._refuse_if_shared(reg, mine, live)
-        stale_reason = stale_because(reg, mine, regs, bool(live), self._successes(), process_start_ns,
-                                     self.read(EVENTS, VERDICT_FILE, Verdict))
-        if stale_reason is None:
-            return
-        aside = f"{self.path}.stale-{time.time_ns()}"
-        logger.warning("peerwatch: %s is from an earlier run (%s); moved it to %s", self.path, stale_reason, aside)
-        self.close()  # the descriptors would follow it aside
-        os.rename(self.path, aside)
-
-    def _held_by_another_host(self, reg: Registration, mine: Registration) -> RunDirError:
-        # Another host's (or container's) record is never judged stale: we cannot see
-        # its processes. Without shared mode a run directory belongs to one host; with
-        # it, a rank's slot held by another host means a directory of an earlier job.
-        if self.shared is not None:
-            return RunDirError(
-                self.path,
-                f"rank {reg.rank} is registered here by host {mine.host} ({mine.pidns}), whose processes "
-                "this host cannot see: the directory is shared by the hosts (" + self.shared + "), so "
-                "give each job a new PEERWATCH_DIR (e.g. with the job id in it)",
-            )
-        return RunDirError(
-            self.path,
-            f"rank {reg.rank} is registered here by host {mine.host} ({mine.pidns}): a run directory "
-            "belongs to one host; on a shared filesystem give each host its own PEERWATCH_DIR, "
-            "or set shared_fs=on",
-        )
-
-    def _refuse_if_shared(self, reg: Registration, mine: Optional[Registration],
-                          live: Dict[int, Registration]) -> None:
-        """Raise when a live process of this run or another job holds what this rank would take."""
-        if mine is not None and (mine.pid, mine.start_ticks) != (reg.pid, reg.start_ticks):
-            if _identity.is_same_process(mine.pid, mine.start_ticks, mine.uid) and mine.boot_id == reg.boot_id:
-                raise RunDirError(
-                    self.path,
-                    f"rank {reg.rank} is already registered by live pid {mine.pid}: two jobs share "
-                    "this run directory; give each its own PEERWATCH_DIR",
-                )
-            mates = sorted(r.rank for r in live.values() if same_job(r, reg))
-            if mates:
-                # The run lives on: this is not rank reg.rank of a new run but a process
-                # (a child that outlived its rank?) claiming a dead rank's slot.
-                raise RunDirError(
-                    self.path,
-                    f"rank {reg.rank}'s process (pid {mine.pid}) is gone but ranks {mates} of its run "
-                    "still live: this process is not a new rank of this run",
-                )
-        others = sorted(r.rank for r in live.values() if not same_job(r, reg))
-        if others:
-            theirs = live[others[0]].world_size
-            raise RunDirError(
-                self.path,
-                f"it holds a live run of world size {theirs} (ranks {others}), and this rank's world size is "
-                f"{reg.world_size}: two jobs share this run directory; give each its own PEERWATCH_DIR",
-            )
 
     # -- writing -------------------------------------------------------------------
 
@@ -962,7 +245,7 @@ class RunDir:
 
     def make_folder(self, sub: str) -> None:
         """Create folder ``sub`` (0700) of the run directory if it is missing (one made on
-        demand, not at :meth:`prepare`). Raises OSError to the caller."""
+        demand, not at :func:`peerwatch._prepare.prepare`). Raises OSError to the caller."""
         with self._dir("") as top:
             try:
                 os.mkdir(sub, 0o700, dir_fd=top)
@@ -1124,41 +407,26 @@ class RunDir:
             if parsed is not None:
                 yield parsed[0], parsed[1], name
 
-    def _successes(self) -> Dict[int, Success]:
-        found = {}
-        for prefix, rank, name in self.entries(EVENTS):
-            if prefix == "success":
-                record = self.read(EVENTS, name, Success)
-                if record is not None and record.rank == rank:
-                    found[rank] = record
+    def rank_records(self, sub: str, types: Mapping[str, type]) -> Dict[str, Dict[int, Any]]:
+        """prefix -> rank -> record, for each file ``<prefix>-<rank>.json`` of folder ``sub``
+        whose prefix ``types`` names, read as that type (one listing). A malformed record,
+        or one that names another rank than its file name, is left out. The one reader of
+        a folder of rank files: registrations, success markers, the report's events."""
+        found: Dict[str, Dict[int, Any]] = {prefix: {} for prefix in types}
+        for prefix, rank, name in self.entries(sub):
+            cls = types.get(prefix)
+            if cls is not None:
+                record = self.read(sub, name, cls)
+                if record is not None and getattr(record, "rank", None) == rank:
+                    found[prefix][rank] = record
         return found
+
+    def successes(self) -> Dict[int, Success]:
+        """{rank: its success marker}, for the valid markers in ``events/``."""
+        return self.rank_records(EVENTS, {"success": Success})["success"]
 
     def registrations(self) -> Dict[int, Registration]:
-        found = {}
-        for prefix, rank, name in self.entries(RANKS):
-            if prefix != "rank":
-                continue
-            reg = self.read(RANKS, name, Registration)
-            if reg is not None and reg.rank == rank:
-                found[rank] = reg
-        return found
-
-    def warn_once(self, path: str, reason: str) -> None:
-        """One warning per file and reason, and at most ``WARN_EACH`` per kind (folder, kind of
-        record, reason), then one line that says the rest go unreported: a folder planted with
-        20 000 junk failure records must not print 20 000 lines in every rank."""
-        folder, name = os.path.split(path)
-        kind = (folder, name.partition("-")[0], "".join("N" if c.isdigit() else c for c in reason))
-        with self._warn_lock:
-            if (path, reason) in self._warned:
-                return
-            self._warned.add((path, reason))
-            self._kinds[kind] = n = self._kinds.get(kind, 0) + 1
-        if n <= WARN_EACH:
-            logger.warning("peerwatch: %s %s", path, reason)
-        elif n == WARN_EACH + 1:
-            logger.warning("peerwatch: more than %d files in %s are like %s (%s); further ones are ignored "
-                           "without a warning each", WARN_EACH, folder, name, reason)
+        return self.rank_records(RANKS, {"rank": Registration})["rank"]
 
 
 class InPlace:
@@ -1229,8 +497,8 @@ class InPlace:
 
 
 __all__ = [
-    "InPlace", "EVENTS", "HEARTBEATS", "NEW_RUN", "OWNER_VAR", "RANKS", "REPORT_FILE", "SUMMARY_FILE", "STACKS", "TMP", "VERDICT_FILE",
+    "InPlace", "EVENTS", "HEARTBEATS", "RANKS", "REPORT_FILE", "SUMMARY_FILE", "STACKS", "TMP", "VERDICT_FILE",
     "DIAGNOSIS_FILE", "REMOTE_STALLS_FILE", "SPAWNED_RUN", "STALL_FILE", "STRAGGLERS_FILE", "STRAGGLE_FILE", "STRAGGLE_HOSTS_FILE",
-    "FLIGHT_RECORDER", "RunDir", "base_dir", "check_ancestors", "check_trusted", "fr_dump_name", "open_regular", "parse_fr_dump_name",
-    "parse_rank_file", "is_multiprocessing_child", "process_key", "rank_file", "resolve", "safe_name", "stack_name",
+    "FLIGHT_RECORDER", "RunDir", "fr_dump_name", "parse_fr_dump_name", "parse_rank_file", "rank_file", "safe_name", "same_job",
+    "stack_name",
 ]

@@ -15,11 +15,12 @@ import time
 from typing import Any, Callable, List, Optional, Tuple
 
 from . import _identity
-from ._records import Registration
+from ._records import HANG, MAX_TRACEBACK_CHARS, ExitStatus, Failure, Registration
 
 logger = logging.getLogger("peerwatch")
 
 CHILD_STATUS_POLL_S = 0.001  # a child whose pidfd fired, not yet a zombie to waitid: how often to look
+CHILD_STATUS_WAIT_S = 0.05  # a dead child's status, when its pidfd fired before waitid sees it: at most
 
 
 def pidfd_supported() -> bool:
@@ -220,6 +221,32 @@ def gil_timeout_in(stack_dump: bytes) -> Optional[str]:
     return stack_dump[marker + len(b"Timeout (") : end].decode("ascii", "replace") if end > 0 else None
 
 
+def post_mortem(
+    reg: Registration, gone_ns: int, observed_by: int, read_stacks: Callable[[], bytes],
+) -> Tuple[Optional[ExitStatus], Optional[Failure]]:
+    """How a local peer that ended did, for everyone to know: its exit status where we are
+    its parent (only a parent can learn it), else from faulthandler's last words in its
+    stack file (``read_stacks()``): a fatal signal, or its own GIL watchdog's timeout (a
+    failure: it was stuck with the GIL held, e.g. by C code). (None, None) if neither says."""
+    returncode = child_returncode(reg.pid, CHILD_STATUS_WAIT_S) if reg.ppid == os.getpid() else None
+    dump = b""
+    if returncode is None:
+        dump = read_stacks()
+        signum = fatal_signal_in(dump)
+        returncode = -signum if signum else None
+    if returncode is not None:
+        return ExitStatus(rank=reg.rank, pid=reg.pid, time_ns=gone_ns, returncode=returncode, observed_by=observed_by), None
+    starved = gil_timeout_in(dump)
+    if starved is None:
+        return None, None
+    return None, Failure(
+        rank=reg.rank, pid=reg.pid, time_ns=gone_ns, cause=HANG,
+        message=f"its watcher could not run for {starved} (the GIL was held, e.g. by C code); "
+        "faulthandler's gil_timeout watchdog ended it",
+        traceback=dump.decode("utf-8", "replace")[-MAX_TRACEBACK_CHARS:],
+    )
+
+
 def oom_kill_count() -> Optional[int]:
     """How many processes the OOM killer has killed: in this process's cgroup (v2
     ``memory.events``, v1 ``memory.oom_control``) where the kernel says, else system-wide
@@ -373,5 +400,5 @@ def _stop_quietly(observer: Any) -> None:
 
 __all__ = [
     "FolderWatch", "OwnedFd", "Peer", "child_returncode", "fatal_signal_in", "fd_identity", "gil_timeout_in",
-    "oom_kill_count", "pidfd_pid", "pidfd_supported", "still_running",
+    "oom_kill_count", "pidfd_pid", "pidfd_supported", "post_mortem", "still_running",
 ]

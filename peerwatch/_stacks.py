@@ -6,8 +6,11 @@ while the main thread holds the GIL in C code), a crash leaves its last words th
 a peer checks that a pid holds it before signalling that pid.
 
 Threads: :meth:`StackFile.open` runs in the thread that calls ``install()``; the timers
-are armed and cancelled by the watcher thread (and cancelled by the thread that stops
-the watcher). ``_faulthandler_ours`` is written at install and in a forked child only.
+are armed by the watcher thread and cancelled by it or by the thread that stops the
+watcher. faulthandler has one timer per process, so arming and cancelling are one step
+under ``_timer_lock`` with what they decide on: once the last resort is armed (a teardown
+began) nothing cancels it, and once cancelled (the rank stopped watching) no GIL watchdog
+is armed again. ``_faulthandler_ours`` is written at install and in a forked child only.
 """
 
 from __future__ import annotations
@@ -15,10 +18,12 @@ from __future__ import annotations
 import faulthandler
 import logging
 import os
+import threading
 from typing import IO, Optional
 
-from ._rundir import RunDir, open_regular
+from ._rundir import RunDir
 from ._signals import STACKS_SIGNAL
+from ._trust import open_regular
 
 logger = logging.getLogger("peerwatch")
 
@@ -30,6 +35,9 @@ class StackFile:
 
     def __init__(self, file: Optional[IO[str]]) -> None:
         self.file = file
+        self._timer_lock = threading.Lock()
+        self._stopped = False  # under _timer_lock: the watching stopped; no GIL watchdog from now on
+        self._tearing_down = False  # under _timer_lock: the last resort is armed; never cancelled
 
     @classmethod
     def open(cls, rd: RunDir, rank: int) -> StackFile:
@@ -63,23 +71,36 @@ class StackFile:
 
     def arm_gil_watchdog(self, timeout_s: float) -> None:
         """If the watcher cannot run for ``timeout_s`` (the GIL held by C code), faulthandler's
-        C thread dumps every stack here and ends the process. Re-armed every heartbeat."""
-        if self.file is not None:
-            faulthandler.dump_traceback_later(timeout_s, exit=True, file=self.file)
+        C thread dumps every stack here and ends the process. Re-armed every heartbeat; a
+        no-op once the timers were cancelled, or the last resort armed (it must not be replaced)."""
+        if self.file is None:
+            return
+        with self._timer_lock:
+            if not (self._stopped or self._tearing_down):
+                faulthandler.dump_traceback_later(timeout_s, exit=True, file=self.file)
 
     def arm_last_resort(self, budget_s: float) -> None:
         """Once teardown has begun this process ends, even if the watcher thread never runs
-        again (the main thread holding the GIL in C): faulthandler's C thread needs no GIL."""
+        again (the main thread holding the GIL in C): faulthandler's C thread needs no GIL.
+        Armed again, it replaces the budget; :meth:`cancel_timer` cannot cancel it."""
         if self.file is None:
             return
-        try:
-            faulthandler.dump_traceback_later(budget_s, exit=True, file=self.file)
-        except (OSError, ValueError, RuntimeError):
-            pass
+        with self._timer_lock:
+            self._tearing_down = True
+            try:
+                faulthandler.dump_traceback_later(budget_s, exit=True, file=self.file)
+            except (OSError, ValueError, RuntimeError):
+                pass
 
-    @staticmethod
-    def cancel_timer() -> None:
-        faulthandler.cancel_dump_traceback_later()
+    def cancel_timer(self) -> None:
+        """The watching stopped (the rank is done, or cannot watch any more): cancel the GIL
+        watchdog, for good. A no-op once the last resort is armed: a teardown that began
+        ends the process whatever thread stops the watcher meanwhile."""
+        with self._timer_lock:
+            if self._tearing_down:
+                return
+            self._stopped = True
+            faulthandler.cancel_dump_traceback_later()
 
 
 def after_fork_in_child() -> None:

@@ -30,7 +30,7 @@ import dataclasses
 import json
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
-from ._diagnose import RankState
+from ._diagnose import FROZEN_STATES, RankState
 from ._records import Activity
 
 SUMMARY_VERSION = 1
@@ -128,7 +128,7 @@ def refresh_ns(threshold_ms: int, interval_ns: int) -> int:
 
 def _waiting(s: RankState) -> bool:
     """Inside a collective, waiting for the others, and nothing else to say of it."""
-    return s.in_collective and not s.paused and not s.watcher_silent and s.state not in ("T", "t", "D")
+    return s.in_collective and not s.paused and not s.watcher_silent and s.state not in FROZEN_STATES
 
 
 def _bare(s: RankState) -> RankState:

@@ -25,7 +25,7 @@ import time
 from collections import deque
 from typing import Deque, Dict, List, Optional, Sequence, Tuple
 
-from ._collectives import Counters, waits_in_torch_distributed
+from ._collectives import Counters, in_torch_distributed
 from ._straggler import SLOT_BEATS, SLOTS, Slot, enqueued_row, row_text
 
 logger = logging.getLogger("peerwatch")
@@ -94,7 +94,7 @@ class WaitSampler:
             time.sleep(SAMPLE_S)
             frame = sys._current_frames().get(main.ident or 0)
             samples += 1
-            if frame is not None and waits_in_torch_distributed(frame.f_code.co_filename):
+            if frame is not None and in_torch_distributed(frame.f_code.co_filename):
                 waiting += 1
             self.counts = (samples, waiting)
 

@@ -1,8 +1,8 @@
 """The watcher thread: the one place that wires sources -> decide -> teardown -> report.
 
 Its loop only wires: wait for a source (:class:`peerwatch._observer.Observer`), observe,
-decide (:func:`peerwatch._decide.decide`, pure), act on a verdict (a plan from
-:mod:`peerwatch._plan`, pure, carried out by :mod:`peerwatch._enforce`), report. When it
+decide (:func:`peerwatch._decide.decide`, pure), act on a verdict (a plan of ordered steps
+from :mod:`peerwatch._plan`, pure, carried out by :mod:`peerwatch._verdict`), report. When it
 wakes and what is due is :class:`peerwatch._schedule.Schedule`'s answer.
 
 Threads and what they own:
@@ -12,7 +12,8 @@ Threads and what they own:
 - the training thread: ``progress``, ``in_watch`` (``watch()``), ``main_left`` (set when it
   leaves at exit during a teardown);
 - any thread that ends the rank (training thread, a thread's excepthook, the launcher
-  watch): ``_outcome``, under its lock;
+  watch): ``_outcome``, under its lock, and the rank's own records, written through
+  ``own_records`` (:class:`peerwatch._ownrecords.OwnRecords`), never the observer;
 - ``done`` (stop watching: the rank is finished) is set by :meth:`Watcher.stop`.
 Threads talk through events (``verdict_seen``, ``done``, ``main_left``), the wake pipe
 and the settle condition. :meth:`Watcher.stop` stops and joins every thread it started.
@@ -27,32 +28,18 @@ import threading
 import time
 from typing import IO, Optional, Tuple
 
-from . import (
-    _bridge,
-    _decide,
-    _enforce,
-    _exitwatch,
-    _launchers,
-    _leave,
-    _plan,
-    _report,
-    _sharedfs,
-    _teardown,
-    _terminal,
-)
+from . import _bridge, _decide, _launchers, _plan, _sharedfs, _verdict
 from ._config import Config
 from ._diagnoser import Diagnoser
-from ._errors import PeerFailure
 from ._eventlog import log as log_event
-from ._eventlog import sweep as sweep_events
 from ._frdump import FlightRecorderDump
 from ._heartbeat import HeartbeatWriter, OwnProgress
-from ._identity import is_local
-from ._notify import CLAIMS, Hook, start_hook
+from ._identity import local_ranks
 from ._observer import Observer
-from ._records import EXCEPTION, WATCHER_DEATH, Ack, Failure, Registration, Success, Verdict, WatcherDeath, encode
+from ._ownrecords import OwnRecords
+from ._records import EXCEPTION, WATCHER_DEATH, Failure, Registration, Success, Verdict, WatcherDeath, encode
 from ._records import warm as warm_record_types
-from ._rundir import EVENTS, REPORT_FILE, SUMMARY_FILE, VERDICT_FILE, RunDir, rank_file
+from ._rundir import EVENTS, VERDICT_FILE, RunDir, rank_file
 from ._schedule import Schedule
 from ._sources import pidfd_supported
 from ._stacks import StackFile
@@ -63,7 +50,6 @@ logger = logging.getLogger("peerwatch")
 POLL_FALLBACK_S = 0.1  # where pidfds or inotify are missing: how often we look instead
 HANG_JUDGES = 2  # the lowest live local ranks judge hangs: O(N) heartbeat reads per host, not N^2
 STALE_BEATS = 3  # a peer whose heartbeat is this many intervals old has a silent watcher
-SUMMARY_POLL_S = 0.01  # how often a rank that says a line after the summary looks for it (only during a teardown)
 
 
 class Outcome:
@@ -153,7 +139,11 @@ class Watcher:
         self._peer_failure_known = False
         use_pidfd = config.use_pidfd and pidfd_supported()
         remote = _sharedfs.RemoteWatch(run_dir, config.heartbeat_interval, config.peer_timeout) if run_dir.shared else None
-        self.observer = Observer(run_dir, me, use_pidfd, remote)
+        # This rank's own records (failure, success...) are written by whichever thread ends
+        # it, through their own writer: on disk before that thread goes on, and read back by
+        # the observer like any other record (its state has the watcher thread as one writer).
+        self.own_records = OwnRecords(run_dir, me)
+        self.observer = Observer(run_dir, me, use_pidfd, remote, self.own_records)
         self._hangs = hangs = _decide.HangJudging.from_config(config)
         self.heartbeat = HeartbeatWriter(run_dir, me, self.progress, with_position=hangs.timeout,
                                          read_collectives=hangs.read_collectives,
@@ -408,8 +398,7 @@ class Watcher:
         on with startup_action=fail; logged either way)."""
         c = self.config
         regs = self.observer.registrations
-        local = {r for r, reg in regs.items() if is_local(reg)}
-        missing, why = _plan.missing_ranks(c.local_world_size, c.world_size, local, set(regs))
+        missing, why = _plan.missing_ranks(c.local_world_size, c.world_size, set(local_ranks(regs)), set(regs))
         if why:
             logger.warning("peerwatch: %s within startup_timeout=%gs%s", why, c.startup_timeout,
                            "; failing the job (startup_action=fail)" if missing and c.startup_action == "fail" else "")
@@ -418,74 +407,25 @@ class Watcher:
     # -- the verdict ---------------------------------------------------------------
 
     def _act(self, verdict: Verdict) -> None:
+        """Publish the verdict, plan this rank's share of the teardown (pure), carry it out."""
         verdict, wrote = self._publish(verdict)
         log_event("verdict_seen", self.rank, failed_rank=verdict.rank, wrote_verdict=wrote)
-        # From now on this rank's end is recorded as it happens (the verdict's code, or a
-        # launcher's SIGTERM).
-        _exitwatch.arm_leaving(self.rank)
+        c = self.config
         situation = _plan.Situation(
             self_rank=self.rank, failed_rank=verdict.rank, cause=verdict.cause, verdict_exit_code=verdict.exit_code,
             own_exit_code=self._outcome.failed_code, in_watch=self.in_watch > 0,
             live_local_ranks=tuple(self.observer.live_local_ranks()), wrote_verdict=wrote,
-            grace_s=self.config.grace, ack_window_s=self.config.ack_window,
-            failed_rank_speaks=self._speaks(verdict),
+            grace_s=c.grace, ack_window_s=c.ack_window,
+            failed_rank_speaks=_verdict.failed_rank_speaks(self.observer, self.rank, verdict),
+            ends_workers_early=_launchers.ends_workers_early(self.me, verdict),
+            other_hosts=self.bridge is not None, on_verdict=c.on_verdict is not None,
         )
-        plan = _plan.plan(situation)
-        acted = time.monotonic()
-        leave_by = acted + plan.stay_s
-        if plan.summary_now:
-            # Rule 4: the cause, at once (the failed rank has nothing more to say), before
-            # anything else: torchrun's agent SIGTERMs the workers 0-100 ms after it sees
-            # the dead one. The report is rewritten after the teardown.
-            self._write_report(True)
-        if not self._acknowledge(leave_by):
-            # Rule 9: the run directory cannot be written; a peer's missing ack is no evidence.
-            plan = _plan.plan(dataclasses.replace(situation, ack_written=False))
-            if plan.blind:
-                logger.error(
-                    "peerwatch: rank %d could not write its acknowledgement to %s: it waits up to %gs for its peers "
-                    "to leave by themselves before it signals any (never the other enforcers, ranks %s)",
-                    self.rank, self.run_dir.path, plan.ack_window_s, ", ".join(map(str, plan.trusted)) or "none",
-                )
-        if not plan.enforcer:
-            self.observer.stop_watching_folders()  # it looks at the run directory no more
-        self.stacks.arm_last_resort(plan.last_resort_s)
-        if self.bridge is not None:
-            self.bridge.on_verdict(verdict)  # other hosts tear down too (at most ~1 s, 2 s taking over; after our ack)
-        # The step it stopped at, for the report: after the ack, which the peers wait for
-        # (a whole-file write costs a few ms on a busy host).
-        self._final_heartbeat()
-        _launchers.on_verdict(verdict)  # Lightning's observer must not SIGKILL us meanwhile
-        early = plan.write_report and _launchers.ends_workers_early(self.me, verdict)
-        if early and not plan.summary_now and not plan.summary_after_dumps:
-            self._write_report(False)  # now, before a launcher's SIGTERM; again after the teardown
-        # Where the launcher ends this rank any moment now (it saw the failed one), the hook
-        # starts at once or never; its keeper runs it to its bound once this rank is gone.
-        early_hook = self._start_hook(verdict, plan) if early and not plan.stay else None
-        self.stacks.dump()
-        # Before the training thread is interrupted: the collective it waits in is recorded
-        # as it stands, and no process group is being destroyed meanwhile.
-        self._flight_recorder.dump("teardown")
-        if plan.summary_after_dumps:
-            self._write_report(True)  # rule 4: a rank that has not ended; the report is rewritten after the teardown
-        if plan.interrupt_main:
-            _teardown.raise_in_main_thread(PeerFailure.bound_to(verdict), self.interrupt_installed)
-        hook = self._carry_out(verdict, plan, leave_by, early_hook)
-        self._final_heartbeat()
-        if plan.stop_line:
-            self._announce(verdict, plan, acted + _plan.SUMMARY_WAIT_S)
-        _launchers.before_exit(self.me, self.run_dir, verdict)  # under torchrun: the agent sees the failed worker first
-        if plan.sweep_records:
-            sweep_events(self.run_dir, self.rank)  # the last records of peers that left meanwhile
-        if not plan.stay:
-            # Last, started right before this rank stops its training for it: a main thread
-            # that is not leaving by itself is held off Python while the hook runs.
-            hook = early_hook or self._start_hook(verdict, plan)
-        if hook is not None:
-            # This rank stays until its hook ends or its bound passes (a launcher may end
-            # what is left of the job once its ranks are gone).
-            hook.finish(hold_gil=not plan.stay)
-        _leave.flush_and_exit(plan.exit_code)
+        _verdict.carry_out(_verdict.Teardown(
+            config=c, run_dir=self.run_dir, me=self.me, observer=self.observer, stacks=self.stacks,
+            flight_recorder=self._flight_recorder, bridge=self.bridge, main_left=self.main_left,
+            interrupt_installed=self.interrupt_installed, heartbeat=self.heartbeat,
+            verdict=verdict, situation=situation, plan=_plan.plan(situation),
+        ))
 
     def _publish(self, verdict: Verdict) -> Tuple[Verdict, bool]:
         """Write the verdict (first writer wins) and make it known in this process."""
@@ -502,111 +442,9 @@ class Watcher:
         self._settle.release()
         return verdict, wrote
 
-    def _speaks(self, verdict: Verdict) -> bool:
-        """The failed rank (another one) recorded its own failure and is alive on this host:
-        it prints the summary below its own traceback (rule 4 of the plan)."""
-        obs = self.observer
-        own = obs.events.get(rank_file("failure", verdict.rank))
-        reg = obs.registrations.get(verdict.rank)
-        return (
-            verdict.rank != self.rank and isinstance(own, Failure) and reg is not None and own.pid == reg.pid
-            and verdict.rank in obs.live_local_ranks()
-        )
-
-    def _acknowledge(self, leave_by: float) -> bool:
-        """Write this rank's acknowledgement; False if it could not be written."""
-        ack = Ack(rank=self.rank, pid=os.getpid(), time_ns=time.time_ns(), deadline_ns=int(leave_by * 1e9))
-        return self.observer.write_event(rank_file("ack", self.rank), ack)
-
-    def _announce(self, verdict: Verdict, plan: _plan.Plan, deadline: float) -> None:
-        """The one line this rank says when a peer failed, below the summary (rule 4 of the
-        plan: the failing rank's own words, its traceback, and the summary come first).
-        Waits for the summary until ``deadline`` (``time.monotonic()``); past it, says its
-        line all the same (the rank that was to print the summary may never get to)."""
-        while not self.run_dir.exists(CLAIMS, SUMMARY_FILE):
-            left = deadline - time.monotonic()
-            if left <= 0:
-                logger.debug("peerwatch: rank %d: no summary within %gs of the verdict", self.rank, _plan.SUMMARY_WAIT_S)
-                break
-            time.sleep(min(SUMMARY_POLL_S, left))  # only here, during a teardown
-        logger.error("%s", _terminal.stop_line(
-            _terminal.who(verdict.rank, verdict.pid, verdict.host), verdict.detail or verdict.cause,
-            _terminal.who(self.rank, self.me.pid, self.me.host), plan.exit_code,
-        ))
-
-    def _carry_out(self, verdict: Verdict, plan: _plan.Plan, leave_by: float, early_hook: Optional[Hook]) -> Optional[Hook]:
-        """This rank's share of the teardown; returns the on_verdict hook it started, if any
-        (where its main thread is leaving by itself; its caller waits for it last).
-        ``early_hook``: the hook already started (a launcher ends this rank early), spared."""
-        c = self.config
-        if plan.enforcer:
-            _enforce.tear_down_peers(self.observer, verdict, plan.ack_window_s, c.grace, set(plan.trusted))
-        if not plan.stay:
-            spared = {early_hook.pid} if early_hook is not None and early_hook.pid is not None else set()
-            _enforce.tear_down_own_children(self.rank, self.observer.local_pids(), c.grace, spared)
-        mine = verdict.rank == self.rank
-        if plan.write_report:
-            # Written now, while the peers are still leaving (their exit codes expected, not
-            # yet seen): waiting for them would let this rank's own training run on.
-            # ``peerwatch report`` rebuilds from the records, with the codes as they happened.
-            # (Its summary, if this rank prints it, is out already: rule 4.)
-            self._write_report(False)
-        hook = None
-        if plan.stay:
-            # The hook starts now, while the main thread leaves (elsewhere _act starts it last).
-            hook = self._start_hook(verdict, plan)
-            # The main thread is leaving by itself (PeerFailure, or its own exception); at
-            # exit it sets `main_left` and waits for us. If it is stuck, we end it.
-            if not self.main_left.wait(max(0.0, leave_by - time.monotonic())):
-                logger.error("peerwatch: %s did not leave within %gs of the verdict; exiting with code %d",
-                             _terminal.who(self.rank, self.me.pid, self.me.host), c.grace, plan.exit_code)
-            if plan.print_summary and mine:
-                # Our own traceback is out now (a hook up the chain, torch's, holds it back
-                # until the main thread has left it): the summary follows it, without
-                # repeating it.
-                self._write_report(True, traceback=verdict.cause != EXCEPTION)
-            # The hook's command is spared: its own bound (Hook.finish, in _act) ends it.
-            spare = {hook.pid} if hook is not None and hook.pid is not None else set()
-            _enforce.tear_down_own_children(self.rank, self.observer.local_pids(), c.grace, spare)
-        return hook
-
-    def _start_hook(self, verdict: Verdict, plan: _plan.Plan) -> Optional[Hook]:
-        """Someone is told, once per host: by a writer of the report, after it, for at most
-        on_verdict_timeout (not grace), which this rank then waits for."""
-        c = self.config
-        if not plan.write_report:
-            return None
-        hook = start_hook(c.on_verdict, self.run_dir, verdict, self.rank, c.on_verdict_timeout)
-        if hook is not None:
-            self.stacks.arm_last_resort(plan.last_resort_s + c.on_verdict_timeout)  # the rank waits for it
-        return hook
-
-    def _summary_out(self) -> None:
-        """The summary is out (flushed by the logger's handlers): the other ranks of this
-        host may say their lines now (rule 4 of the plan)."""
-        try:
-            self.run_dir.claim(CLAIMS, SUMMARY_FILE)
-        except OSError as e:
-            logger.debug("peerwatch: rank %d could not mark the summary as printed: %s", self.rank, e)
-
     def _final_heartbeat(self) -> None:
         """The step this rank stopped at: for the report and ``peerwatch status``."""
-        try:
-            self.heartbeat.write(self.observer.local_pids, last=True)
-        except Exception:  # noqa: BLE001 - the heartbeat must never stop a teardown or an exit
-            logger.debug("peerwatch: rank %d could not write its last heartbeat", self.rank, exc_info=True)
-
-    def _write_report(self, print_summary: bool, traceback: bool = True) -> None:
-        try:
-            report = _report.write(self.run_dir)
-            log_event("report", self.rank, path=self.run_dir.join(REPORT_FILE), outcome=report["outcome"])
-            if print_summary:
-                logger.error("%s", _report.summary(report, traceback=traceback))
-                self._summary_out()
-        except OSError as e:
-            logger.error("peerwatch: rank %d could not write the report: %s", self.rank, e)
-        except Exception:  # noqa: BLE001 - a report must never stop the teardown
-            logger.exception("peerwatch: rank %d could not write the report", self.rank)
+        self.heartbeat.write_last(self.observer.local_pids)
 
     # -- called from the training thread (or whichever thread ends the rank) ---------
 
@@ -614,7 +452,7 @@ class Watcher:
         """This rank failed: say so before it goes (first record wins)."""
         self._outcome.fail(failure.exit_code, echo=failure.cause == EXCEPTION and failure.collective)
         self._final_heartbeat()
-        self.observer.write_event(rank_file("failure", self.rank), failure)
+        self.own_records.failure(failure)
         self.wake()
 
     def record_leaving(self) -> None:
@@ -629,7 +467,7 @@ class Watcher:
 
     def record_thread_exception(self, failure: Failure) -> None:
         """For the report only: another thread of this rank died of an exception."""
-        self.observer.write_event(rank_file("thread", self.rank), failure)
+        self.own_records.thread_exception(failure)
         logger.warning(
             "peerwatch: rank %d: thread %s died of %s: %s (recorded; set thread_exceptions=fail to fail the rank)",
             self.rank, failure.thread, failure.exception, failure.message,
@@ -639,7 +477,7 @@ class Watcher:
         if self.verdict_seen.is_set() or not self._outcome.succeed():
             return
         self._final_heartbeat()
-        self.observer.write_event(rank_file("success", self.rank), Success(rank=self.rank, pid=os.getpid(), time_ns=time.time_ns()))
+        self.own_records.success(Success(rank=self.rank, pid=os.getpid(), time_ns=time.time_ns()))
         if self.bridge is not None:
             self.bridge.on_success()  # the job is ending: other hosts going quiet is no failure
 

@@ -15,7 +15,7 @@ import sys
 import time
 from typing import Any, Dict, List, Optional
 
-from . import _gc, _identity, _report, _rundir
+from . import _basedir, _gc, _identity, _report, _rundir
 from ._collectives import FAILING, NONE
 from ._errors import RunDirError
 from ._records import WATCHER_DEATH, Heartbeat, WatcherDeath
@@ -83,7 +83,7 @@ def _chosen(given: Optional[str]) -> RunDir:
         except OSError as e:
             raise RunDirError(rd.path, f"cannot be read ({e.strerror or e})") from None
     else:
-        base = _rundir.base_dir()
+        base = _basedir.base_dir()
         runs = _runs(base)
         if not runs:
             raise RunDirError(base, "holds no run directories; name one (peerwatch ls --base DIR lists them)")
@@ -175,11 +175,8 @@ def _not_read(r: Dict[str, Any]) -> Optional[str]:
 def _watcher_deaths(rd: RunDir, pids: Dict[int, Any]) -> List[str]:
     """One line per rank whose watcher died (its process, as registered: not an earlier one's)."""
     lines = []
-    for prefix, rank, name in sorted(rd.entries(EVENTS), key=lambda e: e[1]):
-        if prefix != WATCHER_DEATH:
-            continue
-        death = rd.read(EVENTS, name, WatcherDeath)
-        if death is None or death.rank != rank or pids.get(rank) not in (None, death.pid):
+    for rank, death in sorted(rd.rank_records(EVENTS, {WATCHER_DEATH: WatcherDeath})[WATCHER_DEATH].items()):
+        if pids.get(rank) not in (None, death.pid):
             continue
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(death.time_ns / 1e9))
         lines.append(f"rank {rank}: watcher died at {when}: {death.exception}: {death.message}; "
@@ -188,7 +185,7 @@ def _watcher_deaths(rd: RunDir, pids: Dict[int, Any]) -> List[str]:
 
 
 def _ls_cmd(args: argparse.Namespace) -> int:
-    base = args.base or _rundir.base_dir()
+    base = args.base or _basedir.base_dir()
     rows = []
     for run in _runs(base):
         try:
@@ -217,7 +214,7 @@ def _gc_cmd(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"peerwatch: {e}", file=sys.stderr)
         return 2
-    for line in _gc.describe(decisions, args.dry_run) or [f"nothing in {_rundir.base_dir()}"]:
+    for line in _gc.describe(decisions, args.dry_run) or [f"nothing in {_basedir.base_dir()}"]:
         print(line)
     return 0
 

@@ -23,7 +23,7 @@ import pytest
 from harness import Job
 from test_gc import age, dead_pid, make_run, registration
 
-from peerwatch import _identity, _rundir
+from peerwatch import _basedir, _identity
 
 ROOT = Path(__file__).resolve().parent.parent
 CLI_TIMEOUT_S = 60.0
@@ -34,7 +34,7 @@ def base(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     runtime = tmp_path / "xdg"
     runtime.mkdir(mode=0o700)
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))
-    b = Path(_rundir.base_dir())
+    b = Path(_basedir.base_dir())
     assert b == runtime / "peerwatch"
     b.mkdir(mode=0o700)
     return b

@@ -12,16 +12,15 @@ from hypothesis import strategies as st
 from peerwatch._decide import (
     COLLECTIVE_SETTLE_NS,
     CONSEQUENCE_WINDOW_NS,
-    FROZEN_STATES,
     LEAVING_WAIT_NS,
     REMOTE_SETTLE_NS,
     Decision,
     Observed,
     Policy,
-    Progress,
     decide,
     exit_code_for,
 )
+from peerwatch._diagnose import FROZEN_STATES, RankState
 from peerwatch._records import (
     EXCEPTION,
     EXIT,
@@ -817,12 +816,12 @@ MONO = 500 * ONE_S  # this host's monotonic clock when decide runs
 WALL = 2_000 * ONE_S  # ... and its wall clock
 
 
-def prog(step: Optional[int] = 5, silent_s: float = 12.0, **kw: Any) -> Progress:
+def prog(step: Optional[int] = 5, silent_s: float = 12.0, **kw: Any) -> RankState:
     """A live rank whose last beat() was ``silent_s`` before MONO."""
-    return Progress(step=step, progress_mono_ns=MONO - int(silent_s * ONE_S), **kw)
+    return RankState(step=step, beat_mono_ns=MONO - int(silent_s * ONE_S), **kw)
 
 
-def hang(progress: Dict[int, Progress], policy: Policy = HANG_POLICY, **kw: Any) -> Optional[Verdict]:
+def hang(progress: Dict[int, RankState], policy: Policy = HANG_POLICY, **kw: Any) -> Optional[Verdict]:
     obs = dataclasses.replace(observed(now=WALL, **kw), progress=progress, now_mono_ns=MONO)
     d = decide(obs, policy)
     assert d.recheck_at_ns is None
@@ -856,8 +855,8 @@ def test_no_hang_while_any_rank_is_paused():
 
 
 def test_no_hang_before_any_rank_reported_progress():
-    assert hang({0: prog(None, silent_s=60.0), 1: Progress(step=None, progress_mono_ns=None)}).rank == 1
-    assert hang({0: Progress(step=None, progress_mono_ns=None)}) is None
+    assert hang({0: prog(None, silent_s=60.0), 1: RankState()}).rank == 1
+    assert hang({0: RankState()}) is None
     assert hang({}) is None
 
 

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from peerwatch._activity import Activity
-from peerwatch._decide import Observed, Policy, Progress, decide
+from peerwatch._decide import Observed, Policy, decide
 from peerwatch._diagnose import (
     BUSY_END_FRACTION,
     CAP_FRACTION,
@@ -169,7 +169,7 @@ DIAG = Diagnosis(finding=HANG, laggards=(1,), entered=(0, 2), since_ns=5 * S, st
 def obs(diagnosis: Optional[Diagnosis] = DIAG, failures: Tuple[Failure, ...] = (), now: int = 60 * S) -> Observed:
     return Observed(self_rank=0, now_ns=now, registrations={r: reg(r) for r in range(3)}, successes=frozenset(),
                     failures={f.rank: f for f in failures}, exit_statuses={}, gone={}, diagnosis=diagnosis,
-                    progress={r: Progress(None, None) for r in range(3)})
+                    progress={r: RankState() for r in range(3)})
 
 
 def timeout_failure(r: int, t: int = 55 * S, collective: bool = True) -> Failure:
@@ -459,7 +459,7 @@ def test_a_silent_watcher_is_a_laggard_and_the_text_says_why_unless_stopped():
     ranks = {0: rank(21), 1: rank(21, watcher_silent=True, state="S")}
     d = diagnose(ranks, NOW, 5 * S)
     assert d is not None and d.laggards == (1,)
-    assert d.detail == "nothing moved for 10.0s: rank 1 holds the job up (its watcher cannot run (the GIL is held?))"
+    assert d.detail == "nothing moved for 10.0s: rank 1 holds the job up (its watcher cannot run (the GIL is held, e.g. by C code))"
     ranks[1] = rank(21, watcher_silent=True, state="T")
     d = diagnose(ranks, NOW, 5 * S)
     assert d is not None and d.detail == "nothing moved for 10.0s: rank 1 holds the job up (its process is stopped (SIGSTOP))"
@@ -544,3 +544,47 @@ def test_threshold_counts_only_new_moves():
         t.observe(10 * S)  # an older one
     assert (t.gaps, t.longest_ns) == (1, 20 * S)
     assert t.value_ns(1_800_000) == int(FLOOR_S * S)
+
+
+# -- one shape, one wording (issue 25.3) ------------------------------------------------
+
+
+def test_a_heartbeat_becomes_a_rank_state_in_one_place_with_every_field_it_carries():
+    """A rank's progress has one shape (RankState) for the hang rule, the diagnosis and the
+    summary, made from a heartbeat by RankState.of only: every field but the process
+    state, the watcher's silence and the host (which the heartbeat cannot say) comes from it."""
+    import dataclasses as dc
+
+    from peerwatch._records import Heartbeat
+
+    activity = Activity(samples=4, span_ms=3000, cpu_ms=900, places=4, other_cpu_ms=0, io_bytes=0, children_cpu_ms=0)
+    beat = Heartbeat(rank=1, pid=5, time_ns=6, seq=7, step=42, progress_ns=11, paused=True, where="train.py:9 in step",
+                     in_collective=True, collectives=(("0", 21, 20),), moved_ns=12,
+                     entered=(("0", 21, AR, F4),), pg_timeout_ms=10_000, activity=activity.as_tuple())
+    s = RankState.of(beat, "D", watcher_silent=True)
+    assert s == RankState(step=42, beat_mono_ns=11, paused=True, state="D", watcher_silent=True, in_collective=True,
+                          where="train.py:9 in step", collectives=(("0", 21, 20),), entered=(("0", 21, AR, F4),),
+                          moved_mono_ns=12, timeout_ms=10_000, activity=activity)
+    defaults = RankState()
+    unset = [f.name for f in dc.fields(RankState) if getattr(s, f.name) == getattr(defaults, f.name)]
+    assert unset == ["host"], f"RankState.of leaves {unset} at their defaults: a field the heartbeat carries is lost"
+
+
+@pytest.mark.parametrize("state, silent, said", [
+    ("T", False, "its process is stopped (SIGSTOP)"),
+    ("D", False, "its process is in uninterruptible sleep (I/O)"),
+    ("S", True, "its watcher cannot run (the GIL is held, e.g. by C code)"),
+])
+def test_the_hang_verdict_and_the_diagnosis_explain_a_laggard_in_the_same_words(state, silent, said):
+    """The hang_timeout verdict (peerwatch._decide) and the diagnosis said why a laggard holds
+    the job up in two texts, already worded differently ("the GIL is held, e.g. by C code"
+    and "the GIL is held?"); one builder now (peerwatch._diagnose.explain)."""
+    laggard = rank(21, state=state, watcher_silent=silent, where="train.py:3 in f", beat_mono_ns=NOW - 10 * S)
+    ranks = {0: rank(21, beat_mono_ns=NOW - 10 * S), 1: laggard}
+    found = diagnose(ranks, NOW, 5 * S)
+    assert found is not None and found.laggards == (1,), found
+    o = dataclasses.replace(obs(diagnosis=None, now=60 * S), progress=ranks, now_mono_ns=NOW)
+    verdict = decide(o, Policy(parent_wait_ns=S // 10, default_exit_code=1, hang_timeout_ns=5 * S)).verdict
+    assert verdict is not None and verdict.rank == 1, verdict
+    assert f"({said}, at train.py:3 in f)" in found.detail, found.detail
+    assert f"({said}, it never reported progress, at train.py:3 in f)" in verdict.detail, verdict.detail

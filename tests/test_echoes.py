@@ -66,6 +66,74 @@ def test_inside_torch_distributed_is_its_package_and_ddp() -> None:
     assert not in_torch_distributed("/venv/lib/python3.11/site-packages/torch/autograd/graph.py")
 
 
+@pytest.mark.parametrize("path, inside", [
+    ("/venv/torch/nn/parallel/distributed.py", True),  # DDP's forward: its bucket rebuild, its buffers' broadcast
+    ("/venv/torch/distributed/distributed_c10d.py", True),
+    ("/venv/torch/nn/parallel/data_parallel.py", False),  # one process: no peer to wait for
+    ("/venv/torch/autograd/graph.py", False),  # where DDP's gradient all-reduces are waited for: unseen by all
+])
+def test_the_heartbeat_the_wait_sampler_and_the_hooks_agree_on_inside_torch_distributed(path: str, inside: bool) -> None:
+    """Issue 25.3: "inside torch.distributed" meant three things: the hooks took all of
+    torch/nn/parallel, the heartbeat DDP's module too, the wait sampler only the package.
+    A real main thread blocked in a frame of ``path`` (os.read, C, below it) is waiting
+    there for the heartbeat and for the sampler, and an exception raised there is raised
+    by torch.distributed, for all three or for none."""
+    import os
+    import threading
+    import time
+
+    from peerwatch._heartbeat import main_thread_position
+    from peerwatch._waits import SAMPLE_S, WaitSampler
+
+    code: dict = {}
+    exec(compile("def wait(fd):\n    return os.read(fd, 1)\ndef fail():\n    raise RuntimeError('x')\n", path, "exec"),
+         {"os": os}, code)
+    raised = _raised_by(code["fail"])
+    assert from_collective(raised, raised.__traceback__) is inside
+
+    main = threading.main_thread()
+    seen: dict = {}
+    r, w = os.pipe()
+    sampler = WaitSampler(97)
+
+    def observe() -> None:
+        try:
+            deadline = time.monotonic() + 10.0
+            while getattr(sys._current_frames().get(main.ident or 0), "f_code", None) is not code["wait"].__code__:
+                assert time.monotonic() < deadline, "the main thread never blocked in wait()"
+                time.sleep(0.01)  # polls a frame: nothing to wait on; the deadline bounds it
+            seen["position"] = main_thread_position()
+            sampler.moving(True)
+            sampler.start()
+            while sampler.counts[0] < 3:
+                assert time.monotonic() < deadline, sampler.counts
+                time.sleep(SAMPLE_S)
+            seen["counts"] = sampler.counts
+        except BaseException as e:  # noqa: BLE001 - reported by the main thread
+            seen["error"] = e
+        finally:
+            sampler.stop()
+            os.write(w, b"x")
+
+    observer = threading.Thread(target=observe, name="test-observer")
+    observer.start()
+    try:
+        code["wait"](r)
+    finally:
+        observer.join(15.0)
+        os.close(r)
+        os.close(w)
+        for t in threading.enumerate():
+            if t.name == "peerwatch-waits-rank97":
+                t.join(5.0)
+    assert "error" not in seen, seen
+    where, waiting = seen["position"]
+    samples, waits = seen["counts"]
+    assert waiting is inside, seen
+    assert waits == (samples if inside else 0), seen  # the main thread stayed in wait() throughout
+    assert where.endswith(" in wait") is not inside, where  # its position is the first frame outside torch.distributed
+
+
 def test_an_error_of_ddps_reducer_raised_inside_backward_is_told_by_its_words() -> None:
     """DDP's gradient all_reduce fails inside autograd's C++ engine: the innermost frame is
     autograd's; the backend's words say what it is."""

@@ -36,6 +36,7 @@ def test_templates_make_the_records_encode_makes(time_ns: int, code: int) -> Non
 
     head, mid, tail = _exitwatch.failure_template(7, 4242)
     data = head + str(time_ns).encode() + mid + str(code).encode() + tail
-    want = Failure(rank=7, pid=4242, time_ns=time_ns, cause=EXIT, exit_code=code, message=_exitwatch.EXIT_MESSAGE)
+    want = Failure(rank=7, pid=4242, time_ns=time_ns, cause=EXIT, exit_code=code, message=_exitwatch.EXIT_MESSAGE,
+                   observed=True)
     assert data == encode(want)
     assert decode(Failure, data) == want

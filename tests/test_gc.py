@@ -3,7 +3,7 @@ symbolic link, another user's folder, another host's run; ``peerwatch gc [--dry-
 real subprocess, and the automatic pass in ``install()``.
 
 The base is the real default one, moved under tmp_path through ``XDG_RUNTIME_DIR`` (what
-``_rundir.base_dir`` reads). Live runs are registered by real sleeping processes.
+``_basedir.base_dir`` reads). Live runs are registered by real sleeping processes.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Dict, Iterator, List
 import pytest
 from harness import wait_read
 
-from peerwatch import _gc, _identity, _rundir
+from peerwatch import _basedir, _gc, _identity, _rundir
 from peerwatch._errors import RunDirError
 from peerwatch._records import Registration, encode
 
@@ -33,7 +33,7 @@ def base(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))
     monkeypatch.delenv(_gc.KEEP_VAR, raising=False)
     monkeypatch.delenv(_gc.AGE_VAR, raising=False)
-    b = Path(_rundir.base_dir())
+    b = Path(_basedir.base_dir())
     assert b == runtime / "peerwatch"
     b.mkdir(mode=0o700)
     return b

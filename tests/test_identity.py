@@ -199,3 +199,22 @@ def test_psutil_fallback_sees_a_zombie(cat):
     assert info is not None and info.dead
     cat.wait(timeout=DEADLINE_S)
     assert _identity._probe_psutil(cat.pid) is None
+
+
+def test_this_hosts_ranks_are_told_from_the_registrations_in_one_place():
+    """Issue 25.3: the watcher (ranks missing at startup) and the store bridge (three
+    times) each split the registrations into this host's ranks their own way; one
+    function now, by is_local: same boot id and PID namespace, whatever the host name."""
+    from peerwatch._records import Registration
+
+    me = self_info()
+
+    def reg(rank: int, boot_id: str, pidns: str, host: str = "h") -> Registration:
+        return Registration(rank=rank, pid=me.pid, ppid=me.ppid, start_ticks=me.start_ticks, uid=me.uid, host=host,
+                            boot_id=boot_id, pidns=pidns, time_ns=1)
+
+    here, ns = _identity.boot_id(), _identity.pid_namespace()
+    regs = {3: reg(3, here, ns), 0: reg(0, here, ns, host="renamed"), 1: reg(1, "another-boot", ns),
+            2: reg(2, here, "pid:[1]" if ns != "pid:[1]" else "pid:[2]")}
+    assert _identity.local_ranks(regs) == (0, 3)
+    assert _identity.local_ranks({}) == ()

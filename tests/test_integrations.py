@@ -13,11 +13,11 @@ from typing import Any, Dict, Tuple
 
 import pytest
 
-from peerwatch import _launchers, _rundir
+from peerwatch import _basedir, _launchers
 
 
 def _resolve_in_child(env: Dict[str, str], queue: Any) -> None:
-    queue.put((_rundir.resolve(env.get("PEERWATCH_DIR"), env), _rundir.process_key(os.getppid())))
+    queue.put((_basedir.resolve(env.get("PEERWATCH_DIR"), env), _basedir.process_key(os.getppid())))
 
 
 def resolve_in_mp_child(env: Dict[str, str]) -> Tuple[Tuple[str, str], str]:
@@ -34,14 +34,14 @@ def resolve_in_mp_child(env: Dict[str, str]) -> Tuple[Tuple[str, str], str]:
 
 def test_spawn_worker_resolves_to_its_parent() -> None:
     (path, how), parent = resolve_in_mp_child({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"})
-    assert path == os.path.join(_rundir.base_dir(), f"spawn-{parent}")
-    assert parent == _rundir.process_key(os.getpid())
+    assert path == os.path.join(_basedir.base_dir(), f"spawn-{parent}")
+    assert parent == _basedir.process_key(os.getpid())
     assert "spawn" in how
 
 
 def test_spawn_worker_of_a_parent_that_installed_takes_the_spawn_subfolder(tmp_path: Any) -> None:
     given = str(tmp_path / "run")
-    env = {"PEERWATCH_DIR": given, _rundir.OWNER_VAR: _rundir.process_key(os.getpid())}
+    env = {"PEERWATCH_DIR": given, _basedir.OWNER_VAR: _basedir.process_key(os.getpid())}
     (path, _), _ = resolve_in_mp_child(env)
     assert path == os.path.join(given, "spawn")
 
@@ -50,7 +50,7 @@ def test_spawn_worker_keeps_a_directory_it_was_given(tmp_path: Any) -> None:
     given = str(tmp_path / "run")
     (path, how), _ = resolve_in_mp_child({"PEERWATCH_DIR": given})  # set by the user: no owner mark
     assert (path, how) == (given, "PEERWATCH_DIR")
-    other = {"PEERWATCH_DIR": given, _rundir.OWNER_VAR: "1.2"}  # exported by someone else
+    other = {"PEERWATCH_DIR": given, _basedir.OWNER_VAR: "1.2"}  # exported by someone else
     (path, _), _ = resolve_in_mp_child(other)
     assert path == given
 

@@ -300,3 +300,194 @@ def test_the_documented_constants_have_the_documented_values() -> None:
     """docs/security.md: a blind enforcer waits ``ack_window + 2 x grace``; docs/configuration.md
     ("Fixed values"): 0.25 s settle. Tests above compute from the constants; a change shows here."""
     assert (_plan.BLIND_GRACES, _plan.SETTLE_S, _plan.ENFORCERS) == (2, 0.25, 3)
+
+
+# -- rule 10: the order of the steps ----------------------------------------------------------
+
+S = _plan.Step
+# The actions that write the report (WRITE_SUMMARY* print the summary too).
+REPORTS = (S.WRITE_REPORT, S.WRITE_SUMMARY, S.WRITE_SUMMARY_BELOW_TRACEBACK)
+
+
+def steps(p: _plan.Plan) -> tuple:
+    return p.until_ack + p.after_ack
+
+
+def before(seq: tuple, first: object, then: object) -> bool:
+    """``first`` occurs, ``then`` occurs, and the first ``first`` comes before the first ``then``."""
+    return first in seq and then in seq and seq.index(first) < seq.index(then)
+
+
+def test_the_failed_rank_itself_inside_watch_waits_for_its_main_thread_then_prints_below_its_traceback() -> None:
+    p = plan(situation(self_rank=2, failed_rank=2, cause=EXCEPTION, own_exit_code=1, in_watch=True,
+                       live_local_ranks=(0, 1, 2, 3), on_verdict=True))
+    assert steps(p) == (
+        S.ARM_EXIT_WATCH, S.ACK,
+        S.STOP_WATCHING_FOLDERS, S.ARM_LAST_RESORT, S.FINAL_HEARTBEAT, S.TELL_LAUNCHERS, S.DUMP_STACKS,
+        S.DUMP_FLIGHT_RECORDER, S.WAIT_MAIN, S.WRITE_SUMMARY_BELOW_TRACEBACK, S.TEAR_DOWN_CHILDREN,
+        S.FINAL_HEARTBEAT, S.EXIT,
+    )
+    # Its own exit (sys.exit) printed no traceback: the summary carries it.
+    exited = plan(situation(self_rank=2, failed_rank=2, cause=EXIT, own_exit_code=3, live_local_ranks=(0, 1, 2, 3)))
+    assert S.WRITE_SUMMARY in exited.after_ack and S.WRITE_SUMMARY_BELOW_TRACEBACK not in steps(exited)
+    assert before(steps(exited), S.WAIT_MAIN, S.WRITE_SUMMARY)
+
+
+def test_the_failed_rank_alone_on_its_host_writes_the_report_starts_the_hook_then_waits_for_its_main_thread() -> None:
+    p = plan(situation(self_rank=2, failed_rank=2, cause=EXCEPTION, own_exit_code=1, live_local_ranks=(2,), on_verdict=True))
+    assert p.after_ack == (
+        S.ARM_LAST_RESORT, S.FINAL_HEARTBEAT, S.TELL_LAUNCHERS, S.DUMP_STACKS, S.DUMP_FLIGHT_RECORDER,
+        S.TEAR_DOWN_PEERS, S.WRITE_REPORT, S.START_HOOK, S.WAIT_MAIN, S.WRITE_SUMMARY_BELOW_TRACEBACK,
+        S.TEAR_DOWN_CHILDREN, S.FINAL_HEARTBEAT, S.SWEEP_RECORDS, S.FINISH_HOOK, S.EXIT,
+    )
+
+
+def test_under_torchrun_the_writer_prints_the_summary_before_its_ack_and_starts_the_hook_before_its_dumps() -> None:
+    """The launcher ends the workers as soon as it sees the dead one: the cause first, at
+    once; the hook at once or never; the agent is let see the failed rank before this one leaves."""
+    p = plan(situation(wrote_verdict=True, ends_workers_early=True, on_verdict=True))
+    assert p.until_ack == (S.ARM_EXIT_WATCH, S.WRITE_SUMMARY, S.ACK)
+    assert p.after_ack == (
+        S.ARM_LAST_RESORT, S.FINAL_HEARTBEAT, S.TELL_LAUNCHERS, S.START_HOOK, S.DUMP_STACKS,
+        S.DUMP_FLIGHT_RECORDER, S.TEAR_DOWN_PEERS, S.TEAR_DOWN_CHILDREN, S.WRITE_REPORT, S.FINAL_HEARTBEAT,
+        S.SAY_STOP_LINE, S.LET_LAUNCHER_SEE, S.SWEEP_RECORDS, S.FINISH_HOOK, S.EXIT,
+    )
+
+
+def test_under_torchrun_an_enforcer_that_did_not_write_the_verdict_writes_the_report_before_the_early_hook() -> None:
+    p = plan(situation(ends_workers_early=True, on_verdict=True))
+    assert p.until_ack == (S.ARM_EXIT_WATCH, S.ACK)
+    assert p.after_ack[:5] == (S.ARM_LAST_RESORT, S.FINAL_HEARTBEAT, S.TELL_LAUNCHERS, S.WRITE_REPORT, S.START_HOOK)
+    assert before(p.after_ack, S.START_HOOK, S.DUMP_STACKS)
+    assert p.after_ack.count(S.WRITE_REPORT) == 2  # again after the teardown, with the peers' ends
+
+
+def test_an_enforcer_outside_watch_tears_down_peers_then_its_children_writes_the_report_and_starts_the_hook_last() -> None:
+    p = plan(situation(on_verdict=True))
+    assert steps(p) == (
+        S.ARM_EXIT_WATCH, S.ACK,
+        S.ARM_LAST_RESORT, S.FINAL_HEARTBEAT, S.TELL_LAUNCHERS, S.DUMP_STACKS, S.DUMP_FLIGHT_RECORDER,
+        S.TEAR_DOWN_PEERS, S.TEAR_DOWN_CHILDREN, S.WRITE_REPORT, S.FINAL_HEARTBEAT, S.SAY_STOP_LINE,
+        S.SWEEP_RECORDS, S.START_HOOK, S.FINISH_HOOK, S.EXIT,
+    )
+
+
+def test_a_rank_that_does_not_enforce_stops_watching_folders_and_only_leaves() -> None:
+    p = plan(situation(self_rank=7, live_local_ranks=(0, 1, 3, 4, 7), on_verdict=True))
+    assert steps(p) == (
+        S.ARM_EXIT_WATCH, S.ACK,
+        S.STOP_WATCHING_FOLDERS, S.ARM_LAST_RESORT, S.FINAL_HEARTBEAT, S.TELL_LAUNCHERS, S.DUMP_STACKS,
+        S.DUMP_FLIGHT_RECORDER, S.TEAR_DOWN_CHILDREN, S.FINAL_HEARTBEAT, S.SAY_STOP_LINE, S.EXIT,
+    )
+
+
+def test_a_survivor_inside_watch_is_interrupted_after_its_dumps_and_tears_down_its_children_once_its_main_thread_left() -> None:
+    p = plan(situation(self_rank=7, live_local_ranks=(0, 1, 3, 4, 7), in_watch=True))
+    assert p.after_ack == (
+        S.STOP_WATCHING_FOLDERS, S.ARM_LAST_RESORT, S.FINAL_HEARTBEAT, S.TELL_LAUNCHERS, S.DUMP_STACKS,
+        S.DUMP_FLIGHT_RECORDER, S.INTERRUPT_MAIN, S.WAIT_MAIN, S.TEAR_DOWN_CHILDREN, S.FINAL_HEARTBEAT,
+        S.SAY_STOP_LINE, S.EXIT,
+    )
+
+
+def test_a_blind_enforcer_says_so_first_and_its_ack_changes_only_the_steps_after_it() -> None:
+    """Rule 9: the second part is planned with the ack's result; the first cannot depend on it."""
+    for changes in ({}, {"wrote_verdict": True}, {"self_rank": 2, "failed_rank": 2, "live_local_ranks": (2,)}):
+        seen, blind = plan(situation(**changes)), plan(situation(ack_written=False, **changes))
+        assert seen.until_ack == blind.until_ack and blind.until_ack[-1] == S.ACK
+        assert blind.after_ack == (S.SAY_BLIND,) + seen.after_ack
+    assert S.SAY_BLIND not in plan(situation(self_rank=7, live_local_ranks=(0, 1, 3, 7), ack_written=False)).after_ack
+
+
+def test_other_hosts_are_told_after_the_ack_and_before_the_dumps() -> None:
+    p = plan(situation(other_hosts=True))
+    assert p.after_ack[:3] == (S.ARM_LAST_RESORT, S.TELL_HOSTS, S.FINAL_HEARTBEAT)
+    assert S.TELL_HOSTS not in steps(plan(situation()))
+
+
+@pytest.mark.parametrize("cause", [HANG, LOST, MISSING])
+def test_a_hang_is_summarized_once_dumped_and_the_main_thread_interrupted_after(cause: str) -> None:
+    p = plan(situation(cause=cause, wrote_verdict=True, in_watch=True))
+    assert p.until_ack == (S.ARM_EXIT_WATCH, S.ACK)
+    assert p.after_ack == (
+        S.ARM_LAST_RESORT, S.FINAL_HEARTBEAT, S.TELL_LAUNCHERS, S.DUMP_STACKS, S.DUMP_FLIGHT_RECORDER,
+        S.WRITE_SUMMARY, S.INTERRUPT_MAIN, S.TEAR_DOWN_PEERS, S.WRITE_REPORT, S.WAIT_MAIN, S.TEAR_DOWN_CHILDREN,
+        S.FINAL_HEARTBEAT, S.SAY_STOP_LINE, S.SWEEP_RECORDS, S.EXIT,
+    )
+
+
+def _every_situation() -> list:
+    out = []
+    for cause in (EXCEPTION, EXIT, SIGNAL, HANG, LOST):
+        for self_rank, live in ((0, (0, 1, 3)), (7, (0, 1, 3, 7)), (2, (0, 1, 2, 3)), (2, (2,))):
+            for flags in range(64):
+                f = [bool(flags >> i & 1) for i in range(6)]
+                out.append(situation(
+                    self_rank=self_rank, live_local_ranks=live, cause=cause, own_exit_code=1 if f[5] else None,
+                    wrote_verdict=f[0], in_watch=f[1], ends_workers_early=f[2] and self_rank != 2,
+                    on_verdict=f[3], ack_written=f[4], other_hosts=f[4] and f[5], failed_rank_speaks=f[5],
+                ))
+    return out
+
+
+def test_in_every_situation_the_order_that_matters_holds() -> None:
+    for s in _every_situation():
+        p = plan(s)
+        seq = steps(p)
+        why = f"{s}: {[x.name for x in seq]}"
+        assert seq[0] == S.ARM_EXIT_WATCH and p.until_ack[-1] == S.ACK and seq.count(S.ACK) == 1, why
+        assert seq[-1] == S.EXIT and seq.count(S.EXIT) == 1, why
+        assert seq.count(S.FINAL_HEARTBEAT) == 2 and seq.count(S.TEAR_DOWN_CHILDREN) == 1, why
+        assert before(seq, S.ARM_LAST_RESORT, S.DUMP_STACKS) and before(seq, S.DUMP_STACKS, S.DUMP_FLIGHT_RECORDER), why
+        assert (S.WRITE_SUMMARY in p.until_ack) == p.summary_now, why  # the cause first, before the ack
+        if p.summary_after_dumps:
+            assert before(seq, S.DUMP_FLIGHT_RECORDER, S.WRITE_SUMMARY), why
+        if p.interrupt_main:
+            assert before(seq, S.DUMP_FLIGHT_RECORDER, S.INTERRUPT_MAIN), why
+            assert before(seq, S.INTERRUPT_MAIN, S.TEAR_DOWN_PEERS if p.enforcer else S.WAIT_MAIN), why
+        if p.stay:
+            assert before(seq, S.WAIT_MAIN, S.TEAR_DOWN_CHILDREN), why
+        if p.enforcer and p.stop_line:
+            assert before(seq, S.TEAR_DOWN_PEERS, S.SAY_STOP_LINE), why
+        if p.stop_line and p.print_summary:
+            summary = S.WRITE_SUMMARY if S.WRITE_SUMMARY in seq else S.WRITE_SUMMARY_BELOW_TRACEBACK
+            assert before(seq, summary, S.SAY_STOP_LINE), why
+        assert (S.START_HOOK in seq) == (S.FINISH_HOOK in seq) == (p.write_report and s.on_verdict), why
+        if S.START_HOOK in seq:
+            assert seq.count(S.START_HOOK) == 1 and before(seq, S.START_HOOK, S.FINISH_HOOK), why
+            if not p.stay and not (s.ends_workers_early and p.write_report):
+                assert seq[-3:] == (S.START_HOOK, S.FINISH_HOOK, S.EXIT), why  # the hook last
+        if S.SAY_STOP_LINE in seq and S.LET_LAUNCHER_SEE in seq:
+            assert before(seq, S.SAY_STOP_LINE, S.LET_LAUNCHER_SEE), why
+
+
+def test_in_every_situation_the_report_is_written_before_the_hook_starts() -> None:
+    """docs/configuration.md: on_verdict runs "once the report is written". Before, a hang, a
+    lost host or a missing rank under torchrun or mp.spawn started the hook before any report."""
+    for s in _every_situation():
+        seq = steps(plan(s))
+        if S.START_HOOK in seq:
+            written = [i for i, x in enumerate(seq) if x in REPORTS]
+            assert written and written[0] < seq.index(S.START_HOOK), f"{s}: {[x.name for x in seq]}"
+
+
+def test_every_step_has_its_carrying_out() -> None:
+    from peerwatch import _verdict
+
+    assert set(_verdict._STEPS) == set(S)
+
+
+@pytest.mark.parametrize("cause", [HANG, LOST, MISSING])
+def test_under_torchrun_the_writer_of_a_hang_writes_the_report_before_the_early_hook_and_the_summary_after_its_dumps(
+    cause: str,
+) -> None:
+    p = plan(situation(cause=cause, wrote_verdict=True, ends_workers_early=True, on_verdict=True))
+    assert p.after_ack[:8] == (
+        S.ARM_LAST_RESORT, S.FINAL_HEARTBEAT, S.TELL_LAUNCHERS, S.WRITE_REPORT, S.START_HOOK, S.DUMP_STACKS,
+        S.DUMP_FLIGHT_RECORDER, S.WRITE_SUMMARY,
+    )
+    # Without a hook to start, the report waits for the summary after the dumps (one write fewer).
+    quiet = plan(situation(cause=cause, wrote_verdict=True, ends_workers_early=True))
+    assert quiet.after_ack[:6] == (
+        S.ARM_LAST_RESORT, S.FINAL_HEARTBEAT, S.TELL_LAUNCHERS, S.DUMP_STACKS, S.DUMP_FLIGHT_RECORDER, S.WRITE_SUMMARY,
+    )

@@ -561,3 +561,41 @@ def test_warm_works_out_every_record_type():
     _records.warm()
     assert {Registration, Success, Failure, ExitStatus, Ack, Heartbeat, Verdict, Diagnosis,
             NotSignalled} <= set(_records._FIELDS)
+
+
+def test_the_same_bytes_decode_to_the_same_record_and_the_memo_stays_bounded():
+    from peerwatch import _records
+
+    data = encode(Ack(rank=3, pid=42, time_ns=5, deadline_ns=6))
+    first = decode(Ack, data)
+    assert first == Ack(rank=3, pid=42, time_ns=5, deadline_ns=6)
+    assert decode(Ack, bytes(bytearray(data))) is first  # equal bytes, not the same object: one decode
+    assert decode(Ack, bytearray(data)) == first  # not hashable: decoded all the same
+    assert decode(Failure, data) is None  # the class is part of the key
+    garbage = b'{"version": 1, "kind": "ack", "rank": -1, "pid": 1, "time_ns": 1, "deadline_ns": 1}'
+    assert decode(Ack, garbage) is None and (Ack, garbage) not in _records._DECODED
+    filler = 0
+    while filler <= _records.DECODED_BYTES:  # fill it past its bound: it empties, never grows past it
+        record = encode(Ack(rank=filler, pid=1, time_ns=1, deadline_ns=1))
+        decode(Ack, record)
+        filler += len(record)
+        assert _records._decoded_bytes <= _records.DECODED_BYTES
+    assert (Ack, data) not in _records._DECODED
+
+
+def test_whether_a_failures_exit_code_was_observed_is_a_field_and_older_records_read_as_not_observed():
+    """Issue 25.3: the report told an exit status seen at exit from a code said beforehand
+    by the record's message; now by ``observed``, written where the record is made (the
+    exit watch's template) and False in a record of an older peerwatch."""
+    from peerwatch import _exitwatch
+
+    head, mid, tail = _exitwatch.failure_template(3, 77)
+    seen = decode(Failure, head + b"12" + mid + b"9" + tail)
+    assert seen is not None and (seen.observed, seen.exit_code) == (True, 9)
+    said = Failure(rank=3, pid=77, time_ns=12, cause="exception", exit_code=1, exception="ValueError")
+    assert not said.observed and decode(Failure, encode(said)) == said
+    assert decode(Failure, encode(dataclasses.replace(said, observed=True))).observed  # type: ignore[union-attr]
+    older = (b'{"version":1,"kind":"failure","rank":3,"pid":77,"time_ns":12,"cause":"exit","exit_code":9,'
+             b'"message":"' + _exitwatch.EXIT_MESSAGE.encode() + b'"}')
+    assert decode(Failure, older) == Failure(rank=3, pid=77, time_ns=12, cause="exit", exit_code=9,
+                                             message=_exitwatch.EXIT_MESSAGE, observed=False)

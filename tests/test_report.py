@@ -228,6 +228,7 @@ def test_a_hangs_victims_whose_collectives_timed_out_are_torn_down_with_the_verd
     import time
 
     from peerwatch import _identity, _report
+    from peerwatch._prepare import prepare
     from peerwatch._records import (
         EXCEPTION,
         HANG,
@@ -247,7 +248,7 @@ def test_a_hangs_victims_whose_collectives_timed_out_are_torn_down_with_the_verd
     regs = [Registration(rank=r, pid=me.pid, ppid=me.ppid, start_ticks=me.start_ticks, uid=me.uid,
                          host=_identity.hostname(), boot_id=_identity.boot_id(), pidns=_identity.pid_namespace(),
                          time_ns=now) for r in range(3)]
-    rd.prepare(regs[0], now)
+    prepare(rd, regs[0], now)
     for reg in regs[1:]:
         rd.write(RANKS, rank_file("rank", reg.rank), encode(reg))
     rd.write(EVENTS, VERDICT_FILE, encode(Verdict(
@@ -268,3 +269,28 @@ def test_a_hangs_victims_whose_collectives_timed_out_are_torn_down_with_the_verd
     rd.write(EVENTS, rank_file("exit", 1), encode(ExitStatus(rank=1, pid=me.pid, time_ns=now, returncode=124,
                                                              observed_by=0)))
     assert (by_rank(_report.build(rd))[1]["exit_code"], by_rank(_report.build(rd))[1]["exit_observed"]) == (124, True)
+
+
+def test_an_exit_is_observed_by_the_records_field_not_by_its_message(tmp_path: Path) -> None:
+    """Issue 25.3: whether a failure's exit code was seen is the record's ``observed``
+    field; a record that only repeats the exit watch's words was not seen."""
+    import time
+
+    from peerwatch import _exitwatch, _identity, _prepare, _report
+    from peerwatch._records import EXIT, Failure, Registration, encode
+    from peerwatch._rundir import EVENTS, RANKS, RunDir, rank_file
+
+    me = _identity.self_info()
+    now = time.time_ns()
+    rd = RunDir(str(tmp_path / "run"))
+    regs = [Registration(rank=r, pid=me.pid, ppid=me.ppid, start_ticks=me.start_ticks, uid=me.uid,
+                         host=_identity.hostname(), boot_id=_identity.boot_id(), pidns=_identity.pid_namespace(),
+                         time_ns=now) for r in range(2)]
+    _prepare.prepare(rd, regs[0], now)
+    rd.write(RANKS, rank_file("rank", 1), encode(regs[1]))
+    said = Failure(rank=1, pid=me.pid, time_ns=now, cause=EXIT, exit_code=3, message=_exitwatch.EXIT_MESSAGE)
+    rd.write(EVENTS, rank_file("failure", 1), encode(said))
+    assert (by_rank(_report.build(rd))[1]["exit_code"], by_rank(_report.build(rd))[1]["exit_observed"]) == (3, False)
+    head, mid, tail = _exitwatch.failure_template(1, me.pid)
+    rd.write(EVENTS, rank_file("failure", 1), head + str(now).encode() + mid + b"3" + tail, replace=True)
+    assert (by_rank(_report.build(rd))[1]["exit_code"], by_rank(_report.build(rd))[1]["exit_observed"]) == (3, True)

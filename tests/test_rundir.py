@@ -19,6 +19,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from peerwatch import RunDirError, _identity
+from peerwatch._basedir import base_dir, resolve
+from peerwatch._prepare import prepare
 from peerwatch._records import MAX_RECORD_BYTES, Heartbeat, Registration, Success, Verdict, encode
 from peerwatch._rundir import (
     EVENTS,
@@ -29,12 +31,10 @@ from peerwatch._rundir import (
     VERDICT_FILE,
     InPlace,
     RunDir,
-    base_dir,
-    check_trusted,
     parse_rank_file,
     rank_file,
-    resolve,
 )
+from peerwatch._trust import check_trusted
 
 SUBDIRS = (RANKS, EVENTS, HEARTBEATS, STACKS, TMP)
 DEADLINE_S = 5.0
@@ -57,7 +57,7 @@ def my_reg(rank: int = 0, **over: Any) -> Registration:
 @pytest.fixture
 def rd(tmp_path: Path) -> RunDir:
     run = RunDir(str(tmp_path / "run"))
-    run.prepare(my_reg(), time.time_ns())
+    prepare(run, my_reg(), time.time_ns())
     return run
 
 
@@ -401,7 +401,7 @@ def test_prepare_creates_0700_folders_whatever_the_umask(tmp_path):
     run = RunDir(str(tmp_path / "run"))
     old = os.umask(0)
     try:
-        run.prepare(my_reg(), time.time_ns())
+        prepare(run, my_reg(), time.time_ns())
     finally:
         os.umask(old)
     assert mode(run.path) == 0o700
@@ -412,14 +412,14 @@ def test_prepare_creates_0700_folders_whatever_the_umask(tmp_path):
 
 def test_prepare_creates_missing_parents(tmp_path):
     run = RunDir(str(tmp_path / "a" / "b" / "run"))
-    run.prepare(my_reg(), time.time_ns())
+    prepare(run, my_reg(), time.time_ns())
     assert os.path.isdir(run.join(EVENTS))
 
 
 def test_prepare_is_idempotent_for_the_same_rank(rd, caplog):
     rd.publish_registration(my_reg(0))
     rd.write(EVENTS, "success-00001.json", SUCCESS)
-    rd.prepare(my_reg(0), time.time_ns())
+    prepare(rd, my_reg(0), time.time_ns())
     assert rd.read(EVENTS, "success-00001.json", Success) is not None
     assert set_asides(rd) == []
     assert warnings_about(caplog, "earlier run") == []
@@ -429,15 +429,15 @@ def test_prepare_is_idempotent_for_the_same_rank(rd, caplog):
 def test_prepare_refuses_a_writable_directory(rd, where):
     os.chmod(rd.join(where) if where else rd.path, 0o777)
     with pytest.raises(RunDirError, match="writable"):
-        rd.prepare(my_reg(), time.time_ns())
+        prepare(rd, my_reg(), time.time_ns())
 
 
 def test_prepare_refuses_a_symlinked_run_directory(tmp_path):
     real = RunDir(str(tmp_path / "real"))
-    real.prepare(my_reg(), time.time_ns())
+    prepare(real, my_reg(), time.time_ns())
     os.symlink(real.path, tmp_path / "link")
     with pytest.raises(RunDirError, match="symbolic link"):
-        RunDir(str(tmp_path / "link")).prepare(my_reg(), time.time_ns())
+        prepare(RunDir(str(tmp_path / "link")), my_reg(), time.time_ns())
 
 
 def test_prepare_checks_the_base_directory(tmp_path, monkeypatch):
@@ -447,11 +447,11 @@ def test_prepare_checks_the_base_directory(tmp_path, monkeypatch):
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     base = base_dir()
     assert base == str(tmp_path / f"peerwatch-{os.geteuid()}")
-    RunDir(os.path.join(base, "run-1")).prepare(my_reg(), time.time_ns())
+    prepare(RunDir(os.path.join(base, "run-1")), my_reg(), time.time_ns())
     assert mode(base) == 0o700
     os.chmod(base, 0o777)
     with pytest.raises(RunDirError) as info:
-        RunDir(os.path.join(base, "run-2")).prepare(my_reg(), time.time_ns())
+        prepare(RunDir(os.path.join(base, "run-2")), my_reg(), time.time_ns())
     assert info.value.path == base
 
 
@@ -459,7 +459,7 @@ def test_slot_held_by_a_dead_process_sets_the_directory_aside(rd, caplog):
     old = registration(dead_process_info(), rank=0)
     rd.publish_registration(old)
     rd.write(EVENTS, "failure-00002.json", b"from the old run")
-    rd.prepare(my_reg(0), time.time_ns())
+    prepare(rd, my_reg(0), time.time_ns())
     aside = set_asides(rd)
     assert len(aside) == 1
     moved = RunDir(os.path.join(os.path.dirname(rd.path), aside[0]))
@@ -476,7 +476,7 @@ def test_slot_held_by_a_live_other_process_is_an_error(rd, child):
     holder = registration(_identity.probe(child.pid), rank=0)
     rd.publish_registration(holder)
     with pytest.raises(RunDirError) as info:
-        rd.prepare(my_reg(0), time.time_ns())
+        prepare(rd, my_reg(0), time.time_ns())
     assert info.value.path == rd.path
     assert f"live pid {child.pid}" in info.value.reason and "rank 0" in info.value.reason
     assert set_asides(rd) == []
@@ -488,26 +488,26 @@ def test_slot_held_by_a_zombie_is_stale(rd, child):
     rd.publish_registration(holder)
     child.stdin.close()
     os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOWAIT)  # exited, not reaped
-    rd.prepare(my_reg(0), time.time_ns())
+    prepare(rd, my_reg(0), time.time_ns())
     assert len(set_asides(rd)) == 1
 
 
 def test_slot_held_by_a_live_pid_from_an_earlier_boot_is_stale(rd, child):
     rd.publish_registration(registration(_identity.probe(child.pid), rank=0, boot_id="an-earlier-boot"))
-    rd.prepare(my_reg(0), time.time_ns())
+    prepare(rd, my_reg(0), time.time_ns())
     assert len(set_asides(rd)) == 1
 
 
 def test_slot_held_by_a_pid_reused_by_another_process_is_stale(rd, child):
     info = _identity.probe(child.pid)
     rd.publish_registration(registration(info, rank=0, start_ticks=info.start_ticks - 1))
-    rd.prepare(my_reg(0), time.time_ns())
+    prepare(rd, my_reg(0), time.time_ns())
     assert len(set_asides(rd)) == 1
 
 
 def test_dead_registration_of_another_rank_is_left_alone(rd):
     rd.publish_registration(registration(dead_process_info(), rank=1))
-    rd.prepare(my_reg(0), time.time_ns())
+    prepare(rd, my_reg(0), time.time_ns())
     assert set_asides(rd) == []
     assert sorted(rd.registrations()) == [0, 1]  # its own, published by prepare
 
@@ -519,14 +519,14 @@ def _verdict(detected_at_ns: int) -> bytes:
 
 def test_verdict_from_before_this_process_sets_the_directory_aside(rd):
     rd.write(EVENTS, VERDICT_FILE, _verdict(1000))
-    rd.prepare(my_reg(0), process_start_ns=1001)
+    prepare(rd, my_reg(0), process_start_ns=1001)
     assert len(set_asides(rd)) == 1
     assert rd.read_bytes(EVENTS, VERDICT_FILE) is None
 
 
 def test_verdict_from_after_this_process_started_is_kept(rd):
     rd.write(EVENTS, VERDICT_FILE, _verdict(1000))
-    rd.prepare(my_reg(0), process_start_ns=1000)
+    prepare(rd, my_reg(0), process_start_ns=1000)
     assert set_asides(rd) == []
     assert rd.read_bytes(EVENTS, VERDICT_FILE) is not None
 
@@ -534,7 +534,7 @@ def test_verdict_from_after_this_process_started_is_kept(rd):
 def test_old_verdict_is_kept_while_a_registered_peer_lives(rd, child):
     rd.publish_registration(registration(_identity.probe(child.pid), rank=1))
     rd.write(EVENTS, VERDICT_FILE, _verdict(1000))
-    rd.prepare(my_reg(0), process_start_ns=1001)
+    prepare(rd, my_reg(0), process_start_ns=1001)
     assert set_asides(rd) == []
 
 
@@ -600,7 +600,7 @@ def test_resolve_always_stays_under_the_base_directory(var, value, other):
 
 def test_resolve_agrees_between_siblings():
     """Two ranks started by the same parent (torchrun's agent, here the test) find the same run."""
-    code = "import os, sys; from peerwatch._rundir import resolve; print(resolve(None, os.environ)[0])"
+    code = "import os, sys; from peerwatch._basedir import resolve; print(resolve(None, os.environ)[0])"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC_", "SLURM_", "MASTER_"))}
     env.update(TORCHRUN)
     procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
@@ -659,7 +659,7 @@ def test_slot_held_by_another_host_is_never_judged_stale(rd, other):
     holder = my_reg(0, pid=4_000_000, **other)
     rd.publish_registration(holder)
     with pytest.raises(RunDirError, match="belongs to one host"):
-        rd.prepare(my_reg(0), time.time_ns())
+        prepare(rd, my_reg(0), time.time_ns())
     assert set_asides(rd) == []
     assert rd.registrations() == {0: holder}
 
@@ -689,6 +689,7 @@ def test_every_rank_a_record_names_must_be_inside_the_world(rd, caplog):
 _ARM_AND_EXIT = """
 import os, sys, time
 from peerwatch import _exitwatch, _identity
+from peerwatch._prepare import prepare
 from peerwatch._records import Registration
 from peerwatch._rundir import RunDir
 info = _identity.self_info()
@@ -697,7 +698,7 @@ reg = Registration(rank=0, pid=info.pid, ppid=info.ppid, start_ticks=info.start_
                    time_ns=time.time_ns())
 path, moved, decoy = sys.argv[1:]
 rd = RunDir(path)
-rd.prepare(reg, time.time_ns())
+prepare(rd, reg, time.time_ns())
 os.rename(path, moved)
 os.symlink(decoy, path)
 assert _exitwatch.arm(rd, 0, write_success=True)
@@ -752,3 +753,58 @@ def test_the_exit_watch_writes_into_the_directory_checked_not_a_symlink_put_in_i
     subprocess.run([sys.executable, "-c", _ARM_AND_EXIT, str(path), str(moved), str(decoy)], check=True, timeout=60)
     assert (moved / EVENTS / rank_file("success", 0)).is_file()
     assert not (decoy / EVENTS / rank_file("success", 0)).exists()
+
+
+def test_spawn_s_main_process_looks_for_its_workers_in_the_directory_checked(rd, tmp_path, monkeypatch):
+    """torch.multiprocessing.spawn's main process says whether its workers were watched by
+    their registrations in ``RUN/spawn/ranks``: those of the directory checked, not of a
+    symlink put in its place (it would send the user to a run that is not theirs, or
+    tell them their watched workers were not)."""
+    import types
+
+    from peerwatch import _hooks
+    from peerwatch._rundir import SPAWNED_RUN
+
+    real = tmp_path / "moved"
+    os.rename(rd.path, real)
+    decoy = _decoy(tmp_path)
+    os.symlink(decoy, rd.path)
+    (decoy / SPAWNED_RUN / RANKS).mkdir(parents=True)
+    (decoy / SPAWNED_RUN / RANKS / rank_file("rank", 0)).write_bytes(encode(my_reg(0)))
+    failure = type("ProcessExitedException", (Exception,), {"__module__": "torch.multiprocessing.spawn"})
+    w = types.SimpleNamespace(rank=0, me=my_reg(0), run_dir=rd)
+
+    monkeypatch.setattr(_hooks, "_spawn_noted", False)
+    note = _hooks.spawn_main_note(w, failure())  # type: ignore[arg-type]
+    assert note is not None and "install() ran only here" in note, note
+
+    (decoy / SPAWNED_RUN / RANKS / rank_file("rank", 0)).unlink()
+    (real / SPAWNED_RUN / RANKS).mkdir(parents=True, mode=0o700)
+    (real / SPAWNED_RUN / RANKS / rank_file("rank", 0)).write_bytes(encode(my_reg(0)))
+    monkeypatch.setattr(_hooks, "_spawn_noted", False)
+    note = _hooks.spawn_main_note(w, failure())  # type: ignore[arg-type]
+    assert note is not None and "Its workers are watched in their own run" in note, note
+
+
+def test_one_reader_of_a_folder_of_rank_files_for_the_watcher_the_report_and_the_cli(rd):
+    """Issue 25.3: the report read events/ its own way (and the CLI its watcher deaths, and
+    RunDir its registrations and success markers, each theirs). One reader now: each file
+    read as the type its prefix names, kept only if it names the rank its file name does."""
+    from peerwatch import _report
+    from peerwatch._records import EVENT_TYPES, Ack, Failure
+
+    pid = os.getpid()
+    rd.write(EVENTS, rank_file("success", 1), encode(Success(rank=1, pid=pid, time_ns=1)))
+    rd.write(EVENTS, rank_file("failure", 2), encode(Failure(rank=2, pid=pid, time_ns=2, cause="exit", exit_code=3)))
+    rd.write(EVENTS, rank_file("thread", 2), encode(Failure(rank=2, pid=pid, time_ns=2, cause="exception")))
+    rd.write(EVENTS, rank_file("failure", 3), encode(Failure(rank=4, pid=pid, time_ns=2, cause="exit")))  # another rank's
+    rd.write(EVENTS, rank_file("ack", 5), b"not a record")
+    rd.write(EVENTS, rank_file("ack", 6), encode(Ack(rank=6, pid=pid, time_ns=3, deadline_ns=0)))
+    rd.write(EVENTS, rank_file("junk", 7), encode(Success(rank=7, pid=pid, time_ns=1)))
+    found = rd.rank_records(EVENTS, EVENT_TYPES)
+    assert set(found) == set(EVENT_TYPES)
+    assert {k: sorted(v) for k, v in found.items() if v} == {"success": [1], "failure": [2], "thread": [2], "ack": [6]}
+    assert found["failure"][2].exit_code == 3 and found["thread"][2].cause == "exception"
+    assert _report._events(rd) == found
+    assert rd.rank_records(EVENTS, {"success": Success}) == {"success": {1: found["success"][1]}}
+    assert rd.registrations() == rd.rank_records(RANKS, {"rank": Registration})["rank"] == {0: rd.registrations()[0]}

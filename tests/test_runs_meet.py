@@ -21,8 +21,9 @@ import pytest
 from harness import _FOREIGN_ENV, Job
 
 from peerwatch import _identity
+from peerwatch._prepare import stale_because
 from peerwatch._records import Registration, Success, encode
-from peerwatch._rundir import HEARTBEATS, RANKS, RunDir, rank_file, same_job, stale_because
+from peerwatch._rundir import HEARTBEATS, RANKS, RunDir, rank_file, same_job
 
 # -- two jobs, one directory ------------------------------------------------------------
 

@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 import peerwatch
 
-from .. import _identity, _rundir
+from .. import _basedir, _identity, _rundir
 
 logger = logging.getLogger("peerwatch")
 
@@ -96,8 +96,8 @@ def install(*, agree: Optional[bool] = None, group: Optional[Any] = None, **opti
     config = peerwatch.Config.resolve(options)
     if config.enabled and config.run_dir is None and rank_and_world_size(group) is not None:
         if agree is None:
-            _, how = _rundir.resolve(None, os.environ)
-            agree = how == _rundir.NEW_RUN
+            _, how = _basedir.resolve(None, os.environ)
+            agree = how == _basedir.NEW_RUN
         if agree:
             options["run_dir"] = run_dir_for(agreed_key(group))
     return peerwatch.install(**options)
@@ -112,7 +112,7 @@ def run_key() -> str:
 def run_dir_for(key: str) -> str:
     """The run directory on this host of the run named ``key`` (from :func:`agreed_key`)."""
     name = key if _KEY_RE.fullmatch(key) and key.strip(".") else _rundir.safe_name(key)
-    return os.path.join(_rundir.base_dir(), name)
+    return os.path.join(_basedir.base_dir(), name)
 
 
 def agreed_key(group: Optional[Any] = None) -> str:
