@@ -2,8 +2,11 @@
 
     .venv/bin/python benchmarks/straggler.py                         (everything, ~25 min)
     .venv/bin/python benchmarks/straggler.py --only detect --runs 3
+    .venv/bin/python benchmarks/straggler.py --only detect --runs 3 --ddp
     .venv/bin/python benchmarks/straggler.py --only balanced --minutes 10 --hogs 2
     .venv/bin/python benchmarks/straggler.py --only cost --pairs 12
+    .venv/bin/python benchmarks/straggler.py --only cost --cost-step ddp --pairs 20 --block-s 2 --in-jobs
+    .venv/bin/python benchmarks/straggler.py --only enqueue-cost --pairs 20
 
 1. **Detect.** 4 ranks of tests/collective_program.py (all_reduce, then a sleep as the
    "compute"), the default heartbeat (1 s, slots of 5 s), three computing 0.20 s a step and
@@ -18,9 +21,14 @@
    training thread pays, wall and its own CPU. Then two 2-rank gloo jobs, both with
    peerwatch, ``stragglers`` on and off, running blocks of steps in turn (A/B in random
    order, one run): a Python-heavy step and an all_reduce of 1000 floats (the whole of it:
-   sampler, slots, judge; noisier: two processes each, on a shared machine).
+   sampler, slots, judge; noisier: two processes each, on a shared machine); with
+   ``--cost-step ddp``, a DDP step instead (a small model's forward and backward, its
+   gradient all-reduce in C++), which adds the enqueue measure's reads of the flight
+   recorder (one every 2 slots, the ring full after the first ~20 s).
 4. **Reads.** In-process: one sample of the main thread (20 a second), one heartbeat's
-   slot bookkeeping, and one judge's slot (read 8 heartbeats, judge 8 ranks; judge 1024).
+   slot bookkeeping, and one judge's slot (read 8 heartbeats, judge 8 ranks; judge 1024);
+   the enqueue measure's read of a full flight recorder (a one-rank gloo group, 2000
+   entries), and its judge's slot (8 ranks' rows).
 """
 
 from __future__ import annotations
@@ -53,7 +61,8 @@ START_TIMEOUT_S = 120.0
 class Job:
     """WORLD ranks of collective_program.py, started now; ``close()`` kills and reaps them."""
 
-    def __init__(self, workdir: str, behave: List[str], env_extra: Optional[Dict[str, str]] = None) -> None:
+    def __init__(self, workdir: str, behave: List[str], env_extra: Optional[Dict[str, str]] = None,
+                 flags: Optional[List[str]] = None) -> None:
         self.run, self.ready, self.workdir = os.path.join(workdir, "run"), os.path.join(workdir, "ready"), workdir
         os.makedirs(self.ready)
         port = str(free_port())
@@ -61,7 +70,8 @@ class Job:
         for rank in range(WORLD):
             env = clean_env(PEERWATCH_DIR=self.run, RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank),
                             MASTER_ADDR="127.0.0.1", MASTER_PORT=port, PYTHONPATH=ROOT, **(env_extra or {}))
-            argv = [sys.executable, PROGRAM, "--world", str(WORLD), "--ready", self.ready, "--step-s", str(STEP_S)]
+            argv = [sys.executable, PROGRAM, "--world", str(WORLD), "--ready", self.ready, "--step-s", str(STEP_S),
+                    *(flags or [])]
             for item in behave:
                 argv += ["--behave", item]
             with open(os.path.join(workdir, f"rank-{rank}.log"), "wb") as log:
@@ -119,11 +129,11 @@ class Job:
             p.wait()
 
 
-def detect(runs: int) -> List[List[str]]:
+def detect(runs: int, ddp: bool = False) -> List[List[str]]:
     rows = []
     for _ in range(runs):
         with tempfile.TemporaryDirectory() as tmp:
-            job = Job(tmp, [f"2=slow:{SLOW_S}@0"])
+            job = Job(tmp, [f"2=slow:{SLOW_S}@0"], flags=["--ddp"] if ddp else [])
             try:
                 t0 = job.wait_started()
                 while not job.found() and time.monotonic() - t0 < 300:
@@ -132,7 +142,8 @@ def detect(runs: int) -> List[List[str]]:
                 found = job.found() or []
             finally:
                 job.close()
-        rows.append([f"{STEP_S:.2f} s x3, {STEP_S + SLOW_S:.2f} s on rank 2", f"{took:.1f} s",
+        rows.append([f"{'DDP, data loading ' if ddp else ''}{STEP_S:.2f} s x3, {STEP_S + SLOW_S:.2f} s on rank 2",
+                     f"{took:.1f} s",
                      ", ".join(f"rank {s['rank']} ({s['late_ms']} ms, {100 * s['share']:.0f} %)" for s in found)
                      or "nobody"])
     return rows
@@ -178,8 +189,21 @@ peerwatch.install()
 import torch, torch.distributed as dist
 dist.init_process_group("gloo")
 t = torch.ones(1000)
+if sys.argv[2] == "ddp":
+    torch.set_num_threads(1)
+    model = torch.nn.parallel.DistributedDataParallel(
+        torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 10)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = torch.randn(64, 256), torch.randint(0, 10, (64,))
+
+def ddp_step(state):
+    opt.zero_grad()
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
 
 def step(state):
+    if sys.argv[2] == "ddp":
+        return ddp_step(state)
     rows = [{"id": i, "text": f"token-{(i * 7919 + state[0]) % 1000}", "w": i % 13} for i in range(7500)]
     counts = {}
     for row in rows:
@@ -204,11 +228,11 @@ for line in sys.stdin:
 
 
 class CostJob:
-    def __init__(self, workdir: str, on: bool) -> None:
+    def __init__(self, workdir: str, on: bool, kind: str = "python") -> None:
         port = str(free_port())
         env = clean_env(PEERWATCH_DIR=os.path.join(workdir, f"run-{on}"), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
                         MASTER_PORT=port, PEERWATCH_STRAGGLERS="1" if on else "0")
-        self.procs = [subprocess.Popen([sys.executable, "-c", COST_RANK, ROOT], env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
+        self.procs = [subprocess.Popen([sys.executable, "-c", COST_RANK, ROOT, kind], env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for r in range(2)]
         for p in self.procs:
             assert p.stdout is not None
@@ -234,13 +258,15 @@ class CostJob:
             p.wait(timeout=60)
 
 
-def cost(pairs: int, block_s: float) -> List[List[str]]:
+def cost(pairs: int, block_s: float, kind: str = "python") -> List[List[str]]:
     with tempfile.TemporaryDirectory() as tmp:
-        jobs = {on: CostJob(tmp, on) for on in (False, True)}
+        jobs = {on: CostJob(tmp, on, kind) for on in (False, True)}
         try:
             warm = statistics.mean(jobs[on].block(50)[0] for on in (False, True))
             steps = max(50, int(block_s * 1000 / warm))
-            time.sleep(12.0)  # past two slots: the sampler runs, and a judge has judged
+            # Past two slots: the sampler runs, and a judge has judged; for DDP, past 25 s: the
+            # flight recorder's ring is full (its reads cost the most from then on).
+            time.sleep(12.0 if kind == "python" else 25.0)
             res: Dict[bool, List[Tuple[float, float]]] = {False: [], True: []}
             for _ in range(pairs):
                 for on in random.sample([False, True], 2):
@@ -251,7 +277,8 @@ def cost(pairs: int, block_s: float) -> List[List[str]]:
     diffs = [(b[0] - a[0]) / a[0] * 100 for a, b in zip(res[False], res[True])]
     cpu = [(b[1] - a[1]) / a[1] * 100 for a, b in zip(res[False], res[True])]
     half = 2.2 * statistics.stdev(diffs) / len(diffs) ** 0.5
-    return [["Python step + all_reduce(1000), 2 ranks", f"{pairs} x {steps}",
+    what = "Python step + all_reduce(1000), 2 ranks" if kind == "python" else "DDP step (256-512-10 MLP), 2 ranks"
+    return [[what, f"{pairs} x {steps}",
              f"{statistics.mean(a for a, _ in res[False]):.3f}", f"{statistics.mean(a for a, _ in res[True]):.3f}",
              f"**{statistics.mean(diffs):+.2f} % ± {half:.2f} %**", f"{statistics.mean(cpu):+.2f} %"]]
 
@@ -333,6 +360,7 @@ def reads() -> List[List[str]]:
 
     read_ms = _read_heartbeats_ms(8)
     thread_share = _sampler_share(5.0)
+    fr_ms, add_ms, late_ms = _enqueue_ms()
     return [
         ["one sample's work (a frame lookup and a name test)", f"{sample_us:.1f} µs", ""],
         ["the sampler thread, 20 samples a second (its CPU time: wake-ups included)",
@@ -341,7 +369,123 @@ def reads() -> List[List[str]]:
         ["judge's slot: read 8 heartbeats (lowest local rank, once a slot)", f"{read_ms:.2f} ms", ""],
         ["judge's slot: the rule over 8 ranks", f"{judge_ms(8, 200):.2f} ms", ""],
         ["judge's slot: the rule over 1024 ranks (host 0 of a large job)", f"{judge_ms(1024, 5):.1f} ms", ""],
+        ["enqueue measure: read a full flight recorder (2000 entries; GIL held), every 2 slots",
+         f"{fr_ms:.1f} ms", f"{fr_ms / 10_000 * 100:.2f} % of 10 s"],
+        ["enqueue measure: the read's entries into slots' rows", f"{add_ms:.2f} ms", ""],
+        ["enqueue measure: judge's slot, 8 ranks' rows (12 slots of 24)", f"{late_ms:.2f} ms", ""],
     ]
+
+
+def enqueue_cost(pairs: int, block_s: float) -> List[List[str]]:
+    """In one process (a one-rank gloo group, its recorder's ring full): blocks of DDP steps
+    with a thread reading the flight recorder once a second (ten times the real rate: the
+    effect is measurable) and without, in random order. What the training thread pays per
+    read, and so at the real rate (one read every 10 s at the default heartbeat)."""
+    import threading
+
+    import torch
+    import torch.distributed as dist
+
+    from peerwatch._collectives import CollectiveReader
+    from peerwatch._waits import EnqueueWindow
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    torch.set_num_threads(1)
+    model = torch.nn.parallel.DistributedDataParallel(
+        torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 10)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = torch.randn(64, 256), torch.randint(0, 10, (64,))
+
+    def step() -> None:
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+
+    reading, stop = threading.Event(), threading.Event()
+    reads = [0]
+
+    def reader_thread() -> None:
+        reader, window = CollectiveReader(0), EnqueueWindow(1.0)
+        while not stop.is_set():
+            reading.wait()
+            if stop.is_set():
+                return
+            window.add(reader.enqueued(), time.time_ns())
+            reads[0] += 1
+            stop.wait(1.0)
+
+    try:
+        for _ in range(2100):  # the ring full: the costliest read
+            step()
+        t0 = time.perf_counter()
+        for _ in range(50):
+            step()
+        steps = max(50, int(block_s / ((time.perf_counter() - t0) / 50)))
+        thread = threading.Thread(target=reader_thread, daemon=True)
+        thread.start()
+        res: Dict[bool, List[float]] = {False: [], True: []}
+        on_s = 0.0
+        for _ in range(pairs):
+            for on in random.sample([False, True], 2):
+                if on:
+                    reading.set()
+                w0 = time.perf_counter()
+                for _ in range(steps):
+                    step()
+                took = time.perf_counter() - w0
+                reading.clear()
+                on_s += took if on else 0.0
+                res[on].append(took * 1000 / steps)
+                time.sleep(1.1)  # the reader's last read of an "on" block is over
+        stop.set()
+        reading.set()
+        thread.join()
+    finally:
+        dist.destroy_process_group()
+    d = [(b - a) / a * 100 for a, b in zip(res[False], res[True])]
+    mean, half = statistics.mean(d), 1.97 * statistics.stdev(d) / len(d) ** 0.5
+    rate = reads[0] / on_s  # reads a second while "on"
+    return [["DDP step, one process, a full recorder read every second (10x the real rate)", f"{pairs} x {steps}",
+             f"{statistics.mean(res[False]):.3f}", f"{statistics.mean(res[True]):.3f}",
+             f"**{mean:+.2f} % ± {half:.2f} %**", f"at the real rate (1 read / 10 s): {mean / (10 * rate):+.3f} %"]]
+
+
+def _enqueue_ms() -> Tuple[float, float, float]:
+    """A full flight recorder read (a one-rank gloo group, 2100 all_reduces), its entries
+    made into rows, and the lateness of 8 ranks' rows: median ms of each."""
+    import torch
+    import torch.distributed as dist
+
+    from peerwatch._collectives import CollectiveReader
+    from peerwatch._straggler import lateness, row_from_text
+    from peerwatch._waits import EnqueueWindow
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        t = torch.ones(4)
+        for _ in range(2100):
+            dist.all_reduce(t)
+        reader = CollectiveReader(0)
+        reads, adds = [], []
+        entries: list = []
+        for _ in range(10):
+            t0 = time.perf_counter()
+            entries = reader.enqueued()
+            reads.append((time.perf_counter() - t0) * 1000)
+            window = EnqueueWindow(0.001)  # slots of 5 ms: the 2000 entries fill many
+            t0 = time.perf_counter()
+            window.add(entries, time.time_ns())
+            adds.append((time.perf_counter() - t0) * 1000)
+    finally:
+        dist.destroy_process_group()
+    rows = [row_from_text(r) for r in window.rows()]
+    ranks = {r: [tuple(v if i != 3 else v + r for i, v in enumerate(row)) for row in rows if row] for r in range(8)}
+    t0 = time.perf_counter()
+    for _ in range(10):
+        lateness(ranks)
+    return statistics.median(reads), statistics.median(adds), (time.perf_counter() - t0) * 100
 
 
 def _sampler_share(seconds: float) -> float:
@@ -384,18 +528,21 @@ def _read_heartbeats_ms(n: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--only", choices=["detect", "balanced", "cost", "reads"])
+    parser.add_argument("--only", choices=["detect", "balanced", "cost", "reads", "enqueue-cost"])
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--minutes", type=float, default=10.0)
     parser.add_argument("--hogs", type=int, default=2)
     parser.add_argument("--pairs", type=int, default=12)
     parser.add_argument("--block-s", type=float, default=3.0)
     parser.add_argument("--in-process", action="store_true", help="cost: the in-process A/B only (no jobs)")
+    parser.add_argument("--in-jobs", action="store_true", help="cost: the jobs' A/B only (not in-process)")
+    parser.add_argument("--cost-step", choices=["python", "ddp"], default="python")
+    parser.add_argument("--ddp", action="store_true", help="detect: DDP steps (waits in C++: the enqueue measure)")
     args = parser.parse_args()
     print(f"peerwatch {peerwatch_commit()}, {machine()}, {datetime.datetime.now():%Y-%m-%d %H:%M}\n")
     if args.only in (None, "detect"):
         print("Detect: 4 ranks, default heartbeat; seconds from the first step to the finding\n")
-        print(table(["job", "named after", "named"], detect(args.runs)), "\n", flush=True)
+        print(table(["job", "named after", "named"], detect(args.runs, args.ddp)), "\n", flush=True)
     if args.only in (None, "balanced"):
         rows = [watch(args.minutes, args.hogs, [], "balanced, 0.20 s a step"),
                 watch(args.minutes, args.hogs, ["0=every:2/300@0"], "rank 0 sleeps 2 s every 300 steps")]
@@ -404,9 +551,14 @@ def main() -> None:
               flush=True)
     if args.only in (None, "cost"):
         print("Cost: stragglers on vs off (both with peerwatch), blocks alternated in one run\n")
-        rows = sampler_cost(args.pairs * 10, 0.3) + (cost(args.pairs, args.block_s) if not args.in_process else [])
+        rows = (sampler_cost(args.pairs * 10, 0.3) if not args.in_jobs else []) + \
+            (cost(args.pairs, args.block_s, args.cost_step) if not args.in_process else [])
         print(table(["loop", "pairs x steps", "step ms off", "on", "wall difference (95 %)", "CPU difference"], rows), "\n",
               flush=True)
+    if args.only in (None, "enqueue-cost"):
+        print("Cost of the enqueue measure's reads (in-process, alternated)\n")
+        print(table(["loop", "pairs x steps", "step ms off", "on", "wall difference (95 %)", "scaled"],
+                    enqueue_cost(args.pairs, 2.0)), "\n", flush=True)
     if args.only in (None, "reads"):
         print("Reads (in-process, this machine)\n")
         print(table(["what", "cost", "share"], reads()))

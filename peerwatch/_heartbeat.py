@@ -23,7 +23,7 @@ from ._activity import ActivitySampler
 from ._collectives import FAILING, OFF, CollectiveReader, Counters, Entered, in_torch_distributed
 from ._records import Heartbeat, Registration, encode
 from ._rundir import HEARTBEATS, InPlace, RunDir, rank_file
-from ._waits import STILL_BEATS, WaitSampler, WaitWindow
+from ._waits import STILL_BEATS, EnqueueWindow, WaitSampler, WaitWindow
 
 logger = logging.getLogger("peerwatch")
 
@@ -115,6 +115,7 @@ class HeartbeatWriter:
         self._sampler: Optional[WaitSampler] = WaitSampler(me.rank) if measure_waits and read_collectives else None
         self._sampling = False
         self._waits = WaitWindow(interval_s)
+        self._enqueued = EnqueueWindow(interval_s)  # the enqueue measure (waits inside C++: DDP's)
 
     def stop(self) -> None:
         """Stop the wait sampler's thread (the rank is done)."""
@@ -170,7 +171,8 @@ class HeartbeatWriter:
         if not self._sampling:
             self._sampling = True
             self._sampler.start()
-        self._waits.tick(self._sampler.counts, self._counters)
+        if self._waits.tick(self._sampler.counts, self._counters) and self._enqueued.due(self._counters):
+            self._enqueued.add(self._reader.enqueued(), time.time_ns())
 
     def write(self, peer_pids: Callable[[], AbstractSet[int]], read_counters: bool = False, last: bool = False) -> None:
         """Write the heartbeat now. ``peer_pids``: the local peers' pids (not our children to
@@ -230,7 +232,7 @@ class HeartbeatWriter:
             pg_timeout_ms=min(self._reader.timeout_ms.values(), default=0),
             activity=activity.as_tuple() if stalled and activity is not None else (),
             collectives_state=self._reader.state if self._read_collectives else OFF, collectives_error=self._reader.error,
-            leaving_ns=self._leaving_ns, waits=self._waits.slots(),
+            leaving_ns=self._leaving_ns, waits=self._waits.slots(), enqueued=self._enqueued.rows(),
         )
 
     def _write(self, beat: Heartbeat, atomic: bool = False) -> None:

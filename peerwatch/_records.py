@@ -172,6 +172,10 @@ class Heartbeat:
     # main thread, those inside a collective, collectives entered, the slot's number);
     # () when not measured.
     waits: Tuple[Tuple[int, int, int, int, int], ...] = ()
+    # The enqueue measure (peerwatch._waits.EnqueueWindow): per slot, when this rank entered
+    # its last collectives (peerwatch._straggler.Enqueued, as row_text writes it: numbers
+    # separated by commas); () when not measured.
+    enqueued: Tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)

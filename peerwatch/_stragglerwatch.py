@@ -13,16 +13,18 @@ sees one small value per host and one read of them all per slot: O(hosts), not O
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
-from typing import Dict, Iterable, Mapping, Optional, Sequence, Tuple
+from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 from . import _identity
 from ._records import Heartbeat, Registration
 from ._rundir import HEARTBEATS, STRAGGLE_FILE, STRAGGLE_HOSTS_FILE, STRAGGLERS_FILE, RunDir, rank_file
 from ._store_protocol import Seal, StraggleExchange
 from ._straggler import (
+    Enqueued,
     Profile,
     Straggler,
     changes,
@@ -31,7 +33,9 @@ from ._straggler import (
     finding_json,
     host_from_json,
     host_json,
+    lateness,
     profile_of,
+    row_from_text,
 )
 from ._waits import slot_beats
 
@@ -93,6 +97,10 @@ class StragglerWatch:
             profile = profile_of(beat.waits, host)
             if profile is not None:
                 out[beat.rank] = profile
+        # The enqueue measure: compared between this host's ranks only (one clock).
+        for rank, (late, numbers, late_ms) in lateness({b.rank: _rows(b) for b in beats}).items():
+            out[rank] = dataclasses.replace(out.get(rank) or Profile((), 0, host), late=late, late_numbers=numbers,
+                                            late_ms=late_ms)
         return out
 
     def _remote(self) -> Optional[Dict[int, Profile]]:
@@ -179,6 +187,10 @@ class StraggleRelay:
         except OSError as e:
             logger.debug("peerwatch: cannot write %s: %s", name, e)
             return False
+
+
+def _rows(beat: Heartbeat) -> List[Enqueued]:
+    return [row for row in map(row_from_text, beat.enqueued) if row is not None]
 
 
 def read_finding(run_dir: RunDir) -> Optional[Tuple[Straggler, ...]]:

@@ -11,8 +11,9 @@ slot (``SLOT_BEATS`` heartbeats, on the wall clock) with the samples counted and
 torch's counters, which it reads anyway), and the heartbeat publishes the last ``SLOTS``.
 
 What it cannot see: a wait that happens in C++ with no Python frame of torch.distributed
-above it (DDP's gradient all-reduces, waited for inside ``backward()``). A job whose only
-collectives are DDP's shows no waits, and no straggler is named (docs/stragglers.md).
+above it (DDP's gradient all-reduces, waited for inside ``backward()``). For those,
+:class:`EnqueueWindow` publishes when this rank entered its collectives, from torch's
+flight recorder, which the judge compares between the ranks of the host (docs/stragglers.md).
 """
 
 from __future__ import annotations
@@ -23,10 +24,10 @@ import sys
 import threading
 import time
 from collections import deque
-from typing import Deque, Optional, Tuple
+from typing import Deque, Dict, List, Optional, Sequence, Tuple
 
 from ._collectives import Counters, in_torch_distributed
-from ._straggler import SLOT_BEATS, SLOTS, Slot
+from ._straggler import SLOT_BEATS, SLOTS, Slot, enqueued_row, row_text
 
 logger = logging.getLogger("peerwatch")
 
@@ -136,20 +137,79 @@ class WaitWindow:
         self._slots: Deque[Slot] = deque(maxlen=SLOTS)
         self._start: Optional[Tuple[int, int, int, int, int]] = None  # (number, mono_ns, samples, waiting, entered)
 
-    def tick(self, counts: Tuple[int, int], counters: Counters) -> None:
-        """A heartbeat: close the slot if its time is over."""
+    def tick(self, counts: Tuple[int, int], counters: Counters) -> bool:
+        """A heartbeat: close the slot if its time is over (True if it did)."""
         now = (time.time_ns() // self._slot_ns, time.monotonic_ns(), counts[0], counts[1],
                sum(e for _, e, _ in counters))
         start = self._start
         if start is not None and now[0] == start[0]:
-            return
+            return False
         self._start = now
         if start is not None:
             self._slots.append(((now[1] - start[1]) // 1_000_000, now[2] - start[2], now[3] - start[3],
                                 max(0, now[4] - start[4]), start[0]))
+        return start is not None
 
     def slots(self) -> Tuple[Slot, ...]:
         return tuple(self._slots)
 
 
-__all__ = ["SAMPLE_S", "SAMPLE_S_VAR", "SLOT_S_VAR", "STILL_BEATS", "WaitSampler", "WaitWindow", "sample_s", "slot_beats"]
+ENQ_READ_SLOTS = 2  # the flight recorder's entries are read once every this many slots (10 s by default)
+
+
+class EnqueueWindow:
+    """The enqueue times this rank publishes (:func:`peerwatch._straggler.lateness` judges
+    them): per slot, its last collectives' enqueue times, of its busiest process group.
+    Owned by the watcher thread (the heartbeat).
+
+    The entries are read from the flight recorder once every ``ENQ_READ_SLOTS`` slots, and
+    only if the job entered collectives since the last read: torch copies its whole ring
+    (2000 entries: 20-50 ms, holding the GIL) whatever is asked, so the read is made rare,
+    and the ring (enqueue times included) covers the slots between reads. Each read adds
+    the slots closed since the last one, from the entries' own times."""
+
+    def __init__(self, interval_s: float) -> None:
+        self._slot_ns = max(1, int(interval_s * slot_beats(interval_s) * 1e9))
+        self._rows: Deque[str] = deque(maxlen=SLOTS)  # as the heartbeat carries them (row_text)
+        self._done = -1  # the last slot number published
+        self._entered = -1  # collectives entered at the last read
+        self._closed = 0  # slots closed since the last read
+
+    def due(self, counters: Counters) -> bool:
+        """A slot closed: is a read due now?"""
+        self._closed += 1
+        entered = sum(e for _, e, _ in counters)
+        if self._closed < ENQ_READ_SLOTS or entered == self._entered:
+            return False
+        self._closed, self._entered = 0, entered
+        return True
+
+    def add(self, entries: Sequence[Tuple[int, int, int]], now_ns: int) -> None:
+        """The recorder's (group, seq, time_ns) entries, read now: publish the slots closed
+        since the last read."""
+        current = now_ns // self._slot_ns
+        counts: Dict[int, int] = {}
+        for group, _, _ in entries:
+            counts[group] = counts.get(group, 0) + 1
+        if not counts:
+            return
+        group = max(sorted(counts), key=counts.__getitem__)  # the busiest; ties: the first made
+        by_slot: Dict[int, List[Tuple[int, int]]] = {}
+        for g, seq, t in entries:
+            number = t // self._slot_ns
+            if g == group and self._done < number < current:
+                by_slot.setdefault(number, []).append((seq, t))
+        for number in sorted(by_slot)[-SLOTS:]:
+            row = enqueued_row(number, group, by_slot[number])
+            if row is not None:
+                self._rows.append(row_text(row))
+        self._done = current - 1
+
+    def rows(self) -> Tuple[str, ...]:
+        return tuple(self._rows)
+
+
+__all__ = [
+    "ENQ_READ_SLOTS", "SAMPLE_S", "SAMPLE_S_VAR", "SLOT_S_VAR", "STILL_BEATS", "EnqueueWindow", "WaitSampler", "WaitWindow",
+    "sample_s", "slot_beats",
+]

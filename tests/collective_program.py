@@ -24,7 +24,10 @@ trains: ``all_reduce`` of 4 floats, then ``--step-s`` seconds of "compute". Beha
     stop         SIGSTOP itself (frozen)
 
 ``--no-torch``: never import torch (a job of plain processes). ``--no-collectives``:
-join the group, then only "compute". Markers in ``--ready``: ``rank-<i>`` (the pid)
+join the group, then only "compute". ``--ddp``: each step is a DistributedDataParallel
+training step (forward, backward: its gradient all-reduces are launched and waited for
+in C++, with no torch.distributed frame in Python) after the "compute" sleep (the data
+loading), instead of an ``all_reduce`` from Python. Markers in ``--ready``: ``rank-<i>`` (the pid)
 after the first step; ``doing-<i>`` right before the behaviour starts; ``done-<i>`` at the end.
 """
 
@@ -103,6 +106,7 @@ def main() -> None:
     parser.add_argument("--behave", action="append", default=[])
     parser.add_argument("--no-torch", action="store_true")
     parser.add_argument("--no-collectives", action="store_true")
+    parser.add_argument("--ddp", action="store_true")
     args = parser.parse_args()
     rank = int(os.environ["RANK"])
     peerwatch.install()
@@ -127,6 +131,18 @@ def main() -> None:
     dist.init_process_group("gloo", rank=rank, world_size=args.world, timeout=datetime.timedelta(seconds=args.timeout))
     t = torch.ones(4)
     extra_s = 0.0
+    ddp_step = None
+    if args.ddp:
+        torch.set_num_threads(1)  # four ranks on two cores: one thread each, as a GPU job's CPU side
+        model = torch.nn.parallel.DistributedDataParallel(
+            torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4)))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        batch, labels = torch.randn(16, 32), torch.randint(0, 4, (16,))
+
+        def ddp_step() -> None:
+            optimizer.zero_grad()
+            torch.nn.functional.cross_entropy(model(batch), labels).backward()
+            optimizer.step()
     step = 0
     while args.steps == 0 or step < args.steps:
         skip = False
@@ -159,11 +175,15 @@ def main() -> None:
             elif name == "paused":
                 with peerwatch.paused():
                     time.sleep(float(arg))
-        if not args.no_collectives and not skip:
+        if ddp_step is not None:
+            time.sleep(args.step_s + extra_s)  # the data loading, before the step's collectives
+            ddp_step()
+        elif not args.no_collectives and not skip:
             dist.all_reduce(torch.ones(1) if name == "size" and step == at else t)
         if step == 0:
             note(args.ready, f"rank-{rank}", str(os.getpid()))
-        time.sleep(args.step_s + extra_s)
+        if ddp_step is None:
+            time.sleep(args.step_s + extra_s)
         step += 1
     dist.barrier()
     note(args.ready, f"done-{rank}", "")

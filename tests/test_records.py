@@ -380,6 +380,7 @@ def test_the_encoding_on_disk_is_compact_json_with_version_1_and_its_kind_first(
         "progress_ns": None, "paused": False, "children": [[8, 9]], "where": "", "in_collective": False,
         "collectives": [], "moved_ns": None, "entered": [], "pg_timeout_ms": 0, "activity": [],
         "collectives_state": "", "collectives_error": "", "leaving_ns": None, "waits": [],
+        "enqueued": [],
     }
 
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
+import statistics
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -98,3 +100,116 @@ def test_changes_say_who_appeared_and_who_cleared() -> None:
     a, b = Straggler(1, "", 9, 0.2, NOW), Straggler(2, "", 9, 0.2, NOW)
     assert _straggler.changes([a], [b]) == ([b], [a])
     assert _straggler.changes([a], [a]) == ([], [])
+
+
+# -- the enqueue measure (waits inside C++: DDP's all-reduces in backward) --------------
+
+SLOT_NS = 5_000_000_000
+
+
+def enqueue_rows(late_ms: dict, step_ms: float = 90.0, buckets: int = 2, slots: int = SLOTS, jitter_ms: float = 0.0,
+                 seed: int = 0, offset_ns: dict = {}, phase: dict = {}) -> dict:  # noqa: B006 - read only
+    """Every rank's published rows for a synchronous job: each step, ``buckets`` collectives
+    1 ms apart, entered ``late_ms[rank]`` after the step began (plus jitter); ``phase``:
+    {slot index: {rank: extra ms}} (a checkpoint); ``offset_ns``: a rank's clock's offset."""
+    rng = random.Random(seed)
+    times: dict = {r: {} for r in late_ms}
+    t, seq = 0.0, 1
+    while t < slots * SLOT_NS / 1e6:
+        extra = phase.get(int(t * 1e6 // SLOT_NS), {})
+        for b in range(buckets):
+            for r, late in late_ms.items():
+                ms = t + late + extra.get(r, 0.0) + b + rng.uniform(0, jitter_ms)
+                times[r][seq] = int(ms * 1e6) + offset_ns.get(r, 0)
+            seq += 1
+        t += step_ms + max(extra.values(), default=0.0)
+    rows = {}
+    for r, by_seq in times.items():
+        slots_of: dict = {}
+        for s, ns in by_seq.items():
+            slots_of.setdefault(ns // SLOT_NS, []).append((s, ns))
+        rows[r] = [_straggler.enqueued_row(n, 0, entries) for n, entries in sorted(slots_of.items())]
+    return rows
+
+
+def late_profiles(rows: dict, host: str = "h") -> dict:
+    return {r: Profile((), 0, host, (), g, n, ms) for r, (g, n, ms) in _straggler.lateness(rows).items()}
+
+
+def test_the_rank_that_enqueues_last_is_named_with_its_lateness_and_share() -> None:
+    # DDP: two buckets a step, entered together; rank 2 loads its data 30 ms longer.
+    rows = enqueue_rows({0: 0, 1: 0, 2: 30, 3: 0}, jitter_ms=1.0)
+    found = find(late_profiles(rows), {}, NOW)
+    assert [(s.rank, s.host) for s in found] == [(2, "h")]
+    assert abs(found[0].late_ms - 30) <= 2 and abs(found[0].share - 30 / 90) < 0.05, found
+
+
+def test_one_collective_a_step_and_a_late_phase_of_the_step() -> None:
+    found = find(late_profiles(enqueue_rows({0: 0, 1: 5, 2: 0, 3: 40}, buckets=1)), {}, NOW)
+    # Rank 3 enters 40 ms after its peers' median (rank 1's 5 ms is a twentieth: under the rule).
+    assert [s.rank for s in found] == [3] and abs(found[0].share - 40 / 90) < 0.05 and found[0].late_ms == 40
+
+
+def test_slot_lateness_unions_the_buckets_of_a_step() -> None:
+    # Three buckets a step, all 30 ms late: waited for once a step, not three times.
+    step = [0, 10, 20]
+    times = {r: [100 * i + s + (30 if r == 1 else 0) for i in range(5) for s in step] for r in range(3)}
+    out = _straggler.slot_lateness(times)
+    assert out is not None and abs(out[1][0] - 30 / 100) < 0.02 and out[1][1] == 30 and out[0] == (0.0, 0.0)
+    # Twenty buckets 10 ms apart in a 400 ms step, 3 ms late: waited for 3 ms a step, not 20 times.
+    times = {r: [400 * i + 10 * b + (3 if r == 0 else 0) for i in range(4) for b in range(20)] for r in range(3)}
+    out = _straggler.slot_lateness(times)
+    assert out is not None and abs(out[0][0] - 3 / 400) < 0.002 and out[0][1] == 3
+    # Fewer than two steps' ends in the span: no share.
+    assert _straggler.slot_lateness({0: [0, 10, 20, 100, 110, 120], 1: [3, 13, 23, 103, 113, 123]}) is None
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(2, 16), st.integers(0, 2**32 - 1), st.sampled_from([20.0, 90.0, 300.0]), st.integers(1, 3))
+def test_balanced_ranks_with_jitter_are_not_named_by_their_enqueue_times(n: int, seed: int, step: float,
+                                                                          buckets: int) -> None:
+    # Jitter of up to a fifth of the step (a loaded machine) on every rank's every collective.
+    rows = enqueue_rows({r: 0.0 for r in range(n)}, step_ms=step, buckets=buckets, jitter_ms=step / 5, seed=seed)
+    assert find(late_profiles(rows), {}, NOW) == ()
+
+
+def test_a_faster_rank_or_a_one_off_phase_is_not_named() -> None:
+    assert find(late_profiles(enqueue_rows({0: 30, 1: 30, 2: 0})), {}, NOW) == ()  # the two that one fast rank waits for
+    checkpoint = {4: {0: 2000.0}, 5: {0: 2000.0}}  # rank 0 checkpoints 2 s in two slots of twelve
+    assert find(late_profiles(enqueue_rows({r: 0.0 for r in range(4)}, phase=checkpoint, jitter_ms=1)), {}, NOW) == ()
+
+
+def test_enqueue_times_are_compared_within_a_host_so_its_clock_offset_does_not_matter() -> None:
+    # Host b's clock is 3.7 s ahead of host a's: each host judges its own ranks' times, and
+    # its summary carries gaps, never a time.
+    a = enqueue_rows({0: 0, 1: 0}, jitter_ms=1, seed=1)
+    b = enqueue_rows({2: 0, 3: 25}, jitter_ms=1, seed=2, offset_ns={2: 3_700_000_000, 3: 3_700_000_000})
+    same = _straggler.lateness(enqueue_rows({2: 0, 3: 25}, jitter_ms=1, seed=2))
+    assert {r: (round(statistics.median(v[0]), -1), v[2]) for r, v in _straggler.lateness(b).items()} == \
+        {r: (round(statistics.median(v[0]), -1), v[2]) for r, v in same.items()}  # slots cut elsewhere
+    hosts = {**_straggler.host_from_json(_straggler.host_json("a", late_profiles(a, "a"))),
+             **_straggler.host_from_json(_straggler.host_json("b", late_profiles(b, "b")))}
+    found = find(hosts, {}, NOW)
+    assert [(s.rank, s.host) for s in found] == [(3, "b")] and abs(found[0].late_ms - 25) <= 2
+
+
+def test_the_two_measures_combine_either_names_and_the_enqueue_figures_win() -> None:
+    waits = job({0: [300] * 8, 1: [300] * 8, 2: [300] * 8, 3: [0] * 8})  # the waits name rank 3
+    late = late_profiles(enqueue_rows({0: 0, 1: 0, 2: 30, 3: 0}))  # the enqueue times, rank 2
+    both = {r: dataclasses.replace(waits[r], late=p.late, late_numbers=p.late_numbers, late_ms=p.late_ms)
+            for r, p in late.items()}
+    found = find(both, {}, NOW)
+    assert [s.rank for s in found] == [2, 3]
+    assert found[0].late_ms == 30 and found[1].late_ms == 90  # each measure's own figures
+    # Named by the enqueue times, it stays while they keep it above CLEAR_SHARE, as the waits do.
+    fading = late_profiles(enqueue_rows({0: 0, 1: 0, 2: 7.5, 3: 0}, jitter_ms=0.5))
+    assert find(fading, {}, NOW) == () and [s.rank for s in find(fading, {2: NOW - 5}, NOW)] == [2]
+
+
+def test_enqueued_rows_keep_the_last_contiguous_run() -> None:
+    entries = [(s, 1_000_000_000 + s * 10_000_000) for s in list(range(1, 5)) + list(range(7, 40))]
+    row = _straggler.enqueued_row(3, 1, entries)
+    assert row is not None and row[:4] == (3, 1, 40 - _straggler.ENQ_KEYS, (1_000_000_000 + (40 - 24) * 10_000_000) // 100_000)
+    assert len(row) == 4 + _straggler.ENQ_KEYS - 1 and set(row[4:]) == {100 * i for i in range(1, 24)}
+    gap = [(s, s) for s in (1, 2, 3, 10, 11)]
+    assert _straggler.enqueued_row(0, 0, gap)[2] == 10 and _straggler.enqueued_row(0, 0, []) is None  # type: ignore[index]
