@@ -133,7 +133,7 @@ def test_another_pid_is_not_the_same_process(cat):
     assert not is_same_process(cat.pid, me.start_ticks, me.uid)
 
 
-@pytest.mark.parametrize("pid", [0, -1, -os.getpid(), 2**22 + 1, 2**31 - 1])
+@pytest.mark.parametrize("pid", [0, -1, -os.getpid(), 2**22 + 1, 2**31 - 1], ids=["0", "-1", "minus-own-pid", "2**22+1", "2**31-1"])
 def test_probe_of_no_such_pid_is_none(pid):
     assert probe(pid) is None
     assert not is_same_process(pid, 0, os.getuid())
