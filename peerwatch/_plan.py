@@ -33,7 +33,10 @@ steps (rule 10), an enforcer's share through :mod:`peerwatch._enforce`, with the
    (:data:`peerwatch._rundir.SUMMARY_FILE`), waiting for it at most
    :data:`SUMMARY_WAIT_S` from the verdict, then says it all the same (the rank that was
    to print the summary may never get to: it may be SIGKILLed too). So a person reads the cause, the summary, then
-   the other ranks, in that order however the processes are scheduled.
+   the other ranks, in that order however the processes are scheduled. The waiting ranks
+   look for it every :data:`SUMMARY_POLL_S` for each :data:`SUMMARY_POLL_RANKS` local
+   ranks (:func:`summary_poll_s`): 127 ranks looking every 10 ms took a quarter of 2 cores
+   from the one rank writing the summary, and held a 128-rank teardown up by half.
 5. **The ack window.** Peers get ``ack_window`` to acknowledge. While acknowledgements
    keep arriving the machine is busy rather than the peers stuck (128 ranks on 2 cores
    take a while to be scheduled): the window stretches to ``ack_window / 4`` after the
@@ -93,6 +96,8 @@ BLIND_GRACES = 2  # rule 9: a blind enforcer's window is ack_window + 2 x grace
 # Rule 4: how long after the verdict a rank that does not print the summary waits for it
 # before it leaves (it waits meanwhile only once its own share of the teardown is done).
 SUMMARY_WAIT_S = 1.0
+SUMMARY_POLL_S = 0.01  # how often a waiting rank looks for the summary, for up to SUMMARY_POLL_RANKS local ranks
+SUMMARY_POLL_RANKS = 8  # more local ranks than this look for it proportionally less often
 _LEAVES_BY_ITSELF = (EXCEPTION, EXIT)  # rule 2: causes whose rank's main thread is already leaving
 # Rule 4: causes whose rank has not ended (stuck, on another host, never there): no launcher
 # ends the workers on its account, so the summary waits for this rank's evidence (its
@@ -169,6 +174,7 @@ class Plan:
     ack_window_s: float = 0.0  # how long an enforcer waits for its peers (rule 5; rule 9 when blind)
     blind: bool = False  # rule 9: an enforcer that cannot trust a missing ack file
     trusted: Tuple[int, ...] = ()  # rule 9: peers a blind enforcer never signals (the other enforcers)
+    summary_poll_s: float = SUMMARY_POLL_S  # rule 4: how often this rank looks for the summary before its line
     until_ack: Tuple[Step, ...] = ()  # rule 10: the steps up to the acknowledgement, included
     after_ack: Tuple[Step, ...] = ()  # rule 10: the rest, as planned with the acknowledgement's result
 
@@ -222,8 +228,16 @@ def plan(s: Situation) -> Plan:
         ack_window_s=s.ack_window_s + extra_s,
         blind=blind,
         trusted=tuple(r for r in chosen if r != s.self_rank) if blind else (),
+        summary_poll_s=summary_poll_s(len(s.live_local_ranks)),
     )
     return dataclasses.replace(p, until_ack=_until_ack(p), after_ack=_after_ack(s, p))
+
+
+def summary_poll_s(local_ranks: int) -> float:
+    """Rule 4: how often a rank waiting for the summary looks for it, with ``local_ranks``
+    live on its host (all of them look at once): every 10 ms up to 8 ranks, then less often
+    in proportion, so that their looks together cost the host the same."""
+    return SUMMARY_POLL_S * max(1.0, local_ranks / SUMMARY_POLL_RANKS)
 
 
 def _until_ack(p: Plan) -> Tuple[Step, ...]:
@@ -338,6 +352,6 @@ def ask_for_stacks(rank: int, finished: AbstractSet[int]) -> bool:
 
 
 __all__ = [
-    "BLIND_GRACES", "ENFORCERS", "SUMMARY_WAIT_S", "AckWindow", "Plan", "Situation", "Step", "ask_for_stacks", "enforcers", "exit_code", "leave_join_s", "missing_ranks",
+    "BLIND_GRACES", "ENFORCERS", "SUMMARY_POLL_RANKS", "SUMMARY_POLL_S", "SUMMARY_WAIT_S", "AckWindow", "Plan", "Situation", "Step", "ask_for_stacks", "enforcers", "exit_code", "leave_join_s", "missing_ranks",
     "pending", "plan", "verdict_wait_s",
 ]

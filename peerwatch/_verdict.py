@@ -34,7 +34,6 @@ from ._stacks import StackFile
 
 logger = logging.getLogger("peerwatch")
 
-SUMMARY_POLL_S = 0.01  # how often a rank that says a line after the summary looks for it (only during a teardown)
 
 
 @dataclasses.dataclass
@@ -200,7 +199,7 @@ def _say_stop_line(t: Teardown) -> None:
         if left <= 0:
             logger.debug("peerwatch: rank %d: no summary within %gs of the verdict", t.rank, _plan.SUMMARY_WAIT_S)
             break
-        time.sleep(min(SUMMARY_POLL_S, left))  # only here, during a teardown
+        time.sleep(min(t.plan.summary_poll_s, left))  # only here, during a teardown
     v = t.verdict
     logger.error("%s", _terminal.stop_line(
         _terminal.who(v.rank, v.pid, v.host), v.detail or v.cause, _terminal.who(t.rank, t.me.pid, t.me.host),
@@ -282,4 +281,4 @@ def _summary_out(run_dir: RunDir, rank: int) -> None:
         logger.debug("peerwatch: rank %d could not mark the summary as printed: %s", rank, e)
 
 
-__all__ = ["SUMMARY_POLL_S", "Teardown", "carry_out", "failed_rank_speaks"]
+__all__ = ["Teardown", "carry_out", "failed_rank_speaks"]

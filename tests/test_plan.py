@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from peerwatch import _plan
-from peerwatch._plan import AckWindow, Situation, plan
+from peerwatch._plan import SUMMARY_POLL_RANKS, SUMMARY_POLL_S, AckWindow, Situation, plan
 from peerwatch._records import EXCEPTION, EXIT, HANG, LOST, MISSING, SIGNAL, VANISHED
 
 pytestmark = pytest.mark.pure  # no process, no thread, no file: conftest skips its scan for leaks
@@ -491,3 +491,16 @@ def test_under_torchrun_the_writer_of_a_hang_writes_the_report_before_the_early_
     assert quiet.after_ack[:6] == (
         S.ARM_LAST_RESORT, S.FINAL_HEARTBEAT, S.TELL_LAUNCHERS, S.DUMP_STACKS, S.DUMP_FLIGHT_RECORDER, S.WRITE_SUMMARY,
     )
+
+
+def test_ranks_waiting_for_the_summary_look_for_it_less_often_the_more_they_are():
+    """Rule 4: up to 8 local ranks look every 10 ms; 128 look every 160 ms (their looks
+    together cost the host what 8 ranks' do: 127 ranks looking every 10 ms starved the rank
+    writing the summary and held a 128-rank teardown up by half)."""
+    from peerwatch._plan import summary_poll_s
+
+    assert (SUMMARY_POLL_S, SUMMARY_POLL_RANKS) == (0.01, 8)  # docs/performance.md
+    assert summary_poll_s(1) == summary_poll_s(8) == pytest.approx(0.01)
+    assert summary_poll_s(16) == pytest.approx(0.02) and summary_poll_s(128) == pytest.approx(0.16)
+    assert plan(situation(live_local_ranks=tuple(range(128)))).summary_poll_s == pytest.approx(0.16)
+    assert plan(situation(live_local_ranks=(0, 1, 2))).summary_poll_s == pytest.approx(0.01)
