@@ -33,10 +33,15 @@ def trial(ranks: int, style: str, victim: int, workdir: str) -> tuple:
     procs = []
     starts = [0] if style == "lightning" else range(ranks)
     for r in starts:
-        procs.append(subprocess.Popen(cmd, env=dict(env, RANK=str(r)), stderr=subprocess.DEVNULL))
+        # A session of its own: a trial that fails ends every rank it started (Lightning-style
+        # ranks are rank 0's children), not leaving them to hold the user's inotify instances.
+        procs.append(subprocess.Popen(cmd, env=dict(env, RANK=str(r)), stderr=subprocess.DEVNULL, start_new_session=True))
     deadline = time.monotonic() + 60
     while sum(os.path.exists(os.path.join(ready, f"rank-{r}")) for r in range(ranks)) < ranks:
         if time.monotonic() > deadline:
+            for p in procs:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
             raise RuntimeError("ranks did not start")
         time.sleep(0.01)
     pids = {}
