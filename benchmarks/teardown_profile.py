@@ -36,10 +36,26 @@ if os.environ.get("PWPROF_DIR"):
     import peerwatch._leave as _leave, peerwatch._observer as _observer, peerwatch._watcher as _watcher
     _state = {}
 
+    def _threads():
+        # CPU (ns, from the scheduler) per thread name: which threads a teardown pays for.
+        import threading
+        names = {t.native_id: t.name for t in threading.enumerate()}
+        out = {}
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                with open("/proc/self/task/%s/schedstat" % tid) as f:
+                    ns = int(f.read().split()[0])
+            except (OSError, ValueError):
+                continue
+            name = names.get(int(tid), "other")
+            name = "watchdog" if name.startswith("Thread-") or "inotify" in name else name.split("-rank")[0]
+            out[name] = out.get(name, 0) + ns
+        return out
+
     def _begin(where):
         if "p0" in _state:
             return
-        _state.update(p0=time.process_time_ns(), where=where)
+        _state.update(p0=time.process_time_ns(), where=where, threads0=_threads())
         if os.environ.get("PWPROF_CPROF"):
             _state["prof"] = cProfile.Profile(time.thread_time)
             _state["prof"].enable()
@@ -62,9 +78,12 @@ if os.environ.get("PWPROF_DIR"):
             prof.disable()
         if "p0" in _state:
             out = os.path.join(os.environ["PWPROF_DIR"], "r%d" % os.getpid())
+            t0, t1 = _state["threads0"], _threads()
+            threads = {k: (v - t0.get(k, 0)) / 1e6 for k, v in t1.items()}
+            threads["(threads that ended meanwhile)"] = (now - _state["p0"]) / 1e6 - sum(threads.values())
             with open(out + ".json", "w") as f:
                 json.dump({"rank": _state.get("rank"), "from_death_ms": (now - _state["p0"]) / 1e6,
-                           "in_act_ms": (now - _state.get("a0", now)) / 1e6}, f)
+                           "in_act_ms": (now - _state.get("a0", now)) / 1e6, "threads_ms": threads}, f)
             if prof is not None:
                 prof.dump_stats(out + ".prof")
         return _flush_and_exit(code)
@@ -101,8 +120,22 @@ def main() -> None:
         print(f"| {i} | {args.ranks} | {gone_ms:.1f} | {sum(r['from_death_ms'] for r in recs):.1f} "
               f"| {sum(r['in_act_ms'] for r in recs):.1f} | {rank0[0] if rank0 else float('nan'):.1f} "
               f"| {statistics.median(others):.2f} |", flush=True)
+    _print_threads(outs)
     if args.cprofile:
         _print_profiles(outs, args.cprofile)
+
+
+def _print_threads(outs: list) -> None:
+    """The ranks' CPU from the death to the exit, by thread (summed over every rank and trial)."""
+    total: dict = {}
+    for out in outs:
+        for path in glob.glob(os.path.join(out, "*.json")):
+            with open(path) as f:
+                for name, ms in json.load(f).get("threads_ms", {}).items():
+                    total[name] = total.get(name, 0.0) + ms
+    print("\n| thread (every rank, every trial) | CPU ms |\n|---|---|")
+    for name, ms in sorted(total.items(), key=lambda kv: -kv[1]):
+        print(f"| {name} | {ms:.1f} |")
 
 
 def _print_profiles(outs: list, top: int) -> None:
