@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import random
 import statistics
+from pathlib import Path
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -213,3 +216,194 @@ def test_enqueued_rows_keep_the_last_contiguous_run() -> None:
     assert len(row) == 4 + _straggler.ENQ_KEYS - 1 and set(row[4:]) == {100 * i for i in range(1, 24)}
     gap = [(s, s) for s in (1, 2, 3, 10, 11)]
     assert _straggler.enqueued_row(0, 0, gap)[2] == 10 and _straggler.enqueued_row(0, 0, []) is None  # type: ignore[index]
+
+
+# -- exact values, edges and codecs (each pins a decision a mutation could change unseen) ----
+
+DOC = Path(__file__).resolve().parent.parent / "docs" / "stragglers.md"
+
+
+def test_the_constants_are_the_documented_ones() -> None:
+    doc = " ".join(DOC.read_text().split())
+    assert f"every {_straggler.SLOT_BEATS} heartbeats (a **slot**" in doc and _straggler.SLOT_BEATS == 5
+    assert f"publishes the last {SLOTS} slots" in doc and SLOTS == 12
+    assert f"over at least **{MIN_SLOTS} slots** of every rank" in doc and MIN_SLOTS == 6
+    assert f"its gap is at least **{APPEAR_SHARE:.2f}**" in doc and APPEAR_SHARE == 0.10
+    assert "at least **3/4** of its slots" in doc and _straggler.MOST == 3 / 4
+    assert f"falls under **{CLEAR_SHARE}**" in doc and f"a gap of {CLEAR_SHARE} or more" in doc and CLEAR_SHARE == 0.05
+    assert f"the last **{_straggler.ENQ_KEYS}** collectives" in doc and _straggler.ENQ_KEYS == 24
+    assert "in tenths of a millisecond" in doc and _straggler.ENQ_UNIT_NS == 100_000
+    # Not in the user's docs, but part of the format or the rule: pinned here.
+    assert (_straggler.ENQ_MIN_KEYS, _straggler.EXACT_PEERS, _straggler.MIN_SAMPLES) == (8, 64, 10)
+    assert (_straggler.MAX_HOST_BYTES, _straggler.SUMMARY_VERSION) == (65536, 1)
+    assert Profile((1,), 1).late_ms == 0 and Profile((1,), 1).late == () == Profile((1,), 1).late_numbers
+
+
+def test_profile_of_keeps_slots_of_enough_samples_and_caps_the_share() -> None:
+    slots = [(1, 10, 0, 0, 5),  # 1 ms, exactly MIN_SAMPLES: kept
+             (0, 100, 50, 1, 6),  # no time: dropped
+             (100, 30, 20, 1, 7),  # 2000 // 3 = 666 permille
+             (1000, 10, 20, 1, 8)]  # more waiting than samples: capped at 1000
+    assert _straggler.profile_of(slots, "h") == Profile((0, 666, 1000), (1 + 100 + 1000) // 2, "h", (5, 7, 8))
+    assert _straggler.profile_of([(100, 10, 0, 0, 1)]) == Profile((0,), 0, "", (1,))  # none entered: no period
+    assert _straggler.profile_of([(100, 10, 0, 1, 1)]) == Profile((0,), 100, "", (1,))
+
+
+def test_aligned_by_number_from_exactly_min_slots_in_common() -> None:
+    a = Profile(tuple(range(7)), 1, "", tuple(range(99, 106)))
+    b = Profile(tuple(range(50, 57)), 1, "", (*range(100, 106), 107))  # 6 numbers in common
+    assert _straggler.aligned({0: a, 1: b}) == {0: tuple(range(1, 7)), 1: tuple(range(50, 56))}
+
+
+def test_gaps_exact_values_and_the_cap_at_twice_the_job_median() -> None:
+    assert _straggler.gaps({0: [600], 1: [300], 2: [200]}) == {
+        0: [pytest.approx(-0.6)], 1: [pytest.approx(0.0)], 2: [pytest.approx(0.2)]}
+
+
+def test_gaps_leave_each_rank_out_up_to_exact_peers_ranks_and_use_everyone_above() -> None:
+    at64 = _straggler.gaps({r: [300 if r < 32 else 0] for r in range(64)})  # each one's peers' median
+    assert at64[0] == [pytest.approx(-0.3)] and at64[63] == [pytest.approx(0.3)]
+    at65 = _straggler.gaps({r: [300 if r < 33 else 0] for r in range(65)})  # everyone's median
+    assert at65[0] == [pytest.approx(0.0)] and at65[64] == [pytest.approx(0.3)]
+
+
+def test_two_ranks_over_exactly_min_slots_are_judged() -> None:
+    found = find(job({0: [300] * MIN_SLOTS, 1: [0] * MIN_SLOTS}), {}, NOW)
+    assert found == (Straggler(1, "h", 90, 0.3, NOW),)
+
+
+def test_the_period_is_the_median_of_the_ranks_that_entered_collectives() -> None:
+    shares = {0: [300] * 6, 1: [300] * 6, 2: [300] * 6, 3: [0] * 6}
+    profiles = {r: Profile(tuple(s), period, "h") for (r, s), period in zip(shares.items(), (0, 1, 100, 300))}
+    assert find(profiles, {}, NOW) == (Straggler(3, "h", 30, 0.3, NOW),)  # median of 1, 100, 300
+    none_entered = job({0: [1000] * 6, 1: [1000] * 6, 2: [1000] * 6, 3: [0] * 6}, period_ms=0)
+    assert find(none_entered, {}, NOW) == (Straggler(3, "h", 0, 1.0, NOW),)
+
+
+def test_the_share_is_rounded_to_three_places() -> None:
+    # Slots' gaps alternate 0.3 and 0.303: their median, 0.3015 (in floats 0.30149...), is said as 0.301.
+    found = find(job({0: [300, 303] * 3, 1: [300, 303] * 3, 2: [300, 303] * 3, 3: [0] * 6}), {}, NOW)
+    assert [(s.rank, s.late_ms, s.share) for s in found] == [(3, 90, 0.301)]
+
+
+def test_named_at_the_thresholds_exactly() -> None:
+    named = _straggler._named
+    assert named([0.2, 0.2, 0.2, 0.0], False)  # 3 of 4 slots: MOST exactly
+    assert not named([0.2, 0.2, 0.2, 0.0, 0.0], False)  # 3 of 5: not most
+    assert named([CLEAR_SHARE, CLEAR_SHARE, 0.2, 0.2], False)  # a slot at CLEAR_SHARE counts
+    assert named([APPEAR_SHARE] * 6, False)  # a gap of APPEAR_SHARE names
+    assert named([CLEAR_SHARE] * 6, True) and not named([CLEAR_SHARE] * 6, False)  # ... and CLEAR_SHARE keeps
+    assert not named([0.049] * 6, True)
+
+
+def test_enqueued_row_of_a_last_entry_alone() -> None:
+    assert _straggler.enqueued_row(9, 3, [(1, 100_000), (2, 200_000), (5, 512_345)]) == (9, 3, 5, 5)
+    assert _straggler.enqueued_row(9, 3, [(2, 250_000), (1, 100_000), (3, 390_000)]) == (9, 3, 1, 1, 1, 2)
+
+
+def test_row_text_round_trip_and_malformed_text() -> None:
+    full = tuple(range(100, 100 + _straggler.ENQ_KEYS + 3))
+    assert _straggler.row_text((1, 2, 3, 4, 5)) == "1,2,3,4,5"
+    for row in ((1, 2, 3, 4), (1, 2, 3, 4, 5), full):
+        assert _straggler.row_from_text(_straggler.row_text(row)) == row
+    too_long = ",".join(map(str, range(_straggler.ENQ_KEYS + 4)))
+    for junk in ("", "1,2,3", "1,x,3,4", "1,2,,4", "1.5,2,3,4", too_long, too_long + ",5"):
+        assert _straggler.row_from_text(junk) is None, junk
+
+
+def test_times_of_rows_skip_short_ones() -> None:
+    rows = [(1, 2, 3), (5, 0, 10, 100, 2, 4), (6, 1, 7, 300)]
+    assert _straggler._times(rows) == {(0, 10): (100, 5), (0, 11): (102, 5), (0, 12): (104, 5), (1, 7): (300, 6)}
+
+
+def test_slot_lateness_exact_values() -> None:
+    sl = _straggler.slot_lateness
+    # Three steps of one collective, 1 unit apart: three bursts, nobody late.
+    assert sl({r: [0, 1, 2] for r in range(3)}) == {r: (0.0, 0.0) for r in range(3)}
+    # Rank 2 is 2 after the job's median, 7 after its peers': late by twice the first, 4.
+    out = sl({0: [0, 100, 200], 1: [10, 110, 210], 2: [12, 112, 212]})
+    assert out == {0: (0.0, 0.0), 1: (0.0, 0.0), 2: (pytest.approx(12 / 300), 4.0)}
+    # Gaps of 100, 50 (half the largest: ends a burst), 100, 40 (does not), 100: five
+    # bursts over 390 * 5 / 4. Rank 2 is late in the first two (10, then 1): the median
+    # of its late bursts is 5.5, the zeros left out.
+    on_time = [0, 100, 150, 250, 290, 390]
+    late = [10, 1, 0, 0, 0, 0]
+    out = sl({0: on_time, 1: on_time, 2: [t + d for t, d in zip(on_time, late)]})
+    assert out == {0: (0.0, 0.0), 1: (0.0, 0.0), 2: (pytest.approx(11 / 487.5), 5.5)}
+    # Nothing to tell: one rank, one collective, all at once.
+    assert sl({0: [0, 100, 200, 300]}) is None and sl({0: [5], 1: [6]}) is None and sl({}) is None
+    assert sl({0: [7] * 4, 1: [7] * 4}) is None
+
+
+def row(number: int, first: int, times: list) -> tuple:
+    return (number, 0, first, times[0], *(t - times[0] for t in times[1:]))
+
+
+def test_lateness_exact_per_slot_and_what_is_skipped() -> None:
+    three_steps = [0, 1, 2, 1000, 1001, 2000, 2001, 2002]  # 8 collectives (ENQ_MIN_KEYS): span 3003
+    two_steps = [0, 1, 2, 3, 1000, 1001, 1002, 1003]  # 8, but two bursts: says nothing
+    seven = [0, 1000, 1001, 2000, 2001, 2002, 3000]  # 7: too few
+    rows = {r: [row(5, 1, two_steps), row(6, 9, [10_000 + t for t in seven]),
+                row(7, 16, [20_000 + t + (615 if r == 2 else 0) for t in three_steps])] for r in range(3)}
+    # Rank 2 enters 615 units (61.5 ms) late in each of 3 steps: 1845 / 3003 of the slot.
+    want = {0: ((0,), (7,), 0), 1: ((0,), (7,), 0), 2: ((614,), (7,), 62)}
+    assert _straggler.lateness(rows) == want
+    assert _straggler.lateness({**rows, 3: [], 4: [(1, 2, 3)]}) == want  # ranks with nothing are left out
+    assert _straggler.lateness({}) == {} and _straggler.lateness({0: rows[0]}) == {}
+    # A rank late by more than the slot: its gap is capped at 1000 permille.
+    rows = {r: [row(7, 1, [t + (5000 if r == 2 else 0) for t in three_steps])] for r in range(3)}
+    assert _straggler.lateness(rows)[2] == ((1000,), (7,), 500)
+
+
+def test_lateness_names_from_exactly_min_slots_with_its_own_figures() -> None:
+    def late(values: tuple) -> Profile:
+        return Profile((), 0, "h", (), values, tuple(range(len(values))), 25)
+
+    assert find({5: late((600,) * MIN_SLOTS)}, {}, NOW) == (Straggler(5, "h", 25, 0.6, NOW),)
+    assert find({5: late((600,) * (MIN_SLOTS - 1))}, {}, NOW) == ()
+    found = find({5: late((600, 600, 600, 603, 603, 603))}, {}, NOW)  # median 0.6015 (in floats 0.60149...)
+    assert found == (Straggler(5, "h", 25, 0.601, NOW),)
+
+
+def padded(data: bytes, size: int) -> bytes:
+    return data + b" " * (size - len(data))  # JSON allows trailing blanks
+
+
+def test_host_summary_size_limit_and_version() -> None:
+    profiles = {3: Profile((1, 2, 3), 250, "node-b", (4, 5, 6))}
+    data = _straggler.host_json("node-b", profiles)
+    assert _straggler.host_from_json(padded(data, 65536)) == profiles
+    assert _straggler.host_from_json(padded(data, 65537)) == {}
+    assert _straggler.host_from_json(b'{"v":1,"host":"h","ranks":[[1,2,[20],[]]]}') == {1: Profile((20,), 2, "h")}
+    assert _straggler.host_from_json(b'{"v":2,"host":"h","ranks":[[1,2,[20],[]]]}') == {}
+
+
+def test_host_summary_keeps_what_is_in_range_and_drops_the_rest() -> None:
+    host = "x" * 300
+    body = {"v": 1, "host": host,
+            "ranks": [[0, 0, [0, 1000], [1, 2]], [1, -5, [5], []], [2, 300, [1001], []], [-1, 300, [5], []]],
+            "late": [[0, -3, [0, 1000], [1, 2]], [4, 0, [500], [9]], [5, 10, [1001], [9]], [-1, 10, [500], [9]],
+                     [6, 10, [500], []], [7, 10, [-1], [9]]]}
+    h = "x" * 255
+    assert _straggler.host_from_json(json.dumps(body).encode()) == {
+        0: Profile((0, 1000), 0, h, (1, 2), (0, 1000), (1, 2), 0),
+        1: Profile((5,), 0, h),
+        4: Profile((), 0, h, (), (500,), (9,), 0),
+    }
+    for bad in ('[true,1,[5],[]]', '["1",1,[5],[]]', '[1,1.5,[5],[]]', '[1,1,[false],[]]', '[1,1,[5],[null]]'):
+        assert _straggler.host_from_json(b'{"v":1,"host":"h","ranks":[%s]}' % bad.encode()) == {}, bad
+
+
+def test_finding_size_limit_version_host_and_types() -> None:
+    found = (Straggler(3, "node-b", 90, 0.3, NOW),)
+    data = _straggler.finding_json(found, NOW)
+    assert _straggler.finding_from_json(padded(data, 65536)) == found
+    assert _straggler.finding_from_json(padded(data, 65537)) is None
+    one = {"rank": 3, "host": "x" * 300, "late_ms": 90, "share": 0.3, "since_ns": NOW}
+    assert _straggler.finding_from_json(json.dumps({"v": 1, "stragglers": [one]}).encode()) == (
+        Straggler(3, "x" * 255, 90, 0.3, NOW),)
+    assert _straggler.finding_from_json(json.dumps({"v": 2, "stragglers": [one]}).encode()) is None
+    assert _straggler.finding_from_json(b'[{"v":1}]') is None
+    for key, value in (("rank", True), ("rank", "3"), ("late_ms", 9.0), ("since_ns", False), ("share", "x")):
+        bad = json.dumps({"v": 1, "stragglers": [{**one, key: value}]}).encode()
+        assert _straggler.finding_from_json(bad) is None, (key, value)
