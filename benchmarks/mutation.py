@@ -54,7 +54,7 @@ DEFAULT_TARGETS = [
     ("peerwatch/_straggler.py", ["tests/test_straggler_rule.py"]),
     ("peerwatch/_summary.py", ["tests/test_summary.py"]),
 ]
-COPIED = ("peerwatch", "tests", "pyproject.toml", "setup.cfg")  # what a worker's copy holds
+COPIED = ("peerwatch", "tests", "docs", "pyproject.toml", "setup.cfg")  # what a worker's copy holds
 PYTEST_ARGS = ("-x", "-q", "-p", "no:cacheprovider")
 HYPOTHESIS_PROFILE = "mutation"  # registered in tests/conftest.py
 MIN_TIMEOUT_S = 10.0  # per mutant; at least this, else a multiple of the clean run's time
