@@ -225,10 +225,8 @@ def test_a_hangs_victims_whose_collectives_timed_out_are_torn_down_with_the_verd
     collectives' timeouts recorded as failures, exit code 1) as `failed`, "1 (expected)",
     under "ranks exit with code 124"; they exit with 124 (rule 1 of the plan), as a later
     `peerwatch report` showed. One truth: torn down, 124 (expected), until seen."""
-    import time
 
     from peerwatch import _identity, _report
-    from peerwatch._prepare import prepare
     from peerwatch._records import (
         EXCEPTION,
         HANG,
@@ -236,21 +234,13 @@ def test_a_hangs_victims_whose_collectives_timed_out_are_torn_down_with_the_verd
         Ack,
         ExitStatus,
         Failure,
-        Registration,
         Verdict,
         encode,
     )
-    from peerwatch._rundir import EVENTS, RANKS, VERDICT_FILE, RunDir, rank_file
+    from peerwatch._rundir import EVENTS, VERDICT_FILE, rank_file
 
     me = _identity.self_info()
-    now = time.time_ns()
-    rd = RunDir(str(tmp_path / "run"))
-    regs = [Registration(rank=r, pid=me.pid, ppid=me.ppid, start_ticks=me.start_ticks, uid=me.uid,
-                         host=_identity.hostname(), boot_id=_identity.boot_id(), pidns=_identity.pid_namespace(),
-                         time_ns=now) for r in range(3)]
-    prepare(rd, regs[0], now)
-    for reg in regs[1:]:
-        rd.write(RANKS, rank_file("rank", reg.rank), encode(reg))
+    rd, now = _run_of_this_process(tmp_path, 3)
     rd.write(EVENTS, VERDICT_FILE, encode(Verdict(
         rank=2, cause=HANG, exit_code=HANG_EXIT_CODE, failed_at_ns=now, detected_by=0, detected_at_ns=now, pid=me.pid,
         detail="hung", laggards=(2,))))
@@ -274,23 +264,36 @@ def test_a_hangs_victims_whose_collectives_timed_out_are_torn_down_with_the_verd
 def test_an_exit_is_observed_by_the_records_field_not_by_its_message(tmp_path: Path) -> None:
     """Issue 25.3: whether a failure's exit code was seen is the record's ``observed``
     field; a record that only repeats the exit watch's words was not seen."""
-    import time
 
-    from peerwatch import _exitwatch, _identity, _prepare, _report
-    from peerwatch._records import EXIT, Failure, Registration, encode
-    from peerwatch._rundir import EVENTS, RANKS, RunDir, rank_file
+    from peerwatch import _exitwatch, _identity, _report
+    from peerwatch._records import EXIT, Failure, encode
+    from peerwatch._rundir import EVENTS, rank_file
 
     me = _identity.self_info()
-    now = time.time_ns()
-    rd = RunDir(str(tmp_path / "run"))
-    regs = [Registration(rank=r, pid=me.pid, ppid=me.ppid, start_ticks=me.start_ticks, uid=me.uid,
-                         host=_identity.hostname(), boot_id=_identity.boot_id(), pidns=_identity.pid_namespace(),
-                         time_ns=now) for r in range(2)]
-    _prepare.prepare(rd, regs[0], now)
-    rd.write(RANKS, rank_file("rank", 1), encode(regs[1]))
+    rd, now = _run_of_this_process(tmp_path, 2)
     said = Failure(rank=1, pid=me.pid, time_ns=now, cause=EXIT, exit_code=3, message=_exitwatch.EXIT_MESSAGE)
     rd.write(EVENTS, rank_file("failure", 1), encode(said))
     assert (by_rank(_report.build(rd))[1]["exit_code"], by_rank(_report.build(rd))[1]["exit_observed"]) == (3, False)
     head, mid, tail = _exitwatch.failure_template(1, me.pid)
     rd.write(EVENTS, rank_file("failure", 1), head + str(now).encode() + mid + b"3" + tail, replace=True)
     assert (by_rank(_report.build(rd))[1]["exit_code"], by_rank(_report.build(rd))[1]["exit_observed"]) == (3, True)
+
+
+def _run_of_this_process(tmp_path: Path, ranks: int):
+    """A run directory whose ``ranks`` ranks are all this process (rank 0 prepared it); and when."""
+    import time
+
+    from peerwatch import _identity
+    from peerwatch._prepare import prepare
+    from peerwatch._records import Registration, encode
+    from peerwatch._rundir import RANKS, RunDir, rank_file
+
+    me, now = _identity.self_info(), time.time_ns()
+    rd = RunDir(str(tmp_path / "run"))
+    regs = [Registration(rank=r, pid=me.pid, ppid=me.ppid, start_ticks=me.start_ticks, uid=me.uid,
+                         host=_identity.hostname(), boot_id=_identity.boot_id(), pidns=_identity.pid_namespace(),
+                         time_ns=now) for r in range(ranks)]
+    prepare(rd, regs[0], now)
+    for reg in regs[1:]:
+        rd.write(RANKS, rank_file("rank", reg.rank), encode(reg))
+    return rd, now
