@@ -20,7 +20,7 @@ Importing peerwatch is cheap and never imports torch.
 #            _diagnose _plan _hosts _summary _straggler
 #   os       adapters to the OS, one concern each: processes, signals, the run directory
 #            _identity _activity _collectives _keeper _store_client _store_protocol
-#            _sources _teardown _sharedfs _exitwatch _eventlog _stacks _waits
+#            _sources _inotify _teardown _sharedfs _exitwatch _eventlog _stacks _waits
 #            _trust _dirfd _rundir _basedir _prepare
 #   stages   one step of the data flow each, built on the adapters, called by the wiring
 #            _observer _waker _ownrecords _heartbeat _diagnoser _enforce _leave _notify

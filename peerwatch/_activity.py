@@ -96,12 +96,12 @@ class ActivitySampler:
 
 
 def _own_threads() -> List[int]:
-    """Native ids of peerwatch's threads (its watcher, launcher, bridge, and the folder
-    watches' watchdog threads): their /proc walks and heartbeats are not the rank's work."""
+    """Native ids of peerwatch's threads (its watcher, launcher, bridge): their /proc
+    walks and heartbeats are not the rank's work."""
     return [
         t.native_id for t in threading.enumerate()
         if t.native_id is not None and t is not threading.main_thread()
-        and (t.name.startswith("peerwatch") or type(t).__module__.startswith("watchdog"))
+        and t.name.startswith("peerwatch")
     ]
 
 

@@ -140,10 +140,6 @@ def check_inotify() -> Check:
         why = "the per-user limit is reached" if err == errno.EMFILE else os.strerror(err)
         return Check("inotify", WARN, f"inotify_init1 failed: {why}; {used} in use of {limit}", fallback, fix)
     os.close(fd)
-    try:
-        from watchdog.observers.inotify import InotifyObserver  # noqa: F401
-    except Exception as e:  # noqa: BLE001 - any failure of the import is the finding
-        return Check("inotify", WARN, f"watchdog's inotify observer cannot be imported ({e})", fallback, "pip install 'watchdog>=2'")
     if limit < 0:
         return Check("inotify", OK, f"works; {used} instances in use by this user (limit unknown)", "each rank takes one instance")
     free = limit - used

@@ -106,12 +106,12 @@ class Observer:
 
     # -- waking and sleeping (the descriptors are the Waker's) ----------------------------
 
-    def start(self, thread_name: str) -> bool:
+    def start(self) -> bool:
         """Start inotify on the folders; False if it cannot be used (the caller polls)."""
         disabled = self.remote is not None and _sharedfs.inotify_disabled()
         rd = self.run_dir
         # The paths through the held descriptors, as they are when (re)made.
-        return self._waker.watch_folders(lambda: [rd.at(EVENTS), rd.at(RANKS)], f"peerwatch-inotify-{thread_name}", disabled)
+        return self._waker.watch_folders(lambda: [rd.at(EVENTS), rd.at(RANKS)], disabled)
 
     def stop(self) -> None:
         """Stop the folder watch for good (any thread may call this)."""

@@ -23,8 +23,8 @@ Layout (per host)::
 Records are written to ``tmp/`` and then linked (write-once records) or renamed into
 place: a reader never sees half a record. The heartbeat, rewritten every second, is the
 exception (:class:`InPlace`): readers re-read one they catch half written. Records in ``events/`` are
-linked rather than renamed because watchdog holds back rename events for half a second
-to pair them.
+linked rather than renamed: a link cannot replace a record already there (the first
+writer wins).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""Where observations come from: pidfds of local peers, inotify on the events folder,
-and the exit status of a peer that is our own child.
+"""Where observations come from: pidfds of local peers, and the exit status of a peer
+that is our own child (inotify on the run directory's folders: :mod:`peerwatch._inotify`).
 
 Thin OS adapters; the watcher thread owns them and polls their file descriptors.
 """
@@ -9,10 +9,8 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import select
-import threading
 import time
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 from . import _identity
 from ._records import HANG, MAX_TRACEBACK_CHARS, ExitStatus, Failure, Registration
@@ -279,126 +277,7 @@ def oom_kill_count() -> Optional[int]:
     return None
 
 
-class _StopRace(logging.Filter):
-    """watchdog logs an ERROR when its emitter reads after the observer was stopped (a race
-    of its own, harmless: peerwatch stops its folder watches as a rank ends). It reached the
-    user's terminal at every teardown; nothing else of watchdog's is hidden."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "called when the thread is inactive" not in str(record.msg)
-
-
-_STOP_RACE = _StopRace()
-
-
-def _quiet_watchdog() -> None:
-    watchdog_log = logging.getLogger("watchdog.observers.inotify")
-    if _STOP_RACE not in watchdog_log.filters:
-        watchdog_log.addFilter(_STOP_RACE)
-
-
-_WATCHDOG_FDS = ("_inotify_fd", "_kill_r", "_kill_w")  # watchdog's InotifyFD: the inotify instance, its wake pipe
-
-
-class FolderWatch:
-    """inotify (through watchdog) on the folders whose changes must wake the watcher.
-
-    ``on_change`` is called from watchdog's thread; it must be cheap and thread-safe.
-    If inotify cannot be used, :attr:`active` is False and the watcher rescans on a timer.
-    """
-
-    def __init__(self, folders: List[str], on_change: Callable[[], None], name: str, disabled: bool = False) -> None:
-        self.active = False
-        self._observer = None
-        self._owned: List[OwnedFd] = []  # watchdog's descriptors, where its internals let us see them
-        if disabled:
-            return
-        try:
-            from watchdog.events import FileCreatedEvent, FileMovedEvent, FileSystemEventHandler
-            from watchdog.observers.inotify import InotifyObserver
-            _quiet_watchdog()
-        except ImportError as e:
-            logger.warning("peerwatch: watchdog's inotify observer is unavailable (%s); polling instead", e)
-            return
-
-        class Handler(FileSystemEventHandler):  # type: ignore[misc]
-            def on_any_event(self, event: object) -> None:
-                on_change()
-
-        try:
-            observer = InotifyObserver(timeout=5.0)
-            observer.name = name
-            for folder in folders:
-                # Only new entries: records appear by link(2) or rename(2). Opening and
-                # reading the folder (every watcher's rescan) must not wake the others.
-                observer.schedule(
-                    Handler(), folder, recursive=False, event_filter=[FileCreatedEvent, FileMovedEvent]
-                )
-            observer.start()
-        except OSError as e:
-            logger.warning("peerwatch: cannot watch %s with inotify (%s); polling instead", folders, e)
-            return
-        self._observer = observer
-        self.active = True
-        inotify = getattr(observer, "_inotify_fd", None)  # watchdog >= 5: one InotifyFD thread per observer
-        fds = [getattr(inotify, name, None) for name in _WATCHDOG_FDS]
-        if all(isinstance(fd, int) for fd in fds):
-            self._owned = [OwnedFd(fd) for fd in fds]  # type: ignore[arg-type]
-
-    def intact(self) -> bool:
-        """inotify's descriptors are still watchdog's (True where we cannot tell)."""
-        return all(fd.intact() for fd in self._owned)
-
-    def abandon(self) -> None:
-        """Stop watching after the application closed or replaced inotify's descriptors.
-
-        watchdog would spin on them (``/dev/null`` reads as end of file, a closed fd as
-        EBADF) and, when stopped, close the numbers, which may be the application's by
-        now: every number is swapped for one of our own first (two pipes, left to watchdog
-        to close), and watchdog is stopped from a thread of its own.
-        """
-        inotify = getattr(self._observer, "_inotify_fd", None)
-        if inotify is not None and self._owned:
-            quiet_r, quiet_w = os.pipe()  # never readable (quiet_w is left open): stands in for inotify
-            kill_r, kill_w = os.pipe()
-            for name, fd in zip(_WATCHDOG_FDS, (quiet_r, kill_r, kill_w)):
-                setattr(inotify, name, fd)  # watchdog closes these when it stops
-            for owned in self._owned:
-                owned.close()  # the old ones that are still ours
-            self._owned = []
-            poller = select.poll()  # watchdog's poll set holds the old numbers
-            poller.register(quiet_r, select.POLLIN)
-            poller.register(kill_r, select.POLLIN)
-            if getattr(inotify, "_poller", None) is not None:
-                inotify._poller = poller
-        observer, self._observer = self._observer, None
-        if observer is not None:
-            # Not in the watcher thread: watchdog joins its reader without a timeout, and
-            # the reader may sleep for ever in a poll(2) on numbers that are not its own.
-            threading.Thread(target=_stop_quietly, args=(observer,), name=f"{observer.name}-abandoned",
-                             daemon=True).start()
-
-    def stop(self, timeout: float = 1.0) -> None:
-        """Stop watchdog's threads and join them (not from one of them)."""
-        observer, self._observer = self._observer, None
-        if observer is None:
-            return
-        _stop_quietly(observer)
-        if threading.current_thread() is not observer and observer.is_alive():
-            observer.join(timeout)
-
-
-def _stop_quietly(observer: Any) -> None:
-    """``observer.stop()``, where the application may have taken inotify's descriptor
-    (``os.closerange`` before exit): watchdog's removal of its watches then raises EBADF
-    (or EINVAL, a number reused), at exit, for nothing: the watches die with the descriptor."""
-    try:
-        observer.stop()
-    except OSError as e:
-        logger.debug("peerwatch: watchdog could not stop cleanly (its descriptor was taken away?): %s", e)
-
-
 __all__ = [
-    "FolderWatch", "OwnedFd", "Peer", "child_returncode", "fatal_signal_in", "fd_identity", "gil_timeout_in",
+    "OwnedFd", "Peer", "child_returncode", "fatal_signal_in", "fd_identity", "gil_timeout_in",
     "oom_kill_count", "pidfd_pid", "pidfd_supported", "post_mortem", "still_running",
 ]

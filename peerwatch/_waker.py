@@ -1,6 +1,6 @@
-"""How the watcher thread sleeps, and what wakes it: one poll(2) set of the wake pipe and
-the local peers' pidfds, and inotify on the run directory's folders (through
-:class:`peerwatch._sources.FolderWatch`, which writes to the wake pipe).
+"""How the watcher thread sleeps, and what wakes it: one poll(2) set of the wake pipe, the
+local peers' pidfds, and an inotify instance on the run directory's folders
+(:class:`peerwatch._inotify.FolderWatch`, drained here, no thread of its own).
 
 The application shares the descriptor table: it may close our descriptors or put another
 file in their place (``/dev/null`` is always readable). A descriptor that fired is
@@ -10,9 +10,10 @@ never fire.
 
 Threads: owned by the watcher thread (its :class:`peerwatch._observer.Observer`'s), except
 :meth:`Waker.wake` (any thread: one byte down a non-blocking pipe) and :meth:`Waker.stop`
-(any thread). The folder watch is swapped only under ``_folders_lock`` (a repair and a
-stop may race: a watch made after the stop would outlive the rank's watching), and once
-stopped it is never started or repaired again.
+(any thread). The folder watch is made, drained, swapped and closed only under
+``_folders_lock`` (a repair and a stop may race: a watch made after the stop would outlive
+the rank's watching; a number closed by a stop and reused by the application must not be
+read), and once stopped it is never started or repaired again.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ import time
 from typing import Callable, Dict, List, Mapping, Optional, Tuple
 
 from . import _terminal
-from ._sources import FolderWatch, OwnedFd, Peer, still_running
+from ._inotify import FolderWatch
+from ._sources import OwnedFd, Peer, still_running
 
 logger = logging.getLogger("peerwatch")
 
@@ -53,47 +55,62 @@ class Waker:
         self._next_fd_check = time.monotonic() + FD_CHECK_S
         self._fd_turn = 0  # which peer's pidfd the next unasked check looks at
         self._fd_rank: Dict[int, int] = {}
-        self._folder_args: Optional[Tuple[Callable[[], List[str]], str, bool]] = None
+        self._folder_args: Optional[Tuple[Callable[[], List[str]], bool]] = None
         self._folders_lock = threading.Lock()
         self._folders: Optional[FolderWatch] = None  # swapped under _folders_lock only
         self._stopped = False  # stop() was called: no folder watch is made any more (under _folders_lock)
 
     # -- the folders (inotify) -----------------------------------------------------------
 
-    def watch_folders(self, folders: Callable[[], List[str]], name: str, disabled: bool) -> bool:
+    def watch_folders(self, folders: Callable[[], List[str]], disabled: bool) -> bool:
         """Start inotify on the folders ``folders()`` names (asked again at each repair);
         False if it cannot be used (the caller polls)."""
-        self._folder_args = (folders, name, disabled)
+        self._folder_args = (folders, disabled)
         with self._folders_lock:
             if self._stopped:
                 return False  # stopped before the watcher began: nothing to watch for
             self._folders = self._new_folder_watch()
+            self._repaired = True  # the poll set takes its descriptor
             return self._folders.active
 
     def _new_folder_watch(self) -> FolderWatch:
         assert self._folder_args is not None
-        folders, name, disabled = self._folder_args
-        return FolderWatch(folders(), self.wake, name=name, disabled=disabled)
+        folders, disabled = self._folder_args
+        return FolderWatch(folders(), disabled=disabled)
 
     def stop(self) -> None:
-        """Stop the folder watch for good, and join its threads (any thread may call this)."""
+        """Stop the folder watch for good (any thread may call this)."""
         with self._folders_lock:
             self._stopped = True
-            folders, self._folders = self._folders, None
-        if folders is not None:
-            folders.stop()  # outside the lock: it joins watchdog's threads
+            self._close_folders()
 
     def stop_watching_folders(self) -> None:
         """No more wakes from the folders, for a rank that acts on a verdict and looks at
         them no more: every rank that leaves adds a record to ``events/`` (its
-        acknowledgement, its exit) that each watching rank's inotify threads read, which at
-        N = 128 on 2 cores was about 20 ms of CPU per rank, half of its teardown. Stopped
-        from a thread of its own (watchdog joins its reader); stop() has nothing left to do."""
+        acknowledgement, its exit), and at N = 128 each watching rank would wake and rescan
+        for every one of them. stop() has nothing left to do."""
         with self._folders_lock:
-            folders, self._folders = self._folders, None
-        if folders is not None and folders.active:
-            name = f"{self._folder_args[1]}-stop" if self._folder_args else "peerwatch-inotify-stop"
-            threading.Thread(target=folders.stop, name=name, daemon=True).start()
+            self._close_folders()
+
+    def _close_folders(self) -> None:
+        """Under ``_folders_lock``. The watcher thread may be asleep on the number: its
+        poll set is made anew, and a number it does not know any more is never read."""
+        folders, self._folders = self._folders, None
+        if folders is not None:
+            folders.stop()
+            self._repaired = True
+
+    def _drain_folders(self, fd: int, flags: int) -> bool:
+        """The folder watch's descriptor ``fd`` fired: drain it. False if ``fd`` is not
+        the watch's (stopped or replaced meanwhile); a number found not ours is repaired."""
+        with self._folders_lock:
+            folders = self._folders
+            if folders is None or folders.fd != fd:
+                return False
+            if not flags & (select.POLLNVAL | select.POLLERR) and folders.drain():
+                return True
+        self._repair_folders()
+        return True
 
     def _repair_folders(self) -> None:
         with self._folders_lock:
@@ -102,6 +119,7 @@ class Waker:
                 return  # stopped meanwhile (by another thread): nothing to repair
             old.abandon()
             self._folders = new = self._new_folder_watch()
+            self._repaired = True
         logger.warning(
             "peerwatch: rank %d: the watcher's inotify descriptor was closed or replaced by the application "
             "(os.closerange, dup2?); %s", self._rank,
@@ -139,15 +157,20 @@ class Waker:
         if now >= self._next_fd_check:
             self._next_fd_check = now + FD_CHECK_S
             ended += self.check_fds()
+        if self._repaired:
+            self._rebuild_poll()
         events = self._poller.poll(max(0, int(timeout * 1000) + 1))
         wake_fd = self._wake_r.fd
         for fd, flags in events:
             rank = self._fd_rank.get(fd)
             if fd == wake_fd:
                 self._on_wake_ready(flags)
-            elif rank is not None and self._peers[rank].pidfd == fd and rank not in self._gone and rank not in ended:
-                if self._on_pidfd_ready(rank):
-                    ended.append(rank)
+            elif rank is not None:
+                if self._peers[rank].pidfd == fd and rank not in self._gone and rank not in ended:
+                    if self._on_pidfd_ready(rank):
+                        ended.append(rank)
+            elif not self._drain_folders(fd, flags):
+                self._repaired = True  # a number no source holds now (a stopped folder watch's)
         if self._repaired:
             self._rebuild_poll()
         return bool(events), ended
@@ -163,6 +186,9 @@ class Waker:
             if peer.pidfd is not None and rank not in self._gone:
                 self._fd_rank[peer.pidfd] = rank
                 self._poller.register(peer.pidfd, select.POLLIN)
+        folders = self._folders
+        if folders is not None and folders.fd is not None and folders.fd not in self._fd_rank:
+            self._poller.register(folders.fd, select.POLLIN)
 
     def _on_wake_ready(self, flags: int) -> None:
         if flags & (select.POLLNVAL | select.POLLERR) or not (self._wake_r.intact() and self._wake_w.intact()):
@@ -218,8 +244,10 @@ class Waker:
         if not (self._wake_r.intact() and self._wake_w.intact()):
             self._repair_wake_pipe()
             every_pidfd = True  # whatever hit the pipe may have hit the rest
-        folders = self._folders
-        if folders is not None and folders.active and not folders.intact():
+        with self._folders_lock:
+            folders = self._folders
+            taken = folders is not None and folders.active and not folders.intact()
+        if taken:
             every_pidfd = True
             self._repair_folders()
         ended = []

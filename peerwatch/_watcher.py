@@ -278,7 +278,7 @@ class Watcher:
 
     def _run(self) -> None:
         obs = self.observer
-        sched = self._schedule(obs.start(self.thread.name))
+        sched = self._schedule(obs.start())
         warm_record_types()  # now, not at a teardown
         while not self.done.is_set():
             now = time.monotonic()

@@ -68,17 +68,3 @@ def test_twenty_thousand_junk_failure_records_are_warned_about_a_few_times_per_r
     job.kill_all()
     job.wait_gone(within=10.0)
 
-
-def test_watchdogs_stop_race_is_not_said_to_the_user(caplog) -> None:  # type: ignore[no-untyped-def]
-    """watchdog's "InotifyEmitter.queue_events() called when the thread is inactive" (its own
-    harmless race at stop) reached the terminal at teardowns (issue 23.5); its other errors do not hide."""
-    import logging
-
-    from peerwatch._sources import _quiet_watchdog
-
-    _quiet_watchdog()
-    log = logging.getLogger("watchdog.observers.inotify")
-    with caplog.at_level(logging.ERROR, logger="watchdog.observers.inotify"):
-        log.error("InotifyEmitter.queue_events() called when the thread is inactive")
-        log.error("something else went wrong")
-    assert [r.getMessage() for r in caplog.records] == ["something else went wrong"]

@@ -99,14 +99,22 @@ def _until(obs: Observer, done: Callable[[], bool], what: str) -> None:
         obs.scan()
 
 
-def _new_threads(before: Set[threading.Thread]) -> List[str]:
-    """Threads started since ``before`` that are still alive, once they had a deadline to end."""
-    deadline = time.monotonic() + DEADLINE_S
-    while True:
-        alive = [t.name for t in threading.enumerate() if t not in before and t.is_alive()]
-        if not alive or time.monotonic() > deadline:
-            return alive
-        time.sleep(0.02)
+def _inotify_fds() -> Set[int]:
+    """This process's open inotify instances (the folder watch has no thread: its
+    descriptor is what a leaked watch leaves)."""
+    fds = set()
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{name}") == "anon_inode:inotify":
+                fds.add(int(name))
+        except OSError:
+            continue  # the listing's own descriptor, closed by now
+    return fds
+
+
+def _new_watches(before: Set[int]) -> List[int]:
+    """inotify descriptors opened since ``before`` and still open."""
+    return sorted(_inotify_fds() - before)
 
 
 # -- the Observer on a real run directory ------------------------------------------------
@@ -114,7 +122,7 @@ def _new_threads(before: Set[threading.Thread]) -> List[str]:
 
 def test_a_registration_wakes_the_observer_through_inotify_and_a_killed_peer_is_seen_gone(run, observers, peers):
     obs = observers()
-    obs.start("test")  # inotify on ranks/ and events/ (or a poll, where inotify is out of instances)
+    obs.start()  # inotify on ranks/ and events/ (or a poll, where inotify is out of instances)
     proc = peers()
     _register(run, 1, proc.pid)
     _until(obs, lambda: 1 in obs.peers, "rank 1's registration seen")
@@ -133,9 +141,26 @@ def test_a_registration_wakes_the_observer_through_inotify_and_a_killed_peer_is_
     assert observed.exit_statuses == {1: status} and set(observed.gone) == {1}
 
 
+def test_a_new_record_wakes_the_watcher_and_none_does_once_it_stopped_watching_folders(run, observers):
+    """The folder watch sits in the watcher's own poll set: a record linked into events/
+    wakes wait() at once (a poll alone would sleep the whole timeout). After
+    stop_watching_folders() nothing wakes it, nor does the closed number (POLLNVAL)."""
+    obs = observers()
+    if not obs.start():
+        pytest.skip("inotify is out of instances on this machine")
+    assert not obs.wait(0)  # the folder watch's descriptor joins the poll set
+    done = Success(rank=2, pid=os.getpid(), time_ns=time.time_ns())
+    assert run.write(EVENTS, rank_file("success", 2), encode(done))
+    assert obs.wait(DEADLINE_S), "a new record did not wake the watcher"
+    assert not obs.wait(0), "the folder watch was drained"
+    obs.stop_watching_folders()
+    assert run.write(EVENTS, rank_file("success", 3), encode(Success(rank=3, pid=os.getpid(), time_ns=time.time_ns())))
+    assert not obs.wait(0.2) and not obs.wait(0.2)
+
+
 def test_a_pidfd_taken_over_by_the_application_is_replaced_and_the_peer_still_watched(run, observers, peers, caplog):
     obs = observers()
-    obs.start("test")
+    obs.start()
     proc = peers()
     _register(run, 1, proc.pid)
     _until(obs, lambda: 1 in obs.peers, "rank 1's registration seen")
@@ -177,22 +202,22 @@ def _stop_from_another_thread(obs: Observer) -> None:
 
 def test_stop_then_a_folder_repair_leaves_no_watch_running(run, observers):
     """Watcher.stop() (the training thread) stops the folder watch while the watcher thread
-    checks its descriptors: watchdog's, closed by the stop, looked taken over, and the
+    checks its descriptors: inotify's, closed by the stop, looked taken over, and the
     repair made a new watch that nothing would ever stop."""
-    before = set(threading.enumerate())
+    before = _inotify_fds()
     obs = observers()
-    assert obs.start("test")
+    assert obs.start()
     _stop_from_another_thread(obs)
     obs.check_fds(every_pidfd=True)  # the watcher thread's next unasked look
-    assert _new_threads(before) == [], "a folder watch outlived stop()"
+    assert _new_watches(before) == [], "a folder watch outlived stop()"
 
 
 def test_stop_before_the_watcher_started_its_folder_watch_leaves_none(run, observers):
-    before = set(threading.enumerate())
+    before = _inotify_fds()
     obs = observers()
     _stop_from_another_thread(obs)  # install() then an exit, before the watcher thread ran
-    assert not obs.start("test")
-    assert _new_threads(before) == [], "a folder watch started after stop()"
+    assert not obs.start()
+    assert _new_watches(before) == [], "a folder watch started after stop()"
 
 
 def _repair_thrice(obs: Observer, go: threading.Barrier) -> None:
@@ -204,17 +229,17 @@ def _repair_thrice(obs: Observer, go: threading.Barrier) -> None:
 def test_stop_racing_repairs_leaves_no_watch_running(run, observers):
     """The watcher thread repairs (its inotify descriptors taken over each time) while
     another thread stops: whichever comes first, nothing is left watching."""
-    before = set(threading.enumerate())
+    before = _inotify_fds()
     for _ in range(5):
         obs = observers()
-        assert obs.start("test")
+        assert obs.start()
         go = threading.Barrier(2)
         repairer = threading.Thread(target=_repair_thrice, args=(obs, go), name="test-repairer")
         repairer.start()
         go.wait()
         obs.stop()
         repairer.join(DEADLINE_S)
-    assert _new_threads(before) == [], "a folder watch outlived stop()"
+    assert _new_watches(before) == [], "a folder watch outlived stop()"
 
 
 # -- issue 25.2: the rank's own records, from many threads --------------------------------
@@ -227,7 +252,7 @@ def test_many_threads_record_while_the_watcher_scans(run, observers):
     own = OwnRecords(run, _reg(0, os.getpid()))
     obs = Observer(run, own.me, use_pidfd=True, remote=None, records=own)
     try:
-        obs.start("test")
+        obs.start()
         n = 12
         go = threading.Barrier(n)
         won: List[int] = []
