@@ -48,7 +48,7 @@ if os.environ.get("PWPROF_DIR"):
             except (OSError, ValueError):
                 continue
             name = names.get(int(tid), "other")
-            name = "watchdog" if name.startswith("Thread-") or "inotify" in name else name.split("-rank")[0]
+            name = name.split("-rank")[0]
             out[name] = out.get(name, 0) + ns
         return out
 

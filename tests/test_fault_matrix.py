@@ -57,8 +57,8 @@ GRACE_S = 1.0  # PEERWATCH_GRACE of every job here
 # PEERWATCH_ACK_WINDOW of every job here: three times the default (0.5 s). A survivor that
 # does not acknowledge the verdict within it is SIGTERMed (exit code 143, and the test
 # fails); on 2 cores shared with another benchmark (load average above 40), a survivor
-# blocked in gloo once missed the default window: its watcher needs the inotify thread,
-# then itself, to get the GIL and a CPU.
+# blocked in gloo once missed the default window: its watcher thread needs the GIL and a
+# CPU.
 ACK_S = 1.5
 FAIL_AFTER_S = 0.3  # a behaviour's failure comes this long after every rank is ready
 # Failure -> every process of the job gone. Every survivor leaves by itself (its exit
