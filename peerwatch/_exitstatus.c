@@ -78,6 +78,18 @@ typedef struct {
 static leaving_state lv;
 static int claimed; /* set once, atomically, by whichever path writes the exit record */
 
+/* A SIGTERM held back: torchrun's agent and mp.spawn's main process stop the other workers
+ * about 0.1 s after they see one end, and a rank acting on the verdict by then (its summary
+ * of the failure not printed yet) would die silent. From hold_term(seconds) on, a SIGTERM is
+ * noted instead, with its sender, and the process ends by it, as it would have at once, at
+ * leave() or exit(), or when the hold runs out (a timer sends SIGTERM again), whichever
+ * comes first. */
+static long long hold_until_ns;    /* CLOCK_MONOTONIC; 0: no hold */
+static volatile sig_atomic_t held; /* a SIGTERM came during the hold */
+static long long held_sender;      /* its sender's pid, or 0 */
+static timer_t hold_timer;
+static int have_timer;
+
 static int claim(void)
 {
     return __atomic_exchange_n(&claimed, 1, __ATOMIC_SEQ_CST) == 0;
@@ -240,12 +252,38 @@ static void write_exit_record(long long returncode, long long sender)
     (void)write_record(lv.name, lv.out, n, 0);
 }
 
+static void die_by(int sig);
+
+static int hold(long long sender)
+{
+    if (held || hold_until_ns == 0 || !have_timer)
+        return 0;
+    long long left = hold_until_ns - now_ns(CLOCK_MONOTONIC);
+    if (left <= 0)
+        return 0;
+    struct itimerspec its;
+    memset(&its, 0, sizeof its);
+    its.it_value.tv_sec = (time_t)(left / 1000000000LL);
+    its.it_value.tv_nsec = (long)(left % 1000000000LL);
+    if (timer_settime(hold_timer, 0, &its, NULL) != 0)
+        return 0;
+    held_sender = sender;
+    held = 1;
+    return 1;
+}
+
 static void on_term(int sig, siginfo_t *info, void *ctx)
 {
     (void)ctx;
     int saved_errno = errno;
-    if (st.armed && lv.term && getpid() == st.pid && lv.pid == st.pid && claim())
-        write_exit_record(-(long long)sig, info != NULL && info->si_code == SI_USER ? (long long)info->si_pid : 0);
+    long long sender = info != NULL && info->si_code == SI_USER ? (long long)info->si_pid : 0;
+    int ours = st.armed && lv.term && getpid() == st.pid && lv.pid == st.pid;
+    if (ours && !claimed && hold(sender)) {
+        errno = saved_errno;
+        return; /* noted: the process ends by it at leave(), exit() or the hold's end */
+    }
+    if (ours && claim())
+        write_exit_record(-(long long)sig, held ? held_sender : sender);
     else if (claimed && getpid() == st.pid) {
         /* leave() or exit() claimed first: the process is ending with that status now. */
         errno = saved_errno;
@@ -261,6 +299,24 @@ static void on_term(int sig, siginfo_t *info, void *ctx)
     errno = saved_errno;
 }
 
+/* A held SIGTERM: end by it now, its record written first (unless another path claimed). */
+static void die_by(int sig)
+{
+    if (claim())
+        write_exit_record(-(long long)sig, held_sender);
+    struct sigaction dfl;
+    memset(&dfl, 0, sizeof dfl);
+    dfl.sa_handler = SIG_DFL;
+    sigemptyset(&dfl.sa_mask);
+    (void)sigaction(sig, &dfl, NULL);
+    sigset_t set;
+    sigemptyset(&set);
+    sigaddset(&set, sig);
+    (void)sigprocmask(SIG_UNBLOCK, &set, NULL);
+    (void)raise(sig);
+    _exit(128 + sig); /* not reached: the signal's default action ends the process */
+}
+
 static void at_exit(int status, void *arg)
 {
     (void)arg;
@@ -269,6 +325,8 @@ static void at_exit(int status, void *arg)
         goto out;
     int code = status & 0xFF; /* what the parent will see */
     size_t n;
+    if (held)
+        die_by(SIGTERM); /* the SIGTERM held back ends it, as it would have at once */
     if (lv.armed && claim())
         write_exit_record(code, 0);
     if (code == 0) {
@@ -481,6 +539,8 @@ static PyObject *leave(PyObject *self, PyObject *arg)
     long code = PyLong_AsLong(arg);
     if (code == -1 && PyErr_Occurred())
         return NULL;
+    if (held && st.armed && getpid() == st.pid)
+        die_by(SIGTERM); /* the SIGTERM held back ends it, as it would have at once */
     if (lv.armed && st.armed && getpid() == st.pid) {
         if (claim()) {
             write_exit_record(code & 0xFF, 0);
@@ -494,7 +554,42 @@ static PyObject *leave(PyObject *self, PyObject *arg)
     _exit((int)code);
 }
 
+PyDoc_STRVAR(hold_term_doc,
+"hold_term(seconds) -> bool\n"
+"\n"
+"For the next ``seconds``, a SIGTERM is noted instead of ending the process at once\n"
+"(its exit record still says SIGTERM and who sent it): the process ends by it at\n"
+"leave(), at exit(), or when the hold runs out, whichever is first. False (nothing\n"
+"held) where arm_leaving() did not install the SIGTERM handler in this process or no\n"
+"timer can be made.");
+
+static PyObject *hold_term(PyObject *self, PyObject *arg)
+{
+    (void)self;
+    double seconds = PyFloat_AsDouble(arg);
+    if (seconds == -1.0 && PyErr_Occurred())
+        return NULL;
+    struct sigaction cur;
+    if (!st.armed || getpid() != st.pid || !lv.term || lv.pid != st.pid ||
+        sigaction(SIGTERM, NULL, &cur) != 0 || !(cur.sa_flags & SA_SIGINFO) || cur.sa_sigaction != on_term)
+        Py_RETURN_FALSE;
+    if (!have_timer) {
+        struct sigevent sev;
+        memset(&sev, 0, sizeof sev);
+        sev.sigev_notify = SIGEV_SIGNAL;
+        sev.sigev_signo = SIGTERM;
+        if (timer_create(CLOCK_MONOTONIC, &sev, &hold_timer) != 0)
+            Py_RETURN_FALSE;
+        have_timer = 1;
+    }
+    long long until = now_ns(CLOCK_MONOTONIC) + (long long)(seconds * 1e9);
+    if (until > hold_until_ns)
+        __atomic_store_n(&hold_until_ns, until, __ATOMIC_SEQ_CST);
+    Py_RETURN_TRUE;
+}
+
 static PyMethodDef methods[] = {
+    {"hold_term", hold_term, METH_O, hold_term_doc},
     {"arm", arm, METH_VARARGS, arm_doc},
     {"arm_leaving", arm_leaving, METH_VARARGS, arm_leaving_doc},
     {"leave", leave, METH_O, leave_doc},

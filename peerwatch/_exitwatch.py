@@ -123,6 +123,22 @@ def arm_leaving(rank: int, teardown: bool = True) -> bool:
         return False
 
 
+def hold_sigterm(seconds: float) -> bool:
+    """A rank acting on a verdict: for the next ``seconds``, a SIGTERM (its launcher's,
+    sent once it saw the failed worker end) is held back, so that the summary of the
+    failure is printed before the rank goes. The rank then ends by that SIGTERM at
+    :func:`leave` or at exit, as it would have at once, or when the hold runs out; its exit
+    record still says SIGTERM and who sent it. False where nothing is held (no extension,
+    or SIGTERM is the application's)."""
+    native = _module()
+    if native is None or native.armed() != os.getpid():
+        return False
+    try:
+        return bool(native.hold_term(float(seconds)))
+    except (AttributeError, ValueError):
+        return False  # an extension built before hold_term
+
+
 def leave(code: int) -> None:
     """End this process now with ``code`` (``os._exit``), recording it first if
     :func:`arm_leaving` armed this process. Never returns."""

@@ -96,6 +96,10 @@ BLIND_GRACES = 2  # rule 9: a blind enforcer's window is ack_window + 2 x grace
 # Rule 4: how long after the verdict a rank that does not print the summary waits for it
 # before it leaves (it waits meanwhile only once its own share of the teardown is done).
 SUMMARY_WAIT_S = 1.0
+# Rule 10: a rank whose launcher ends the workers early holds its launcher's SIGTERM back
+# for at most this long, so that it says what happened first (torchrun's agent sends it
+# about 0.1 s after it reaped the failed worker; it waits 30 s before a SIGKILL).
+HOLD_SIGTERM_S = 3.0
 SUMMARY_POLL_S = 0.01  # how often a waiting rank looks for the summary, for up to SUMMARY_POLL_RANKS local ranks
 SUMMARY_POLL_RANKS = 8  # more local ranks than this look for it proportionally less often
 _LEAVES_BY_ITSELF = (EXCEPTION, EXIT)  # rule 2: causes whose rank's main thread is already leaving
@@ -133,6 +137,7 @@ class Situation:
 class Step(enum.Enum):
     """One step of a rank's teardown (rule 10), carried out by :mod:`peerwatch._verdict`."""
 
+    HOLD_SIGTERM = "hold the launcher's SIGTERM back until this rank leaves (HOLD_SIGTERM_S at most)"
     ARM_EXIT_WATCH = "from now on this rank's end is recorded as it happens"
     WRITE_SUMMARY = "write the report and print the summary"
     ACK = "write this rank's acknowledgement"
@@ -230,7 +235,7 @@ def plan(s: Situation) -> Plan:
         trusted=tuple(r for r in chosen if r != s.self_rank) if blind else (),
         summary_poll_s=summary_poll_s(len(s.live_local_ranks)),
     )
-    return dataclasses.replace(p, until_ack=_until_ack(p), after_ack=_after_ack(s, p))
+    return dataclasses.replace(p, until_ack=_until_ack(s, p), after_ack=_after_ack(s, p))
 
 
 def summary_poll_s(local_ranks: int) -> float:
@@ -240,9 +245,11 @@ def summary_poll_s(local_ranks: int) -> float:
     return SUMMARY_POLL_S * max(1.0, local_ranks / SUMMARY_POLL_RANKS)
 
 
-def _until_ack(p: Plan) -> Tuple[Step, ...]:
-    """Rule 10, up to the acknowledgement: the summary of a rank that ended, then the ack."""
-    return (Step.ARM_EXIT_WATCH,) + ((Step.WRITE_SUMMARY,) if p.summary_now else ()) + (Step.ACK,)
+def _until_ack(s: Situation, p: Plan) -> Tuple[Step, ...]:
+    """Rule 10, up to the acknowledgement: the launcher's SIGTERM held back (where it comes
+    early), the summary of a rank that ended, then the ack."""
+    hold = (Step.HOLD_SIGTERM,) if s.ends_workers_early else ()
+    return hold + (Step.ARM_EXIT_WATCH,) + ((Step.WRITE_SUMMARY,) if p.summary_now else ()) + (Step.ACK,)
 
 
 def _after_ack(s: Situation, p: Plan) -> Tuple[Step, ...]:

@@ -93,6 +93,13 @@ def failed_rank_speaks(observer: Observer, self_rank: int, verdict: Verdict) -> 
 # -- the steps, in the order the plan usually gives them -----------------------------------
 
 
+def _hold_sigterm(t: Teardown) -> None:
+    # Under torchrun and mp.spawn the launcher's SIGTERM comes about 0.1 s after it saw
+    # the failed worker end: noted, and this rank ends by it once it said what happened.
+    if _exitwatch.hold_sigterm(_plan.HOLD_SIGTERM_S):
+        log_event("sigterm_held", t.rank, seconds=_plan.HOLD_SIGTERM_S)
+
+
 def _arm_exit_watch(t: Teardown) -> None:
     # From now on this rank's end is recorded as it happens (the verdict's code, or a
     # launcher's SIGTERM).
@@ -228,6 +235,7 @@ def _exit(t: Teardown) -> None:
 
 
 _STEPS: Dict[Step, Callable[[Teardown], None]] = {
+    Step.HOLD_SIGTERM: _hold_sigterm,
     Step.ARM_EXIT_WATCH: _arm_exit_watch,
     Step.WRITE_SUMMARY: _write_summary,
     Step.ACK: _acknowledge,

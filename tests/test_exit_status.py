@@ -11,6 +11,7 @@ when it is missing there.
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import signal
@@ -119,3 +120,66 @@ def test_a_sigterm_before_any_verdict_is_recorded_with_its_sender(make_job, styl
     assert (v["rank"], v["cause"], v["signal"], v["exit_code"]) == (2, "signal", "SIGTERM", 143), f"{v}\n{job.logs()}"
     entry = by_rank(report)[2]
     assert (entry["exit_code"], entry["exit_observed"], entry["signalled_by"]) == (143, True, os.getpid()), entry
+
+
+# -- a launcher's SIGTERM, held back while the rank says what happened --------------------
+
+HELD = r"""
+import os, sys, time
+import peerwatch
+from peerwatch import _exitwatch, _leave
+peerwatch.install()
+print("held" if _exitwatch.hold_sigterm(float(sys.argv[1])) else "not held", flush=True)
+sys.stdin.readline()  # the parent's SIGTERM comes before this line does
+print("still here", flush=True)
+how = sys.argv[2]
+if how == "leave":
+    _leave.flush_and_exit(3)
+elif how == "exit":
+    sys.exit(0)
+time.sleep(60)  # the hold runs out
+"""
+
+
+def _held_rank(tmp_path, hold_s: float, how: str) -> "tuple[subprocess.Popen, dict]":
+    env = dict(os.environ, PEERWATCH_DIR=str(tmp_path / "run"), WORLD_SIZE="1", RANK="0", LOCAL_RANK="0")
+    proc = subprocess.Popen([sys.executable, "-c", HELD, str(hold_s), how], env=env, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdin is not None
+    return proc, env
+
+
+@pytest.mark.skipif(not GLIBC, reason="the exit-status extension is built on glibc Linux")
+@pytest.mark.parametrize("how", ["leave", "exit", "hold runs out"])
+def test_a_held_sigterm_ends_the_rank_by_sigterm_once_it_is_done_or_the_hold_runs_out(tmp_path, how: str) -> None:
+    """Under torchrun the agent's SIGTERM comes about 0.1 s after it reaped the failed
+    worker: a rank acting on the verdict holds it back (and so prints the summary first),
+    then ends by it, as it would have at once, with the record saying who sent it."""
+    proc, _ = _held_rank(tmp_path, 2.0 if how != "hold runs out" else 1.0, how)
+    try:
+        assert proc.stdout.readline().strip() == "held"
+        proc.send_signal(signal.SIGTERM)
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        assert proc.stdout.readline().strip() == "still here"  # the SIGTERM was held
+        assert proc.wait(timeout=20) == -signal.SIGTERM
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    record = json.loads((tmp_path / "run" / EVENTS / "exit-00000.json").read_text())
+    assert (record["returncode"], record["signalled_by"]) == (-signal.SIGTERM, os.getpid()), record
+
+
+@pytest.mark.skipif(not GLIBC, reason="the exit-status extension is built on glibc Linux")
+def test_without_a_hold_a_sigterm_ends_the_rank_at_once(tmp_path) -> None:
+    proc, _ = _held_rank(tmp_path, 0.0, "leave")
+    try:
+        assert proc.stdout.readline().strip() == "held"  # for no time at all
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == -signal.SIGTERM
+        assert proc.stdout.read() == ""  # it never got to "still here"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -346,7 +346,7 @@ def test_under_torchrun_the_writer_prints_the_summary_before_its_ack_and_starts_
     """The launcher ends the workers as soon as it sees the dead one: the cause first, at
     once; the hook at once or never; the agent is let see the failed rank before this one leaves."""
     p = plan(situation(wrote_verdict=True, ends_workers_early=True, on_verdict=True))
-    assert p.until_ack == (S.ARM_EXIT_WATCH, S.WRITE_SUMMARY, S.ACK)
+    assert p.until_ack == (S.HOLD_SIGTERM, S.ARM_EXIT_WATCH, S.WRITE_SUMMARY, S.ACK)
     assert p.after_ack == (
         S.ARM_LAST_RESORT, S.FINAL_HEARTBEAT, S.TELL_LAUNCHERS, S.START_HOOK, S.DUMP_STACKS,
         S.DUMP_FLIGHT_RECORDER, S.TEAR_DOWN_PEERS, S.TEAR_DOWN_CHILDREN, S.WRITE_REPORT, S.FINAL_HEARTBEAT,
@@ -356,7 +356,7 @@ def test_under_torchrun_the_writer_prints_the_summary_before_its_ack_and_starts_
 
 def test_under_torchrun_an_enforcer_that_did_not_write_the_verdict_writes_the_report_before_the_early_hook() -> None:
     p = plan(situation(ends_workers_early=True, on_verdict=True))
-    assert p.until_ack == (S.ARM_EXIT_WATCH, S.ACK)
+    assert p.until_ack == (S.HOLD_SIGTERM, S.ARM_EXIT_WATCH, S.ACK)
     assert p.after_ack[:5] == (S.ARM_LAST_RESORT, S.FINAL_HEARTBEAT, S.TELL_LAUNCHERS, S.WRITE_REPORT, S.START_HOOK)
     assert before(p.after_ack, S.START_HOOK, S.DUMP_STACKS)
     assert p.after_ack.count(S.WRITE_REPORT) == 2  # again after the teardown, with the peers' ends
@@ -435,7 +435,9 @@ def test_in_every_situation_the_order_that_matters_holds() -> None:
         p = plan(s)
         seq = steps(p)
         why = f"{s}: {[x.name for x in seq]}"
-        assert seq[0] == S.ARM_EXIT_WATCH and p.until_ack[-1] == S.ACK and seq.count(S.ACK) == 1, why
+        held = (S.HOLD_SIGTERM,) if s.ends_workers_early else ()  # first: the launcher's SIGTERM is coming
+        assert seq[:len(held) + 1] == held + (S.ARM_EXIT_WATCH,) and seq.count(S.HOLD_SIGTERM) == len(held), why
+        assert p.until_ack[-1] == S.ACK and seq.count(S.ACK) == 1, why
         assert seq[-1] == S.EXIT and seq.count(S.EXIT) == 1, why
         assert seq.count(S.FINAL_HEARTBEAT) == 2 and seq.count(S.TEAR_DOWN_CHILDREN) == 1, why
         assert before(seq, S.ARM_LAST_RESORT, S.DUMP_STACKS) and before(seq, S.DUMP_STACKS, S.DUMP_FLIGHT_RECORDER), why
