@@ -13,6 +13,13 @@ them. While this rank's counters stand still, its watcher samples, once a heartb
   peerwatch's own threads excepted (their /proc walks and heartbeats);
 - the CPU time of its descendants (data loader workers, a compiler, a ``tar``).
 
+Each "CPU time" counts the time a thread was runnable but waiting for a CPU too (the run
+delay of ``/proc/.../schedstat``): on a host with more runnable threads than CPUs, a
+rank that works gets a small share of a CPU and waits for the rest, while a stuck one
+neither runs nor waits. A full test run beside four busy loops on 2 cores had a
+laggard's evaluation at 12 % of a core, then under the 10 % that tells it busy: its
+job was ended as stuck.
+
 A thread blocked on a lock, asleep, or waiting in a collective shows none of these; a
 thread spinning on the same lines shows CPU at one or two places only. The watcher samples
 where the GIL lets it, which is mostly where C code released it (a torch op): an
@@ -32,7 +39,7 @@ import sys
 import threading
 import time
 from collections import deque
-from typing import Deque, Dict, Iterable, List, Optional, Tuple
+from typing import Deque, Dict, Iterable, List, Optional, Set, Tuple
 
 from ._records import Activity  # the record (pure); this module samples it
 
@@ -57,11 +64,13 @@ class ActivitySampler:
         self._samples: Deque[_Sample] = deque(maxlen=WINDOW + 1)
         self._tid = threading.main_thread().native_id
         self._children_cpu: Dict[Tuple[int, int], float] = {}  # child -> CPU ms last read (one that exits keeps its share)
+        self._waits: Dict[int, float] = {}  # other thread -> run delay ms last read (one that ends keeps its share)
 
     def reset(self) -> None:
         """The counters moved: what came before says nothing of the next stall."""
         self._samples.clear()
         self._children_cpu.clear()
+        self._waits.clear()
 
     def sample(self, children: Iterable[Tuple[int, int]]) -> None:
         main = _cpu_ms(f"/proc/self/task/{self._tid}/stat") or 0.0
@@ -70,14 +79,25 @@ class ActivitySampler:
         own_io = sum(_io_bytes(f"/proc/self/task/{tid}/io") or 0 for tid in ours)
         for child in children:
             used = _cpu_ms(f"/proc/{child[0]}/stat", child[1])
-            if used is not None:
-                self._children_cpu[child] = used
+            if used is not None:  # its main thread's run delay: a data loader worker has one thread
+                self._children_cpu[child] = used + _wait_ms(f"/proc/{child[0]}/schedstat")
+        self._note_waits({t for t in [*ours, self._tid] if t is not None})
         self._samples.append(_Sample(
-            mono_ns=time.monotonic_ns(), cpu_ms=main,
-            other_cpu_ms=(_cpu_ms("/proc/self/stat") or 0.0) - main - own_cpu,
+            mono_ns=time.monotonic_ns(), cpu_ms=main + _wait_ms(f"/proc/self/task/{self._tid}/schedstat"),
+            other_cpu_ms=(_cpu_ms("/proc/self/stat") or 0.0) - main - own_cpu + sum(self._waits.values()),
             io_bytes=(_io_bytes("/proc/self/io") or 0) - own_io,
             children_cpu_ms=sum(self._children_cpu.values()), place=_main_stack_key(),
         ))
+
+    def _note_waits(self, not_these: Set[int]) -> None:
+        """The run delay of this process's other threads, as last read."""
+        try:
+            tids = [int(t) for t in os.listdir("/proc/self/task")]
+        except (OSError, ValueError):
+            return
+        for tid in tids:
+            if tid not in not_these:
+                self._waits[tid] = _wait_ms(f"/proc/self/task/{tid}/schedstat")
 
     def current(self) -> Optional[Activity]:
         """The figures over the samples kept; None before two of them."""
@@ -116,6 +136,16 @@ def _cpu_ms(path: str, start_ticks: Optional[int] = None) -> Optional[float]:
         return (int(fields[11]) + int(fields[12])) * _TICK_MS
     except (OSError, IndexError, ValueError):
         return None
+
+
+def _wait_ms(path: str) -> float:
+    """How long a task was runnable but waiting for a CPU (the run delay, second field of
+    ``schedstat``), in ms; 0 where the kernel does not say."""
+    try:
+        with open(path, "rb") as f:
+            return int(f.read().split()[1]) / 1e6
+    except (OSError, IndexError, ValueError):
+        return 0.0
 
 
 def _io_bytes(path: str) -> Optional[int]:

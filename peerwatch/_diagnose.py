@@ -18,8 +18,9 @@ has moved for the warning threshold:
    ranks are outside collectives: evaluation, checkpointing, data loading on every
    rank), no diagnosis.
 6. Busy or stuck (:func:`busy_evidence`): a hang's laggard that shows signs of work over
-   its last samples (its main thread on the CPU at several different places, its other
-   threads on the CPU, bytes read or written, descendants on the CPU) is ``busy``: a checkpoint, an
+   its last samples (its main thread on a CPU at several different places, its other
+   threads on a CPU, bytes read or written, descendants on a CPU; "on a CPU" counts the
+   time ready for one too, on a crowded host) is ``busy``: a checkpoint, an
    evaluation, a slow loader. The finding says so, with the evidence, and
    ``hang_timeout=auto`` ends such a job only at ``BUSY_END_FRACTION`` of the collective
    timeout (it still ends before the watchdog, with the right blame). A laggard with no
@@ -175,13 +176,13 @@ def busy_evidence(s: RankState) -> Optional[str]:
         return None
     signs = []
     if a.cpu_ms >= BUSY_CPU_SHARE * a.span_ms and a.places >= min(BUSY_PLACES, a.samples):
-        signs.append(f"its main thread on the CPU {_share(a.cpu_ms, a.span_ms)} of the time, at {a.places} places")
+        signs.append(f"its main thread on a CPU (or ready for one) {_share(a.cpu_ms, a.span_ms)} of the time, at {a.places} places")
     if a.other_cpu_ms >= BUSY_OTHER_SHARE * a.span_ms:
-        signs.append(f"its other threads on the CPU, {_share(a.other_cpu_ms, a.span_ms)} of a core")
+        signs.append(f"its other threads on a CPU (or ready for one), {_share(a.other_cpu_ms, a.span_ms)} of a core")
     if a.io_bytes >= BUSY_IO_BYTES:
         signs.append(f"{_size(a.io_bytes)} read or written")
     if a.children_cpu_ms >= BUSY_CHILDREN_SHARE * a.span_ms:
-        signs.append(f"its child processes on the CPU, {_share(a.children_cpu_ms, a.span_ms)} of a core")
+        signs.append(f"its child processes on a CPU (or ready for one), {_share(a.children_cpu_ms, a.span_ms)} of a core")
     return ", ".join(signs) + f" in the last {a.span_ms / 1000:.0f}s" if signs else ""
 
 

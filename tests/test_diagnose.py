@@ -504,15 +504,15 @@ def test_the_evidence_text_lists_every_sign():
     a = Activity(span_ms=1_000_000, cpu_ms=1_000_000, places=7, other_cpu_ms=100_000, io_bytes=300_000_000,
                  children_cpu_ms=250_000, samples=7)
     assert busy_evidence(RankState(activity=a)) == (
-        "its main thread on the CPU 100% of the time, at 7 places, its other threads on the CPU, 10% of a core,"
-        " 300.0 MB read or written, its child processes on the CPU, 25% of a core in the last 1000s")
+        "its main thread on a CPU (or ready for one) 100% of the time, at 7 places, its other threads on a CPU (or ready for one), 10% of a core,"
+        " 300.0 MB read or written, its child processes on a CPU (or ready for one), 25% of a core in the last 1000s")
 
 
 def test_a_window_of_no_time_is_too_early_to_tell():
     no_time = Activity(span_ms=0, cpu_ms=5, places=5, other_cpu_ms=5, io_bytes=0, children_cpu_ms=5, samples=5)
     assert busy_evidence(RankState(activity=no_time)) is None
     one_ms = Activity(span_ms=1, cpu_ms=1, places=5, other_cpu_ms=0, io_bytes=0, children_cpu_ms=0, samples=5)
-    assert busy_evidence(RankState(activity=one_ms)) == "its main thread on the CPU 100% of the time, at 5 places in the last 0s"
+    assert busy_evidence(RankState(activity=one_ms)) == "its main thread on a CPU (or ready for one) 100% of the time, at 5 places in the last 0s"
 
 
 @pytest.mark.parametrize("timeout_ms, end_s", [(0, 0.9 * 600), (1, 0.9e-3), (20_000, 18.0)])

@@ -220,7 +220,7 @@ AUTO = {"PEERWATCH_HANG_TIMEOUT": "auto"}
 
 @pytest.mark.parametrize("behaviour, evidence", [
     ("checkpoint:12", "read or written"),  # rank 1 writes a file alone, CPU and bytes
-    ("evaluate:12", "other threads on the CPU"),  # rank 1 evaluates a model alone: torch computes, no I/O
+    ("evaluate:12", "other threads on a CPU"),  # rank 1 evaluates a model alone: torch computes, no I/O
     ("workers:12", "child processes"),  # rank 1 waits for a worker process that computes
 ])
 def test_a_busy_laggard_is_reported_busy_and_auto_lets_the_job_finish(make_job, behaviour: str, evidence: str) -> None:

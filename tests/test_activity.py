@@ -1,0 +1,89 @@
+"""The signs of work a rank shows (peerwatch._activity), on a host with more runnable
+threads than CPUs: a thread that computes gets a small share of a CPU and waits for the
+rest, and counts as working; a thread that waits on a lock neither runs nor waits.
+
+Real threads, real /proc: the rank's side runs in a child process pinned to one CPU,
+beside busy loops pinned to the same one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Iterator, List
+
+import pytest
+
+ROOT = str(Path(__file__).resolve().parent.parent)
+BUSY_LOOPS = 3  # beside the sampled process, on its one CPU: it gets about a quarter
+SAMPLES = 6
+SAMPLE_S = 0.25
+
+RANK = r"""
+import json, os, sys, threading, time
+from peerwatch._activity import ActivitySampler
+
+work = sys.argv[1]
+stop = threading.Event()
+
+def compute():
+    x = 0
+    while not stop.is_set():
+        x += 1
+
+def blocked():
+    stop.wait()
+
+threading.Thread(target=compute if work == "compute" else blocked, daemon=True).start()
+sampler = ActivitySampler()
+for _ in range(SAMPLES + 1):
+    sampler.sample([])
+    time.sleep(SAMPLE_S)  # the main thread sleeps: only the other thread's signs count
+stop.set()
+a = sampler.current()
+print(json.dumps({"other_cpu_ms": a.other_cpu_ms, "span_ms": a.span_ms}))
+""".replace("SAMPLES", str(SAMPLES)).replace("SAMPLE_S", str(SAMPLE_S))
+
+
+def _pinned(cpu: int):  # type: ignore[no-untyped-def]
+    return lambda: os.sched_setaffinity(0, {cpu})
+
+
+@pytest.fixture
+def one_busy_cpu() -> Iterator[int]:
+    """A CPU this test may use, with busy loops pinned to it; ended after."""
+    cpu = sorted(os.sched_getaffinity(0))[0]
+    loops: List[subprocess.Popen] = [
+        subprocess.Popen(["sh", "-c", "while :; do :; done"], preexec_fn=_pinned(cpu)) for _ in range(BUSY_LOOPS)
+    ]
+    try:
+        yield cpu
+    finally:
+        for p in loops:
+            p.kill()
+        for p in loops:
+            p.wait(timeout=10)
+
+
+def _share(cpu: int, work: str) -> float:
+    out = subprocess.run([sys.executable, "-c", RANK, work], env=dict(os.environ, PYTHONPATH=ROOT),
+                         preexec_fn=_pinned(cpu), capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    figures = json.loads(out.stdout)
+    return figures["other_cpu_ms"] / figures["span_ms"]
+
+
+@pytest.mark.timeout(60)
+def test_a_thread_that_computes_on_a_crowded_cpu_counts_as_working(one_busy_cpu: int) -> None:
+    """It is on the CPU about a quarter of the time and waits for it the rest: before, only
+    the quarter counted, and near the 10 % that tells a laggard busy, a loaded host's
+    busy laggard was ended as stuck."""
+    assert _share(one_busy_cpu, "compute") >= 0.8
+
+
+@pytest.mark.timeout(60)
+def test_a_thread_blocked_on_a_lock_on_a_crowded_cpu_shows_no_work(one_busy_cpu: int) -> None:
+    assert _share(one_busy_cpu, "blocked") < 0.02
