@@ -47,7 +47,7 @@ import signal
 import sys
 import threading
 import time
-from typing import Callable, Dict, List, Mapping, Optional, Protocol
+from typing import Any, Callable, Dict, List, Mapping, Optional, Protocol
 
 from . import _basedir, _identity, _leave, _rundir, _terminal
 from ._identity import is_local
@@ -67,6 +67,12 @@ DEEPSPEED_MODULE = "deepspeed.launcher.launch"  # `deepspeed` runs `python -u -m
 # DeepSpeed's launcher looks at its workers once a second (`time.sleep(1)` in its loop):
 # a surviving worker waits that long, and a little more, for it to reap the failed one.
 DEEPSPEED_AGENT_WAIT_S = 1.5
+# Lightning's observer (rank 0: every 5 s it polls the other ranks, and SIGKILLs every
+# process once one has ended) leaves the teardown to peerwatch this long first; its safety
+# net stays for a rank whose watcher is not running. Without it, an observer poll that
+# came right after a death (on a loaded host, before any watcher printed) lost the cause.
+LIGHTNING_DEFER_S = 2.0
+LIGHTNING_DEFER_POLL_S = 0.05
 
 _OBSERVER_MODULES = (
     "lightning.fabric.strategies.launchers.subprocess_script",
@@ -289,6 +295,37 @@ def on_verdict(verdict: Verdict) -> None:
             listener(verdict)
         except Exception:  # noqa: BLE001 - a listener must never stop the teardown
             logger.exception("peerwatch: verdict listener %r failed", listener)
+
+
+_watching: Callable[[], bool] = lambda: False  # noqa: E731 - this process's watcher runs (set below)
+
+
+def defer_lightning_observer(watching: Callable[[], bool]) -> bool:
+    """Have Lightning's ``_ChildProcessObserver``, once it found a rank ended, leave the job
+    to peerwatch for up to :data:`LIGHTNING_DEFER_S` (while ``watching()``) before it
+    SIGKILLs every process. Patched on its class, for observers started later too. True
+    once Lightning's module is loaded and patched (call again until then: cheap)."""
+    global _watching
+    _watching = watching
+    patched = False
+    for name in _OBSERVER_MODULES:
+        cls = getattr(sys.modules.get(name), "_ChildProcessObserver", None)
+        if not isinstance(cls, type) or not hasattr(cls, "_terminate_all"):
+            continue
+        patched = True
+        if not getattr(cls, "_peerwatch_defers", False):
+            cls._terminate_all = _deferring(cls._terminate_all)  # type: ignore[attr-defined]
+            cls._peerwatch_defers = True  # type: ignore[attr-defined]
+    return patched
+
+
+def _deferring(terminate_all: Callable[[Any], None]) -> Callable[[Any], None]:
+    def deferred(observer: Any) -> None:
+        deadline = time.monotonic() + LIGHTNING_DEFER_S
+        while _watching() and time.monotonic() < deadline:
+            time.sleep(LIGHTNING_DEFER_POLL_S)  # peerwatch ends this process meanwhile, as a rule
+        terminate_all(observer)
+    return deferred
 
 
 def quiet_lightning_observer() -> int:

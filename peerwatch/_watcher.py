@@ -153,6 +153,7 @@ class Watcher:
         self._flight_recorder = FlightRecorderDump(run_dir, self.rank)  # evidence torch's analyzer reads
         self.thread = threading.Thread(target=self._main, name=f"peerwatch-rank{self.rank}", daemon=True)
         self._launcher_watch: Optional[_launchers.LauncherWatch] = None  # set by start()
+        self._lightning_deferred = False  # Lightning's observer leaves the teardown to peerwatch first
         self.bridge = _bridge.Bridge.for_config(config, run_dir, me)  # other hosts, through the store
         self._policy = _decide.Policy.from_config(config, shared_fs=bool(run_dir.shared), other_hosts=self.bridge is not None)
         # The straggler finding (docs/stragglers.md): judged by the lowest live local rank.
@@ -342,6 +343,8 @@ class Watcher:
     def _on_beat(self) -> Tuple[bool, bool]:
         """Heartbeat, GIL watchdog, the bridge; whether this rank judges hangs and other hosts."""
         self.heartbeat.write(self.observer.local_pids, read_counters=True)
+        if not self._lightning_deferred:  # rank 0 under Lightning: its observer gives way
+            self._lightning_deferred = _launchers.defer_lightning_observer(self.thread.is_alive)
         if self.config.gil_timeout and not self.verdict_seen.is_set():
             self.stacks.arm_gil_watchdog(self.config.gil_timeout)
         if self.bridge is not None:

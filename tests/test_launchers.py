@@ -126,6 +126,24 @@ def test_lightning_child_observer_firing_does_not_change_rank0_exit_code(job_dir
         assert "Forcefully terminating all other processes" not in job.log(limit=200_000)
 
 
+@pytest.mark.timeout(120)
+def test_lightning_child_observer_that_sees_a_death_first_leaves_the_teardown_to_peerwatch(job_dir: Path) -> None:
+    """Lightning's observer looks every 5 s and SIGKILLs every process once a rank ended:
+    when its look came right after a death, before any watcher acted (a loaded host),
+    nothing of peerwatch's was printed and the job exited 137. Here it looks every 5 ms,
+    so it always sees the death first: it now gives peerwatch LIGHTNING_DEFER_S first."""
+    env = {"LP_FAIL_RANK": "2", "LP_FAIL_HOW": "os_exit", "LP_OBSERVER_PERIOD": "0.005"}
+    with lightning_job(job_dir, env=env) as job:
+        job.start()
+        ranks = job.wait_ready()
+        job.wait_died(ranks[2], timeout=30)
+        job.wait_all_gone(WITHIN_S)
+        log = job.log(limit=200_000)
+        got = codes(job, ranks)
+        assert 128 + signal.SIGKILL not in (got[0], got[1]), f"{got}\n{log[-3000:]}"  # as a shell shows it
+        assert re.search(r"^peerwatch: rank 2 \(pid \d+ on [^)]*\) failed first: ", log, re.M), log[-3000:]
+
+
 # -- torchrun --nproc-per-node 4 ---------------------------------------------------------
 
 
