@@ -313,6 +313,24 @@ def test_a_rank_its_launcher_signalled_never_outranks_another_failure(other):
     assert (v.rank, v.signal) == (0, "SIGTERM"), v
 
 
+def test_a_rank_its_launcher_signalled_waits_for_a_death_held_back_for_its_parent_however_late():
+    """Lightning's rank 0 (the parent of ranks 1..3) saw rank 2 die and SIGTERMed rank 1;
+    rank 3's watcher has rank 1's status but saw rank 2 gone only later (a loaded host), and
+    only rank 0 can say how rank 2 ended: rank 1 is no cause, so wait for rank 2's parent."""
+    regs = lightning_regs()
+    seen = 5_000 + 2 * ONE_S  # past any window: a horizon would not wait for it
+    obs = observed(self_rank=3, registrations=regs, statuses=[status(1, 5_000, -15, sender=regs[0].pid)],
+                   gone={2: seen}, now=seen + 1)
+    assert decide(obs, POLICY) == Decision(None, recheck_at_ns=seen + WAIT_NS)
+    v = decide(dataclasses.replace(obs, now_ns=seen + WAIT_NS), POLICY).verdict
+    assert v is not None and (v.rank, v.cause) == (2, VANISHED), v
+    # A SIGTERM from anyone else is the cause at once, as any earlier failure.
+    other = observed(self_rank=3, registrations=regs, statuses=[status(1, 5_000, -15, sender=4242)],
+                     gone={2: seen}, now=seen + 1)
+    d = decide(other, POLICY)
+    assert d.verdict is not None and (d.verdict.rank, d.verdict.signal, d.recheck_at_ns) == (1, "SIGTERM", None), d
+
+
 def test_earliest_wins_across_kinds():
     obs = observed(failures=[failure(1, t=300)], statuses=[status(2, 200, 1)], gone={3: 150}, now=10**12)
     v = decide(obs, POLICY).verdict
