@@ -33,7 +33,8 @@ Rules, in order:
    A rank killed by a signal its own parent sent (``signalled_by`` is its registered
    ``ppid``: torchrun's agent, mp.spawn's main process) never outranks another failure:
    a launcher stops its workers because it saw another one end, and on a loaded host it
-   can do so before a watcher has seen that end (its "seen" time then comes later).
+   can do so before a watcher has seen that end (its "seen" time then comes later); so
+   such a rank waits for every death held back for its parent, however late it was seen.
 6. Hang (only with ``hang_timeout``): when no live rank has made progress (``beat()``) for
    ``hang_timeout``, and none is in a ``paused()`` phase, the job is hung. The laggard is,
    in this order of preference: a frozen rank (state T or D); a rank whose watcher has
@@ -227,8 +228,13 @@ def decide(obs: Observed, policy: Policy) -> Decision:
         found.append(_vanished(obs, rank, seen_ns, policy))
     first = min(found, key=lambda v: _order(obs, v, found), default=None)
     # A death held back for its parent may still turn out to be the root cause: one seen
-    # by the horizon, or the end of a rank that was leaving as a collective failed.
-    horizon = None if first is None else first.failed_at_ns + (CONSEQUENCE_WINDOW_NS if first.cause == EXCEPTION else 0)
+    # by the horizon, or the end of a rank that was leaving as a collective failed. A rank
+    # its own launcher signalled never outranks another failure, however late it is seen
+    # (the launcher saw that failure first): no horizon then, every held death is waited for.
+    if first is None or _signalled_by_its_launcher(obs, first):
+        horizon = None
+    else:
+        horizon = first.failed_at_ns + (CONSEQUENCE_WINDOW_NS if first.cause == EXCEPTION else 0)
     echoed = () if first is None else _leavers_echoed(obs, first)
     waiting = [until for rank, seen, until in held if horizon is None or seen <= horizon or rank in echoed]
     if waiting:
@@ -257,7 +263,7 @@ def _order(obs: Observed, v: Verdict, found: List[Verdict]) -> Tuple[bool, int, 
     CONSEQUENCE_WINDOW_NS of it, and a collective exception never outranks the failed end
     of a rank that was leaving as it was raised, however late, and a rank its own launcher
     signalled never outranks another failure (rule 5 in the module docstring)."""
-    if v.cause == SIGNAL and _stopped_by_its_launcher(obs, v.rank):
+    if _signalled_by_its_launcher(obs, v):
         return (any(d.rank != v.rank for d in found), v.failed_at_ns, v.rank)
     if v.cause != EXCEPTION:
         return (False, v.failed_at_ns, v.rank)
@@ -268,6 +274,11 @@ def _order(obs: Observed, v: Verdict, found: List[Verdict]) -> Tuple[bool, int, 
         for d in found
     )
     return (consequence, v.failed_at_ns, v.rank)
+
+
+def _signalled_by_its_launcher(obs: Observed, v: Verdict) -> bool:
+    """``v`` is a rank killed by a signal its own parent sent: it never outranks another failure."""
+    return v.cause == SIGNAL and _stopped_by_its_launcher(obs, v.rank)
 
 
 def _stopped_by_its_launcher(obs: Observed, rank: int) -> bool:

@@ -22,6 +22,7 @@ from peerwatch._decide import (
 )
 from peerwatch._diagnose import FROZEN_STATES, RankState
 from peerwatch._records import (
+    BUSY,
     EXCEPTION,
     EXIT,
     HANG,
@@ -86,6 +87,15 @@ def lightning_regs(n: int = 4) -> Dict[int, Registration]:
     for r in range(1, n):
         regs[r] = reg(r, ppid=regs[0].pid)
     return regs
+
+
+def test_what_a_watcher_was_not_told_is_empty_or_zero():
+    """Observed's defaults: no verdict, no OOM kill, no progress, no monotonic time, nothing
+    missing, no remote silence, no diagnosis, nobody leaving."""
+    o = Observed(self_rank=0, now_ns=1, registrations={}, successes=frozenset(), failures={}, exit_statuses={}, gone={})
+    assert (o.verdict, o.oom_kills, dict(o.progress), o.now_mono_ns, o.missing, dict(o.remote_silence), o.diagnosis,
+            dict(o.leaving)) == (None, 0, {}, 0, (), {}, None, {})
+    assert decide(o, POLICY) == Decision(None)
 
 
 # -- rule 1: an existing verdict is followed -------------------------------------------
@@ -311,6 +321,24 @@ def test_a_rank_its_launcher_signalled_never_outranks_another_failure(other):
     v = decide(observed(registrations=regs, now=10**12, self_rank=1, statuses=[status(0, 100, -15, sender=77)]),
                POLICY).verdict
     assert (v.rank, v.signal) == (0, "SIGTERM"), v
+
+
+def test_a_rank_its_launcher_signalled_waits_for_a_death_held_back_for_its_parent_however_late():
+    """Lightning's rank 0 (the parent of ranks 1..3) saw rank 2 die and SIGTERMed rank 1;
+    rank 3's watcher has rank 1's status but saw rank 2 gone only later (a loaded host), and
+    only rank 0 can say how rank 2 ended: rank 1 is no cause, so wait for rank 2's parent."""
+    regs = lightning_regs()
+    seen = 5_000 + 2 * ONE_S  # past any window: a horizon would not wait for it
+    obs = observed(self_rank=3, registrations=regs, statuses=[status(1, 5_000, -15, sender=regs[0].pid)],
+                   gone={2: seen}, now=seen + 1)
+    assert decide(obs, POLICY) == Decision(None, recheck_at_ns=seen + WAIT_NS)
+    v = decide(dataclasses.replace(obs, now_ns=seen + WAIT_NS), POLICY).verdict
+    assert v is not None and (v.rank, v.cause) == (2, VANISHED), v
+    # A SIGTERM from anyone else is the cause at once, as any earlier failure.
+    other = observed(self_rank=3, registrations=regs, statuses=[status(1, 5_000, -15, sender=4242)],
+                     gone={2: seen}, now=seen + 1)
+    d = decide(other, POLICY)
+    assert d.verdict is not None and (d.verdict.rank, d.verdict.signal, d.recheck_at_ns) == (1, "SIGTERM", None), d
 
 
 def test_earliest_wins_across_kinds():
@@ -710,6 +738,10 @@ def test_a_rank_that_began_to_leave_long_before_or_after_an_echo_is_not_what_it_
         assert decide(obs, POLICY).verdict.rank == 0
         late = observed(failures=[*_echoes(0), _exit3(T + 2 * ONE_S)], now=T + 3 * ONE_S, leaving={1: began})
         assert decide(late, POLICY).verdict.rank == 0
+    # Its edges belong to it: exactly LEAVING_WAIT_NS before, exactly COLLECTIVE_SETTLE_NS after.
+    for began in (T - LEAVING_WAIT_NS, T + COLLECTIVE_SETTLE_NS):
+        late = observed(failures=[*_echoes(0), _exit3(T + 2 * ONE_S)], now=T + 3 * ONE_S, leaving={1: began})
+        assert decide(late, POLICY).verdict.rank == 1, began
     # Within the window after it (an atexit handler destroyed the process group first, then
     # the rank's program ended): the echo waits for it.
     obs = observed(failures=_echoes(0), now=T + COLLECTIVE_SETTLE_NS, leaving={1: T + COLLECTIVE_SETTLE_NS})
@@ -837,8 +869,14 @@ def test_a_job_in_which_no_rank_moved_for_hang_timeout_is_hung():
     assert v.laggards == (1,)
 
 
+def test_the_hang_text_reads_the_silence_in_tenths_of_a_second_rounded():
+    assert hang({0: prog(silent_s=12.05)}).detail.startswith("no rank made progress for 12.1s; ")
+
+
 def test_hang_timeout_is_a_boundary_not_a_suggestion():
     assert hang({0: prog(silent_s=10.0), 1: prog(silent_s=11.0)}).cause == HANG
+    # 0 is off; the shortest timeout there is, 1 ns, is on.
+    assert hang({0: prog(silent_s=1.0)}, policy=dataclasses.replace(HANG_POLICY, hang_timeout_ns=1)).cause == HANG
     assert hang({0: prog(silent_s=10.0 - 1e-9), 1: prog(silent_s=11.0)}) is None
 
 
@@ -973,6 +1011,8 @@ def test_a_rank_silent_for_half_of_peer_timeout_is_named_but_not_lost():
     assert "rank 3 for 15.0s" in d.lost[0].message
     d = judge({2: PEER_S + 5, 3: half - 1})
     assert "rank 3" not in d.lost[0].message
+    # Silences read in tenths of a second, rounded: 30.05 s is 30.1 s.
+    assert "no heartbeat of rank 2 for 30.1s (" in judge({2: PEER_S + 50_000_000}).lost[0].message
 
 
 def test_every_rank_of_a_lost_host_is_lost_the_longest_silent_first():
@@ -1070,6 +1110,20 @@ def test_a_diagnosis_that_is_over_or_names_nobody_is_no_verdict(d):
 def test_a_diagnosis_is_no_verdict_without_hang_auto_or_once_its_laggard_finished():
     assert decide(diagnosed(), POLICY).verdict is None
     assert decide(diagnosed(successes=[2]), AUTO).verdict is None
+
+
+def test_a_busy_laggard_is_ended_only_from_the_diagnosis_end_on_and_the_detail_says_after_how_long():
+    """hang_timeout=auto ends busy laggards near the collective timeout (end_at_ns), not at once."""
+    end = STALLED_AT + 90_500_000_001  # seconds are rounded: 90.5 s and a nanosecond is 91 s
+    busy = dataclasses.replace(diagnosis(), finding=BUSY, end_at_ns=end)
+    assert decide(diagnosed(busy, now=end - 1), AUTO) == Decision(None, recheck_at_ns=end)
+    v = decide(diagnosed(busy, now=end), AUTO).verdict
+    assert v is not None and (v.rank, v.cause, v.failed_at_ns, v.detected_at_ns) == (2, HANG, STALLED_AT, end)
+    assert v.detail == ("rank 2 never entered all_reduce #7; ended by hang_timeout=auto after 91s,"
+                        " before the collective timeout")
+    # A stuck laggard's diagnosis (a hang) says nothing of the kind.
+    v = decide(diagnosed(dataclasses.replace(diagnosis(), end_at_ns=end), now=end), AUTO).verdict
+    assert v is not None and v.detail == "rank 2 never entered all_reduce #7"
 
 
 def _victim(first: Observed) -> Optional[Verdict]:

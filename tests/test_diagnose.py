@@ -486,6 +486,8 @@ def test_sizes_read_in_kilobytes_or_megabytes():
     from peerwatch._diagnose import _size
 
     assert (_size(99_999), _size(100_000), _size(300_000_000)) == ("100 kB", "0.1 MB", "300.0 MB")
+    # A kB is 1000 bytes and a MB 10**6, exactly: values where a divisor one off rounds otherwise.
+    assert (_size(99_540), _size(123_456_789_000)) == ("100 kB", "123456.8 MB")
 
 
 @pytest.mark.parametrize("activity, busy", [
@@ -533,6 +535,12 @@ def test_threshold_with_an_unknown_timeout_is_capped_at_five_minutes():
     assert t.value_ns(0) == 300 * S and t.value_ns(1_800_000) == FACTOR * 100 * S
 
 
+def test_a_fresh_threshold_has_learnt_nothing():
+    t = Threshold()
+    assert (t.fixed_s, t.gaps, t.longest_ns) == (None, 0, 0)
+    assert t.value_ns(1_800_000) == int(FLOOR_S * S)
+
+
 def test_threshold_counts_only_new_moves():
     t = Threshold()
     t.observe(None)
@@ -568,6 +576,15 @@ def test_a_heartbeat_becomes_a_rank_state_in_one_place_with_every_field_it_carri
     defaults = RankState()
     unset = [f.name for f in dc.fields(RankState) if getattr(s, f.name) == getattr(defaults, f.name)]
     assert unset == ["host"], f"RankState.of leaves {unset} at their defaults: a field the heartbeat carries is lost"
+
+
+def test_a_rank_state_made_from_nothing_knows_nothing():
+    """The defaults are the "unknown" of each field: a collective timeout of 0 is unknown
+    (peerwatch._diagnoser skips it when it takes the shortest), no step, no move, no host."""
+    s = RankState()
+    assert (s.step, s.beat_mono_ns, s.paused, s.state, s.watcher_silent, s.in_collective, s.where) == (
+        None, None, False, "?", False, False, "")
+    assert (s.collectives, s.entered, s.moved_mono_ns, s.timeout_ms, s.activity, s.host) == ((), (), None, 0, None, "")
 
 
 @pytest.mark.parametrize("state, silent, said", [
