@@ -238,8 +238,7 @@ def test_a_documented_output_is_what_its_command_prints(page: str, command: str,
     printed = result.stdout.splitlines()
     actual = {_normalized(line) for line in printed}
     documented = {_normalized(line) for line in shown.splitlines() if line.strip()}
-    missing = [line for line in shown.splitlines()
-               if line.strip() and _normalized(line) not in actual and not _a_race_of_torchruns(line)]
+    missing = [line for line in shown.splitlines() if line.strip() and _normalized(line) not in actual]
     unshown = [line for line in printed if _ours(line) and _normalized(line) not in documented]
     assert not missing and not unshown, (
         f"docs/{page}, the output of `{command}`:\n"
@@ -247,13 +246,6 @@ def test_a_documented_output_is_what_its_command_prints(page: str, command: str,
         + "\nprinted by peerwatch, not shown:\n  " + "\n  ".join(unshown)
         + f"\n--- what it printed ({len(printed)} lines) ---\n{result.stdout[-8000:]}"
     )
-
-
-def _a_race_of_torchruns(line: str) -> bool:
-    """torchrun's agent says it sends SIGTERM to a worker only where that worker is still
-    running when its monitor (every 0.1 s) sees the failed one: on a loaded machine the
-    others may have left by themselves first, and the line is not printed."""
-    return bool(re.search(r"elastic/multiprocessing/api\.py:\d+\] Sending process \d+ closing signal SIGTERM$", line))
 
 
 def _ours(line: str) -> bool:
