@@ -53,6 +53,8 @@ DEFAULT_TARGETS = [
     ("peerwatch/_diagnose.py", ["tests/test_diagnose.py"]),
     ("peerwatch/_straggler.py", ["tests/test_straggler_rule.py"]),
     ("peerwatch/_summary.py", ["tests/test_summary.py"]),
+    ("peerwatch/_errors.py", ["tests/test_errors.py"]),
+    ("peerwatch/_signals.py", ["tests/test_signals.py"]),
 ]
 COPIED = ("peerwatch", "tests", "docs", "pyproject.toml", "setup.cfg")  # what a worker's copy holds
 PYTEST_ARGS = ("-x", "-q", "-p", "no:cacheprovider")
