@@ -55,6 +55,7 @@ DEFAULT_TARGETS = [
     ("peerwatch/_summary.py", ["tests/test_summary.py"]),
     ("peerwatch/_errors.py", ["tests/test_errors.py"]),
     ("peerwatch/_signals.py", ["tests/test_signals.py"]),
+    ("peerwatch/_mounts.py", ["tests/test_mounts.py"]),
 ]
 COPIED = ("peerwatch", "tests", "docs", "pyproject.toml", "setup.cfg")  # what a worker's copy holds
 PYTEST_ARGS = ("-x", "-q", "-p", "no:cacheprovider")
