@@ -691,3 +691,13 @@ def test_a_fresh_module_starts_with_an_empty_memo(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setitem(sys.modules, "_records_fresh", module)  # dataclasses look their module up there
     spec.loader.exec_module(module)
     assert (module._DECODED, module._decoded_bytes) == ({}, 0)
+
+
+def test_a_world_of_one_rank_holds_rank_0_only() -> None:
+    body = minimal(Registration)
+    body.update(rank=0, world_size=1)
+    assert decode(Registration, dumps(body)) is not None
+    body.update(rank=1)
+    assert decode(Registration, dumps(body)) is None
+    body.update(rank=0, world_size=0)
+    assert decode(Registration, dumps(body)) is None
