@@ -53,6 +53,10 @@ DEFAULT_TARGETS = [
     ("peerwatch/_diagnose.py", ["tests/test_diagnose.py"]),
     ("peerwatch/_straggler.py", ["tests/test_straggler_rule.py"]),
     ("peerwatch/_summary.py", ["tests/test_summary.py"]),
+    ("peerwatch/_errors.py", ["tests/test_errors.py"]),
+    ("peerwatch/_signals.py", ["tests/test_signals.py"]),
+    ("peerwatch/_mounts.py", ["tests/test_mounts.py"]),
+    ("peerwatch/_terminal.py", ["tests/test_terminal_text.py"]),  # test_terminal.py: end to end
 ]
 COPIED = ("peerwatch", "tests", "docs", "pyproject.toml", "setup.cfg")  # what a worker's copy holds
 PYTEST_ARGS = ("-x", "-q", "-p", "no:cacheprovider")

@@ -567,3 +567,165 @@ def test_hang_timeout_auto_is_not_checked_against_the_heartbeat():
     assert Config.resolve({"hang_timeout": "auto", "heartbeat_interval": 30}, env={}).hang_timeout_setting.auto
     with pytest.raises(ConfigError, match="hang_timeout"):
         Config.resolve({"hang_timeout": 10, "heartbeat_interval": 30}, env={})
+
+
+# -- exact values and edges (issue 25.6: what a mutant of _config.py changes, a test sees) --
+
+
+def test_a_hang_setting_below_one_second_is_a_setting_not_off():
+    from peerwatch._config import HangSetting
+
+    half = HangSetting.of(0.5)
+    assert (half.off, half.enabled, half.auto, half.fixed_s, half.seconds) == (False, True, False, 0.5, 0.5)
+    assert HangSetting.of(0.0) == HangSetting() and HangSetting.of(-3.0) == HangSetting()
+
+
+def test_the_other_documented_defaults():
+    # docs/configuration.md: on_verdict_timeout 10 s, hang_warn auto; "auto" is the number -1.
+    c = resolve()
+    assert (c.on_verdict_timeout, c.hang_warn, c.hang_warn_setting.auto) == (10.0, -1.0, True)
+    assert resolve(hang_timeout="auto").hang_timeout == -1.0
+
+
+def test_the_maxima_are_the_documented_ones():
+    # docs/configuration.md, "largest values".
+    day, hour, week = 86400.0, 3600.0, 604800.0
+    assert MAX_SECONDS == {
+        "grace": day, "ack_window": hour, "heartbeat_interval": hour, "parent_wait": hour, "on_verdict_timeout": hour,
+        "startup_timeout": week, "hang_timeout": week, "hang_warn": week, "gil_timeout": week, "peer_timeout": week,
+    }
+
+
+@pytest.mark.parametrize(("option", "said"), [
+    ("grace", "at most 86400s (a day)"), ("ack_window", "at most 3600s (an hour)"),
+    ("gil_timeout", "at most 604800s (a week)"),
+])
+def test_a_duration_over_its_maximum_says_it_in_words(option, said):
+    with pytest.raises(ConfigError) as info:
+        resolve(**{option: 1e9})
+    assert said + ": the watcher's waits are poll(2) timeouts" in str(info.value)
+
+
+def test_a_maximum_is_spoken_in_words_where_it_is_a_round_unit():
+    from peerwatch._config import _spoken
+
+    assert [_spoken(s) for s in (60.0, 3600.0, 86400.0, 604800.0, 90.0)] == [
+        "a minute", "an hour", "a day", "a week", "90 seconds"]
+
+
+@pytest.mark.parametrize(("beat", "peer_timeout", "source"), [
+    (12.0, 30.0, "default"), (15.0, 30.0, "default"), (15.5, 31.0, "default: twice heartbeat_interval"),
+])
+def test_the_default_peer_timeout_follows_a_heartbeat_only_above_half_of_it(beat, peer_timeout, source):
+    c = resolve(heartbeat_interval=beat)
+    assert (c.peer_timeout, c.source_of("peer_timeout")) == (peer_timeout, source)
+
+
+def test_on_verdict_timeout_must_be_above_0():
+    assert resolve(on_verdict_timeout=0.5).on_verdict_timeout == 0.5
+    with pytest.raises(ConfigError) as info:
+        resolve(env={"PEERWATCH_ON_VERDICT_TIMEOUT": "0"})
+    e = info.value
+    assert (e.option, e.value, e.source) == ("on_verdict_timeout", 0.0, env_source("PEERWATCH_ON_VERDICT_TIMEOUT"))
+    assert str(e) == ("peerwatch option on_verdict_timeout=0.0 (from environment variable "
+                      "PEERWATCH_ON_VERDICT_TIMEOUT): must be above 0 (the hook's bound)")
+
+
+# -- store_secret, store_secret_file (exact texts; tests/test_store_secret.py is the store's side) --
+
+SECRET16 = "0123456789abcdef"  # the shortest secret taken
+
+
+def test_a_secret_of_16_bytes_is_taken_as_bytes_and_15_are_refused_without_showing_them():
+    assert resolve(store_secret=SECRET16).store_secret == SECRET16.encode()
+    assert resolve(store_secret=SECRET16.encode()).store_secret == SECRET16.encode()
+    with pytest.raises(ConfigError) as info:
+        resolve(store_secret=SECRET16[:15])
+    assert (info.value.option, info.value.value, info.value.reason) == (
+        "store_secret", "<hidden>", "must be at least 16 bytes (e.g. `openssl rand -hex 32`)")
+    with pytest.raises(ConfigError) as info:
+        resolve(store_secret=1234567890123456789)
+    assert info.value.reason == "expected a string or bytes"
+
+
+def secret_file(tmp_path, content: bytes, mode: int = 0o600) -> str:
+    path = tmp_path / "secret"
+    path.write_bytes(content)
+    path.chmod(mode)
+    return str(path)
+
+
+def test_a_secret_file_is_read_without_its_line_break_up_to_4096_bytes(tmp_path):
+    c = resolve(env={"PEERWATCH_STORE_SECRET_FILE": secret_file(tmp_path, SECRET16.encode() + b"\r\n")})
+    assert c.store_secret == SECRET16.encode()
+    assert c.source_of("store_secret") == env_source("PEERWATCH_STORE_SECRET_FILE")
+    assert resolve(store_secret_file=secret_file(tmp_path, b"x" * 4096)).store_secret == b"x" * 4096
+    assert resolve(store_secret_file=secret_file(tmp_path, SECRET16.encode(), 0o640)).store_secret  # group may read
+
+
+@pytest.mark.parametrize(("content", "mode", "reason"), [
+    (b"x" * 4097, 0o600, "is over 4096 bytes: not a secret file"),
+    (b"short\n", 0o600, "holds a secret that must be at least 16 bytes (e.g. `openssl rand -hex 32`)"),
+    (SECRET16.encode(), 0o604, "has mode 604: others may read or change it (chmod 600)"),
+    (SECRET16.encode(), 0o602, "has mode 602: others may read or change it (chmod 600)"),
+    (SECRET16.encode(), 0o620, "has mode 620: others may read or change it (chmod 600)"),
+])
+def test_a_secret_file_says_why_it_is_refused(tmp_path, content, mode, reason):
+    path = secret_file(tmp_path, content, mode)
+    with pytest.raises(ConfigError) as info:
+        resolve(store_secret_file=path)
+    assert (info.value.option, info.value.value, info.value.source, info.value.reason) == (
+        "store_secret_file", path, KW, reason)
+
+
+def test_a_secret_file_that_is_no_regular_file_or_missing_is_refused(tmp_path):
+    with pytest.raises(ConfigError) as info:
+        resolve(store_secret_file=os.devnull)
+    assert info.value.reason == "is not a regular file"
+    with pytest.raises(ConfigError) as info:
+        resolve(store_secret_file=str(tmp_path / "nope"))
+    assert info.value.reason == "cannot be read (No such file or directory)"
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="only root can give a file away")
+@pytest.mark.parametrize("uid", [1, 4321])
+def test_a_secret_file_of_another_user_is_refused(tmp_path, uid):
+    path = secret_file(tmp_path, SECRET16.encode())
+    os.chown(path, uid, -1)
+    with pytest.raises(ConfigError) as info:
+        resolve(store_secret_file=path)
+    assert info.value.reason == f"belongs to uid {uid}, not to this user"
+
+
+def test_a_secret_and_a_secret_file_together_are_refused(tmp_path):
+    path = secret_file(tmp_path, SECRET16.encode())
+    with pytest.raises(ConfigError) as info:
+        resolve(env={"PEERWATCH_STORE_SECRET_FILE": path, "PEERWATCH_STORE_SECRET": SECRET16})
+    e = info.value
+    assert (e.option, e.value, e.source) == ("store_secret_file", path, env_source("PEERWATCH_STORE_SECRET_FILE"))
+    assert e.reason == "store_secret is set too (environment variable PEERWATCH_STORE_SECRET): set one of them"
+    with pytest.raises(ConfigError) as info:
+        resolve(store_secret_file=path, store_secret=SECRET16)
+    assert (info.value.value, info.value.source) == (path, KW)
+
+
+@pytest.mark.parametrize("raw", ["inf", "nan", "-0.5"])
+def test_a_duration_that_is_no_finite_count_of_seconds_says_so(raw):
+    with pytest.raises(ConfigError) as info:
+        resolve(env={"PEERWATCH_GRACE": raw})
+    assert info.value.reason == "must be a finite number of seconds, 0 or more"
+
+
+def test_on_verdict_is_a_command_or_a_callable():
+    def hook(verdict, report_path):  # pragma: no cover - never called here
+        pass
+
+    assert resolve(on_verdict=hook).on_verdict is hook
+    c = resolve(env={"PEERWATCH_ON_VERDICT": "notify-send failed"})
+    assert (c.on_verdict, c.source_of("on_verdict")) == ("notify-send failed", env_source("PEERWATCH_ON_VERDICT"))
+    assert resolve().on_verdict is None
+    for raw, reason in ((" \t", "must not be empty"),
+                        (5, "expected a shell command (a string) or a callable f(verdict, report_path)")):
+        with pytest.raises(ConfigError) as info:
+            resolve(on_verdict=raw)
+        assert (info.value.option, info.value.value, info.value.reason) == ("on_verdict", raw, reason)

@@ -35,6 +35,7 @@ from peerwatch._hosts import (
     report_store_lost,
     roster_incomplete,
     settle_deadline,
+    stalled_hosts,
     store_holder,
     store_silent_for,
 )
@@ -185,6 +186,22 @@ def test_liveness_old_beats_written_back_in_turn_are_no_sign_of_life() -> None:
 def test_beat_seq_reads_every_form_of_a_beat_and_nothing_else() -> None:
     assert [beat_seq(v) for v in (b"7", DONE + b"7", b"7s", DONE + b"7s")] == [7, 7, 7, 7]
     assert [beat_seq(v) for v in (b"", b"s", b"done:", b"x7", b"-1", b"1" * 31)] == [None] * 6
+    assert beat_seq(b"1" * 30) == int("1" * 30)  # 30 digits is the longest a beat may have
+
+
+def test_stalled_hosts_are_those_whose_last_beat_ends_in_s() -> None:
+    beats = {3: b"5s", 1: b"5", 2: None, 0: DONE + b"7s", 4: b"done:5"}
+    assert stalled_hosts(beats) == [0, 3]
+    assert stalled_hosts({}) == [] and stalled_hosts({1: None}) == []
+
+
+def test_liveness_a_host_whose_beat_is_never_readable_is_lost_from_when_it_was_seen() -> None:
+    live = Liveness(timeout_ns=4)
+    live.observe(1, {1: b"garbage", 2: b"1"})
+    assert live.changed_ns == {1: 1, 2: 1} and live.values == {2: b"1"} and live.seqs == {2: 1}
+    live.observe(3, {1: b"still garbage", 2: b"2"})
+    assert live.changed_ns == {1: 1, 2: 3}  # not news: the silence still counts from the first look
+    assert live.lost(4) == [] and live.lost(5) == [1]
 
 
 def test_liveness_a_new_value_restarts_the_clock_of_that_host_only() -> None:

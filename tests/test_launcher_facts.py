@@ -104,3 +104,20 @@ def test_a_store_object_is_named_by_its_type() -> None:
 
     facts = LauncherFacts.resolve(_config(store=FakeStore(), run_id="r"), {})
     assert facts.ready and facts.address == "FakeStore"
+
+
+def test_without_env_the_process_environment_is_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "SLURM_NNODES", "SLURM_JOB_NUM_NODES"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("GROUP_WORLD_SIZE", "3")
+    monkeypatch.setenv("MASTER_ADDR", "node7")
+    monkeypatch.setenv("MASTER_PORT", "29511")
+    facts = LauncherFacts.resolve(_config())
+    assert (facts.spans_hosts, facts.expected_hosts, facts.store, facts.run_id) == (
+        True, 3, "node7:29511", "master-node7:29511")
+
+
+def test_spans_hosts_answers_true_or_false() -> None:
+    assert spans_hosts(_config(), {}) is False
+    assert spans_hosts(_config(), {"SLURM_NNODES": "1", "GROUP_WORLD_SIZE": "x"}) is False
+    assert spans_hosts(_config(world_size=8, local_world_size=4), {}) is True

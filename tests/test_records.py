@@ -599,3 +599,105 @@ def test_whether_a_failures_exit_code_was_observed_is_a_field_and_older_records_
              b'"message":"' + _exitwatch.EXIT_MESSAGE.encode() + b'"}')
     assert decode(Failure, older) == Failure(rank=3, pid=77, time_ns=12, cause="exit", exit_code=9,
                                              message=_exitwatch.EXIT_MESSAGE, observed=False)
+
+
+# -- exact values and edges (issue 25.6: what a mutant of _records.py changes, a test sees) --
+
+
+def test_activity_of_a_heartbeats_field_and_back() -> None:
+    from peerwatch._records import Activity
+
+    a = Activity.of((4000, 0, 1, 2, 3, 0, 8))
+    assert a == Activity(span_ms=4000, cpu_ms=0, places=1, other_cpu_ms=2, io_bytes=3, children_cpu_ms=0, samples=8)
+    assert a.as_tuple() == (4000, 0, 1, 2, 3, 0, 8)
+    assert Activity.of((0,) * 7) == Activity(0, 0, 0, 0, 0, 0, 0)  # zero is a figure, not a missing one
+    for values in ((), (1,) * 6, (1,) * 8, (1, 1, 1, -1, 1, 1, 1)):
+        assert Activity.of(values) is None, values
+
+
+def test_the_longest_traceback_kept_fits_a_record_whatever_its_characters() -> None:
+    from peerwatch._records import MAX_TRACEBACK_CHARS
+
+    worst = "\x00" * MAX_TRACEBACK_CHARS  # JSON writes each as \u0000: six bytes
+    record = Failure(rank=1, pid=2, time_ns=3, cause="exception", traceback=worst, message="m" * 2000)
+    data = encode(record)
+    assert len(data) <= MAX_RECORD_BYTES and decode(Failure, data) == record
+
+
+def test_named_ranks_are_every_rank_a_record_names() -> None:
+    from peerwatch._records import named_ranks
+
+    assert named_ranks(Success(rank=2, pid=1, time_ns=0)) == (2,)
+    assert named_ranks(ExitStatus(rank=2, pid=1, time_ns=0, returncode=-9, observed_by=0)) == (2, 0)
+    verdict = Verdict(rank=3, cause=HANG, exit_code=124, failed_at_ns=0, detected_by=1, detected_at_ns=0,
+                      laggards=(3, 5))
+    assert named_ranks(verdict) == (3, 1, 3, 5)
+    diagnosis = Diagnosis(finding=HANG, laggards=(4,), entered=(0, 1), since_ns=0, stalled_at_ns=0, time_ns=0,
+                          made_by=1, detail="")
+    assert named_ranks(diagnosis) == (1, 4, 0, 1)
+    assert named_ranks(object()) == ()
+
+
+def test_the_events_folders_prefixes() -> None:
+    from peerwatch._records import EVENT_TYPES, WATCHER_DEATH
+
+    assert EVENT_TYPES == {"success": Success, "failure": Failure, "exit": ExitStatus, "ack": Ack, "thread": Failure,
+                           "unsignalled": NotSignalled}
+    assert WATCHER_DEATH == "watcher"
+
+
+def _failure_of_size(n: int) -> bytes:
+    base = len(encode(Failure(rank=1, pid=2, time_ns=3, cause="exit", message="")))
+    data = encode(Failure(rank=1, pid=2, time_ns=3, cause="exit", message="x" * (n - base)))
+    assert len(data) == n
+    return data
+
+
+def test_the_decode_memo_keeps_records_up_to_a_sixteenth_of_its_mebibyte(monkeypatch: pytest.MonkeyPatch) -> None:
+    from peerwatch import _records
+
+    monkeypatch.setattr(_records, "_DECODED", {})
+    monkeypatch.setattr(_records, "_decoded_bytes", 0)
+    assert _records.DECODED_BYTES == 1 << 20
+    small, large, larger = _failure_of_size(400), _failure_of_size(65536), _failure_of_size(65537)
+    for data in (small, large, larger):
+        assert decode(Failure, data) is not None
+    assert set(_records._DECODED) == {(Failure, small), (Failure, large)}  # both kept: no clearing while it fits
+    assert _records._decoded_bytes == 400 + 65536
+
+
+def test_the_decode_memo_fills_to_its_bound_exactly_then_starts_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    from peerwatch import _records
+
+    first, second, third = _failure_of_size(300), _failure_of_size(301), _failure_of_size(302)
+    monkeypatch.setattr(_records, "_DECODED", {})
+    monkeypatch.setattr(_records, "_decoded_bytes", _records.DECODED_BYTES - 300 - 301)
+    decode(Failure, first)
+    decode(Failure, second)  # now exactly full: kept
+    assert _records._decoded_bytes == _records.DECODED_BYTES and len(_records._DECODED) == 2
+    decode(Failure, third)  # one more: the memo empties, and holds only it
+    assert set(_records._DECODED) == {(Failure, third)} and _records._decoded_bytes == 302
+
+
+def test_a_fresh_module_starts_with_an_empty_memo(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+    import sys
+
+    from peerwatch import _records
+
+    spec = importlib.util.spec_from_file_location("_records_fresh", _records.__file__)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "_records_fresh", module)  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    assert (module._DECODED, module._decoded_bytes) == ({}, 0)
+
+
+def test_a_world_of_one_rank_holds_rank_0_only() -> None:
+    body = minimal(Registration)
+    body.update(rank=0, world_size=1)
+    assert decode(Registration, dumps(body)) is not None
+    body.update(rank=1)
+    assert decode(Registration, dumps(body)) is None
+    body.update(rank=0, world_size=0)
+    assert decode(Registration, dumps(body)) is None

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 from peerwatch._activity import Activity
 from peerwatch._diagnose import RankState, diagnose
-from peerwatch._summary import MAX_SUMMARY_BYTES, PUBLISH_FRACTION, Summary, refresh_ns, remote_ranks, summarize
+from peerwatch._summary import (
+    MAX_DETAILED,
+    MAX_SUMMARY_BYTES,
+    PUBLISH_FRACTION,
+    Summary,
+    refresh_ns,
+    remote_ranks,
+    summarize,
+)
 
 S = 1_000_000_000
 WAITING = RankState(collectives=(("0", 31, 30),), entered=(("0", 31, "allreduce", "[[1]] Float"),), in_collective=True,
@@ -58,3 +66,59 @@ def test_a_host_whose_ranks_all_lag_is_named_by_the_other() -> None:
 def test_refresh_is_a_share_of_the_threshold_at_least_a_heartbeat() -> None:
     assert refresh_ns(60_000, S) == int(7.5 * S)
     assert refresh_ns(3000, S // 2) == S // 2
+
+
+def test_a_host_standing_still_for_exactly_the_share_of_the_threshold_says_so() -> None:
+    s = summarize({0: WAITING}, "a", 100 * S + int(PUBLISH_FRACTION * 3 * S), 3 * S)
+    assert s is not None and s.age_ms == 1500 and s.stall == str(100 * S)
+
+
+def test_at_most_max_detailed_ranks_in_full_the_lowest() -> None:
+    s = summarize({r: STUCK for r in range(MAX_DETAILED + 8)}, "a", 102 * S, 3 * S)
+    assert s is not None and MAX_DETAILED == 32
+    assert [r for r, _ in s.detailed] == list(range(32))
+    assert s.waiting == ()
+
+
+def test_remote_ranks_of_waiting_and_detailed_ranks_on_the_readers_clock() -> None:
+    s = summarize({0: WAITING, 1: WAITING, 2: STUCK}, "hostb", 102 * S, 3 * S)
+    assert s is not None
+    out = remote_ranks(s, 7 * S)
+    assert sorted(out) == [0, 1, 2]
+    for r in (0, 1):
+        assert out[r] == RankState(collectives=WAITING.collectives, entered=WAITING.entered, in_collective=True,
+                                   moved_mono_ns=7 * S, host="hostb")
+    assert out[2] == RankState(collectives=STUCK.collectives, entered=STUCK.entered, state="S",
+                               where="train.py:12 in loop", activity=STUCK.activity, moved_mono_ns=7 * S,
+                               host="hostb")
+
+
+def sized(n: int) -> bytes:
+    """A valid summary of exactly ``n`` bytes (its host's name pads it)."""
+    empty = Summary("", "1", 5, 3000).to_json()
+    data = Summary("h" * (n - len(empty)), "1", 5, 3000).to_json()
+    assert len(data) == n
+    return data
+
+
+def test_a_summary_of_64_kib_is_read_and_a_byte_more_is_not() -> None:
+    back = Summary.from_json(sized(64 * 1024))
+    assert back is not None and len(back.host) > 65_000 and back.age_ms == 5
+    assert Summary.from_json(sized(64 * 1024 + 1)) is None
+
+
+def test_ages_and_thresholds_read_as_they_were_written_never_below_zero() -> None:
+    back = Summary.from_json(b'{"v":1,"host":"a","stall":"9","age_ms":0,"threshold_ms":0}')
+    assert back == Summary("a", "9", 0, 0)
+    assert Summary.from_json(b'{"v":1,"host":"a","stall":"9","age_ms":-5,"threshold_ms":-1}') == Summary("a", "9", 0, 0)
+    assert Summary.from_json(b'{"v":1,"host":"a","stall":"9","age_ms":3}') == Summary("a", "9", 3, 0)
+
+
+def test_a_detailed_ranks_state_and_place_are_cut() -> None:
+    data = (b'{"v":1,"host":"a","stall":"9","age_ms":1,"ranks":[[4,{"c":[],"e":[],"s":"Dx","at":"'
+            + b"w" * 400 + b'"}],[5,{"s":""}]]}')
+    back = Summary.from_json(data)
+    assert back is not None
+    (r4, s4), (r5, s5) = back.detailed
+    assert (r4, s4.state, s4.where) == (4, "D", "w" * 300)
+    assert (r5, s5.state, s5.where) == (5, "?", "")
