@@ -205,6 +205,16 @@ class Decision:
     lost: Tuple[Failure, ...] = ()
 
 
+def _held_horizon(obs: Observed, first: Optional[Verdict]) -> Optional[int]:
+    """Until when a death held back for its parent may still turn out to be the root cause
+    (also the end of a rank that was leaving as a collective failed: see decide). A rank
+    its own launcher signalled never outranks another failure, however late it is seen (the
+    launcher saw that failure first): None then, every held death is waited for."""
+    if first is None or _signalled_by_its_launcher(obs, first):
+        return None
+    return first.failed_at_ns + (CONSEQUENCE_WINDOW_NS if first.cause == EXCEPTION else 0)
+
+
 def decide(obs: Observed, policy: Policy) -> Decision:
     if obs.verdict is not None:
         return Decision(obs.verdict)
@@ -227,14 +237,7 @@ def decide(obs: Observed, policy: Policy) -> Decision:
             continue
         found.append(_vanished(obs, rank, seen_ns, policy))
     first = min(found, key=lambda v: _order(obs, v, found), default=None)
-    # A death held back for its parent may still turn out to be the root cause: one seen
-    # by the horizon, or the end of a rank that was leaving as a collective failed. A rank
-    # its own launcher signalled never outranks another failure, however late it is seen
-    # (the launcher saw that failure first): no horizon then, every held death is waited for.
-    if first is None or _signalled_by_its_launcher(obs, first):
-        horizon = None
-    else:
-        horizon = first.failed_at_ns + (CONSEQUENCE_WINDOW_NS if first.cause == EXCEPTION else 0)
+    horizon = _held_horizon(obs, first)
     echoed = () if first is None else _leavers_echoed(obs, first)
     waiting = [until for rank, seen, until in held if horizon is None or seen <= horizon or rank in echoed]
     if waiting:

@@ -303,44 +303,7 @@ def summary(report: Dict[str, Any], traceback: bool = True) -> str:
     the failing rank itself)."""
     v = report.get("verdict")
     late = [r for r in report["ranks"] if r.get("failed_after_done")]
-    lines = []
-    if v is None and report["outcome"] == "succeeded":
-        n = len(report["ranks"])
-        lines.append(f"peerwatch: the run in {report['run_dir']} succeeded: "
-                     f"{'its rank' if n == 1 else f'all {n} ranks'} finished cleanly")
-    elif v is None and late:
-        lines.append(f"peerwatch: the run in {report['run_dir']} failed after it was marked done: "
-                     + "; ".join(_late_failure(r) for r in late))
-    elif v is None:
-        lines.append(f"peerwatch: no failure recorded in {report['run_dir']} (outcome: {report['outcome']})")
-    else:
-        how = v.get("detail") or v.get("cause")
-        lines.append(f"peerwatch: {who(v['rank'], v.get('pid'), v.get('host'))} failed first: {how}")
-        extra = f"cause: {v['cause']}, ranks exit with code {v['exit_code']}"
-        if v.get("signal"):
-            extra += f", signal {v['signal']}"
-        lines.append(f"  {extra}")
-        # When it failed: as it reached peerwatch (before the wait that tells a cause from an
-        # echo), where the rank said; else when it was recorded or seen.
-        failed_ns = v.get("raised_ns") or v["failed_at_ns"]
-        delay_ms = (v["detected_at_ns"] - failed_ns) / 1e6
-        lines.append(
-            f"  failed at {_clock(failed_ns)}, verdict by rank {v['detected_by']} at "
-            f"{_clock(v['detected_at_ns'])} (+{max(delay_ms, 0.0):.1f} ms)"
-        )
-    lines.append(f"  {'rank':>4}  {'pid':>7}  {'state':<10} {'exit':>12}  {'step':>6}  stacks")
-    for r in report["ranks"]:
-        step = "-" if r.get("step") is None else str(r["step"])
-        lines.append(
-            f"  {r['rank']:>4}  {str(r['pid']):>7}  {r['state']:<10} {exit_text(r):>12}  {step:>6}  {r['stack_file'] or '-'}"
-        )
-    if any(r["exit_code"] is not None and not r.get("exit_observed", True) for r in report["ranks"]):
-        lines.append("  (expected) = the code it was to exit with; nobody could see its exit status (yet)")
-    for r in report["ranks"]:
-        if r.get("unwatched"):
-            lines.append(f"  rank {r['rank']} cannot be watched or signalled from here: {r['unwatched']}")
-        if r.get("not_signalled"):
-            lines.append(f"  {who(r['rank'], r['pid'], r.get('host'))} could not be verified, not signalled: {r['not_signalled']}")
+    lines = _summary_head(report, v, late) + _rank_table(report["ranks"])
     if late:
         lines.append("  failed after it was marked done (watch() had ended, or mark_success()): no teardown, by design; "
                      "the run did not succeed")
@@ -363,6 +326,51 @@ def summary(report: Dict[str, Any], traceback: bool = True) -> str:
     if v is not None or os.path.exists(path):  # a run without a verdict writes none
         lines.append(f"  report: {path}")
     return printable("\n".join(lines))  # a rank's message may hold escape sequences: shown, not obeyed
+
+
+def _summary_head(report: Dict[str, Any], v: Optional[Dict[str, Any]], late: List[Dict[str, Any]]) -> List[str]:
+    """The summary's first lines: the root cause, or how the run ended without one."""
+    if v is None and report["outcome"] == "succeeded":
+        n = len(report["ranks"])
+        return [f"peerwatch: the run in {report['run_dir']} succeeded: "
+                f"{'its rank' if n == 1 else f'all {n} ranks'} finished cleanly"]
+    if v is None and late:
+        return [f"peerwatch: the run in {report['run_dir']} failed after it was marked done: "
+                + "; ".join(_late_failure(r) for r in late)]
+    if v is None:
+        return [f"peerwatch: no failure recorded in {report['run_dir']} (outcome: {report['outcome']})"]
+    how = v.get("detail") or v.get("cause")
+    extra = f"cause: {v['cause']}, ranks exit with code {v['exit_code']}"
+    if v.get("signal"):
+        extra += f", signal {v['signal']}"
+    # When it failed: as it reached peerwatch (before the wait that tells a cause from an
+    # echo), where the rank said; else when it was recorded or seen.
+    failed_ns = v.get("raised_ns") or v["failed_at_ns"]
+    delay_ms = (v["detected_at_ns"] - failed_ns) / 1e6
+    return [
+        f"peerwatch: {who(v['rank'], v.get('pid'), v.get('host'))} failed first: {how}",
+        f"  {extra}",
+        f"  failed at {_clock(failed_ns)}, verdict by rank {v['detected_by']} at "
+        f"{_clock(v['detected_at_ns'])} (+{max(delay_ms, 0.0):.1f} ms)",
+    ]
+
+
+def _rank_table(ranks: List[Dict[str, Any]]) -> List[str]:
+    """What happened to every rank, one row each, and the notes the rows need."""
+    lines = [f"  {'rank':>4}  {'pid':>7}  {'state':<10} {'exit':>12}  {'step':>6}  stacks"]
+    for r in ranks:
+        step = "-" if r.get("step") is None else str(r["step"])
+        lines.append(
+            f"  {r['rank']:>4}  {str(r['pid']):>7}  {r['state']:<10} {exit_text(r):>12}  {step:>6}  {r['stack_file'] or '-'}"
+        )
+    if any(r["exit_code"] is not None and not r.get("exit_observed", True) for r in ranks):
+        lines.append("  (expected) = the code it was to exit with; nobody could see its exit status (yet)")
+    for r in ranks:
+        if r.get("unwatched"):
+            lines.append(f"  rank {r['rank']} cannot be watched or signalled from here: {r['unwatched']}")
+        if r.get("not_signalled"):
+            lines.append(f"  {who(r['rank'], r['pid'], r.get('host'))} could not be verified, not signalled: {r['not_signalled']}")
+    return lines
 
 
 def _late_failure(r: Dict[str, Any]) -> str:
