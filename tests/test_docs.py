@@ -152,15 +152,17 @@ def _normalized(line: str) -> str:
     In a row of the report's rank table the stacks column is blanked too: whichever rank
     makes the verdict prints the summary, and when the failing rank itself wins the race,
     its peer has not dumped its stacks yet ("-", truthfully) when the table is printed.
-    The step of a rank that failed without a last heartbeat (killed, `os._exit`) is the
-    last one a periodic heartbeat carried: "-" when none fell inside its training, a
-    step when the machine was slow enough for one to (a fresh-clone run under load); it
-    is blanked in "failed" rows only, so the torn-down ranks' steps are still checked.
+    The step column is blanked in every row. A rank's step, when the table is printed,
+    is the one its last heartbeat carried. That is "-" when no periodic heartbeat fell
+    inside its training, and a step when the machine was slow enough for one to. A
+    torn-down rank's final heartbeat may also come before or after the summary is
+    printed. A fresh-clone run beside other work printed steps 6 and 20 where the page
+    shows "-" for two torn-down ranks. The state and exit columns are still checked.
     """
     # Whether the failing rank's own code was seen yet when the table was printed depends
     # on which rank printed it: "(expected)" in a row is blanked, the legend line is not.
     line = re.sub(r"^(\s*\d+\s+\d+\s+\w+\s+.*\s)\S+$", r"\1STACKS", line)
-    line = re.sub(r"^(\s*\d+\s+\d+\s+failed\s+.*\s)(-|\d+)(\s+STACKS)$", r"\1STEP\3", line)
+    line = re.sub(r"^(\s*\d+\s+\d+\s+\w+\s+.*\s)(-|\d+)(\s+STACKS)$", r"\1STEP\3", line)
     line = re.sub(r"^(\s*\d+\s+\d+\s+\w+\s+\d+) \(expected\)", r"\1", line)
     line = re.sub(r"\(pid \d+ on [^)]*\)", "(pid N on HOST)", line)
     line = re.sub(r"\(pid \d+, [^)]*\)", "(pid N, HOST)", line)
