@@ -254,6 +254,15 @@ static void write_exit_record(long long returncode, long long sender)
 
 static void die_by(int sig);
 
+static void default_action(int sig)
+{
+    struct sigaction dfl;
+    memset(&dfl, 0, sizeof dfl);
+    dfl.sa_handler = SIG_DFL;
+    sigemptyset(&dfl.sa_mask);
+    (void)sigaction(sig, &dfl, NULL);
+}
+
 static int hold(long long sender)
 {
     if (held || hold_until_ns == 0 || !have_timer)
@@ -290,11 +299,7 @@ static void on_term(int sig, siginfo_t *info, void *ctx)
         return;
     }
     /* End by the signal's default action, as without us: it is delivered once we return. */
-    struct sigaction dfl;
-    memset(&dfl, 0, sizeof dfl);
-    dfl.sa_handler = SIG_DFL;
-    sigemptyset(&dfl.sa_mask);
-    (void)sigaction(sig, &dfl, NULL);
+    default_action(sig);
     (void)raise(sig);
     errno = saved_errno;
 }
@@ -304,11 +309,7 @@ static void die_by(int sig)
 {
     if (claim())
         write_exit_record(-(long long)sig, held_sender);
-    struct sigaction dfl;
-    memset(&dfl, 0, sizeof dfl);
-    dfl.sa_handler = SIG_DFL;
-    sigemptyset(&dfl.sa_mask);
-    (void)sigaction(sig, &dfl, NULL);
+    default_action(sig);
     sigset_t set;
     sigemptyset(&set);
     sigaddset(&set, sig);
