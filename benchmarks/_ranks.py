@@ -4,7 +4,7 @@ Run as a script (fresh interpreter; the top of this file imports only the standa
 so ``python -S _ranks.py sleeper`` starts in a few ms):
 
     _ranks.py sleeper READY KIND [--peerwatch] [--note-term]   a rank that sleeps
-    _ranks.py idle READY [--peerwatch]                          a rank that sleeps, for CPU accounting
+    _ranks.py idle READY [--peerwatch|--waker]                  a rank that sleeps, for CPU accounting
     _ranks.py train KIND [--peerwatch]                          a training loop driven from stdin
 
 or forked from a template process (``_template.py``) that imported torch or Lightning:
@@ -71,11 +71,17 @@ def sleeper(ready: str, kind: str, use_peerwatch: bool, note_term: bool) -> None
     sleep_forever()
 
 
-def idle(ready: str, use_peerwatch: bool) -> None:
-    """A rank that only sleeps: what is left of its CPU time is the watcher's."""
+def idle(ready: str, use_peerwatch: bool, waker: bool) -> None:
+    """A rank that only sleeps: what is left of its CPU time is the watcher's. With ``waker``,
+    the floor instead: one thread that only wakes once a second and writes a heartbeat-sized
+    record in place (what no Python watcher waking once a second can go below)."""
     rank = os.environ["RANK"]
     t0 = time.perf_counter()
     import_s = install_s = 0.0
+    if waker:
+        import threading
+
+        threading.Thread(target=_wake_once_a_second, args=(os.path.join(ready, f"beat-{rank}"),), daemon=True).start()
     if use_peerwatch:
         import peerwatch
 
@@ -84,6 +90,16 @@ def idle(ready: str, use_peerwatch: bool) -> None:
         import_s, install_s = t1 - t0, time.perf_counter() - t1
     note(ready, f"rank-{rank}", json.dumps({"pid": os.getpid(), "import_s": import_s, "install_s": install_s}))
     sleep_forever()
+
+
+def _wake_once_a_second(path: str) -> None:
+    import select
+
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    record, poller = b" " * 357, select.poll()
+    while True:
+        poller.poll(1000)
+        os.pwrite(fd, record, 0)
 
 
 def _python_step(state: dict) -> None:
@@ -227,7 +243,7 @@ def main() -> None:
     if what == "sleeper":
         sleeper(args[0], args[1], "--peerwatch" in flags, "--note-term" in flags)
     elif what == "idle":
-        idle(args[0], "--peerwatch" in flags)
+        idle(args[0], "--peerwatch" in flags, "--waker" in flags)
     elif what == "train":
         train(args[0], "--peerwatch" in flags)
     else:

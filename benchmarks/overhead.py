@@ -2,7 +2,10 @@
 
 - Idle CPU: N ranks that only sleep, with and without peerwatch, side by side; the CPU time
   of every thread of every rank (scheduler nanoseconds, /proc/PID/task/*/schedstat) over a
-  window, extrapolated to an hour.
+  window, extrapolated to an hour. Beside them, two floors: N processes whose one thread
+  only wakes once a second and writes a heartbeat-sized record, in Python and in C. What a
+  wake costs depends on the machine (on some virtual machines every page touched after a
+  second asleep costs tens of microseconds); the floors show that cost in the same run.
 - Step time: two jobs of 2 ranks (one with peerwatch, one without) run blocks of training
   steps in turn, A/B interleaved in random order, so that drifts of the machine fall on both.
 """
@@ -13,13 +16,14 @@ import dataclasses
 import json
 import os
 import random
+import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Optional
 
 from _common import HERE, Pidfds, clean_env, cpu_ns, free_port, wait_files
 
@@ -28,6 +32,10 @@ IDLE_SETTLE_S = 3.0  # after every rank is running: the first heartbeats and sca
 
 
 TMPFS = "/dev/shm"
+FLOORS = {  # mode -> what the row is
+    "python-waker": "a Python thread waking once a second (poll + pwrite)",
+    "c-waker": "a C program waking once a second (nanosleep + pwrite)",
+}
 
 
 @dataclasses.dataclass
@@ -40,6 +48,11 @@ class Idle:
     with_max_s_per_h: float
     polling: int  # ranks that got no inotify instance (the per-user limit): they poll every 0.1 s
     inotify_s_per_h: float  # mean over the ranks that have their inotify instance
+    what: str = "peerwatch"  # or a floor: FLOORS' keys
+
+    @property
+    def floor(self) -> bool:
+        return self.what != "peerwatch"
 
     @property
     def watcher_s_per_h(self) -> float:
@@ -64,7 +77,7 @@ def _has_inotify(pid: int) -> bool:
 
 
 def _idle_phase(variants: List[tuple], seconds: float, tmp: str, shm: str,
-                progress: Callable[[str], None]) -> Dict[tuple, tuple]:
+                progress: Callable[[str], None], heartbeat_s: Optional[float]) -> Dict[tuple, tuple]:
     """(n, mode) -> (CPU s/hour of each rank, whether each has an inotify instance), side by side."""
     jobs: Dict[tuple, List[subprocess.Popen]] = {}
     folders: Dict[tuple, Path] = {}
@@ -75,8 +88,14 @@ def _idle_phase(variants: List[tuple], seconds: float, tmp: str, shm: str,
             (folder / "ready").mkdir(parents=True)
             run_dir = Path(shm if mode == "tmpfs" else folder) / f"run-{n}"
             env = clean_env(WORLD_SIZE=str(n), PEERWATCH_DIR=str(run_dir))
+            if heartbeat_s is not None:
+                env["PEERWATCH_HEARTBEAT"] = str(heartbeat_s)
             argv = [sys.executable, RANKS_PY, "idle", str(folder / "ready")]
-            if mode != "none":
+            if mode == "python-waker":
+                argv.append("--waker")
+            elif mode == "c-waker":
+                argv = [str(Path(tmp) / "waker"), str(folder / "beat")]
+            elif mode != "none":
                 argv.append("--peerwatch")
             jobs[n, mode] = [
                 subprocess.Popen(argv, env=dict(env, RANK=str(r)), stdin=subprocess.DEVNULL) for r in range(n)
@@ -85,7 +104,8 @@ def _idle_phase(variants: List[tuple], seconds: float, tmp: str, shm: str,
             for p in jobs[n, mode]:
                 everything.add(p.pid)
         for key, folder in folders.items():
-            wait_files(folder / "ready", [f"rank-{r}" for r in range(key[0])], watch=jobs[key])
+            if key[1] != "c-waker":  # it notes nothing: started is running
+                wait_files(folder / "ready", [f"rank-{r}" for r in range(key[0])], watch=jobs[key])
         time.sleep(IDLE_SETTLE_S)
         progress(f"idle: {sum(len(v) for v in jobs.values())} ranks running; measuring for {seconds:g} s")
         before = {key: [cpu_ns(p.pid) for p in procs] for key, procs in jobs.items()}
@@ -110,28 +130,45 @@ def _idle_phase(variants: List[tuple], seconds: float, tmp: str, shm: str,
     }
 
 
-def idle_cpu(ns: List[int], seconds: float, progress: Callable[[str], None]) -> List[Idle]:
+def idle_cpu(ns: List[int], seconds: float, progress: Callable[[str], None],
+             heartbeat_s: Optional[float] = None) -> List[Idle]:
     """For each N, a job with peerwatch and one without, side by side: what is measured is
     each process's own CPU time, not wall time. One N at a time: every peerwatch rank takes
     an inotify instance, and the per-user limit (often 128) would make the extra ones poll.
 
     For the smallest N, one more job keeps its run directory on tmpfs (where
-    $XDG_RUNTIME_DIR usually is), to show what the filesystem costs the heartbeats.
+    $XDG_RUNTIME_DIR usually is), to show what the filesystem costs the heartbeats, and the
+    floors run beside it (the C one where a C compiler is found). ``heartbeat_s``: the
+    watchers' heartbeat interval instead of the default (no floors then: they wake once a
+    second); a short one shows what a beat costs when its wakes are warm.
     """
     out = []
     with tempfile.TemporaryDirectory(prefix="pw-bench-") as d, \
             tempfile.TemporaryDirectory(prefix="pw-bench-", dir=TMPFS if os.path.isdir(TMPFS) else None) as shm:
-        where = {"peerwatch": _fs(d), "tmpfs": _fs(shm)}
+        where = {"peerwatch": _fs(d), "tmpfs": _fs(shm), "python-waker": _fs(d), "c-waker": _fs(d)}
+        floors = [] if heartbeat_s is not None else ["python-waker"] + (["c-waker"] if _build_waker(d) else [])
         for n in ns:
-            variants = [(n, "none"), (n, "peerwatch")] + ([(n, "tmpfs")] if n == min(ns) else [])
-            result = _idle_phase(variants, seconds, d, shm, progress)
+            extra = ["tmpfs"] + floors if n == min(ns) else []
+            variants = [(n, mode) for mode in ["none", "peerwatch"] + extra]
+            result = _idle_phase(variants, seconds, d, shm, progress, heartbeat_s)
             base = statistics.mean(result[n, "none"][0])
             for _, mode in variants[1:]:
                 rates, inotify = result[n, mode]
                 watched = [r for r, ok in zip(rates, inotify) if ok] or [float("nan")]
                 out.append(Idle(n, where[mode], seconds, statistics.mean(rates), base, max(rates),
-                                inotify.count(False), statistics.mean(watched) - base))
+                                inotify.count(False), statistics.mean(watched) - base,
+                                FLOORS.get(mode, "peerwatch")))
     return out
+
+
+def _build_waker(folder: str) -> bool:
+    """The C floor, compiled into ``folder``; False where there is no C compiler."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        return False
+    built = subprocess.run([cc, "-O2", "-o", os.path.join(folder, "waker"), str(HERE / "_waker.c")],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return built.returncode == 0
 
 
 def _t95(n: int) -> float:

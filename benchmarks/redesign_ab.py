@@ -1,9 +1,9 @@
 """Before/after figures for a change to the watcher, with the same benchmark code: death to
 verdict and all gone at N = 8, all gone at N = 128 (a rank SIGKILLed, Lightning-style
-ranks, sleeping), and idle CPU per rank-hour at N = 8.
+ranks, sleeping), and idle CPU per rank-hour at N = 8, beside the floors of overhead.py.
 
     .venv/bin/python benchmarks/redesign_ab.py --lib /path/to/checkout-A --lib /path/to/checkout-B \\
-        [--rounds 2] [--trials 10] [--large-trials 3] [--idle-seconds 30]
+        [--rounds 2] [--trials 10] [--large-trials 3] [--idle-seconds 30] [--heartbeat S]
 
 Each ``--lib`` is a checkout whose ``peerwatch`` package the ranks import (through
 PYTHONPATH); the rounds alternate A, B, A, B... so that load drifts hit both alike.
@@ -35,6 +35,8 @@ def main() -> None:
     p.add_argument("--trials", type=int, default=10, help="trials per round at N = 8")
     p.add_argument("--large-trials", type=int, default=3, help="trials per round at N = 128")
     p.add_argument("--idle-seconds", type=float, default=30.0)
+    p.add_argument("--heartbeat", type=float, help="idle: the watchers' heartbeat (s) instead of 1 s, and the "
+                   "CPU per beat (a short one: what a beat costs when its wakes are warm)")
     p.add_argument("--only", default="latency,idle", help="what to measure: latency, idle (comma-separated)")
     args = p.parse_args()
     become_subreaper()
@@ -50,8 +52,16 @@ def main() -> None:
                 for t in latency.peerwatch_light(128, 64, args.large_trials, _quiet):
                     r.setdefault("N=128 all gone, ms", []).append(t.gone_ms or float("nan"))
             if "idle" in args.only:
-                for idle in overhead.idle_cpu([8], args.idle_seconds, _quiet)[:1]:
-                    r.setdefault("N=8 idle, CPU s/rank/hour", []).append(idle.watcher_s_per_h)
+                seen = set()
+                for idle in overhead.idle_cpu([8], args.idle_seconds, _quiet, args.heartbeat):
+                    name = f"N=8 idle, CPU s/rank/hour, {idle.what}"
+                    if name in seen:  # the second peerwatch row (its run directory on tmpfs)
+                        continue
+                    seen.add(name)
+                    r.setdefault(name, []).append(idle.watcher_s_per_h)
+                    if args.heartbeat is not None:
+                        per_beat_us = idle.watcher_s_per_h / 3600 * args.heartbeat * 1e6
+                        r.setdefault(f"N=8 idle, CPU µs per beat (heartbeat {args.heartbeat:g} s)", []).append(per_beat_us)
             figures = ", ".join(f"{m}: {statistics.median(xs):.2f}" for m, xs in r.items())
             print(f"round {rnd + 1} {lib}: load {load1():.1f}; medians so far: {figures}", file=sys.stderr, flush=True)
     metrics = list(next(iter(results.values())))

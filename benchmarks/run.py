@@ -316,7 +316,11 @@ def targets(points1: List[Point], idle: List[overhead.Idle], steps: List[overhea
         row("all gone < 0.5 s (survivors leave on SIGTERM), N = 8",
             f"median {fmt_ms(g8.median)} ms, p99 {fmt_ms(g8.p99)} ms", g8.p99 < 500)
     for i in idle:
-        row(f"idle CPU < 1 s per rank per hour, N = {i.n}, run directory on {i.where}", f"{i.watcher_s_per_h:.2f} s", i.watcher_s_per_h < 1)
+        if i.floor:
+            row(f"idle CPU, N = {i.n}: the floor, {i.what}", f"{i.watcher_s_per_h:.2f} s", None, info=True)
+        else:
+            row(f"idle CPU < 1 s per rank per hour, N = {i.n}, run directory on {i.where}",
+                f"{i.watcher_s_per_h:.2f} s", i.watcher_s_per_h < 1)
     for s in steps:
         d, ci = s.diff_pct(), s.ci95_pct()
         row(f"step time difference < 1 %, {s.kind} loop", f"{d:+.2f} % ± {ci:.2f} % (95 %)",
@@ -397,12 +401,13 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         out("## 3. Overhead")
         out()
         out(table(
-            ["N ranks, sleeping", "run directory on", "window, s", "CPU s/rank/hour without",
-             "with peerwatch (mean / max rank)", "the watcher's share",
+            ["N ranks, sleeping", "watched by", "run directory on", "window, s", "CPU s/rank/hour without",
+             "with it (mean / max rank)", "its share",
              "ranks polling (no inotify instance left)", "share of the ranks with inotify"],
-            [[str(i.n), i.where, f"{i.seconds:.0f}", f"{i.without_s_per_h:.3f}",
+            [[str(i.n), i.what, i.where, f"{i.seconds:.0f}", f"{i.without_s_per_h:.3f}",
               f"{i.with_s_per_h:.3f} / {i.with_max_s_per_h:.3f}", f"**{i.watcher_s_per_h:.3f}**",
-              f"{i.polling} of {i.n}", f"{i.inotify_s_per_h:.3f}"] for i in idle]))
+              "-" if i.floor else f"{i.polling} of {i.n}", "-" if i.floor else f"{i.inotify_s_per_h:.3f}"]
+             for i in idle]))
         out()
         for kind in ("torch", "python"):
             t = time.monotonic()
