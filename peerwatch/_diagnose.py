@@ -242,20 +242,27 @@ def _op_at(counted: Mapping[int, RankState], ranks: Sequence[int], group: Option
 def _mismatch(counted: Mapping[int, RankState], ranks: Mapping[int, RankState]) -> Optional[Found]:
     """Rule 4: at some (group, seq) that every rank of the group has published, two sides
     disagree on op, sizes or dtypes."""
-    seqs = _seqs(counted)
-    for group, by_rank in sorted(seqs.items()):
+    for group, by_rank in sorted(_seqs(counted).items()):
         # The seq the job is stuck at in this group: the lowest last enqueued seq (a rank
         # that went past with a mismatched op has it among its last entries).
         seq = min(by_rank.values())
-        sides: Dict[Tuple[str, str], List[int]] = {}
-        for rank in sorted(by_rank):
-            found = _entry(counted[rank], group, seq)
-            if found is None:
-                return None if len(sides) < 2 else _mismatch_found(group, seq, sides, ranks)
-            sides.setdefault(found, []).append(rank)
+        sides = _sides(counted, group, seq, sorted(by_rank))
         if len(sides) >= 2:
             return _mismatch_found(group, seq, sides, ranks)
     return None
+
+
+def _sides(counted: Mapping[int, RankState], group: str, seq: int, in_order: List[int]) -> Dict[Tuple[str, str], List[int]]:
+    """What the ranks entered at ``seq`` of ``group`` (op and shape -> ranks), up to the first
+    rank whose entry is not read yet (entries are read at different beats): the sides known
+    so far. Another group is still looked at."""
+    sides: Dict[Tuple[str, str], List[int]] = {}
+    for rank in in_order:
+        found = _entry(counted[rank], group, seq)
+        if found is None:
+            break
+        sides.setdefault(found, []).append(rank)
+    return sides
 
 
 def _mismatch_found(

@@ -370,6 +370,20 @@ def test_two_sides_and_a_rank_not_read_yet_is_a_mismatch_still():
     assert d is not None and (d.kind, d.laggards, d.entered, d.op) == (MISMATCH, (1,), (0,), AR), d
 
 
+def test_a_group_whose_entry_is_not_read_yet_does_not_hide_a_mismatch_in_another_group():
+    """Group "0": rank 2 has not published its entry for #5 yet (one side known). Group "1":
+    rank 1 called a barrier where the others broadcast. The mismatch is named now, not a
+    beat later."""
+    def two(entered0: Tuple[Tuple[str, int, str, str], ...], op1: str) -> RankState:
+        return RankState(collectives=(("0", 5, 4), ("1", 8, 7)), moved_mono_ns=NOW - 10 * S,
+                         entered=entered0 + (("1", 8, op1, F4),))
+
+    read, unread = (("0", 5, AR, F4),), (("0", 4, AR, F4),)
+    ranks = {0: two(read, "gloo:broadcast"), 1: two(read, "gloo:barrier"), 2: two(unread, "gloo:broadcast")}
+    d = diagnose(ranks, NOW, 5 * S)
+    assert d is not None and (d.kind, d.group, d.seq, d.laggards, d.entered) == (MISMATCH, "1", 8, (1,), (0, 2)), d
+
+
 def test_a_mismatch_tie_names_the_side_without_the_lowest_rank_and_its_text():
     barrier = tail(29) + ((30, "gloo:barrier", ""),)
     ranks = {0: rank(30, entered=tail(30)), 1: rank(30, entered=barrier), 2: rank(30, entered=barrier),
