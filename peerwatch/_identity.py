@@ -7,7 +7,9 @@ same process", so a pid that cannot be verified is never signalled.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
 import functools
 import os
 import time
@@ -64,8 +66,9 @@ def probe(pid: int) -> Optional[ProcessInfo]:
     if pid <= 0:
         return None
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            data = f.read()
+        data = _read_stat(pid)
+        if data is None:
+            return None
         uid = os.stat(f"/proc/{pid}").st_uid
     except FileNotFoundError:
         return None
@@ -85,10 +88,48 @@ def probe(pid: int) -> Optional[ProcessInfo]:
         return None
 
 
+STAT_READS = 20  # tries at /proc/PID/stat when what is read is not its stat line (see _read_stat)
+
+
+def _read_stat(pid: int) -> Optional[bytes]:
+    """``/proc/<pid>/stat``; None if there is no such process. Raises OSError if it cannot
+    be read.
+
+    Another thread of the application may take our descriptor between its open and its read
+    (``os.closerange``, or ``dup2`` of /dev/null over a range of numbers, as a daemonizing
+    library does). The read then fails with EBADF or returns another file's bytes, and a live
+    peer would be taken for gone: a whole job torn down by mistake. So what is read must be
+    pid's stat line, or it is read again. A number that is not ours any more is left open: it
+    is the application's now."""
+    head = b"%d (" % pid
+    for _ in range(STAT_READS):
+        try:
+            fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY | os.O_CLOEXEC)
+        except (FileNotFoundError, ProcessLookupError):
+            return None
+        try:
+            data = os.read(fd, 4096)
+        except ProcessLookupError:
+            return None  # it ended between the open and the read
+        except OSError as e:
+            if e.errno != errno.EBADF:
+                raise
+            continue  # closed behind our back
+        if data.startswith(head):
+            with contextlib.suppress(OSError):  # EBADF: closed behind our back since the read
+                os.close(fd)
+            return data
+    raise OSError(errno.EIO, f"/proc/{pid}/stat: another file's bytes {STAT_READS} times")
+
+
 def _probe_psutil(pid: int) -> Optional[ProcessInfo]:
     """Fallback where /proc cannot be read (not Linux)."""
-    import psutil
-
+    try:
+        import psutil
+    except (ImportError, OSError):  # OSError: the import's own descriptor taken away
+        return None
+    if not hasattr(psutil, "Process"):  # its import failed half-way before: it cannot tell
+        return None
     try:
         p = psutil.Process(pid)
         with p.oneshot():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import time
 from typing import Callable, Iterator
 
@@ -82,6 +83,18 @@ def test_probe_of_a_live_child(cat):
     assert not info.dead
     assert info.start_ticks >= self_info().start_ticks
     assert is_same_process(cat.pid, info.start_ticks, info.uid)
+
+
+def test_a_live_process_is_probed_alive_while_another_thread_takes_descriptors_away(cat):
+    """An application thread closes a range of descriptors, or dup2s /dev/null over it,
+    while the watcher probes a peer: the probe's own descriptor may go between its open and
+    its read. The probe reads again; it never says a live peer is gone (that tore a healthy
+    job down), and never raises. In a program of its own: the other thread takes numbers
+    that the test process's other code would use."""
+    program = os.path.join(os.path.dirname(__file__), "clobber_probe_program.py")
+    done = subprocess.run([sys.executable, program, str(cat.pid), "3000"], capture_output=True, text=True,
+                          timeout=60, env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    assert done.returncode == 0 and done.stdout.strip() == "wrong=0", done.stdout + done.stderr
 
 
 def test_probe_of_a_reaped_child_is_none(cat):
