@@ -18,7 +18,10 @@ delay of ``/proc/.../schedstat``): on a host with more runnable threads than CPU
 rank that works gets a small share of a CPU and waits for the rest, while a stuck one
 neither runs nor waits. A full test run beside four busy loops on 2 cores had a
 laggard's evaluation at 12 % of a core, then under the 10 % that tells it busy: its
-job was ended as stuck.
+job was ended as stuck. The wait counts up to ``WAIT_CAP`` times the CPU time the thread
+used in the same interval, no more: a thread that only wakes often to sleep again (gloo's
+loop, a 10 ms poll) waits for a CPU at every wake on a crowded host, and counted whole
+that made an idle laggard look busy (13-15 % of a core, beside three busy loops).
 
 A thread blocked on a lock, asleep, or waiting in a collective shows none of these; a
 thread spinning on the same lines shows CPU at one or two places only. The watcher samples
@@ -44,6 +47,7 @@ from typing import Deque, Dict, Iterable, List, Optional, Set, Tuple
 from ._records import Activity  # the record (pure); this module samples it
 
 WINDOW = 8  # samples (heartbeats) the published figures cover
+WAIT_CAP = 4  # a task's wait for a CPU counts up to this many times the CPU time it used meanwhile
 _TICK_MS = 1000.0 / (os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100)
 
 
@@ -64,13 +68,14 @@ class ActivitySampler:
         self._samples: Deque[_Sample] = deque(maxlen=WINDOW + 1)
         self._tid = threading.main_thread().native_id
         self._children_cpu: Dict[Tuple[int, int], float] = {}  # child -> CPU ms last read (one that exits keeps its share)
-        self._waits: Dict[int, float] = {}  # other thread -> run delay ms last read (one that ends keeps its share)
+        self._main_wait, self._other_wait, self._children_wait = _Waits(), _Waits(), _Waits()
 
     def reset(self) -> None:
         """The counters moved: what came before says nothing of the next stall."""
         self._samples.clear()
         self._children_cpu.clear()
-        self._waits.clear()
+        for waits in (self._main_wait, self._other_wait, self._children_wait):
+            waits.clear()
 
     def sample(self, children: Iterable[Tuple[int, int]]) -> None:
         main = _cpu_ms(f"/proc/self/task/{self._tid}/stat") or 0.0
@@ -80,24 +85,26 @@ class ActivitySampler:
         for child in children:
             used = _cpu_ms(f"/proc/{child[0]}/stat", child[1])
             if used is not None:  # its main thread's run delay: a data loader worker has one thread
-                self._children_cpu[child] = used + _wait_ms(f"/proc/{child[0]}/schedstat")
-        self._note_waits({t for t in [*ours, self._tid] if t is not None})
+                self._children_cpu[child] = used
+                self._children_wait.note(child, f"/proc/{child[0]}/schedstat")
+        self._main_wait.note(self._tid, f"/proc/self/task/{self._tid}/schedstat")
+        self._note_other_waits({t for t in [*ours, self._tid] if t is not None})
         self._samples.append(_Sample(
-            mono_ns=time.monotonic_ns(), cpu_ms=main + _wait_ms(f"/proc/self/task/{self._tid}/schedstat"),
-            other_cpu_ms=(_cpu_ms("/proc/self/stat") or 0.0) - main - own_cpu + sum(self._waits.values()),
+            mono_ns=time.monotonic_ns(), cpu_ms=main + self._main_wait.total_ms,
+            other_cpu_ms=(_cpu_ms("/proc/self/stat") or 0.0) - main - own_cpu + self._other_wait.total_ms,
             io_bytes=(_io_bytes("/proc/self/io") or 0) - own_io,
-            children_cpu_ms=sum(self._children_cpu.values()), place=_main_stack_key(),
+            children_cpu_ms=sum(self._children_cpu.values()) + self._children_wait.total_ms, place=_main_stack_key(),
         ))
 
-    def _note_waits(self, not_these: Set[int]) -> None:
-        """The run delay of this process's other threads, as last read."""
+    def _note_other_waits(self, not_these: Set[int]) -> None:
+        """The run delay of this process's other threads, since the last sample."""
         try:
             tids = [int(t) for t in os.listdir("/proc/self/task")]
         except (OSError, ValueError):
             return
         for tid in tids:
             if tid not in not_these:
-                self._waits[tid] = _wait_ms(f"/proc/self/task/{tid}/schedstat")
+                self._other_wait.note(tid, f"/proc/self/task/{tid}/schedstat")
 
     def current(self) -> Optional[Activity]:
         """The figures over the samples kept; None before two of them."""
@@ -138,14 +145,40 @@ def _cpu_ms(path: str, start_ticks: Optional[int] = None) -> Optional[float]:
         return None
 
 
-def _wait_ms(path: str) -> float:
-    """How long a task was runnable but waiting for a CPU (the run delay, second field of
-    ``schedstat``), in ms; 0 where the kernel does not say."""
+class _Waits:
+    """The time tasks waited for a CPU, counted as work: per task and per interval between
+    two samples, at most ``WAIT_CAP`` times the CPU time the task used in it. A task that
+    computes on a crowded host waits about as long as it runs, or a few times longer; one
+    that wakes only to sleep again uses next to nothing, and its waits count next to nothing."""
+
+    def __init__(self) -> None:
+        self._last: Dict[object, Tuple[float, float]] = {}  # task -> (on a CPU, waiting for one), ms, last read
+        self.total_ms = 0.0  # counted so far (a task that ends keeps its share)
+
+    def clear(self) -> None:
+        self._last.clear()
+        self.total_ms = 0.0
+
+    def note(self, task: object, schedstat: str) -> None:
+        now = _schedstat_ms(schedstat)
+        if now is None:
+            return
+        before = self._last.get(task)
+        self._last[task] = now
+        if before is not None:
+            ran, waited = now[0] - before[0], now[1] - before[1]
+            self.total_ms += max(0.0, min(waited, WAIT_CAP * ran))
+
+
+def _schedstat_ms(path: str) -> Optional[Tuple[float, float]]:
+    """(time on a CPU, time runnable but waiting for one) of a task, in ms, from its
+    ``schedstat``; None where the kernel does not say (or the task is gone)."""
     try:
         with open(path, "rb") as f:
-            return int(f.read().split()[1]) / 1e6
+            fields = f.read().split()
+        return int(fields[0]) / 1e6, int(fields[1]) / 1e6
     except (OSError, IndexError, ValueError):
-        return 0.0
+        return None
 
 
 def _io_bytes(path: str) -> Optional[int]:
@@ -171,4 +204,4 @@ def _main_stack_key() -> int:
     return hash(tuple(places))
 
 
-__all__ = ["WINDOW", "Activity", "ActivitySampler"]
+__all__ = ["WAIT_CAP", "WINDOW", "Activity", "ActivitySampler"]

@@ -1,6 +1,7 @@
 """The signs of work a rank shows (peerwatch._activity), on a host with more runnable
 threads than CPUs: a thread that computes gets a small share of a CPU and waits for the
-rest, and counts as working; a thread that waits on a lock neither runs nor waits.
+rest, and counts as working; a thread that waits on a lock neither runs nor waits; a
+thread that only wakes often to sleep again waits at every wake, and counts as idle.
 
 Real threads, real /proc: the rank's side runs in a child process pinned to one CPU,
 beside busy loops pinned to the same one.
@@ -37,7 +38,11 @@ def compute():
 def blocked():
     stop.wait()
 
-threading.Thread(target=compute if work == "compute" else blocked, daemon=True).start()
+def wakes():
+    while not stop.is_set():
+        time.sleep(0.01)
+
+threading.Thread(target={"compute": compute, "blocked": blocked, "wakes": wakes}[work], daemon=True).start()
 sampler = ActivitySampler()
 for _ in range(SAMPLES + 1):
     sampler.sample([])
@@ -87,3 +92,14 @@ def test_a_thread_that_computes_on_a_crowded_cpu_counts_as_working(one_busy_cpu:
 @pytest.mark.timeout(60)
 def test_a_thread_blocked_on_a_lock_on_a_crowded_cpu_shows_no_work(one_busy_cpu: int) -> None:
     assert _share(one_busy_cpu, "blocked") < 0.02
+
+
+@pytest.mark.timeout(60)
+def test_a_thread_that_wakes_every_10_ms_on_a_crowded_cpu_shows_no_work(one_busy_cpu: int) -> None:
+    """Like gloo's loop while the rank waits: it waits for the CPU at each of its 100 wakes a
+    second. Counted whole, those waits made it 13-15 % of a core, over the 10 % that tells a
+    laggard busy: a stuck multi-host laggard was diagnosed busy in a full run under load. Its
+    waits count up to WAIT_CAP times its own CPU time, which is next to nothing."""
+    from peerwatch._diagnose import BUSY_OTHER_SHARE
+
+    assert _share(one_busy_cpu, "wakes") < BUSY_OTHER_SHARE / 2
