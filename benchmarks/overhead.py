@@ -145,7 +145,8 @@ def idle_cpu(ns: List[int], seconds: float, progress: Callable[[str], None],
     out = []
     with tempfile.TemporaryDirectory(prefix="pw-bench-") as d, \
             tempfile.TemporaryDirectory(prefix="pw-bench-", dir=TMPFS if os.path.isdir(TMPFS) else None) as shm:
-        where = {"peerwatch": _fs(d), "tmpfs": _fs(shm), "python-waker": _fs(d), "c-waker": _fs(d)}
+        here = _fs(d)  # the run directories' filesystem (the floors write their records there too)
+        where = {"peerwatch": here, "tmpfs": _fs(shm), **{mode: here for mode in FLOORS}}
         floors = [] if heartbeat_s is not None else ["python-waker"] + (["c-waker"] if _build_waker(d) else [])
         for n in ns:
             extra = ["tmpfs"] + floors if n == min(ns) else []
