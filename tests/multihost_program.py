@@ -13,7 +13,8 @@ they are all gone. Killing it kills the whole simulated host.
 
 ``rank`` installs peerwatch, notes ``READY/rank-<rank>`` (JSON: pid in its namespace,
 host), then behaves: ``sleep`` (the default: beat until torn down),
-``succeed_on:NAME`` (finish cleanly once ``READY/NAME`` exists), ``raise_on:NAME``
+``succeed_on:NAME`` (finish cleanly once ``READY/NAME`` exists), ``torch_succeed_on:NAME``
+(the same after importing torch.distributed), ``raise_on:NAME``
 (raise RuntimeError once it exists), ``torch`` (import
 torch.distributed, note ``READY/torch-<rank>``, then sleep), ``gloo`` (join a gloo
 process group of every rank, note ``READY/pg-<rank>``, all_reduce in a loop), or the
@@ -139,11 +140,11 @@ def rank_main(args: argparse.Namespace) -> None:
             dist.all_reduce(t)  # fails within milliseconds when a peer on any host dies
             peerwatch.beat()
             time.sleep(step_s)
-    if name == "torch":
+    if name in ("torch", "torch_succeed_on"):
         import torch.distributed  # noqa: F401 - as a training script has it: the bridge can use it at once
         note(args.ready, f"torch-{rank}", "")
     while True:
-        if name == "succeed_on" and os.path.exists(os.path.join(args.ready, arg)):
+        if name in ("succeed_on", "torch_succeed_on") and os.path.exists(os.path.join(args.ready, arg)):
             return
         if name == "raise_on" and os.path.exists(os.path.join(args.ready, arg)):
             raise RuntimeError(f"rank {rank} failed on purpose")
