@@ -25,7 +25,7 @@ from ._watcher import Watcher
 logger = logging.getLogger("peerwatch")
 
 _registry = _hooks.Registry()
-_warned_variables: set = set()  # each unknown PEERWATCH_* variable is warned about once per process
+_warned_variables: set[str] = set()  # each unknown PEERWATCH_* variable is warned about once per process
 
 
 class Handle:
