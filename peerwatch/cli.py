@@ -1,10 +1,11 @@
 """``peerwatch report [DIR]``, ``peerwatch status [DIR] [--watch]``, ``peerwatch ls``.
 
-Without DIR, ``report`` and ``status`` take the first run directory ``ls`` lists
-(:func:`_pick`, the one rule): the live run (a rank of this host registered there is
-alive, verified by pid, start time and uid) that started last, else the one with the
-newest activity. Both always say on stderr, first, which directory they read and why, and
-warn when several runs are live (stdout stays the report alone, pure JSON with ``--json``)."""
+Without DIR, ``report`` and ``status`` take the first run directory ``ls`` lists (one
+rule, :func:`_order`; :func:`_pick` says why): the live run (a rank of this host
+registered there is alive, verified by pid, start time and uid) that started last, else
+the one with the newest activity. Both always say on stderr, first, which directory they
+read and why, and warn when several runs are live (stdout stays the report alone, pure
+JSON with ``--json``)."""
 
 from __future__ import annotations
 
