@@ -15,7 +15,7 @@ from types import TracebackType
 from typing import Any, Callable, Optional, Type
 
 from . import _basedir, _eventlog, _hooks, _identity, _launchers, _prepare, _rundir, _sharedfs, _terminal
-from ._config import Config
+from ._config import Config, unknown_variables
 from ._errors import PeerFailure, RunDirError
 from ._records import Registration, Verdict
 from ._rundir import REPORT_FILE, RunDir
@@ -25,6 +25,7 @@ from ._watcher import Watcher
 logger = logging.getLogger("peerwatch")
 
 _registry = _hooks.Registry()
+_warned_variables: set[str] = set()  # each unknown PEERWATCH_* variable is warned about once per process
 
 
 class Handle:
@@ -108,6 +109,7 @@ def _install(options: Any) -> Optional[Handle]:
         if _basedir.is_multiprocessing_child() and "rank" not in options:
             logger.debug("peerwatch: a multiprocessing child without rank=; not a rank, not watching")
             return None
+        _warn_unknown_variables()
         try:
             watcher = _start(config)
         except (RunDirError, OSError) as e:
@@ -120,6 +122,19 @@ def _install(options: Any) -> Optional[Handle]:
         _hooks.arm_exit_status(_registry)
         watcher.start()
         return Handle(watcher)
+
+
+def _warn_unknown_variables() -> None:
+    """A ``PEERWATCH_*`` variable peerwatch does not read is most likely a misspelt option,
+    which would be ignored without a word: one warning each, never an error (as pytest
+    warns of an unknown option)."""
+    for name, near in unknown_variables(os.environ):
+        if name in _warned_variables:
+            continue
+        _warned_variables.add(name)
+        hint = f"; did you mean {near}?" if near else ""
+        logger.warning("peerwatch: the environment variable %s is not one of peerwatch's and is ignored%s "
+                       "(the variables: docs/configuration.md)", name, hint)
 
 
 def _start(config: Config) -> Watcher:

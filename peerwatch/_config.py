@@ -7,9 +7,10 @@ option's name and where the value came from.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 import stat
-from typing import Any, Callable, Mapping, Optional, Tuple
+from typing import Any, Callable, List, Mapping, Optional, Tuple
 
 from ._errors import ConfigError
 
@@ -407,6 +408,36 @@ _OPTIONS: dict[str, tuple[str, Callable[[Any], Any]]] = {
 }
 _OPTION_NAMES = frozenset(_OPTIONS)
 
+# The other PEERWATCH_* variables peerwatch and its own tools read or set: never warned about.
+_OTHER_VARS = frozenset({
+    "PEERWATCH_DIR_OWNER",  # exported by install() with PEERWATCH_DIR, for the ranks it starts (_basedir)
+    "PEERWATCH_GC_KEEP", "PEERWATCH_GC_AGE",  # the policy of `peerwatch gc` and install()'s collection (_gc)
+    # Set for the on_verdict command (_notify); a Python program it runs may call install().
+    "PEERWATCH_REPORT", "PEERWATCH_FAILED_RANK", "PEERWATCH_CAUSE", "PEERWATCH_RUN_DIR", "PEERWATCH_HOST",
+    "PEERWATCH_DOCTOR_ID",  # carried by every process of `peerwatch doctor`'s self-test
+    "PEERWATCH_LOAD_ISOLATED",  # benchmarks/bridge_load.py, re-run in its own network namespace
+    "PEERWATCH_FULL_MATRIX", "PEERWATCH_MATRIX_TIMES", "PEERWATCH_DOCS_TIMELINE",  # the test suite's knobs
+})
+_TEST_PREFIX = "PEERWATCH_TEST_"  # the test suite's own (PEERWATCH_TEST_ID, PEERWATCH_TEST_NO_INOTIFY...)
+# What a user sets: a misspelt name is told the closest of these (not the hook's own).
+_SETTABLE_VARS = frozenset(var for var, _ in _OPTIONS.values()) | {"PEERWATCH_GC_KEEP", "PEERWATCH_GC_AGE"}
+KNOWN_VARS = _SETTABLE_VARS | _OTHER_VARS
+
+
+def unknown_variables(env: Mapping[str, str]) -> List[Tuple[str, Optional[str]]]:
+    """Each ``PEERWATCH_*`` variable of ``env`` that peerwatch does not read, with the known
+    variable a user sets whose name is closest (None where none is close), sorted: a misspelt one
+    (``PEERWATCH_HANG_TIMOUT``) would otherwise be ignored without a word."""
+    prefix = "PEERWATCH_"
+    # Compared without the prefix every name shares, or any name would be close to some.
+    settable = {var[len(prefix):]: var for var in sorted(_SETTABLE_VARS)}
+    found = []
+    for name in sorted(env):
+        if name.startswith(prefix) and name not in KNOWN_VARS and not name.startswith(_TEST_PREFIX):
+            near = difflib.get_close_matches(name[len(prefix):], list(settable), n=1)
+            found.append((name, settable[near[0]] if near else None))
+    return found
+
 
 def _given_values(options: Mapping[str, Any], env: Mapping[str, str]) -> tuple[dict[str, Any], dict[str, str]]:
     """Each option the user gave, parsed: a keyword argument first, then its ``PEERWATCH_*`` variable."""
@@ -571,6 +602,6 @@ def key_prefix(run_id: str) -> str:
     return f"{KEY_ROOT}/{run_id}/"
 
 __all__ = [
-    "GRACE_S", "HANG_AUTO", "MAX_SECONDS", "Config", "HangSetting", "LauncherFacts", "expected_hosts", "key_prefix", "resolve_run_id", "resolve_store",
-    "spans_hosts",
+    "GRACE_S", "HANG_AUTO", "KNOWN_VARS", "MAX_SECONDS", "Config", "HangSetting", "LauncherFacts", "expected_hosts", "key_prefix", "resolve_run_id", "resolve_store",
+    "spans_hosts", "unknown_variables",
 ]

@@ -1,9 +1,11 @@
 """``peerwatch report [DIR]``, ``peerwatch status [DIR] [--watch]``, ``peerwatch ls``.
 
-Without DIR, ``report`` and ``status`` take the first run directory ``ls`` lists: a live
-run (a rank of this host registered there is alive, verified by pid, start time and uid)
-before any other, then the one with the newest activity. Both always say on stderr, first,
-which directory they read (stdout stays the report alone, pure JSON with ``--json``)."""
+Without DIR, ``report`` and ``status`` take the first run directory ``ls`` lists (one
+rule, :func:`_order`; :func:`_pick` says why): the live run (a rank of this host
+registered there is alive, verified by pid, start time and uid) that started last, else
+the one with the newest activity. Both always say on stderr, first, which directory they
+read and why, and warn when several runs are live (stdout stays the report alone, pure
+JSON with ``--json``)."""
 
 from __future__ import annotations
 
@@ -11,9 +13,10 @@ import argparse
 import dataclasses
 import json
 import os
+import stat
 import sys
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from . import _basedir, _gc, _identity, _report, _rundir
 from ._collectives import FAILING, NONE
@@ -25,8 +28,15 @@ from ._terminal import printable
 
 def _open(path: str) -> RunDir:
     path = os.path.abspath(path)
-    if not os.path.lexists(path):
-        raise RunDirError(path, "does not exist")
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        raise RunDirError(path, "is a symbolic link to nothing" if os.path.islink(path) else "does not exist") from None
+    except OSError as e:  # a folder above it that this user cannot search, a loop of links...
+        raise RunDirError(path, f"cannot be looked at ({e.strerror or e})") from None
+    if not stat.S_ISDIR(mode):
+        # Checked before access(): root may read any file, and a file is no run directory.
+        raise RunDirError(path, "is not a directory, so not a peerwatch run directory")
     if not os.access(path, os.R_OK | os.X_OK):
         raise RunDirError(path, "cannot be read by this user")
     if not os.path.isdir(os.path.join(path, _rundir.RANKS)):
@@ -46,22 +56,32 @@ class Run:
     path: str
     state: str  # LIVE, ELSEWHERE or FINISHED
     last_activity: float  # seconds since the epoch: the newest change to its records (_gc.last_activity)
+    # LIVE only: when its first live rank of this host registered (time.time_ns()). Unlike
+    # last_activity, which every heartbeat moves, it stays put while the run lives, so two
+    # live runs are always taken in the same order.
+    started_ns: int = 0
 
 
 def _run(path: str) -> Run:
     """``path``'s state and last activity; raises OSError when it cannot be read."""
     regs = _gc.live_registrations(path)
-    state = LIVE if any(_identity.is_local(r) for r in regs) else ELSEWHERE if regs else FINISHED
-    return Run(path, state, _gc.last_activity(path))
+    local = [r.time_ns for r in regs if _identity.is_local(r)]
+    state = LIVE if local else ELSEWHERE if regs else FINISHED
+    return Run(path, state, _gc.last_activity(path), min(local, default=0))
+
+
+def _order(run: Run) -> Tuple[int, int, float, str]:
+    """Live runs first, the one started last first; then the others by their last activity,
+    newest first (not the folder's mtime, which a running job does not move)."""
+    if run.state == LIVE:
+        return (0, -run.started_ns, 0.0, run.path)
+    return (1, 0, -run.last_activity, run.path)
 
 
 def _runs(base: str) -> List[Run]:
-    """The run directories under ``base``: live ones first, then by their last activity,
-    newest first (not the folder's mtime, which a running job does not move)."""
-    try:
-        names = os.listdir(base)
-    except OSError:
-        return []
+    """The run directories under ``base``, in :func:`_order`; raises OSError when ``base``
+    cannot be listed (it does not exist, is no directory, cannot be read)."""
+    names = os.listdir(base)
     found = []
     for name in names:
         path = os.path.join(base, name)
@@ -71,24 +91,53 @@ def _runs(base: str) -> List[Run]:
             found.append(_run(path))
         except OSError:
             continue
-    return sorted(found, key=lambda r: (r.state != LIVE, -r.last_activity, r.path))
+    return sorted(found, key=_order)
+
+
+def _clock(time_ns: int) -> str:
+    return time.strftime("%H:%M:%S", time.localtime(time_ns / 1e9))
+
+
+def _pick(runs: List[Run]) -> Tuple[Run, str, Optional[str]]:
+    """The run ``status`` and ``report`` read without one named: the first of ``runs``
+    (in :func:`_order`, as ``ls`` lists them); why; and a warning when several are live."""
+    first = runs[0]
+    live = [r for r in runs if r.state == LIVE]
+    if not live:
+        where = "no run is live on this host" if first.state == FINISHED else "no run of this host is live"
+        return first, f"{first.state}: {where}; the one with the newest activity", None
+    if len(live) == 1:
+        return first, "live: the only live run on this host", None
+    why = f"live: the newest of the {len(live)} live runs on this host, started at {_clock(first.started_ns)}"
+    others = ", ".join(f"{printable(r.path)} (started at {_clock(r.started_ns)})" for r in live)
+    return first, why, f"{len(live)} runs are live on this host: {others}; name one to read another"
 
 
 def _chosen(given: Optional[str]) -> RunDir:
-    """The run directory named, or the first ``ls`` lists; says which on stderr, first."""
+    """The run directory named, or the one :func:`_pick` takes; says which and why on
+    stderr, first."""
+    warning = None
     if given:
         rd = _open(given)
         try:
-            state = _run(rd.path).state
+            why = f"{_run(rd.path).state}, as named"
         except OSError as e:
             raise RunDirError(rd.path, f"cannot be read ({e.strerror or e})") from None
     else:
         base = _basedir.base_dir()
-        runs = _runs(base)
+        try:
+            runs = _runs(base)
+        except FileNotFoundError:
+            raise RunDirError(base, "does not exist: no run has used it yet; name a run directory") from None
+        except OSError as e:
+            raise RunDirError(base, f"cannot be listed ({e.strerror or e}); name a run directory") from None
         if not runs:
             raise RunDirError(base, "holds no run directories; name one (peerwatch ls --base DIR lists them)")
-        rd, state = _open(runs[0].path), runs[0].state
-    print(f"run directory: {printable(rd.path)} ({state})", file=sys.stderr, flush=True)
+        run, why, warning = _pick(runs)
+        rd = _open(run.path)
+    print(f"peerwatch: showing {printable(rd.path)} ({why})", file=sys.stderr, flush=True)
+    if warning is not None:
+        print(f"peerwatch: warning: {warning}", file=sys.stderr, flush=True)
     return rd
 
 
@@ -186,8 +235,19 @@ def _watcher_deaths(rd: RunDir, pids: Dict[int, Any]) -> List[str]:
 
 def _ls_cmd(args: argparse.Namespace) -> int:
     base = args.base or _basedir.base_dir()
+    try:
+        runs = _runs(base)
+    except FileNotFoundError:
+        if args.base:  # a folder named that is not there: a typo, not an empty list
+            print(f"peerwatch: ls: {printable(base)} does not exist", file=sys.stderr)
+            return 2
+        print(f"no run directories in {printable(base)} (no run has used it yet)")
+        return 0
+    except OSError as e:
+        print(f"peerwatch: ls: {printable(base)} cannot be listed: {e.strerror or e}", file=sys.stderr)
+        return 2
     rows = []
-    for run in _runs(base):
+    for run in runs:
         try:
             report = _report.build(RunDir(run.path))
         except OSError:
@@ -225,24 +285,49 @@ def _doctor_cmd(args: argparse.Namespace) -> int:
     return _doctor.main(self_test=args.self_test, as_json=args.json)
 
 
+class _Subcommand(argparse.ArgumentParser):
+    """A subcommand's parser: an argument it does not know is its own error, said with its
+    usage (argparse hands it up to the top-level parser, whose usage names no option of the
+    subcommand)."""
+
+    def parse_known_args(  # type: ignore[override]
+        self, args: Optional[Sequence[str]] = None, namespace: Optional[argparse.Namespace] = None
+    ) -> Tuple[argparse.Namespace, List[str]]:
+        parsed, extra = super().parse_known_args(args, namespace)
+        if extra:
+            self.error(f"unrecognized arguments: {' '.join(extra)}")
+        return parsed, extra
+
+
+def _interval(text: str) -> float:
+    """``--interval``: seconds above 0 (an error of the ``status`` subcommand, with its usage)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid float value: {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be above 0 and finite, not {text}")
+    return value
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="peerwatch", description="Inspect peerwatch run directories.")
     from . import __version__
 
     parser.add_argument("--version", action="version", version=f"peerwatch {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Subcommand)
     p = sub.add_parser("report", help="the root cause and what happened to every rank")
-    p.add_argument("dir", nargs="?", help="a run directory (default: a live run on this host, else the newest)")
+    p.add_argument("dir", nargs="?", help="a run directory (default: the live run of this host started last, else the newest)")
     p.add_argument("--json", action="store_true", help="print the report as JSON (report.json; its keys: docs/report.md) instead of text")
     p.add_argument("--timeline", metavar="FILE.svg", help="also draw the run's last seconds, one lane per rank, to FILE.svg")
     p.set_defaults(func=_report_cmd)
     p = sub.add_parser("status", help="a table of the ranks: pid, host, state, heartbeat age, step, exit")
-    p.add_argument("dir", nargs="?", help="a run directory (default: a live run on this host, else the newest)")
+    p.add_argument("dir", nargs="?", help="a run directory (default: the live run of this host started last, else the newest)")
     p.add_argument("--watch", action="store_true", help="refresh the table until Ctrl-C")
     p.add_argument("--json", action="store_true", help="print the report's JSON (ranks, verdict, diagnosis) once")
-    p.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes with --watch (1)")
+    p.add_argument("--interval", type=_interval, default=1.0, help="seconds between refreshes with --watch (1)")
     p.set_defaults(func=_status_cmd)
-    p = sub.add_parser("ls", help="the run directories on this host: live ones first, then by last activity")
+    p = sub.add_parser("ls", help="the run directories on this host: live ones first (started last first), then by last activity")
     p.add_argument("--base", help="where to look (default: this user's peerwatch folder)")
     p.set_defaults(func=_ls_cmd)
     p = sub.add_parser("gc", help="remove finished run directories under the default base (what is kept and why: --dry-run)")
@@ -253,8 +338,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--no-self-test", dest="self_test", action="store_false", help="only the checks")
     p.set_defaults(func=_doctor_cmd)
     args = parser.parse_args(argv)
-    if getattr(args, "interval", 1.0) <= 0:
-        parser.error("--interval must be above 0")
     try:
         return int(args.func(args))
     except RunDirError as e:

@@ -112,7 +112,7 @@ def test_a_timeline_that_cannot_be_written_is_said_in_one_line(tmp_path: Path) -
                              capture_output=True, text=True, timeout=30)
         assert run.returncode == 2, run
         said, *error = run.stderr.splitlines()  # first, which run directory it read
-        assert said == f"run directory: {tmp_path / 'run'} (finished)", run.stderr
+        assert said == f"peerwatch: showing {tmp_path / 'run'} (finished, as named)", run.stderr
         assert len(error) == 1 and error[0].startswith("peerwatch: cannot write the timeline to"), run.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["adir", "run"]
 
