@@ -140,6 +140,9 @@ class Observed:
     # ended with no outcome recorded, its interpreter finalizes, its exit status is to come.
     # This host's ranks, read only while a collective exception is to be judged (rule 5).
     leaving: Mapping[int, int] = dataclasses.field(default_factory=dict)
+    # When this judge last resumed after it was not running (CLOCK_MONOTONIC, as now_mono_ns;
+    # peerwatch._awake): no silence counts from before then.
+    awake_since_ns: int = 0
 
     def live_progress(self) -> Dict[int, RankState]:
         """The progress of the ranks neither finished nor gone: those a hang is judged by."""
@@ -367,7 +370,7 @@ def _hang(obs: Observed, policy: Policy) -> Optional[Verdict]:
     beats = [t for p in live.values() for t in (p.beat_mono_ns, p.moved_mono_ns) if t is not None]
     if not beats:
         return None  # nobody reports progress (no beat() nor collective yet): nothing to judge by
-    silent_ns = obs.now_mono_ns - max(beats)
+    silent_ns = obs.now_mono_ns - max(max(beats), obs.awake_since_ns)  # only time this judge saw pass
     if silent_ns < policy.hang_timeout_ns:
         return None
 
