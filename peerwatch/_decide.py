@@ -45,8 +45,10 @@ Rules, in order:
    learnt threshold) of a stall still going on is the verdict: its first laggard, cause hang,
    from the diagnosis' ``end_at_ns`` on (at once for a hang or a mismatch; for laggards
    that are busy, not stuck, near the collective timeout).
+   A silence counts only from the judge's last resume (``awake_since_ns``,
+   peerwatch._awake): a judge stopped with the ranks reads their stale heartbeats first.
 7. Lost (shared-filesystem mode): a rank on another host whose heartbeat has not changed
-   for ``peer_timeout``, by this host's monotonic clock, and that has no success marker
+   for ``peer_timeout``, by this host's monotonic clock (from the judge's last resume), and that has no success marker
    nor any other record of how it ended, is lost (its host died, is cut off, or is
    frozen). The watcher writes a failure record (cause ``lost``) on its behalf, naming the
    host and its silent ranks, so that every host and the report see the same cause.
