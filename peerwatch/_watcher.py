@@ -300,7 +300,7 @@ class Watcher:
                 self._stop_judging(lost)
                 return
             looked, now = woken or full_look, time.monotonic()
-            missing = self._missing_ranks() if sched.startup_over(now) else ()
+            missing = self._missing_ranks() if sched.startup_over(now, obs.awake.since_ns / 1e9) else ()
             # An idle turn (a heartbeat, nothing seen, nothing due) has nothing to judge.
             if looked or judge_hang or missing or sched.due(now):
                 if looked:
