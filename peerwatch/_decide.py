@@ -48,9 +48,9 @@ Rules, in order:
    A silence counts only from the judge's last resume (``awake_since_ns``,
    peerwatch._awake): a judge stopped with the ranks reads their stale heartbeats first.
 7. Lost (shared-filesystem mode): a rank on another host whose heartbeat has not changed
-   for ``peer_timeout``, by this host's monotonic clock (from the judge's last resume), and that has no success marker
-   nor any other record of how it ended, is lost (its host died, is cut off, or is
-   frozen). The watcher writes a failure record (cause ``lost``) on its behalf, naming the
+   for ``peer_timeout``, by this host's monotonic clock (from the judge's last resume),
+   and that has no success marker nor any other record of how it ended, is lost (its host
+   died, is cut off, or is frozen). The watcher writes a failure record (cause ``lost``) on its behalf, naming the
    host and its silent ranks, so that every host and the report see the same cause.
 
 8. Victims are not blamed: when the root cause found by rules 3-5 is a rank that died of
