@@ -45,10 +45,12 @@ Rules, in order:
    learnt threshold) of a stall still going on is the verdict: its first laggard, cause hang,
    from the diagnosis' ``end_at_ns`` on (at once for a hang or a mismatch; for laggards
    that are busy, not stuck, near the collective timeout).
+   A silence counts only from the judge's last resume (``awake_since_ns``,
+   peerwatch._awake): a judge stopped with the ranks reads their stale heartbeats first.
 7. Lost (shared-filesystem mode): a rank on another host whose heartbeat has not changed
-   for ``peer_timeout``, by this host's monotonic clock, and that has no success marker
-   nor any other record of how it ended, is lost (its host died, is cut off, or is
-   frozen). The watcher writes a failure record (cause ``lost``) on its behalf, naming the
+   for ``peer_timeout``, by this host's monotonic clock (from the judge's last resume),
+   and that has no success marker nor any other record of how it ended, is lost (its host
+   died, is cut off, or is frozen). The watcher writes a failure record (cause ``lost``) on its behalf, naming the
    host and its silent ranks, so that every host and the report see the same cause.
 
 8. Victims are not blamed: when the root cause found by rules 3-5 is a rank that died of
@@ -140,6 +142,9 @@ class Observed:
     # ended with no outcome recorded, its interpreter finalizes, its exit status is to come.
     # This host's ranks, read only while a collective exception is to be judged (rule 5).
     leaving: Mapping[int, int] = dataclasses.field(default_factory=dict)
+    # When this judge last resumed after it was not running (CLOCK_MONOTONIC, as now_mono_ns;
+    # peerwatch._awake): no silence counts from before then.
+    awake_since_ns: int = 0
 
     def live_progress(self) -> Dict[int, RankState]:
         """The progress of the ranks neither finished nor gone: those a hang is judged by."""
@@ -367,7 +372,7 @@ def _hang(obs: Observed, policy: Policy) -> Optional[Verdict]:
     beats = [t for p in live.values() for t in (p.beat_mono_ns, p.moved_mono_ns) if t is not None]
     if not beats:
         return None  # nobody reports progress (no beat() nor collective yet): nothing to judge by
-    silent_ns = obs.now_mono_ns - max(beats)
+    silent_ns = obs.now_mono_ns - max(max(beats), obs.awake_since_ns)  # only time this judge saw pass
     if silent_ns < policy.hang_timeout_ns:
         return None
 

@@ -128,16 +128,20 @@ def last_move(ranks: Mapping[int, RankState]) -> Optional[int]:
     return max(times, default=None)
 
 
-def diagnose(ranks: Mapping[int, RankState], now_mono_ns: int, threshold_ns: int, timeout_ms: int = 0) -> Optional[Found]:
+def diagnose(
+    ranks: Mapping[int, RankState], now_mono_ns: int, threshold_ns: int, timeout_ms: int = 0, awake_since_ns: int = 0,
+) -> Optional[Found]:
     """The diagnosis if nothing has moved for ``threshold_ns``; None otherwise.
-    ``timeout_ms``: the shortest collective timeout (0: unknown), for rule 6's end."""
+    ``timeout_ms``: the shortest collective timeout (0: unknown), for rule 6's end.
+    ``awake_since_ns``: when the judge last resumed (peerwatch._awake): only the time since
+    counts (a judge that was stopped with the ranks sees their stale heartbeats first)."""
     if threshold_ns <= 0 or not ranks or any(s.paused for s in ranks.values()):
         return None
     counted = {r: s for r, s in ranks.items() if s.collectives}
     last = last_move(ranks)
     if not counted or last is None:
         return None
-    since = now_mono_ns - last
+    since = now_mono_ns - max(last, awake_since_ns)
     if since < threshold_ns:
         return None
     evidence = {r: busy_evidence(s) for r, s in ranks.items()}
@@ -335,11 +339,13 @@ class Threshold:
         self.gaps = 0
         self._last: Optional[int] = None
 
-    def observe(self, last_move_ns: Optional[int]) -> None:
-        """The job's last movement as now seen; a new one closes an interval."""
+    def observe(self, last_move_ns: Optional[int], awake_since_ns: int = 0) -> None:
+        """The job's last movement as now seen; a new one closes an interval. One that began
+        before the judge last resumed (``awake_since_ns``, peerwatch._awake) is not learnt:
+        it holds time nobody saw pass (the job suspended, the judge with it)."""
         if last_move_ns is None:
             return
-        if self._last is not None and last_move_ns > self._last:
+        if self._last is not None and last_move_ns > self._last and self._last >= awake_since_ns:
             self.longest_ns = max(self.longest_ns, last_move_ns - self._last)
             self.gaps += 1
         if self._last is None or last_move_ns > self._last:

@@ -56,14 +56,15 @@ class Diagnoser:
         on (written by this judge or another one of this host), or None. A busy finding
         is looked at again every time: its laggard may stop working (then it is a hang)."""
         timeout_ms = min((p.timeout_ms for p in obs.progress.values() if p.timeout_ms > 0), default=0)
-        ranks = self._with_other_hosts(self.ranks(obs), obs.now_mono_ns, self.threshold.value_ns(timeout_ms))
+        ranks = self._with_other_hosts(self.ranks(obs), obs, self.threshold.value_ns(timeout_ms))
         last = _diagnose.last_move(ranks)
-        self.threshold.observe(last)
+        self.threshold.observe(last, obs.awake_since_ns)
         self._resolve(last, obs.now_ns)
         current = self._observer.diagnosis()
         if current is not None and current.resolved_ns is None and current.finding != BUSY:
             return current
-        found = _diagnose.diagnose(ranks, obs.now_mono_ns, self.threshold.value_ns(timeout_ms), timeout_ms)
+        found = _diagnose.diagnose(ranks, obs.now_mono_ns, self.threshold.value_ns(timeout_ms), timeout_ms,
+                                   obs.awake_since_ns)
         if found is None or (current is not None and current.resolved_ns is None and found.kind == BUSY):
             return current  # nothing, or still busy: the record written stands
         stalled_at_ns = obs.now_ns - found.since_ns
@@ -83,12 +84,12 @@ class Diagnoser:
         return self._observer.diagnosis()
 
     def _with_other_hosts(
-        self, local: Dict[int, _diagnose.RankState], now_mono_ns: int, threshold_ns: int,
+        self, local: Dict[int, _diagnose.RankState], obs: _decide.Observed, threshold_ns: int,
     ) -> Dict[int, _diagnose.RankState]:
         """This host's ranks, and, while they stand still, the other hosts' that do too
         (each rank with its host named). Says the former to the bridge (RUN/stall.json)."""
         host = _identity.hostname()
-        summary = _summary.summarize(local, host, now_mono_ns, threshold_ns)
+        summary = _summary.summarize(local, host, obs.now_mono_ns, threshold_ns, obs.awake_since_ns)
         if summary is None:
             if self._stall_written:  # it moved again: the bridge stops saying it stands still
                 self._stall_written = not self._write(STALL_FILE, b"{}")

@@ -14,6 +14,7 @@ import hashlib
 import json
 from typing import AbstractSet, Dict, List, Mapping, Optional, Set, Tuple
 
+from ._awake import AwakeClock
 from ._config import Config
 from ._records import EXCEPTION, EXIT, LOST, Failure, Verdict
 
@@ -97,8 +98,8 @@ class Liveness:
     A host is lost when its beat's sequence number has not grown for ``timeout_ns`` of our
     own observations (a beat with a lower or equal one is an old beat written back: no news). No clock is compared across hosts. If we ourselves were not running for
     a while (frozen, starved: more than half the timeout between two looks), that gap is not
-    held against anyone: the clock restarts. Hosts whose beat says ``done`` are never lost
-    (the job is ending).
+    held against anyone: silences count from our resume (:class:`peerwatch._awake.AwakeClock`).
+    Hosts whose beat says ``done`` are never lost (the job is ending).
     """
 
     def __init__(self, timeout_ns: int) -> None:
@@ -107,14 +108,11 @@ class Liveness:
         self.seqs: Dict[int, int] = {}  # the highest sequence number seen per host
         self.changed_ns: Dict[int, int] = {}
         self.done: Set[int] = set()
-        self._last_ns: Optional[int] = None
+        self._awake = AwakeClock(timeout_ns // 2)
 
     def observe(self, now_ns: int, beats: Mapping[int, Optional[bytes]]) -> None:
         """One look at every host's beat (None: not known this time, no change)."""
-        if self._last_ns is not None and now_ns - self._last_ns > self.timeout_ns // 2:
-            for host in self.changed_ns:
-                self.changed_ns[host] = now_ns  # we were not looking: judge from now on
-        self._last_ns = now_ns
+        self._awake.tick(now_ns)
         for host, value in beats.items():
             if value is None:
                 continue
@@ -133,11 +131,11 @@ class Liveness:
     def lost(self, now_ns: int, exclude: AbstractSet[int] = frozenset()) -> List[int]:
         return sorted(
             h for h, t in self.changed_ns.items()
-            if h not in self.done and h not in exclude and now_ns - t >= self.timeout_ns
+            if h not in self.done and h not in exclude and self._awake.counted_ns(t, now_ns) >= self.timeout_ns
         )
 
     def silent_s(self, host: int, now_ns: int) -> float:
-        return (now_ns - self.changed_ns.get(host, now_ns)) / 1e9
+        return self._awake.counted_ns(self.changed_ns.get(host, now_ns), now_ns) / 1e9
 
 
 # -- which hosts to look at -------------------------------------------------------------

@@ -26,6 +26,7 @@ import time
 from typing import Dict, List, Optional, Set, Tuple
 
 from . import _decide, _eventlog, _identity, _rundir, _sharedfs
+from ._awake import AwakeClock
 from ._diagnose import RankState
 from ._heartbeat import OwnProgress, main_thread_position
 from ._ownrecords import OwnRecords
@@ -57,9 +58,12 @@ class Observer:
 
     def __init__(
         self, run_dir: RunDir, me: Registration, use_pidfd: bool, remote: Optional[_sharedfs.RemoteWatch],
-        records: Optional[OwnRecords] = None,
+        records: Optional[OwnRecords] = None, interval_s: float = 1.0,
     ) -> None:
         self.run_dir = run_dir
+        # The hang judges' clock: how long they were awake to see a silence. Ticked by the
+        # watcher on every turn of its loop (``interval_s`` at most apart) and as it judges.
+        self.awake = AwakeClock.every(interval_s)
         self.me = me
         self.use_pidfd = use_pidfd
         self.remote = remote  # shared-filesystem mode: other hosts' heartbeats
@@ -371,6 +375,7 @@ class Observer:
         """Everything known now, for decide(). ``progress``: this rank's own (hang judges
         only; the peers' is read from their heartbeats then); ``own``: what this rank's
         heartbeat last published of its collectives."""
+        self.awake.tick(time.monotonic_ns())  # before the heartbeats are read: a gap shows now
         verdict = self.events.get(VERDICT_FILE)
         failures = self.of_kind(Failure)
         return _decide.Observed(
@@ -381,8 +386,9 @@ class Observer:
             oom_kills=self._oom_kills_since_start(),
             progress=self._progress(progress, stale_after_s, own) if progress is not None else {},
             now_mono_ns=time.monotonic_ns(), missing=missing, diagnosis=self.diagnosis(),
-            remote_silence=self.remote.silence() if self.remote is not None else {},
+            remote_silence=self.remote.silence(self.awake) if self.remote is not None else {},
             leaving=self._leaving_ranks() if not isinstance(verdict, Verdict) and _judging_an_echo(failures) else {},
+            awake_since_ns=self.awake.since_ns,
         )
 
     def _leaving_ranks(self) -> Dict[int, int]:
@@ -435,7 +441,10 @@ class Observer:
         state = info.state if info is not None and info.start_ticks == reg.start_ticks else "?"
         if beat is None or beat.pid != reg.pid:
             return RankState(state=state)
-        return RankState.of(beat, state, watcher_silent=time.time_ns() - beat.time_ns > stale_after_s * 1e9)
+        # Its age counts only while this judge was awake to see it (peerwatch._awake).
+        now_ns = time.monotonic_ns()
+        age_ns = self.awake.counted_ns(now_ns - (time.time_ns() - beat.time_ns), now_ns)
+        return RankState.of(beat, state, watcher_silent=age_ns > stale_after_s * 1e9)
 
 
 def _judging_an_echo(failures: Dict[int, object]) -> bool:

@@ -37,6 +37,7 @@ class Schedule:
         self.recheck: Optional[float] = None
         self.hold: Optional[float] = None
         self.startup: Optional[float] = now + startup_s if startup_s else None
+        self._startup_s = startup_s or 0.0
 
     def beat_due(self, now: float) -> bool:
         """True (and the beat counted) if a heartbeat is due."""
@@ -71,9 +72,11 @@ class Schedule:
         recheck, hold = self.recheck, self.hold  # (no generator: asked on every turn of the loop)
         return (recheck is not None and now >= recheck) or (hold is not None and now >= hold)
 
-    def startup_over(self, now: float) -> bool:
-        """True once, when ``startup_timeout`` has passed."""
-        if self.startup is None or now < self.startup:
+    def startup_over(self, now: float, awake_since: float = 0.0) -> bool:
+        """True once, when ``startup_timeout`` has passed, counted from ``awake_since`` at
+        the earliest: when the watcher last resumed (peerwatch._awake; the ranks it waits
+        for may have been stopped with it)."""
+        if self.startup is None or now < max(self.startup, awake_since + self._startup_s):
             return False
         self.startup = None
         return True

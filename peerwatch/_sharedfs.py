@@ -40,6 +40,7 @@ from ._mounts import MOUNTINFO, NETWORK_FS_TYPES, Mount, is_network_fs, mount_of
 from ._records import Heartbeat, Registration
 
 if TYPE_CHECKING:
+    from ._awake import AwakeClock
     from ._rundir import RunDir
 
 logger = logging.getLogger("peerwatch")
@@ -178,9 +179,11 @@ class RemoteWatch:
                 beat = self.run_dir.read(HEARTBEATS, name, Heartbeat)
                 self.beats.observe(rank, (beat.pid, beat.seq) if beat is not None and beat.pid == reg.pid else None, now_ns)
 
-    def silence(self) -> Dict[int, int]:
-        """rank -> ns its heartbeat has not changed, by this host's monotonic clock."""
-        return dict(self.beats.silence(time.monotonic_ns()))
+    def silence(self, awake: AwakeClock) -> Dict[int, int]:
+        """rank -> ns its heartbeat has not changed, by this host's monotonic clock, counted
+        only while the judge (``awake``: its clock) was awake to see it."""
+        now_ns = time.monotonic_ns()
+        return {rank: max(0, awake.counted_ns(now_ns - ns, now_ns)) for rank, ns in self.beats.silence(now_ns).items()}
 
 
 __all__ = [

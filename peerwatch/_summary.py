@@ -87,13 +87,19 @@ class Summary:
         return sorted([r for ranks, _ in self.waiting for r in ranks] + [r for r, _ in self.detailed])
 
 
-def summarize(ranks: Mapping[int, RankState], host: str, now_mono_ns: int, threshold_ns: int) -> Optional[Summary]:
+def summarize(
+    ranks: Mapping[int, RankState], host: str, now_mono_ns: int, threshold_ns: int, awake_since_ns: int = 0,
+) -> Optional[Summary]:
     """This host's summary, if its ranks have stood still for ``PUBLISH_FRACTION`` of the
-    threshold (None otherwise, or when no rank counts collectives)."""
+    threshold (None otherwise, or when no rank counts collectives). Their age counts from
+    ``awake_since_ns`` at the earliest: the judge's last resume (peerwatch._awake)."""
     if not any(s.collectives for s in ranks.values()):
         return None
     last = max((t for s in ranks.values() for t in (s.moved_mono_ns, s.beat_mono_ns) if t is not None), default=None)
-    if last is None or now_mono_ns - last < PUBLISH_FRACTION * threshold_ns:
+    if last is None:
+        return None
+    age_ns = now_mono_ns - max(last, awake_since_ns)
+    if age_ns < PUBLISH_FRACTION * threshold_ns:
         return None
     groups: Dict[Tuple[Any, ...], List[int]] = {}
     detailed: List[Tuple[int, RankState]] = []
@@ -105,7 +111,7 @@ def summarize(ranks: Mapping[int, RankState], host: str, now_mono_ns: int, thres
     waiting = tuple(
         (tuple(rs), RankState(collectives=c, entered=e, in_collective=True)) for (c, e), rs in groups.items()
     )
-    return Summary(host, str(last), (now_mono_ns - last) // 1_000_000, threshold_ns // 1_000_000, waiting,
+    return Summary(host, str(last), age_ns // 1_000_000, threshold_ns // 1_000_000, waiting,
                    tuple(detailed))
 
 

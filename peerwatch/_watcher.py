@@ -143,7 +143,7 @@ class Watcher:
         # it, through their own writer: on disk before that thread goes on, and read back by
         # the observer like any other record (its state has the watcher thread as one writer).
         self.own_records = OwnRecords(run_dir, me)
-        self.observer = Observer(run_dir, me, use_pidfd, remote, self.own_records)
+        self.observer = Observer(run_dir, me, use_pidfd, remote, self.own_records, config.heartbeat_interval)
         self._hangs = hangs = _decide.HangJudging.from_config(config)
         self.heartbeat = HeartbeatWriter(run_dir, me, self.progress, with_position=hangs.timeout,
                                          read_collectives=hangs.read_collectives,
@@ -292,6 +292,7 @@ class Watcher:
             woken = obs.wait(sched.timeout(now, judge_remote))
             if self.done.is_set():
                 break
+            obs.awake.tick(time.monotonic_ns())  # a turn that took too long: this thread was not running
             if self.heartbeat.children_changed.is_set():
                 self.heartbeat.write(obs.local_pids)
             lost = obs.storage_lost()  # on every turn: a rank must say at once that it is unprotected
@@ -299,7 +300,7 @@ class Watcher:
                 self._stop_judging(lost)
                 return
             looked, now = woken or full_look, time.monotonic()
-            missing = self._missing_ranks() if sched.startup_over(now) else ()
+            missing = self._missing_ranks() if sched.startup_over(now, obs.awake.since_ns / 1e9) else ()
             # An idle turn (a heartbeat, nothing seen, nothing due) has nothing to judge.
             if looked or judge_hang or missing or sched.due(now):
                 if looked:

@@ -311,3 +311,63 @@ def test_no_diagnosis_for_ranks_that_never_import_torch(make_job) -> None:
 def test_no_diagnosis_for_a_job_without_collectives(make_job) -> None:
     job = make_job(steps=300, flags=["--no-collectives"])
     _ends_cleanly(job, within=6.0 + 20.0)
+
+
+# -- a scheduler suspends the job and resumes it ------------------------------------------
+
+SUSPEND_BEAT_S = 0.2  # the heartbeat interval of the suspended jobs (the judges look this often)
+SUSPEND_WARN_S = 4.0  # their hang_warn: well under the stop, well over rank 0's head start
+STOP_S = 6.0  # how long every rank stays stopped
+HEAD_START_BEATS = 5  # rank 0 resumes first, for this many of its heartbeats (about a second)
+
+
+def _heartbeat(job: DiagJob, rank: int) -> Optional[dict]:
+    """The rank's last heartbeat (None: not written yet, or caught mid-rewrite)."""
+    try:
+        beat = json.loads((job.run_dir / "heartbeats" / f"rank-{rank:05d}.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return beat if isinstance(beat, dict) and beat.get("pid") == job.pids[rank] else None
+
+
+def _wait_heartbeats(job: DiagJob, what: str, done: Callable[[Dict[int, dict]], bool], within: float) -> None:
+    """Wait until ``done`` holds of every rank's last heartbeat; fail with the logs after ``within`` s."""
+    deadline = time.monotonic() + within
+    while True:
+        beats = {r: _heartbeat(job, r) for r in range(WORLD)}
+        if all(b is not None for b in beats.values()) and done(beats):  # type: ignore[arg-type]
+            return
+        assert not any(p.gone() for p in job.all_procs()), f"a rank ended while waiting until {what}\n{job.logs()}"
+        assert time.monotonic() < deadline, f"not {what} within {within}s\n{job.logs()}"
+        time.sleep(0.05)  # files in a folder: no event to poll on here; the deadline bounds it
+
+
+def test_a_job_suspended_and_resumed_by_its_scheduler_goes_on(make_job) -> None:
+    """Every rank SIGSTOPped for longer than the thresholds, then resumed, rank 0 a second
+    before the others (a scheduler's suspend): the judges were stopped too, and count a
+    silence only while they were awake to see it. Before, rank 0's judge read everyone's
+    stale heartbeats as a hang and hang_timeout=auto ended the job (124, -15, -15)."""
+    job = make_job(steps=120, step_s=0.05, env={
+        "PEERWATCH_HEARTBEAT": f"{SUSPEND_BEAT_S:g}", "PEERWATCH_HANG_WARN": f"{SUSPEND_WARN_S:g}",
+        "PEERWATCH_HANG_TIMEOUT": "auto",
+    })
+    job.wait_ready(timeout=START_S)
+    # Mid-training: every rank's heartbeat carries its collective counters (the judges judge).
+    _wait_heartbeats(job, "every rank published its collectives", lambda b: all(x["collectives"] for x in b.values()),
+                     within=10.0)
+    for rank in range(WORLD):
+        job.kill(rank, signal.SIGSTOP)
+    _wait_heartbeats(job, f"every heartbeat is {STOP_S:g}s old",
+                     lambda b: time.time_ns() - max(x["time_ns"] for x in b.values()) >= STOP_S * 1e9,
+                     within=STOP_S + 5.0)
+    seq = _heartbeat(job, 0)["seq"]  # type: ignore[index]
+    job.kill(0, signal.SIGCONT)
+    _wait_heartbeats(job, f"rank 0 wrote {HEAD_START_BEATS} heartbeats since it resumed",
+                     lambda b: b[0]["seq"] >= seq + HEAD_START_BEATS, within=10.0)
+    for rank in range(1, WORLD):
+        job.kill(rank, signal.SIGCONT)
+    job.wait_gone(within=30.0)
+    assert job.returncodes() == {0: 0, 1: 0, 2: 0}, job.logs()
+    assert job.diagnosis_record() is None, job.diagnosis_record()
+    assert not (job.run_dir / "events" / "verdict.json").exists(), job.logs()
+    assert not job.lines("peerwatch: hang:") and not job.lines("peerwatch: busy:"), job.logs()

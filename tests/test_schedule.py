@@ -99,3 +99,12 @@ def test_startup_is_over_once_after_startup_timeout() -> None:
     assert s.startup_over(35.0)
     assert not s.startup_over(36.0)
     assert not Schedule(5.0, beat_s=1.0).startup_over(1e9)
+
+
+def test_startup_timeout_counts_only_from_the_watchers_last_resume() -> None:
+    """The watcher was stopped from 10 s to 50 s (its ranks with it, before they registered):
+    startup_timeout counts again from its resume."""
+    s = Schedule(5.0, beat_s=1.0, startup_s=30.0)
+    assert not s.startup_over(50.0, awake_since=50.0)
+    assert not s.startup_over(79.9, awake_since=50.0)
+    assert s.startup_over(80.0, awake_since=50.0)

@@ -31,6 +31,7 @@ import psutil
 import pytest
 
 from peerwatch import _decide, _sharedfs
+from peerwatch._awake import AwakeClock
 from peerwatch._errors import RunDirError
 from peerwatch._prepare import prepare
 from peerwatch._records import LOST, Registration, encode
@@ -149,6 +150,19 @@ def test_remote_beats_by_inode_then_by_seq() -> None:
     assert beats.silence(40) == {2: 19, 3: 18}
     beats.forget([2])
     assert beats.silence(40) == {3: 18}
+
+
+def test_a_remote_ranks_silence_counts_only_from_the_judges_resume(tmp_path: Path) -> None:
+    """The judge was stopped 20 s (the whole job suspended): the heartbeat it last saw 21 s
+    ago has been silent 1 s that it saw, not 21 (before, lost at once on resume)."""
+    watch = _sharedfs.RemoteWatch(RunDir(str(tmp_path / "run")), HEARTBEAT_S, PEER_TIMEOUT_S)
+    now = time.monotonic_ns()
+    watch.beats.observe(2, (7, 1), now - 21 * S)
+    clock = AwakeClock.every(HEARTBEAT_S)
+    clock.tick(now - 21 * S)
+    clock.tick(now - S)  # a look 20 s later: the judge was not running meanwhile
+    assert clock.since_ns == now - S
+    assert S <= watch.silence(clock)[2] < 20 * S
 
 
 # -- the "lost" rule (pure) ------------------------------------------------------------
