@@ -58,23 +58,28 @@ from ._config import Config, LauncherFacts
 from ._election import Election, UpFlag, connected_elsewhere
 from ._hosts import (
     CONNECT_BACKOFF_MAX_S,
+    JOIN_TIMEOUTS,
     REMOTE_SETTLE_S,
+    Absence,
     HostInfo,
     Liveness,
     beat_value,
     connect_allowance_s,
     host_ident,
+    hosts_missing,
     hosts_to_declare_lost,
     interval_deadline_s,
     lost_host_failure,
     lost_store_failure,
     may_be_echo,
+    missing_hosts_failure,
     next_backoff_s,
     op_timeout_s,
     report_store_lost,
     settle_deadline,
     stalled_hosts,
     store_silent_for,
+    unannounced_ranks,
 )
 from ._records import Failure, Registration, Verdict, decode, encode
 from ._rundir import EVENTS, RANKS, REMOTE_STALLS_FILE, STALL_FILE, VERDICT_FILE, RunDir, rank_file
@@ -91,6 +96,7 @@ from ._store_protocol import (
     poll_verdict,
     publish_verdict,
     read_host,
+    read_hosts,
     send_beat,
     straggle_exchange,
     verdict_key,
@@ -217,6 +223,9 @@ class _BeatLoop:
         self.index: Optional[int] = None
         self.hosts: Dict[int, HostInfo] = {}
         self.liveness = Liveness(int(link.config.peer_timeout * 1e9))
+        self.absence = Absence(int(link.config.peer_timeout * 1e9))  # announced hosts that never joined
+        self._missing_said = False  # their absence logged (an error), once
+        self._missing_settled = False  # judged: lost, or the launcher's count was too high
         self.job_ending = False
         # The store has answered, and has not been silent for peer_timeout since: one slow
         # or failed interval (a loaded host) is no sign that the other hosts cannot reach us,
@@ -285,6 +294,7 @@ class _BeatLoop:
                                 connect_allowance_s(peer_timeout))
         self._learn(seen, me)
         self._judge(seen.beats)
+        self._judge_missing()
         if plan.stall is not None and stall is not None:
             self._stall_token, self._stall_published_ns = stall.stall, now_ns
         self._take_stalls(stall is not None, seen, read, now_ns)
@@ -389,6 +399,49 @@ class _BeatLoop:
         for j in hosts_to_declare_lost(self.liveness, now_ns, self._lost_reported, self.job_ending,
                                        self._verdict_known()):
             self._host_lost(j, self.liveness.silent_s(j, now_ns))
+
+    def _judge_missing(self) -> None:
+        """Hosts the launcher announced that never joined (no beat of theirs read): not
+        silence but an error, said once from peer_timeout on, and a ``lost`` record after
+        ``JOIN_TIMEOUTS`` of them, unless every rank of the job is announced by a host that
+        joined (the launcher's count was too high) or the job is ending or judged."""
+        expected = self.link.facts.expected_hosts
+        if self.index is None or expected is None or self._missing_settled:
+            return
+        now_ns = time.monotonic_ns()
+        self.absence.observe(now_ns, hosts_missing(expected, len(self.liveness.changed_ns)))
+        waited_s, peer_timeout = self.absence.waited_s(now_ns), self.link.config.peer_timeout
+        if waited_s < peer_timeout or self.job_ending or self._verdict_known():
+            return
+        missing = hosts_missing(expected, len(self.liveness.changed_ns))
+        if waited_s < JOIN_TIMEOUTS * peer_timeout:
+            if not self._missing_said:
+                self._missing_said = True
+                logger.error("peerwatch: %d of the %d hosts the launcher announced have not joined through the "
+                             "store at %s in %.0fs; they are judged lost after %.0fs", missing, expected,
+                             self.link.address, waited_s, JOIN_TIMEOUTS * peer_timeout)
+            return
+        self._missing_settled = True
+        if self._all_ranks_announced():
+            logger.info("peerwatch: every rank is on a host that joined: the job has fewer hosts than the %d the "
+                        "launcher's variables imply", expected)
+            return
+        _write_failure(self.link.run_dir, missing_hosts_failure(missing, expected, waited_s, self.hosts,
+                                                               self.link.config, time.time_ns()))
+
+    def _all_ranks_announced(self) -> bool:
+        """Read the joined hosts' ``host/<j>`` again (their ranks may have grown since): does
+        every rank of the job belong to one?"""
+        link = self.link
+        joined = sorted(self.liveness.changed_ns)
+        try:
+            fresh, _ = link.client.call(functools.partial(read_hosts, prefix=link.prefix, indices=joined,
+                                                          seal=link.seal), link.op_timeout_s)
+        except Exception as e:  # noqa: BLE001
+            logger.debug("peerwatch: the hosts' records cannot be read again (%s); naming the ranks known", e)
+            fresh = {}
+        self.hosts.update({j: h for j, h in fresh.items() if h.ranks})
+        return bool(link.config.world_size) and not unannounced_ranks(self.hosts, link.config.world_size)
 
     def _unreachable(self, error: Exception, last_ok: Optional[float]) -> None:
         logger.debug("peerwatch: store %s: %r", self.link.address, error)

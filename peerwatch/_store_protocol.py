@@ -23,6 +23,8 @@ value that is not signed so, or signed for another run's nonce, is read as "not 
 with one warning per kind of key and reason.
 ``hosts`` and ``index/<id>`` stay unsigned (counters: whoever forges them can only make the
 bridges disagree about who is who, which ends as a lost host, never as a chosen verdict).
+What is read is bounded: the counter is believed up to ``MAX_HOSTS`` and at most
+``READ_BATCH`` new ``host/<j>`` are looked up per interval (:mod:`._hosts`).
 
 Each function takes a store client and immutable inputs, and returns what it read: it
 runs in the client's owner thread (:mod:`._store_client`) and keeps no state, so a call
@@ -39,7 +41,7 @@ import secrets
 import threading
 from typing import Any, Dict, List, Mapping, Optional, Protocol, Set, Tuple
 
-from ._hosts import HostInfo, hosts_to_read, peers_to_watch, roster_incomplete, stalled_hosts
+from ._hosts import MAX_HOSTS, HostInfo, hosts_to_read, parse_count, peers_to_watch, roster_incomplete, stalled_hosts
 from ._records import Verdict, decode
 
 logger = logging.getLogger("peerwatch")
@@ -277,6 +279,49 @@ def register(c: Any, prefix: str, ident: str, seal: Seal = NO_SEAL) -> int:
     return int(c.compare_set(key, "", mine))
 
 
+def read_count(c: Any, key: str, seal: Seal = NO_SEAL) -> int:
+    """The ``hosts`` counter: read, not ``add(key, 0)`` (TCPStore drops the connection of an
+    add on a value that is not a number); 0 if it is not there or not a count, believed up
+    to ``MAX_HOSTS`` (unsigned: anyone may set it; one warning each)."""
+    if not c.check([key]):
+        return 0
+    count = parse_count(bytes(c.get(key)))
+    if count is None:
+        seal.warn(key, "is not a host count; ignored")
+        return 0
+    if count > MAX_HOSTS:
+        seal.warn(key, f"is a host count above {MAX_HOSTS}; only the hosts below it are looked for")
+    return count
+
+
+def read_hosts(c: Any, prefix: str, indices: List[int], seal: Seal = NO_SEAL) -> Tuple[Dict[int, HostInfo], int]:
+    """The hosts among ``indices`` that are there (``host/<j>`` and ``beat/<j>`` both: a
+    multi_get waits for a missing key), and the requests made. A ``host/<j>`` this run may
+    not obey (rewritten, badly signed) hides no host of the job: one whose beat is signed
+    for this run is taken, known only by its index."""
+    if not indices:
+        return {}, 0
+    pairs = {j: [prefix + host_key(j), prefix + beat_key(j)] for j in indices}
+    if c.check([key for keys in pairs.values() for key in keys]):
+        there, requests = list(indices), 1
+    else:
+        there, requests = [j for j in indices if c.check(pairs[j])], 1 + len(indices)
+    if not there:
+        return {}, requests
+    values: List[Optional[bytes]] = c.multi_get([pairs[j][0] for j in there])
+    requests += 1
+    found: Dict[int, HostInfo] = {}
+    for j, value in zip(there, values):
+        info = seal.open(pairs[j][0], value)
+        if info is None:
+            requests += 1
+            if seal.open(pairs[j][1], c.get(pairs[j][1])) is None:
+                continue  # neither is this run's: not a host of the job (yet)
+            info = b""
+        found[j] = HostInfo.from_json(j, info)
+    return found, requests
+
+
 def exchange(c: Any, x: Exchange) -> Seen:
     """Register if need be, beat, publish our host/<i> if it changed, learn new hosts,
     read every other host's beat."""
@@ -302,16 +347,9 @@ def exchange(c: Any, x: Exchange) -> Seen:
         requests += 1
     new_hosts: Dict[int, HostInfo] = {}
     if roster_incomplete(x.expected, len(set(x.hosts) | {index})):
-        count = int(c.add(x.prefix + HOSTS, 0))
-        requests += 1
-        for j in hosts_to_read(count, set(x.hosts), index):
-            # host/<j> is written after beat/<j>: once it exists both do.
-            key = x.prefix + host_key(j)
-            if c.check([key]):
-                info = seal.open(key, c.get(key))
-                if info is not None:  # badly signed: not there yet
-                    new_hosts[j] = HostInfo.from_json(j, info)
-            requests += 1
+        count = read_count(c, x.prefix + HOSTS, seal)
+        new_hosts, n = read_hosts(c, x.prefix, hosts_to_read(count, set(x.hosts), index), seal)
+        requests += 2 + n
     others = peers_to_watch({**x.hosts, **new_hosts}, index, x.ident)
     beats: Dict[int, Optional[bytes]] = {}
     if others:
@@ -431,6 +469,7 @@ def poll_verdict(c: Any, prefix: str, seal: Seal = NO_SEAL, started_ns: int = 0)
 __all__ = [
     "CLOCK_SKEW_NS", "HOSTS", "NONCE", "NO_SEAL", "SIGNED", "STRAG_FOUND", "VERDICT", "VERDICT_TRIES", "Exchange",
     "NonceMemo", "Seal", "Seen", "StraggleExchange", "acceptable_verdict", "beat_key", "diag_key", "establish_nonce",
-    "exchange", "host_key", "index_key", "poll_verdict", "publish_verdict", "read_host", "register", "send_beat",
+    "exchange", "host_key", "index_key", "poll_verdict", "publish_verdict", "read_count", "read_host", "read_hosts",
+    "register", "send_beat",
     "strag_key", "straggle_exchange", "verdict_key",
 ]
