@@ -90,6 +90,7 @@ from ._store_protocol import (
     Exchange,
     Seal,
     Seen,
+    VerdictFrom,
     acceptable_verdict,
     establish_nonce,
     exchange,
@@ -107,6 +108,7 @@ logger = logging.getLogger("peerwatch")
 
 STATE_FILE = "bridge.json"  # what the bridge sees, for people and tests: written, never read back
 NONCE_FILE = "store-nonce"  # the run's nonce in the store (with a store secret), for a successor bridge
+VERDICT_FROM_FILE = "store-verdict-from"  # the first verdict key this host may obey, for a successor bridge
 WAIT_CHUNK_S = 3600.0  # the verdict waiter's blocking wait, renewed (a timeout logs in torch's C++)
 PUBLISH_BUDGET_S = 1.0  # the teardown never waits longer than this for the store...
 # ... plus this where it takes the bridge over (its holder died) and must connect first: a
@@ -128,7 +130,8 @@ class _Link:
     client: StoreClient
     stopped: threading.Event
     seal: Seal = NO_SEAL  # signs and checks what goes through the store (a no-op without a store secret)
-    started_ns: int = 0  # when the run started on this host (time_ns): an older verdict is an earlier job's
+    # The verdict keys that held a value when this host first looked are not this run's.
+    verdict_from: VerdictFrom = dataclasses.field(default_factory=VerdictFrom)
 
     @property
     def op_timeout_s(self) -> float:
@@ -159,22 +162,23 @@ class _BeatSeq:
             return self._last
 
 
-class _NonceFile:
-    """The run's store nonce, kept in the run directory (first writer wins) so that a
-    successor bridge on this host signs and checks with the one this host adopted, whatever
-    the store holds by then."""
+class _Kept:
+    """What this host settled with the store once, kept in the run directory (first writer
+    wins) for its successor bridges, whatever the store holds by then: the run's store
+    nonce (a successor signs and checks with the one this host adopted), the first verdict
+    key it may obey."""
 
-    def __init__(self, run_dir: RunDir) -> None:
-        self.run_dir = run_dir
+    def __init__(self, run_dir: RunDir, name: str) -> None:
+        self.run_dir, self.name = run_dir, name
 
     def load(self) -> Optional[bytes]:
-        return self.run_dir.read_bytes("", NONCE_FILE, limit=256)
+        return self.run_dir.read_bytes("", self.name, limit=256)
 
-    def save(self, nonce: bytes) -> None:
+    def save(self, value: bytes) -> None:
         try:
-            self.run_dir.write("", NONCE_FILE, nonce)
+            self.run_dir.write("", self.name, value)
         except OSError as e:
-            logger.debug("peerwatch: cannot write %s: %s", NONCE_FILE, e)  # a successor reads the store's
+            logger.debug("peerwatch: cannot write %s: %s", self.name, e)  # a successor settles it again
 
 
 class _TorchGate:
@@ -529,22 +533,20 @@ class _VerdictWaiter:
                     if conn is None:
                         return self._poll()
                 establish_nonce(conn, link.prefix, link.seal)
+                attempt = max(attempt, link.verdict_from.settle(conn, link.prefix, link.seal))
+                if attempt >= VERDICT_TRIES:
+                    return self._no_key_left()
                 key = verdict_key(link.prefix, link.seal, attempt)
                 self.waiting = True
                 try:
                     conn.wait([key], datetime.timedelta(seconds=WAIT_CHUNK_S))
                 finally:
                     self.waiting = False
-                data = acceptable_verdict(link.seal, key, conn.get(key), link.started_ns)
+                data = acceptable_verdict(link.seal, key, conn.get(key))
                 if data is None:
-                    # Refused (forged, an earlier job's, not a verdict; warned): a host of the
+                    # Refused (forged, another run's, not a verdict; warned): a host of the
                     # job that finds it there publishes under the next key; wait there.
                     attempt += 1
-                    if attempt >= VERDICT_TRIES:
-                        logger.error("peerwatch: every verdict key in the store %s holds a value this run may not "
-                                     "obey; a failure on another host reaches this one only when that host falls "
-                                     "silent (peer_timeout)", link.address)
-                        return
                     continue
                 self._deliver(data)
                 return
@@ -556,6 +558,11 @@ class _VerdictWaiter:
                 if link.stopped.wait(backoff):
                     return
                 backoff = min(backoff * 2, CONNECT_BACKOFF_MAX_S)
+
+    def _no_key_left(self) -> None:
+        logger.error("peerwatch: every verdict key in the store %s holds a value this run may not obey; a failure "
+                     "on another host reaches this one only when that host falls silent (peer_timeout)",
+                     self.link.address)
 
     def _connection(self) -> Any:
         """The waiter's own connection (its thread's alone), or None: the user's store cannot clone()."""
@@ -569,7 +576,7 @@ class _VerdictWaiter:
         """A store that cannot be waited on: look for the verdict once a heartbeat, through
         the client's owner thread."""
         link = self.link
-        look = functools.partial(poll_verdict, prefix=link.prefix, seal=link.seal, started_ns=link.started_ns)
+        look = functools.partial(poll_verdict, prefix=link.prefix, seal=link.seal, verdict_from=link.verdict_from)
         while not link.stopped.wait(link.config.heartbeat_interval):
             try:
                 data = link.client.call(look, link.op_timeout_s)
@@ -632,7 +639,8 @@ class Bridge:
         self._waiter: Optional[_VerdictWaiter] = None
         self._wait_thread: Optional[threading.Thread] = None
         self._settle: Dict[Tuple[int, int], float] = {}
-        self._seal = Seal(config.store_secret, memo=_NonceFile(run_dir))
+        self._seal = Seal(config.store_secret, memo=_Kept(run_dir, NONCE_FILE))
+        self._verdict_from = VerdictFrom(memo=_Kept(run_dir, VERDICT_FROM_FILE))
 
     @classmethod
     def for_config(
@@ -693,7 +701,7 @@ class Bridge:
             return
         self.running = True
         link = _Link(self.config, self.run_dir, self.facts, self._store_client(), self.stopped, self._seal,
-                     self._started_ns())
+                     self._verdict_from)
         gate = _TorchGate()
         with self._life:
             if self.stopped.is_set():
@@ -706,11 +714,6 @@ class Bridge:
                 self._threads.append(t)
                 t.start()
             self._wait_thread = self._threads[-1]
-
-    def _started_ns(self) -> int:
-        """When the run started on this host: its earliest local registration (time_ns)."""
-        regs = self.run_dir.registrations()
-        return min([regs[r].time_ns for r in _identity.local_ranks(regs)] + [self.me.time_ns])
 
     def _resolve_late(self) -> bool:
         """Where the launcher sets MASTER_ADDR/MASTER_PORT after install() (Lightning under
@@ -752,7 +755,7 @@ class Bridge:
                 return
             connect_s = TAKEOVER_CONNECT_S
         publish = functools.partial(publish_verdict, prefix=self.prefix, data=encode(verdict), seal=self._seal,
-                                    started_ns=self._started_ns())
+                                    verdict_from=self._verdict_from)
         try:
             kept = self._store_client().call(publish, PUBLISH_BUDGET_S, connect_s=connect_s)
         except Exception as e:  # noqa: BLE001 - the store's errors are many; the teardown goes on

@@ -13,7 +13,8 @@ Every key lives under ``peerwatch/<run_id>/``::
     strag/<i>    host i's ranks' waits in collectives (peerwatch._straggler), once a slot
     strag/found  the stragglers host 0 found in the whole job (peerwatch._stragglerwatch)
     verdict      the first verdict of the job (compare_set: the first writer wins); a value
-                 there that this run may not obey moves it to verdict/1, then /2...
+                 there that this run may not obey (or there before this host first looked:
+                 :class:`VerdictFrom`) moves it to verdict/1, then /2...
                  (:func:`verdict_key`; with a secret, names derived from it and the nonce)
 
 With a store secret (``store_secret``, docs/security.md), ``host/<i>``, ``beat/<i>``,
@@ -50,9 +51,6 @@ HOSTS, VERDICT, NONCE = "hosts", "verdict", "nonce"
 SIGNED = b"pw-hmac2:"  # a signed value: SIGNED + the run's nonce (hex) + b":" + hex digest + b":" + value
 NONCE_BYTES = 16  # the run's nonce: this many random bytes, in hex
 VERDICT_TRIES = 8  # verdict keys in turn: a refused value in one (forged, replayed) moves everyone to the next
-# A verdict made this long before the run started on this host (its earliest registration)
-# is an earlier job's, written back: refused. The allowance is for the hosts' clocks.
-CLOCK_SKEW_NS = 10 * 1_000_000_000
 
 
 def index_key(ident: str) -> str:
@@ -176,7 +174,8 @@ class Seal:
 
 
 class NonceMemo(Protocol):
-    """Where a host keeps the run's nonce for its successor bridges (the run directory)."""
+    """Where a host keeps what its successor bridges need (the run directory): the run's
+    nonce, the first verdict key it may obey. The first save wins."""
 
     def load(self) -> Optional[bytes]: ...
 
@@ -217,22 +216,57 @@ def verdict_key(prefix: str, seal: Seal, attempt: int = 0) -> str:
     return f"{prefix}{VERDICT}/{seal.hidden(b'verdict-key', attempt)}"
 
 
-def acceptable_verdict(seal: Seal, key: str, stored: Optional[bytes], started_ns: int = 0) -> Optional[bytes]:
-    """The verdict under ``key`` if this run may obey it: signed for this run (with a secret),
-    a valid record, and not made before the run started here (``started_ns``, time_ns; 0: any
-    age). None otherwise, with one warning per reason."""
+def acceptable_verdict(seal: Seal, key: str, stored: Optional[bytes]) -> Optional[bytes]:
+    """The verdict under ``key`` if this run may obey it: signed for this run (with a
+    secret) and a valid record. No clock is read: whether it is this run's is a matter of
+    the key (:class:`VerdictFrom`) and the nonce. None otherwise, with one warning per reason."""
     data = seal.open(key, stored)
     if data is None:
         return None
-    verdict = decode(Verdict, data)
-    if verdict is None:
+    if decode(Verdict, data) is None:
         seal.warn(key, "is not a valid verdict; ignored")
         return None
-    if started_ns and verdict.detected_at_ns < started_ns - CLOCK_SKEW_NS:
-        seal.warn(key, "is a verdict made %.0fs before this run started (an earlier job's, written back); ignored"
-                  % ((started_ns - verdict.detected_at_ns) / 1e9))
-        return None
     return data
+
+
+class VerdictFrom:
+    """The first verdict key (attempt) this host may obey. A value under a verdict key when
+    this host first looked at the store is not this run's (an earlier job's, in a store that
+    outlived it or written back, with its nonce, before any host of this job came): the
+    store's own order says so, no host's clock (the hosts' clocks differ: a verdict of this
+    run made on a clock behind ours looked older than the run and was refused). Found once
+    per host and kept for its successor bridges (``memo``: the run directory). Any thread:
+    the store is read outside the lock, the first answer kept."""
+
+    def __init__(self, memo: Optional[NonceMemo] = None) -> None:
+        self._memo = memo
+        self._first: Optional[int] = None
+        self._lock = threading.Lock()
+
+    def settle(self, c: Any, prefix: str, seal: Seal) -> int:
+        """The first attempt this host may obey: kept, or the first empty key now."""
+        with self._lock:
+            if self._first is not None:
+                return self._first
+        kept = self._load()
+        if kept is None:
+            kept = next((a for a in range(VERDICT_TRIES) if not c.check([verdict_key(prefix, seal, a)])),
+                        VERDICT_TRIES)
+            for a in range(kept):
+                seal.warn(verdict_key(prefix, seal, a), "was there before this host joined the run (an earlier "
+                          "job's verdict); ignored")
+            if self._memo is not None:
+                self._memo.save(str(kept).encode())
+                first = self._load()  # the first bridge of this host to save it wins
+                kept = first if first is not None else kept
+        with self._lock:
+            if self._first is None:
+                self._first = kept
+            return self._first
+
+    def _load(self) -> Optional[int]:
+        value = self._memo.load() if self._memo is not None else None
+        return int(value) if value is not None and value.isdigit() and int(value) <= VERDICT_TRIES else None
 
 
 NO_SEAL = Seal(None)
@@ -435,41 +469,44 @@ def send_beat(c: Any, prefix: str, index: int, beat: bytes, seal: Seal = NO_SEAL
     c.set(key, seal.sign(key, beat))
 
 
-def publish_verdict(c: Any, prefix: str, data: bytes, seal: Seal = NO_SEAL, started_ns: int = 0) -> bool:
+def publish_verdict(c: Any, prefix: str, data: bytes, seal: Seal = NO_SEAL,
+                    verdict_from: Optional[VerdictFrom] = None) -> bool:
     """Offer our verdict; True if the store keeps it (False: another host's came first).
-    A value there this run may not obey (forged, replayed from an earlier job, not a verdict)
-    is left alone and ours offered under the next key, where the waiters look next
-    (:func:`verdict_key`; after ``VERDICT_TRIES`` keys, False)."""
+    A value there this run may not obey (forged, another run's, not a verdict, there before
+    this host looked: ``verdict_from``) is left alone and ours offered under the next key,
+    where the waiters look next (:func:`verdict_key`; after ``VERDICT_TRIES`` keys, False)."""
     establish_nonce(c, prefix, seal)
-    for attempt in range(VERDICT_TRIES):
+    first = verdict_from.settle(c, prefix, seal) if verdict_from is not None else 0
+    for attempt in range(first, VERDICT_TRIES):
         key = verdict_key(prefix, seal, attempt)
         signed = seal.sign(key, data)
         held = bytes(c.compare_set(key, "", signed))
         if held == signed:
             return True
-        if acceptable_verdict(seal, key, held, started_ns) is not None:
+        if acceptable_verdict(seal, key, held) is not None:
             return False
     return False
 
 
-def poll_verdict(c: Any, prefix: str, seal: Seal = NO_SEAL, started_ns: int = 0) -> Optional[bytes]:
+def poll_verdict(c: Any, prefix: str, seal: Seal = NO_SEAL, verdict_from: Optional[VerdictFrom] = None) -> Optional[bytes]:
     """The job's verdict, if there is one this run may obey (for a store that cannot be
-    waited on): the first acceptable one along the verdict keys."""
+    waited on): the first acceptable one along the verdict keys, from ``verdict_from``'s."""
     establish_nonce(c, prefix, seal)
-    for attempt in range(VERDICT_TRIES):
+    first = verdict_from.settle(c, prefix, seal) if verdict_from is not None else 0
+    for attempt in range(first, VERDICT_TRIES):
         key = verdict_key(prefix, seal, attempt)
         if not c.check([key]):
             return None
-        data = acceptable_verdict(seal, key, bytes(c.get(key)), started_ns)
+        data = acceptable_verdict(seal, key, bytes(c.get(key)))
         if data is not None:
             return data
     return None
 
 
 __all__ = [
-    "CLOCK_SKEW_NS", "HOSTS", "NONCE", "NO_SEAL", "SIGNED", "STRAG_FOUND", "VERDICT", "VERDICT_TRIES", "Exchange",
+    "HOSTS", "NONCE", "NO_SEAL", "SIGNED", "STRAG_FOUND", "VERDICT", "VERDICT_TRIES", "Exchange",
     "NonceMemo", "Seal", "Seen", "StraggleExchange", "acceptable_verdict", "beat_key", "diag_key", "establish_nonce",
     "exchange", "host_key", "index_key", "poll_verdict", "publish_verdict", "read_count", "read_host", "read_hosts",
     "register", "send_beat",
-    "strag_key", "straggle_exchange", "verdict_key",
+    "strag_key", "straggle_exchange", "VerdictFrom", "verdict_key",
 ]

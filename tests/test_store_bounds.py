@@ -185,3 +185,92 @@ def test_an_announced_host_that_never_joins_is_an_error_then_lost(store, tmp_pat
         owner.close(time.monotonic() + 5.0)
         thread.join(10.0)
     assert not thread.is_alive()
+
+
+# -- verdicts are ordered by the store, not by the hosts' clocks -------------------------------------
+
+
+def _bridge_host(tmp: Path, port: int, secret: Any = None) -> Any:
+    """A host's bridge (ranks 0 and 1 registered now) on the test's store, started."""
+    from peerwatch._bridge import Bridge
+
+    run_dir = RunDir(str(tmp / "host-a"))
+    os.makedirs(run_dir.path)
+    for sub in _SUBDIRS:
+        os.mkdir(run_dir.join(sub))
+    regs = [_registration(rank) for rank in (0, 1)]
+    for reg in regs:
+        run_dir.write(RANKS, rank_file("rank", reg.rank), encode(reg), replace=True)
+    config = Config.resolve({"store": f"127.0.0.1:{port}", "run_id": "bounds-test", "heartbeat_interval": 0.1,
+                             "peer_timeout": 2.0, "store_secret": secret}, env={})
+    bridge = Bridge.for_config(config, run_dir, regs[0], env={})
+    assert bridge is not None
+    bridge.tick()
+    return bridge
+
+
+def _skewed(rank: int, exit_code: int, skew_s: float) -> Any:
+    from peerwatch._records import Verdict
+
+    at = time.time_ns() + int(skew_s * 1e9)  # the clock of the host that made it
+    return Verdict(rank=rank, cause="exit", exit_code=exit_code, failed_at_ns=at, detected_by=rank, detected_at_ns=at)
+
+
+def _until(what: str, cond: Callable[[], bool], within: float = 20.0) -> None:
+    deadline = time.monotonic() + within
+    while not cond():
+        assert time.monotonic() < deadline, f"not within {within}s: {what}"
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize("secret", [None, SECRET.decode()])
+@pytest.mark.parametrize("skew_s", [-60.0, -3600.0, 3600.0])
+def test_a_verdict_of_this_run_is_obeyed_whatever_the_clock_of_the_host_that_made_it(
+        store, tmp_path: Path, secret: Any, skew_s: float) -> None:
+    """Host B's clock 60 s behind ours: its verdict looked "made before this run started"
+    and was refused; this host learnt of the failure only as a lost host, after
+    peer_timeout, with the wrong exit code. A verdict published after this host looked at
+    the store (and, with a secret, signed for this run's nonce) is obeyed."""
+    from peerwatch._records import Verdict, decode
+    from peerwatch._store_protocol import publish_verdict
+
+    port = int(store().port)
+    bridge = _bridge_host(tmp_path, port, secret)
+    try:
+        _until("host a connected", lambda: bridge.connected and bridge.index is not None)
+        _until("host a waiting for a verdict", lambda: bridge._waiter is not None and bridge._waiter.waiting)
+        made = _skewed(rank=3, exit_code=7, skew_s=skew_s)
+        assert publish_verdict(store(), PREFIX, encode(made), Seal(secret.encode() if secret else None))
+        _until("the verdict taken", lambda: bridge.from_store is not None)
+        assert decode(Verdict, bridge.from_store) == made
+    finally:
+        bridge.stop()
+
+
+@pytest.mark.parametrize("secret", [None, SECRET.decode()])
+def test_a_verdict_in_the_store_before_the_host_looked_is_an_earlier_jobs(
+        store, tmp_path: Path, secret: Any, caplog) -> None:
+    """An earlier job's verdict under the same keys (a store that outlived it, or written
+    back with its nonce before any host of this job came): made on a clock ahead of ours,
+    it passed the age check. A verdict already there when this host first looked is not
+    this run's: refused with a warning; this run's own verdict, under the next key, is
+    obeyed."""
+    from peerwatch._records import Verdict, decode
+    from peerwatch._store_protocol import VerdictFrom, publish_verdict
+
+    caplog.set_level(logging.WARNING, logger="peerwatch")
+    seal = Seal(secret.encode() if secret else None)
+    earlier = _skewed(rank=3, exit_code=77, skew_s=600.0)
+    assert publish_verdict(store(), PREFIX, encode(earlier), seal)
+    bridge = _bridge_host(tmp_path, int(store().port), secret)
+    try:
+        _until("host a connected", lambda: bridge.connected and bridge.index is not None)
+        _until("host a waiting for a verdict", lambda: bridge._waiter is not None and bridge._waiter.waiting)
+        assert bridge.from_store is None
+        assert "before this host" in caplog.text
+        real = _skewed(rank=1, exit_code=9, skew_s=0.0)  # published by another host of this job
+        assert publish_verdict(store(), PREFIX, encode(real), Seal(secret.encode() if secret else None), VerdictFrom())
+        _until("this run's verdict taken", lambda: bridge.from_store is not None)
+        assert decode(Verdict, bridge.from_store) == real
+    finally:
+        bridge.stop()
