@@ -274,3 +274,39 @@ def test_a_verdict_in_the_store_before_the_host_looked_is_an_earlier_jobs(
         assert decode(Verdict, bridge.from_store) == real
     finally:
         bridge.stop()
+
+
+def test_a_host_started_with_another_secret_is_lost_not_silently_unwatched(store, tmp_path: Path, caplog) -> None:
+    """Host b has another store secret: a reads b's records as forged (and b a's), so
+    neither ever watched the other, and the job ran on with a warning blaming "another
+    user". Each is an announced host that never joined: an error, then lost."""
+    from peerwatch._bridge import Bridge
+
+    caplog.set_level(logging.WARNING, logger="peerwatch")
+    port = int(store().port)
+    bridges = []
+    for name, ranks, secret in (("a", (0, 1), SECRET.decode()), ("b", (2, 3), "another-secret-of-16-bytes-or-more")):
+        run_dir = RunDir(str(tmp_path / name))
+        os.makedirs(run_dir.path)
+        for sub in _SUBDIRS:
+            os.mkdir(run_dir.join(sub))
+        regs = [_registration(rank) for rank in ranks]
+        for reg in regs:
+            run_dir.write(RANKS, rank_file("rank", reg.rank), encode(reg), replace=True)
+        config = Config.resolve({"store": f"127.0.0.1:{port}", "run_id": "bounds-test", "heartbeat_interval": 0.1,
+                                 "peer_timeout": 0.5, "store_secret": secret, "world_size": 4,
+                                 "local_world_size": 2}, env={})
+        bridge = Bridge.for_config(config, run_dir, regs[0], env={})
+        assert bridge is not None and bridge.facts.expected_hosts == 2
+        bridge.tick()
+        bridges.append(bridge)
+    try:
+        a, b = bridges
+        _until("host a judged host b", lambda: bool(_lost(a.run_dir)), JOIN_TIMEOUTS * 0.5 + 30.0)
+        _until("host b judged host a", lambda: bool(_lost(b.run_dir)), 10.0)
+        assert [f.rank for f in _lost(a.run_dir)] == [2] and [f.rank for f in _lost(b.run_dir)] == [0]
+        assert "not signed with this job's store secret" in caplog.text
+        assert "have not joined through the store" in caplog.text
+    finally:
+        for bridge in bridges:
+            bridge.stop()
