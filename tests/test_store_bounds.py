@@ -310,3 +310,29 @@ def test_a_host_started_with_another_secret_is_lost_not_silently_unwatched(store
     finally:
         for bridge in bridges:
             bridge.stop()
+
+
+class _Memo:
+    """The run directory of one host, as VerdictFrom sees it: the first save wins."""
+
+    def __init__(self) -> None:
+        self.value: Any = None
+
+    def load(self) -> Any:
+        return self.value
+
+    def save(self, value: bytes) -> None:
+        self.value = self.value if self.value is not None else value
+
+
+def test_a_successor_bridge_keeps_the_first_verdict_key_its_host_found(store) -> None:
+    """The bridge's rank exited and another local rank took over: a verdict this run
+    published meanwhile is not "there before the host looked"."""
+    from peerwatch._store_protocol import VerdictFrom, publish_verdict
+
+    memo = _Memo()
+    assert VerdictFrom(memo).settle(store(), PREFIX, Seal(None)) == 0
+    assert publish_verdict(store(), PREFIX, encode(_skewed(rank=1, exit_code=9, skew_s=0.0)), Seal(None), VerdictFrom(memo))
+    assert VerdictFrom(memo).settle(store(), PREFIX, Seal(None)) == 0  # the successor, same host
+    assert VerdictFrom(_Memo()).settle(store(), PREFIX, Seal(None)) == 1  # a host that looks only now
+    assert VerdictFrom().settle(store(), PREFIX, Seal(None)) == 1
