@@ -292,7 +292,8 @@ class _BeatLoop:
         plan = Exchange(link.prefix, self.index, self.ident,
                         beat_value(self._seq(), self.job_ending, stalled=stall is not None and self.index is not None),
                         me, dict(self.hosts), link.facts.expected_hosts, link.seal,
-                        stall=stall.to_json() if stall is not None and publish else None, read_stalls=read)
+                        stall=stall.to_json() if stall is not None and publish else None, read_stalls=read,
+                        verdict_from=link.verdict_from)
         peer_timeout = link.config.peer_timeout
         seen = link.client.call(functools.partial(exchange, x=plan), interval_deadline_s(peer_timeout),
                                 connect_allowance_s(peer_timeout))

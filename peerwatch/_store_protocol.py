@@ -286,6 +286,7 @@ class Exchange:
     seal: Seal = NO_SEAL
     stall: Optional[bytes] = None  # our stall summary to publish in diag/<i> (peerwatch._summary), or None
     read_stalls: bool = False  # read the summaries of the hosts whose beat says they stand still
+    verdict_from: Optional[VerdictFrom] = None  # settled at registration: the host's first look
 
 
 @dataclasses.dataclass(frozen=True)
@@ -365,6 +366,9 @@ def exchange(c: Any, x: Exchange) -> Seen:
     if index is None:
         requests = 3 + (seal.on and seal.nonce is None)
         index = register(c, x.prefix, x.ident, seal)
+        if x.verdict_from is not None:  # a verdict this run publishes from now on is one to obey
+            x.verdict_from.settle(c, x.prefix, seal)
+            requests += 1
     elif seal.on and seal.nonce is None:  # a successor bridge of a host whose nonce was not kept
         establish_nonce(c, x.prefix, seal)
         requests += 1

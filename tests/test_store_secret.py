@@ -209,6 +209,8 @@ def test_without_a_secret_a_verdict_anyone_wrote_is_taken(store, tmp_path: Path)
     run_dir = _run_dir(tmp_path)
     waiter, stopped, parts = _waiter(run_dir, client, None)
     try:
+        # Once the host looked (a verdict there before it did is an earlier job's).
+        _wait("the waiter blocked in the store's wait", lambda: waiter.waiting, 20.0)
         client().set(PREFIX + "verdict", encode(_verdict(rank=3, exit_code=77)))  # a stranger's
         _wait("the verdict taken", lambda: _local_verdict(run_dir) is not None, 20.0)
         assert _local_verdict(run_dir).exit_code == 77
