@@ -58,23 +58,28 @@ from ._config import Config, LauncherFacts
 from ._election import Election, UpFlag, connected_elsewhere
 from ._hosts import (
     CONNECT_BACKOFF_MAX_S,
+    JOIN_TIMEOUTS,
     REMOTE_SETTLE_S,
+    Absence,
     HostInfo,
     Liveness,
     beat_value,
     connect_allowance_s,
     host_ident,
+    hosts_missing,
     hosts_to_declare_lost,
     interval_deadline_s,
     lost_host_failure,
     lost_store_failure,
     may_be_echo,
+    missing_hosts_failure,
     next_backoff_s,
     op_timeout_s,
     report_store_lost,
     settle_deadline,
     stalled_hosts,
     store_silent_for,
+    unannounced_ranks,
 )
 from ._records import Failure, Registration, Verdict, decode, encode
 from ._rundir import EVENTS, RANKS, REMOTE_STALLS_FILE, STALL_FILE, VERDICT_FILE, RunDir, rank_file
@@ -85,12 +90,14 @@ from ._store_protocol import (
     Exchange,
     Seal,
     Seen,
+    VerdictFrom,
     acceptable_verdict,
     establish_nonce,
     exchange,
     poll_verdict,
     publish_verdict,
     read_host,
+    read_hosts,
     send_beat,
     straggle_exchange,
     verdict_key,
@@ -101,6 +108,7 @@ logger = logging.getLogger("peerwatch")
 
 STATE_FILE = "bridge.json"  # what the bridge sees, for people and tests: written, never read back
 NONCE_FILE = "store-nonce"  # the run's nonce in the store (with a store secret), for a successor bridge
+VERDICT_FROM_FILE = "store-verdict-from"  # the first verdict key this host may obey, for a successor bridge
 WAIT_CHUNK_S = 3600.0  # the verdict waiter's blocking wait, renewed (a timeout logs in torch's C++)
 PUBLISH_BUDGET_S = 1.0  # the teardown never waits longer than this for the store...
 # ... plus this where it takes the bridge over (its holder died) and must connect first: a
@@ -122,7 +130,8 @@ class _Link:
     client: StoreClient
     stopped: threading.Event
     seal: Seal = NO_SEAL  # signs and checks what goes through the store (a no-op without a store secret)
-    started_ns: int = 0  # when the run started on this host (time_ns): an older verdict is an earlier job's
+    # The verdict keys that held a value when this host first looked are not this run's.
+    verdict_from: VerdictFrom = dataclasses.field(default_factory=VerdictFrom)
 
     @property
     def op_timeout_s(self) -> float:
@@ -153,22 +162,23 @@ class _BeatSeq:
             return self._last
 
 
-class _NonceFile:
-    """The run's store nonce, kept in the run directory (first writer wins) so that a
-    successor bridge on this host signs and checks with the one this host adopted, whatever
-    the store holds by then."""
+class _Kept:
+    """What this host settled with the store once, kept in the run directory (first writer
+    wins) for its successor bridges, whatever the store holds by then: the run's store
+    nonce (a successor signs and checks with the one this host adopted), the first verdict
+    key it may obey."""
 
-    def __init__(self, run_dir: RunDir) -> None:
-        self.run_dir = run_dir
+    def __init__(self, run_dir: RunDir, name: str) -> None:
+        self.run_dir, self.name = run_dir, name
 
     def load(self) -> Optional[bytes]:
-        return self.run_dir.read_bytes("", NONCE_FILE, limit=256)
+        return self.run_dir.read_bytes("", self.name, limit=256)
 
-    def save(self, nonce: bytes) -> None:
+    def save(self, value: bytes) -> None:
         try:
-            self.run_dir.write("", NONCE_FILE, nonce)
+            self.run_dir.write("", self.name, value)
         except OSError as e:
-            logger.debug("peerwatch: cannot write %s: %s", NONCE_FILE, e)  # a successor reads the store's
+            logger.debug("peerwatch: cannot write %s: %s", self.name, e)  # a successor settles it again
 
 
 class _TorchGate:
@@ -217,6 +227,9 @@ class _BeatLoop:
         self.index: Optional[int] = None
         self.hosts: Dict[int, HostInfo] = {}
         self.liveness = Liveness(int(link.config.peer_timeout * 1e9))
+        self.absence = Absence(int(link.config.peer_timeout * 1e9))  # announced hosts that never joined
+        self._missing_said = False  # their absence logged (an error), once
+        self._missing_settled = False  # judged: lost, or the launcher's count was too high
         self.job_ending = False
         # The store has answered, and has not been silent for peer_timeout since: one slow
         # or failed interval (a loaded host) is no sign that the other hosts cannot reach us,
@@ -279,12 +292,14 @@ class _BeatLoop:
         plan = Exchange(link.prefix, self.index, self.ident,
                         beat_value(self._seq(), self.job_ending, stalled=stall is not None and self.index is not None),
                         me, dict(self.hosts), link.facts.expected_hosts, link.seal,
-                        stall=stall.to_json() if stall is not None and publish else None, read_stalls=read)
+                        stall=stall.to_json() if stall is not None and publish else None, read_stalls=read,
+                        verdict_from=link.verdict_from)
         peer_timeout = link.config.peer_timeout
         seen = link.client.call(functools.partial(exchange, x=plan), interval_deadline_s(peer_timeout),
                                 connect_allowance_s(peer_timeout))
         self._learn(seen, me)
         self._judge(seen.beats)
+        self._judge_missing()
         if plan.stall is not None and stall is not None:
             self._stall_token, self._stall_published_ns = stall.stall, now_ns
         self._take_stalls(stall is not None, seen, read, now_ns)
@@ -390,6 +405,49 @@ class _BeatLoop:
                                        self._verdict_known()):
             self._host_lost(j, self.liveness.silent_s(j, now_ns))
 
+    def _judge_missing(self) -> None:
+        """Hosts the launcher announced that never joined (no beat of theirs read): not
+        silence but an error, said once from peer_timeout on, and a ``lost`` record after
+        ``JOIN_TIMEOUTS`` of them, unless every rank of the job is announced by a host that
+        joined (the launcher's count was too high) or the job is ending or judged."""
+        expected = self.link.facts.expected_hosts
+        if self.index is None or expected is None or self._missing_settled:
+            return
+        now_ns = time.monotonic_ns()
+        self.absence.observe(now_ns, hosts_missing(expected, len(self.liveness.changed_ns)))
+        waited_s, peer_timeout = self.absence.waited_s(now_ns), self.link.config.peer_timeout
+        if waited_s < peer_timeout or self.job_ending or self._verdict_known():
+            return
+        missing = hosts_missing(expected, len(self.liveness.changed_ns))
+        if waited_s < JOIN_TIMEOUTS * peer_timeout:
+            if not self._missing_said:
+                self._missing_said = True
+                logger.error("peerwatch: %d of the %d hosts the launcher announced have not joined through the "
+                             "store at %s in %.0fs; they are judged lost after %.0fs", missing, expected,
+                             self.link.address, waited_s, JOIN_TIMEOUTS * peer_timeout)
+            return
+        self._missing_settled = True
+        if self._all_ranks_announced():
+            logger.info("peerwatch: every rank is on a host that joined: the job has fewer hosts than the %d the "
+                        "launcher's variables imply", expected)
+            return
+        _write_failure(self.link.run_dir, missing_hosts_failure(missing, expected, waited_s, self.hosts,
+                                                               self.link.config, time.time_ns()))
+
+    def _all_ranks_announced(self) -> bool:
+        """Read the joined hosts' ``host/<j>`` again (their ranks may have grown since): does
+        every rank of the job belong to one?"""
+        link = self.link
+        joined = sorted(self.liveness.changed_ns)
+        try:
+            fresh, _ = link.client.call(functools.partial(read_hosts, prefix=link.prefix, indices=joined,
+                                                          seal=link.seal), link.op_timeout_s)
+        except Exception as e:  # noqa: BLE001
+            logger.debug("peerwatch: the hosts' records cannot be read again (%s); naming the ranks known", e)
+            fresh = {}
+        self.hosts.update({j: h for j, h in fresh.items() if h.ranks})
+        return bool(link.config.world_size) and not unannounced_ranks(self.hosts, link.config.world_size)
+
     def _unreachable(self, error: Exception, last_ok: Optional[float]) -> None:
         logger.debug("peerwatch: store %s: %r", self.link.address, error)
         self._ranks_mtime = None  # announce our ranks again once it answers, whatever failed
@@ -476,22 +534,20 @@ class _VerdictWaiter:
                     if conn is None:
                         return self._poll()
                 establish_nonce(conn, link.prefix, link.seal)
+                attempt = max(attempt, link.verdict_from.settle(conn, link.prefix, link.seal))
+                if attempt >= VERDICT_TRIES:
+                    return self._no_key_left()
                 key = verdict_key(link.prefix, link.seal, attempt)
                 self.waiting = True
                 try:
                     conn.wait([key], datetime.timedelta(seconds=WAIT_CHUNK_S))
                 finally:
                     self.waiting = False
-                data = acceptable_verdict(link.seal, key, conn.get(key), link.started_ns)
+                data = acceptable_verdict(link.seal, key, conn.get(key))
                 if data is None:
-                    # Refused (forged, an earlier job's, not a verdict; warned): a host of the
+                    # Refused (forged, another run's, not a verdict; warned): a host of the
                     # job that finds it there publishes under the next key; wait there.
                     attempt += 1
-                    if attempt >= VERDICT_TRIES:
-                        logger.error("peerwatch: every verdict key in the store %s holds a value this run may not "
-                                     "obey; a failure on another host reaches this one only when that host falls "
-                                     "silent (peer_timeout)", link.address)
-                        return
                     continue
                 self._deliver(data)
                 return
@@ -503,6 +559,11 @@ class _VerdictWaiter:
                 if link.stopped.wait(backoff):
                     return
                 backoff = min(backoff * 2, CONNECT_BACKOFF_MAX_S)
+
+    def _no_key_left(self) -> None:
+        logger.error("peerwatch: every verdict key in the store %s holds a value this run may not obey; a failure "
+                     "on another host reaches this one only when that host falls silent (peer_timeout)",
+                     self.link.address)
 
     def _connection(self) -> Any:
         """The waiter's own connection (its thread's alone), or None: the user's store cannot clone()."""
@@ -516,7 +577,7 @@ class _VerdictWaiter:
         """A store that cannot be waited on: look for the verdict once a heartbeat, through
         the client's owner thread."""
         link = self.link
-        look = functools.partial(poll_verdict, prefix=link.prefix, seal=link.seal, started_ns=link.started_ns)
+        look = functools.partial(poll_verdict, prefix=link.prefix, seal=link.seal, verdict_from=link.verdict_from)
         while not link.stopped.wait(link.config.heartbeat_interval):
             try:
                 data = link.client.call(look, link.op_timeout_s)
@@ -579,7 +640,8 @@ class Bridge:
         self._waiter: Optional[_VerdictWaiter] = None
         self._wait_thread: Optional[threading.Thread] = None
         self._settle: Dict[Tuple[int, int], float] = {}
-        self._seal = Seal(config.store_secret, memo=_NonceFile(run_dir))
+        self._seal = Seal(config.store_secret, memo=_Kept(run_dir, NONCE_FILE))
+        self._verdict_from = VerdictFrom(memo=_Kept(run_dir, VERDICT_FROM_FILE))
 
     @classmethod
     def for_config(
@@ -640,7 +702,7 @@ class Bridge:
             return
         self.running = True
         link = _Link(self.config, self.run_dir, self.facts, self._store_client(), self.stopped, self._seal,
-                     self._started_ns())
+                     self._verdict_from)
         gate = _TorchGate()
         with self._life:
             if self.stopped.is_set():
@@ -653,11 +715,6 @@ class Bridge:
                 self._threads.append(t)
                 t.start()
             self._wait_thread = self._threads[-1]
-
-    def _started_ns(self) -> int:
-        """When the run started on this host: its earliest local registration (time_ns)."""
-        regs = self.run_dir.registrations()
-        return min([regs[r].time_ns for r in _identity.local_ranks(regs)] + [self.me.time_ns])
 
     def _resolve_late(self) -> bool:
         """Where the launcher sets MASTER_ADDR/MASTER_PORT after install() (Lightning under
@@ -699,7 +756,7 @@ class Bridge:
                 return
             connect_s = TAKEOVER_CONNECT_S
         publish = functools.partial(publish_verdict, prefix=self.prefix, data=encode(verdict), seal=self._seal,
-                                    started_ns=self._started_ns())
+                                    verdict_from=self._verdict_from)
         try:
             kept = self._store_client().call(publish, PUBLISH_BUDGET_S, connect_s=connect_s)
         except Exception as e:  # noqa: BLE001 - the store's errors are many; the teardown goes on

@@ -27,6 +27,13 @@ REMOTE_SETTLE_S = 1.0
 CONNECT_BACKOFF_MAX_S = 5.0  # between connection attempts, doubling from heartbeat_interval
 OP_TIMEOUT_MIN_S = 0.5  # one store request's timeout: peer_timeout / 3, within these bounds
 OP_TIMEOUT_MAX_S = 10.0
+# What is read from the store is bounded: anyone who can reach it may write there.
+MAX_HOSTS = 65_536  # the `hosts` counter (unsigned) is believed up to this many hosts
+READ_BATCH = 64  # host/<j> entries looked up per interval, at most
+MAX_HOST_BYTES = 65_536  # a host/<j> value longer than this is garbage
+# A host the launcher announces that has not joined (no beat of it read) after this many
+# peer_timeouts of our looks is lost; it is an error, said once, from one peer_timeout on.
+JOIN_TIMEOUTS = 10
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +53,8 @@ class HostInfo:
     @classmethod
     def from_json(cls, index: int, data: bytes) -> HostInfo:
         """The host's own account; garbage gives a host known only by its index."""
+        if len(data) > MAX_HOST_BYTES:
+            return cls(index, f"host {index}")
         try:
             body = json.loads(data.decode("utf-8"))
             ranks = tuple(sorted(int(r) for r in body.get("ranks", ()) if not isinstance(r, bool)))
@@ -146,9 +155,58 @@ def roster_incomplete(expected: Optional[int], known: int) -> bool:
     return expected is None or known < expected
 
 
-def hosts_to_read(count: int, known: AbstractSet[int], index: int) -> List[int]:
-    """Indices below the ``hosts`` counter whose ``host/<j>`` we have not read (nor are)."""
-    return [j for j in range(count) if j not in known and j != index]
+def parse_count(value: bytes) -> Optional[int]:
+    """The ``hosts`` counter as the store keeps it (decimal, maybe negative), or None: not a count."""
+    body = value[1:] if value.startswith(b"-") else value
+    if not body.isdigit() or len(body) > 20:
+        return None
+    return max(0, int(value))
+
+
+def hosts_to_read(count: int, known: AbstractSet[int], index: int, limit: int = READ_BATCH) -> List[int]:
+    """The lowest indices below the ``hosts`` counter (believed up to ``MAX_HOSTS``) whose
+    ``host/<j>`` we have not read (nor are), at most ``limit``: one interval's look-ups."""
+    found: List[int] = []
+    for j in range(min(count, MAX_HOSTS)):
+        if len(found) >= limit:
+            break
+        if j not in known and j != index:
+            found.append(j)
+    return found
+
+
+class Absence:
+    """How long some of the hosts the launcher announced have been missing (never joined:
+    no beat of theirs read), on this host's monotonic clock, counted only while we look:
+    as in :class:`Liveness`, a gap of more than half ``timeout_ns`` between two looks
+    (we were frozen, starved) restarts the count."""
+
+    def __init__(self, timeout_ns: int) -> None:
+        self.timeout_ns = timeout_ns
+        self.since_ns: Optional[int] = None  # hosts missing since then; None: none missing
+        self._last_ns: Optional[int] = None
+
+    def observe(self, now_ns: int, missing: int) -> None:
+        gap = self._last_ns is not None and now_ns - self._last_ns > self.timeout_ns // 2
+        self._last_ns = now_ns
+        if missing <= 0:
+            self.since_ns = None
+        elif self.since_ns is None or gap:
+            self.since_ns = now_ns
+
+    def waited_s(self, now_ns: int) -> float:
+        return 0.0 if self.since_ns is None else (now_ns - self.since_ns) / 1e9
+
+
+def hosts_missing(expected: Optional[int], joined: int) -> int:
+    """How many of the hosts the launcher announced (we are one) have not joined."""
+    return 0 if expected is None else max(0, expected - 1 - joined)
+
+
+def unannounced_ranks(hosts: Mapping[int, HostInfo], world_size: Optional[int]) -> List[int]:
+    """The ranks of the job that no host known has announced (world_size unknown: none)."""
+    announced = {r for h in hosts.values() for r in h.ranks}
+    return [r for r in range(world_size or 0) if r not in announced]
 
 
 def peers_to_watch(hosts: Mapping[int, HostInfo], index: Optional[int], ident: str) -> List[int]:
@@ -235,6 +293,20 @@ def lost_host_failure(info: HostInfo, silent_s: float, config: Config, now_ns: i
     )
 
 
+def missing_hosts_failure(missing: int, expected: int, waited_s: float, hosts: Mapping[int, HostInfo],
+                          config: Config, now_ns: int) -> Failure:
+    """The record a bridge writes for hosts the launcher announced that never joined: on the
+    lowest rank no host announced (0 when the job's size is unknown)."""
+    ranks = unannounced_ranks(hosts, config.world_size)
+    whose = f" (ranks not announced by any host: {ranks_text(tuple(ranks))})" if ranks else ""
+    return Failure(
+        rank=ranks[0] if ranks else 0, pid=0, time_ns=now_ns, cause=LOST, exit_code=config.exit_code,
+        message=f"{missing} of the {expected} hosts the launcher announced never joined through the store in "
+        f"{waited_s:.1f}s{whose}: their ranks did not start, do not run peerwatch, cannot reach the store, or "
+        "use another store secret",
+    )
+
+
 def store_holder(hosts: Mapping[int, HostInfo], me: HostInfo) -> Optional[HostInfo]:
     """The host a lost store is blamed on: rank 0's (whose node serves ``MASTER_ADDR``'s
     store under init_process_group and torchrun), or the lowest remote rank known; never
@@ -259,8 +331,9 @@ def lost_store_failure(
 
 
 __all__ = [
-    "CONNECT_BACKOFF_MAX_S", "DONE", "REMOTE_SETTLE_S", "STALLED", "beat_seq", "stalled_hosts", "HostInfo", "Liveness", "beat_value", "connect_allowance_s",
-    "host_ident",
+    "CONNECT_BACKOFF_MAX_S", "DONE", "JOIN_TIMEOUTS", "MAX_HOSTS", "MAX_HOST_BYTES", "READ_BATCH", "REMOTE_SETTLE_S",
+    "STALLED", "Absence", "beat_seq", "stalled_hosts", "HostInfo", "Liveness", "beat_value", "connect_allowance_s",
+    "host_ident", "hosts_missing", "missing_hosts_failure", "parse_count", "unannounced_ranks",
     "hosts_to_declare_lost", "hosts_to_read", "interval_deadline_s", "lost_host_failure", "lost_store_failure",
     "may_be_echo", "next_backoff_s", "op_timeout_s", "peers_to_watch", "ranks_text", "report_store_lost",
     "roster_incomplete", "settle_deadline", "store_holder", "store_silent_for",

@@ -6,7 +6,9 @@ thread of its own (its *owner*), which alone creates it, uses it and drops it; e
 thread hands it work through a queue and waits for the answer with a deadline
 (:meth:`StoreClient.call`). An owner that overruns a deadline is retired with its
 connection (it ends when, if ever, the store answers); the next call starts a new owner
-with a new connection.
+with a new connection. At most ``MAX_RETIRED`` retired owners may still be running: while
+that many are stuck, a call fails at once (the store is not answering) instead of starting
+yet another thread and connection per retry.
 
 Mutable state: each ``_Owner``'s ``client`` is its own thread's alone; a ``_Call``'s
 ``result``/``error`` are written by the owner before it sets ``done``, and read by the
@@ -28,6 +30,11 @@ from typing import Any, Callable, Generic, List, Optional, Set, TypeVar
 logger = logging.getLogger("peerwatch")
 
 T = TypeVar("T")
+
+# Retired owners still blocked in a request, at most: each holds a thread and a connection
+# (and torch's client its buffers) until the store answers, if ever; a retry loop that
+# started one per overrun grew a process by hundreds of MB.
+MAX_RETIRED = 4
 
 
 class StoreOverrun(Exception):
@@ -113,13 +120,16 @@ class StoreClient:
                 raise StoreOverrun("the store client is closed")
             owner = self._owner
             if owner is None:
+                self._owners = [o for o in self._owners if o.thread.is_alive()]
+                if len(self._owners) >= MAX_RETIRED:
+                    raise StoreOverrun(f"{len(self._owners)} earlier store requests are still unanswered")
                 owner = _Owner(functools.partial(self._connect, self._connect_timeout), self._name)
                 try:
                     owner.thread.start()
                 except RuntimeError:  # at interpreter shutdown (Python 3.12+): no new threads
                     return None
                 self._owner = owner
-                self._owners = [o for o in self._owners if o.thread.is_alive()] + [owner]
+                self._owners.append(owner)
             self._pending.add(call)
             owner.jobs.put(call)
             return owner
@@ -184,4 +194,4 @@ def import_torch() -> None:
     import torch.distributed  # noqa: F401
 
 
-__all__ = ["StoreClient", "StoreOverrun", "connect", "import_torch"]
+__all__ = ["MAX_RETIRED", "StoreClient", "StoreOverrun", "connect", "import_torch"]

@@ -13,7 +13,8 @@ Every key lives under ``peerwatch/<run_id>/``::
     strag/<i>    host i's ranks' waits in collectives (peerwatch._straggler), once a slot
     strag/found  the stragglers host 0 found in the whole job (peerwatch._stragglerwatch)
     verdict      the first verdict of the job (compare_set: the first writer wins); a value
-                 there that this run may not obey moves it to verdict/1, then /2...
+                 there that this run may not obey (or there before this host first looked:
+                 :class:`VerdictFrom`) moves it to verdict/1, then /2...
                  (:func:`verdict_key`; with a secret, names derived from it and the nonce)
 
 With a store secret (``store_secret``, docs/security.md), ``host/<i>``, ``beat/<i>``,
@@ -23,6 +24,8 @@ value that is not signed so, or signed for another run's nonce, is read as "not 
 with one warning per kind of key and reason.
 ``hosts`` and ``index/<id>`` stay unsigned (counters: whoever forges them can only make the
 bridges disagree about who is who, which ends as a lost host, never as a chosen verdict).
+What is read is bounded: the counter is believed up to ``MAX_HOSTS`` and at most
+``READ_BATCH`` new ``host/<j>`` are looked up per interval (:mod:`._hosts`).
 
 Each function takes a store client and immutable inputs, and returns what it read: it
 runs in the client's owner thread (:mod:`._store_client`) and keeps no state, so a call
@@ -39,7 +42,7 @@ import secrets
 import threading
 from typing import Any, Dict, List, Mapping, Optional, Protocol, Set, Tuple
 
-from ._hosts import HostInfo, hosts_to_read, peers_to_watch, roster_incomplete, stalled_hosts
+from ._hosts import MAX_HOSTS, HostInfo, hosts_to_read, parse_count, peers_to_watch, roster_incomplete, stalled_hosts
 from ._records import Verdict, decode
 
 logger = logging.getLogger("peerwatch")
@@ -48,9 +51,6 @@ HOSTS, VERDICT, NONCE = "hosts", "verdict", "nonce"
 SIGNED = b"pw-hmac2:"  # a signed value: SIGNED + the run's nonce (hex) + b":" + hex digest + b":" + value
 NONCE_BYTES = 16  # the run's nonce: this many random bytes, in hex
 VERDICT_TRIES = 8  # verdict keys in turn: a refused value in one (forged, replayed) moves everyone to the next
-# A verdict made this long before the run started on this host (its earliest registration)
-# is an earlier job's, written back: refused. The allowance is for the hosts' clocks.
-CLOCK_SKEW_NS = 10 * 1_000_000_000
 
 
 def index_key(ident: str) -> str:
@@ -174,7 +174,8 @@ class Seal:
 
 
 class NonceMemo(Protocol):
-    """Where a host keeps the run's nonce for its successor bridges (the run directory)."""
+    """Where a host keeps what its successor bridges need (the run directory): the run's
+    nonce, the first verdict key it may obey. The first save wins."""
 
     def load(self) -> Optional[bytes]: ...
 
@@ -215,22 +216,57 @@ def verdict_key(prefix: str, seal: Seal, attempt: int = 0) -> str:
     return f"{prefix}{VERDICT}/{seal.hidden(b'verdict-key', attempt)}"
 
 
-def acceptable_verdict(seal: Seal, key: str, stored: Optional[bytes], started_ns: int = 0) -> Optional[bytes]:
-    """The verdict under ``key`` if this run may obey it: signed for this run (with a secret),
-    a valid record, and not made before the run started here (``started_ns``, time_ns; 0: any
-    age). None otherwise, with one warning per reason."""
+def acceptable_verdict(seal: Seal, key: str, stored: Optional[bytes]) -> Optional[bytes]:
+    """The verdict under ``key`` if this run may obey it: signed for this run (with a
+    secret) and a valid record. No clock is read: whether it is this run's is a matter of
+    the key (:class:`VerdictFrom`) and the nonce. None otherwise, with one warning per reason."""
     data = seal.open(key, stored)
     if data is None:
         return None
-    verdict = decode(Verdict, data)
-    if verdict is None:
+    if decode(Verdict, data) is None:
         seal.warn(key, "is not a valid verdict; ignored")
         return None
-    if started_ns and verdict.detected_at_ns < started_ns - CLOCK_SKEW_NS:
-        seal.warn(key, "is a verdict made %.0fs before this run started (an earlier job's, written back); ignored"
-                  % ((started_ns - verdict.detected_at_ns) / 1e9))
-        return None
     return data
+
+
+class VerdictFrom:
+    """The first verdict key (attempt) this host may obey. A value under a verdict key when
+    this host first looked at the store is not this run's (an earlier job's, in a store that
+    outlived it or written back, with its nonce, before any host of this job came): the
+    store's own order says so, no host's clock (the hosts' clocks differ: a verdict of this
+    run made on a clock behind ours looked older than the run and was refused). Found once
+    per host and kept for its successor bridges (``memo``: the run directory). Any thread:
+    the store is read outside the lock, the first answer kept."""
+
+    def __init__(self, memo: Optional[NonceMemo] = None) -> None:
+        self._memo = memo
+        self._first: Optional[int] = None
+        self._lock = threading.Lock()
+
+    def settle(self, c: Any, prefix: str, seal: Seal) -> int:
+        """The first attempt this host may obey: kept, or the first empty key now."""
+        with self._lock:
+            if self._first is not None:
+                return self._first
+        kept = self._load()
+        if kept is None:
+            kept = next((a for a in range(VERDICT_TRIES) if not c.check([verdict_key(prefix, seal, a)])),
+                        VERDICT_TRIES)
+            for a in range(kept):
+                seal.warn(verdict_key(prefix, seal, a), "was there before this host joined the run (an earlier "
+                          "job's verdict); ignored")
+            if self._memo is not None:
+                self._memo.save(str(kept).encode())
+                first = self._load()  # the first bridge of this host to save it wins
+                kept = first if first is not None else kept
+        with self._lock:
+            if self._first is None:
+                self._first = kept
+            return self._first
+
+    def _load(self) -> Optional[int]:
+        value = self._memo.load() if self._memo is not None else None
+        return int(value) if value is not None and value.isdigit() and int(value) <= VERDICT_TRIES else None
 
 
 NO_SEAL = Seal(None)
@@ -250,6 +286,7 @@ class Exchange:
     seal: Seal = NO_SEAL
     stall: Optional[bytes] = None  # our stall summary to publish in diag/<i> (peerwatch._summary), or None
     read_stalls: bool = False  # read the summaries of the hosts whose beat says they stand still
+    verdict_from: Optional[VerdictFrom] = None  # settled at registration: the host's first look
 
 
 @dataclasses.dataclass(frozen=True)
@@ -277,6 +314,49 @@ def register(c: Any, prefix: str, ident: str, seal: Seal = NO_SEAL) -> int:
     return int(c.compare_set(key, "", mine))
 
 
+def read_count(c: Any, key: str, seal: Seal = NO_SEAL) -> int:
+    """The ``hosts`` counter: read, not ``add(key, 0)`` (TCPStore drops the connection of an
+    add on a value that is not a number); 0 if it is not there or not a count, believed up
+    to ``MAX_HOSTS`` (unsigned: anyone may set it; one warning each)."""
+    if not c.check([key]):
+        return 0
+    count = parse_count(bytes(c.get(key)))
+    if count is None:
+        seal.warn(key, "is not a host count; ignored")
+        return 0
+    if count > MAX_HOSTS:
+        seal.warn(key, f"is a host count above {MAX_HOSTS}; only the hosts below it are looked for")
+    return count
+
+
+def read_hosts(c: Any, prefix: str, indices: List[int], seal: Seal = NO_SEAL) -> Tuple[Dict[int, HostInfo], int]:
+    """The hosts among ``indices`` that are there (``host/<j>`` and ``beat/<j>`` both: a
+    multi_get waits for a missing key), and the requests made. A ``host/<j>`` this run may
+    not obey (rewritten, badly signed) hides no host of the job: one whose beat is signed
+    for this run is taken, known only by its index."""
+    if not indices:
+        return {}, 0
+    pairs = {j: [prefix + host_key(j), prefix + beat_key(j)] for j in indices}
+    if c.check([key for keys in pairs.values() for key in keys]):
+        there, requests = list(indices), 1
+    else:
+        there, requests = [j for j in indices if c.check(pairs[j])], 1 + len(indices)
+    if not there:
+        return {}, requests
+    values: List[Optional[bytes]] = c.multi_get([pairs[j][0] for j in there])
+    requests += 1
+    found: Dict[int, HostInfo] = {}
+    for j, value in zip(there, values):
+        info = seal.open(pairs[j][0], value)
+        if info is None:
+            requests += 1
+            if seal.open(pairs[j][1], c.get(pairs[j][1])) is None:
+                continue  # neither is this run's: not a host of the job (yet)
+            info = b""
+        found[j] = HostInfo.from_json(j, info)
+    return found, requests
+
+
 def exchange(c: Any, x: Exchange) -> Seen:
     """Register if need be, beat, publish our host/<i> if it changed, learn new hosts,
     read every other host's beat."""
@@ -286,6 +366,9 @@ def exchange(c: Any, x: Exchange) -> Seen:
     if index is None:
         requests = 3 + (seal.on and seal.nonce is None)
         index = register(c, x.prefix, x.ident, seal)
+        if x.verdict_from is not None:  # a verdict this run publishes from now on is one to obey
+            x.verdict_from.settle(c, x.prefix, seal)
+            requests += 1
     elif seal.on and seal.nonce is None:  # a successor bridge of a host whose nonce was not kept
         establish_nonce(c, x.prefix, seal)
         requests += 1
@@ -302,16 +385,9 @@ def exchange(c: Any, x: Exchange) -> Seen:
         requests += 1
     new_hosts: Dict[int, HostInfo] = {}
     if roster_incomplete(x.expected, len(set(x.hosts) | {index})):
-        count = int(c.add(x.prefix + HOSTS, 0))
-        requests += 1
-        for j in hosts_to_read(count, set(x.hosts), index):
-            # host/<j> is written after beat/<j>: once it exists both do.
-            key = x.prefix + host_key(j)
-            if c.check([key]):
-                info = seal.open(key, c.get(key))
-                if info is not None:  # badly signed: not there yet
-                    new_hosts[j] = HostInfo.from_json(j, info)
-            requests += 1
+        count = read_count(c, x.prefix + HOSTS, seal)
+        new_hosts, n = read_hosts(c, x.prefix, hosts_to_read(count, set(x.hosts), index), seal)
+        requests += 2 + n
     others = peers_to_watch({**x.hosts, **new_hosts}, index, x.ident)
     beats: Dict[int, Optional[bytes]] = {}
     if others:
@@ -397,40 +473,44 @@ def send_beat(c: Any, prefix: str, index: int, beat: bytes, seal: Seal = NO_SEAL
     c.set(key, seal.sign(key, beat))
 
 
-def publish_verdict(c: Any, prefix: str, data: bytes, seal: Seal = NO_SEAL, started_ns: int = 0) -> bool:
+def publish_verdict(c: Any, prefix: str, data: bytes, seal: Seal = NO_SEAL,
+                    verdict_from: Optional[VerdictFrom] = None) -> bool:
     """Offer our verdict; True if the store keeps it (False: another host's came first).
-    A value there this run may not obey (forged, replayed from an earlier job, not a verdict)
-    is left alone and ours offered under the next key, where the waiters look next
-    (:func:`verdict_key`; after ``VERDICT_TRIES`` keys, False)."""
+    A value there this run may not obey (forged, another run's, not a verdict, there before
+    this host looked: ``verdict_from``) is left alone and ours offered under the next key,
+    where the waiters look next (:func:`verdict_key`; after ``VERDICT_TRIES`` keys, False)."""
     establish_nonce(c, prefix, seal)
-    for attempt in range(VERDICT_TRIES):
+    first = verdict_from.settle(c, prefix, seal) if verdict_from is not None else 0
+    for attempt in range(first, VERDICT_TRIES):
         key = verdict_key(prefix, seal, attempt)
         signed = seal.sign(key, data)
         held = bytes(c.compare_set(key, "", signed))
         if held == signed:
             return True
-        if acceptable_verdict(seal, key, held, started_ns) is not None:
+        if acceptable_verdict(seal, key, held) is not None:
             return False
     return False
 
 
-def poll_verdict(c: Any, prefix: str, seal: Seal = NO_SEAL, started_ns: int = 0) -> Optional[bytes]:
+def poll_verdict(c: Any, prefix: str, seal: Seal = NO_SEAL, verdict_from: Optional[VerdictFrom] = None) -> Optional[bytes]:
     """The job's verdict, if there is one this run may obey (for a store that cannot be
-    waited on): the first acceptable one along the verdict keys."""
+    waited on): the first acceptable one along the verdict keys, from ``verdict_from``'s."""
     establish_nonce(c, prefix, seal)
-    for attempt in range(VERDICT_TRIES):
+    first = verdict_from.settle(c, prefix, seal) if verdict_from is not None else 0
+    for attempt in range(first, VERDICT_TRIES):
         key = verdict_key(prefix, seal, attempt)
         if not c.check([key]):
             return None
-        data = acceptable_verdict(seal, key, bytes(c.get(key)), started_ns)
+        data = acceptable_verdict(seal, key, bytes(c.get(key)))
         if data is not None:
             return data
     return None
 
 
 __all__ = [
-    "CLOCK_SKEW_NS", "HOSTS", "NONCE", "NO_SEAL", "SIGNED", "STRAG_FOUND", "VERDICT", "VERDICT_TRIES", "Exchange",
+    "HOSTS", "NONCE", "NO_SEAL", "SIGNED", "STRAG_FOUND", "VERDICT", "VERDICT_TRIES", "Exchange",
     "NonceMemo", "Seal", "Seen", "StraggleExchange", "acceptable_verdict", "beat_key", "diag_key", "establish_nonce",
-    "exchange", "host_key", "index_key", "poll_verdict", "publish_verdict", "read_host", "register", "send_beat",
-    "strag_key", "straggle_exchange", "verdict_key",
+    "exchange", "host_key", "index_key", "poll_verdict", "publish_verdict", "read_count", "read_host", "read_hosts",
+    "register", "send_beat",
+    "strag_key", "straggle_exchange", "VerdictFrom", "verdict_key",
 ]

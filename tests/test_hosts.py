@@ -15,21 +15,28 @@ from peerwatch._decide import Observed, Policy, decide
 from peerwatch._hosts import (
     CONNECT_BACKOFF_MAX_S,
     DONE,
+    MAX_HOST_BYTES,
+    MAX_HOSTS,
+    READ_BATCH,
     REMOTE_SETTLE_S,
+    Absence,
     HostInfo,
     Liveness,
     beat_seq,
     beat_value,
     connect_allowance_s,
     host_ident,
+    hosts_missing,
     hosts_to_declare_lost,
     hosts_to_read,
     interval_deadline_s,
     lost_host_failure,
     lost_store_failure,
     may_be_echo,
+    missing_hosts_failure,
     next_backoff_s,
     op_timeout_s,
+    parse_count,
     peers_to_watch,
     ranks_text,
     report_store_lost,
@@ -38,6 +45,7 @@ from peerwatch._hosts import (
     stalled_hosts,
     store_holder,
     store_silent_for,
+    unannounced_ranks,
 )
 from peerwatch._records import EXCEPTION, EXIT, LOST, SIGNAL, VANISHED, Failure, Verdict, decode, encode
 
@@ -226,6 +234,60 @@ def test_hosts_to_read_skips_known_and_ourselves() -> None:
     assert hosts_to_read(5, {0, 2}, 3) == [1, 4]
     assert hosts_to_read(0, set(), 0) == []
     assert hosts_to_read(2, {0, 1}, 5) == []
+
+
+def test_hosts_to_read_is_bounded_however_high_the_counter() -> None:
+    """The counter is unsigned: set to 3,000,000 it made a request per index, every interval."""
+    assert hosts_to_read(3_000_000, {0, 1}, 2) == list(range(3, 3 + READ_BATCH))
+    assert hosts_to_read(10**30, set(), 0, limit=3) == [1, 2, 3]
+    known = set(range(MAX_HOSTS - 1))
+    assert hosts_to_read(3_000_000, known, 5) == [MAX_HOSTS - 1]  # never at or above MAX_HOSTS
+
+
+def test_the_counter_is_a_decimal_number_or_unknown() -> None:
+    assert parse_count(b"3") == 3 and parse_count(b"0") == 0 and parse_count(b"-4") == 0
+    assert parse_count(b"3000000") == 3_000_000
+    for junk in (b"", b"x", b"3 ", b"1e9", b"-", b"\xff", b"9" * 21, b"--1"):
+        assert parse_count(junk) is None, junk
+
+
+def test_a_host_record_too_long_is_garbage() -> None:
+    body = HostInfo(3, "a", ranks=(1,)).to_json()
+    assert HostInfo.from_json(3, body + b" " * (MAX_HOST_BYTES - len(body))).hostname == "a"
+    assert HostInfo.from_json(3, body + b" " * (MAX_HOST_BYTES - len(body) + 1)) == HostInfo(3, "host 3")
+
+
+def test_hosts_missing_counts_the_announced_hosts_that_did_not_join() -> None:
+    assert hosts_missing(None, 0) == 0  # the launcher says nothing: nothing is missing
+    assert hosts_missing(3, 0) == 2 and hosts_missing(3, 1) == 1 and hosts_missing(3, 2) == 0
+    assert hosts_missing(2, 5) == 0
+    assert hosts_missing(1, 0) == 0
+
+
+def test_absence_counts_only_while_we_look_and_ends_when_nobody_is_missing() -> None:
+    a = Absence(timeout_ns=10)
+    a.observe(0, 0)
+    assert a.waited_s(100) == 0.0
+    a.observe(1, 2)
+    a.observe(6, 2)
+    assert a.waited_s(6) == 5 / 1e9
+    a.observe(11, 1)  # a gap of exactly half the timeout is ours to count
+    assert a.since_ns == 1
+    a.observe(17, 1)  # one ns more: we were not looking, the count restarts
+    assert a.since_ns == 17
+    a.observe(18, 0)
+    assert a.since_ns is None and a.waited_s(30) == 0.0
+
+
+def test_a_host_that_never_joined_becomes_a_lost_verdict_on_a_rank_nobody_announced() -> None:
+    hosts = {0: HostInfo(0, "a", ranks=(0, 1)), 2: HostInfo(2, "c", ranks=(4, 5))}
+    assert unannounced_ranks(hosts, 6) == [2, 3] and unannounced_ranks(hosts, None) == []
+    f = missing_hosts_failure(1, 3, 300.0, hosts, _config(world_size=6, exit_code=9), 5 * S)
+    assert (f.rank, f.pid, f.cause, f.exit_code, f.time_ns) == (2, 0, LOST, 9, 5 * S)
+    assert "1 of the 3 hosts the launcher announced never joined" in (f.message or "")
+    assert "ranks 2-3" in (f.message or "") and "300.0s" in (f.message or "")
+    f = missing_hosts_failure(1, 2, 300.0, hosts, _config(), 5 * S)
+    assert f.rank == 0 and "not announced" not in (f.message or "")
 
 
 def test_peers_to_watch_never_ourselves() -> None:

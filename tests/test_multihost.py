@@ -173,12 +173,12 @@ def test_bridges_with_a_store_secret_sign_what_they_write_and_replace_a_forged_v
         _wait_for(lambda: all(len(x.hosts) == 2 for x in (a, b)), 10.0, "every host seen")
         assert hash_store.get("peerwatch/inproc/beat/0").startswith(SIGNED)
         # One nonce for the run, kept in each host's run directory for a successor bridge there.
-        from peerwatch._bridge import NONCE_FILE, _NonceFile
+        from peerwatch._bridge import NONCE_FILE, _Kept
         from peerwatch._store_protocol import Seal
 
         assert a._seal.nonce is not None and a._seal.nonce == b._seal.nonce
         assert Path(a.run_dir.join(NONCE_FILE)).read_bytes() == a._seal.nonce
-        assert Seal(secret.encode(), memo=_NonceFile(a.run_dir)).nonce == a._seal.nonce
+        assert Seal(secret.encode(), memo=_Kept(a.run_dir, NONCE_FILE)).nonce == a._seal.nonce
         now = time.time_ns()
         forged = Verdict(rank=3, cause="exception", exit_code=77, failed_at_ns=now, detected_by=3, detected_at_ns=now)
         hash_store.set("peerwatch/inproc/verdict", encode(forged))  # where it was before the store's nonce

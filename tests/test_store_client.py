@@ -15,7 +15,7 @@ import pytest
 
 from peerwatch._election import Election, UpFlag, connected_elsewhere
 from peerwatch._rundir import RunDir
-from peerwatch._store_client import StoreClient, StoreOverrun
+from peerwatch._store_client import MAX_RETIRED, StoreClient, StoreOverrun
 
 # -- one owner thread per client ----------------------------------------------------------
 
@@ -89,6 +89,29 @@ def test_a_call_that_overruns_retires_its_owner_and_the_next_call_gets_a_new_one
     release.set()
     made[0].made_by.join(5.0)
     assert not made[0].made_by.is_alive()  # the retired owner ends once its call returns
+    client.close(time.monotonic() + 5.0)
+
+
+def test_owners_stuck_in_a_request_do_not_pile_up_per_retry() -> None:
+    """A store that never answers: each overrun retired its owner (a thread and a connection,
+    blocked for good) and the next call started another, without end (a bridge grew by
+    hundreds of MB in a minute). At most MAX_RETIRED are left; then calls fail at once, and
+    once the store answers again a call gets a new owner."""
+    made: List[_Conn] = []
+    client = StoreClient(lambda t: _Conn(made), 1.0, "test-owner-stuck")
+    release = threading.Event()
+    try:
+        for _ in range(3 * MAX_RETIRED):
+            with pytest.raises(StoreOverrun):
+                client.call(lambda c: release.wait(30.0), 0.05)
+        alive = [t for t in threading.enumerate() if t.name == "test-owner-stuck"]
+        assert len(made) == MAX_RETIRED and len(alive) == MAX_RETIRED
+    finally:
+        release.set()
+        for conn in made:
+            conn.made_by.join(5.0)
+    assert client.call(lambda c: c.use(3), 5.0) == 3
+    assert len(made) == MAX_RETIRED + 1
     client.close(time.monotonic() + 5.0)
 
 

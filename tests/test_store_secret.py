@@ -6,7 +6,6 @@ nothing changes. The store is a real TCPStore; the forger is another client of i
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import itertools
 import logging
@@ -23,7 +22,7 @@ from peerwatch._config import SECRET_SHOWN
 from peerwatch._hosts import HostInfo
 from peerwatch._records import Verdict, decode, encode
 from peerwatch._rundir import EVENTS, TMP, VERDICT_FILE, RunDir
-from peerwatch._store_protocol import SIGNED, Exchange, Seal, exchange, publish_verdict
+from peerwatch._store_protocol import SIGNED, Exchange, Seal, VerdictFrom, exchange, publish_verdict
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -164,10 +163,9 @@ def store() -> Iterator[Tuple[Any, Callable[[], Any]]]:
     del server
 
 
-def _waiter(run_dir: RunDir, port_client: Callable[[], Any], secret: Any, heartbeat_s: float = 0.1,
-            started_ns: int = 0) -> Tuple[Any, threading.Event, Any]:
-    """A verdict waiter of a host whose store is the test's, started in its own thread (its
-    run started at ``started_ns``, time_ns; 0: no age check)."""
+def _waiter(run_dir: RunDir, port_client: Callable[[], Any], secret: Any,
+            heartbeat_s: float = 0.1) -> Tuple[Any, threading.Event, Any]:
+    """A verdict waiter of a host whose store is the test's, started in its own thread."""
     from peerwatch._bridge import _Link, _TorchGate, _VerdictWaiter
     from peerwatch._config import LauncherFacts
     from peerwatch._store_client import StoreClient
@@ -179,8 +177,6 @@ def _waiter(run_dir: RunDir, port_client: Callable[[], Any], secret: Any, heartb
     stopped = threading.Event()
     client = StoreClient(lambda t: port_client(), 1.0, "test-store-owner")
     link = _Link(config, run_dir, facts, client, stopped, Seal(config.store_secret))
-    if started_ns:
-        link = dataclasses.replace(link, started_ns=started_ns)
     gate = _TorchGate()
     gate.open(loud=True)
     waiter = _VerdictWaiter(link, gate)
@@ -213,6 +209,8 @@ def test_without_a_secret_a_verdict_anyone_wrote_is_taken(store, tmp_path: Path)
     run_dir = _run_dir(tmp_path)
     waiter, stopped, parts = _waiter(run_dir, client, None)
     try:
+        # Once the host looked (a verdict there before it did is an earlier job's).
+        _wait("the waiter blocked in the store's wait", lambda: waiter.waiting, 20.0)
         client().set(PREFIX + "verdict", encode(_verdict(rank=3, exit_code=77)))  # a stranger's
         _wait("the verdict taken", lambda: _local_verdict(run_dir) is not None, 20.0)
         assert _local_verdict(run_dir).exit_code == 77
@@ -356,25 +354,25 @@ def test_a_verdict_recorded_in_one_job_is_not_obeyed_in_the_next(tmp_path: Path,
         del job_2
 
 
-def test_a_recorded_nonce_and_verdict_written_first_are_refused_as_older_than_the_run(tmp_path: Path, caplog):
+def test_a_recorded_nonce_and_verdict_written_first_are_refused_as_there_before_the_host(tmp_path: Path, caplog):
     """The replayer is quicker: job 1's nonce and verdict are in job 2's store before any host
-    of job 2 registers, so job 2 adopts job 1's nonce. The verdict was made before job 2
-    started: refused, with a warning that says so."""
+    of job 2 registers, so job 2 adopts job 1's nonce. The verdict was in the store before
+    the host first looked (the store's order, not a clock's): refused, with a warning that
+    says so; job 2's own verdict goes under the next key."""
     caplog.set_level(logging.WARNING, logger="peerwatch")
     recorded, job_2, client = _two_jobs()
 
     replayer = client()
     for key, value in recorded.items():
         replayer.set(key, value)
-    started_ns = time.time_ns()
     run_dir = _run_dir(tmp_path)
-    waiter, stopped, parts = _waiter(run_dir, client, SECRET, started_ns=started_ns)
+    waiter, stopped, parts = _waiter(run_dir, client, SECRET)
     try:
-        _wait("a warning about the old verdict", lambda: "before this run started" in caplog.text, 20.0)
+        _wait("a warning about the old verdict", lambda: "before this host joined" in caplog.text, 20.0)
         _wait("the waiter waiting again", lambda: waiter.waiting, 5.0)
         assert _local_verdict(run_dir) is None and waiter.from_store is None
         real = _verdict(rank=1, exit_code=9)
-        assert publish_verdict(client(), PREFIX, encode(real), Seal(SECRET.encode()), started_ns=started_ns)
+        assert publish_verdict(client(), PREFIX, encode(real), Seal(SECRET.encode()), VerdictFrom())
         _wait("job 2's verdict taken", lambda: _local_verdict(run_dir) is not None, 20.0)
         assert _local_verdict(run_dir) == real
     finally:
