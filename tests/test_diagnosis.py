@@ -115,8 +115,8 @@ def _stuck_then_ended(job: DiagJob) -> None:
 # -- a rank stops taking part ------------------------------------------------------------
 
 
-def test_a_rank_looping_in_python_is_named_by_the_collective_the_others_wait_in(make_job) -> None:
-    job = make_job(behave=[f"1=loop@{AT_STEP}"])
+def test_a_stuck_rank_is_named_by_the_collective_the_others_wait_in(make_job) -> None:
+    job = make_job(behave=[f"1=lock@{AT_STEP}"])
     job.wait_ready(timeout=START_S)
     d = job.wait_diagnosis()
     assert (d["kind"], d["laggards"], d["entered"]) == ("hang", [1], [0, 2]), d
@@ -170,7 +170,8 @@ def test_a_sigstopped_rank_is_the_laggard(make_job) -> None:
 
 def test_the_gloo_timeout_after_a_diagnosis_names_the_laggard_not_its_victims(make_job) -> None:
     """The others' 10 s gloo timeout fires: before, the verdict named the first of them,
-    cause exception."""
+    cause exception. The laggard loops in Python: busy (nobody can tell a loop from a
+    computation), not ended, and still named at the timeout."""
     job = make_job(behave=[f"1=loop@{AT_STEP}"], timeout_s=10.0)
     job.wait_ready(timeout=START_S)
     job.wait_diagnosis()
@@ -181,7 +182,7 @@ def test_the_gloo_timeout_after_a_diagnosis_names_the_laggard_not_its_victims(ma
 
 
 def test_hang_timeout_auto_ends_the_job_at_the_diagnosis(make_job) -> None:
-    job = make_job(behave=[f"1=loop@{AT_STEP}"], env={"PEERWATCH_HANG_TIMEOUT": "auto"})
+    job = make_job(behave=[f"1=lock@{AT_STEP}"], env={"PEERWATCH_HANG_TIMEOUT": "auto"})
     job.wait_ready(timeout=START_S)
     job.wait_gone(within=START_S)  # well before the 120 s gloo timeout
     v = job.verdict()
