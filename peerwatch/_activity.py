@@ -83,8 +83,9 @@ class ActivitySampler:
 
     def sample(self, children: Iterable[Tuple[int, int]]) -> None:
         """Take one sample; none where a figure cannot be read (EMFILE, EACCES): a figure
-        not read is unknown, and read as 0 it made the window of a rank that works look
-        idle (a last sample's 0 CPU time), or idle for longer (too few samples: unknown)."""
+        not read is unknown. Read as 0, a last sample's CPU time made the window of a rank
+        that works look idle; left out, the window has a sample less (too few: the judge
+        waits)."""
         for child in children:
             used = _cpu_ms(f"/proc/{child[0]}/stat", child[1])
             if used is not None:  # its main thread's run delay: a data loader worker has one thread
