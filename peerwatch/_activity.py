@@ -10,7 +10,8 @@ them. While this rank's counters stand still, its watcher samples, once a heartb
 - the CPU time of its other threads (torch's intra-op pool computing a forward, a
   checkpoint thread), peerwatch's own threads excepted;
 - the bytes its threads read and wrote (``/proc/self/io``: files, pipes, sockets),
-  peerwatch's own threads excepted (their /proc walks and heartbeats);
+  peerwatch's own threads excepted (their /proc walks and heartbeats), and those of the
+  main thread alone (its own ``io``, exact: a slow read of a few bytes a second shows);
 - the CPU time of its descendants (data loader workers, a compiler, a ``tar``).
 
 Each "CPU time" counts the time a thread was runnable but waiting for a CPU too (the run
@@ -23,15 +24,17 @@ used in the same interval, no more: a thread that only wakes often to sleep agai
 loop, a 10 ms poll) waits for a CPU at every wake on a crowded host, and counted whole
 that made an idle laggard look busy (13-15 % of a core, beside three busy loops).
 
-A thread blocked on a lock, asleep, or waiting in a collective shows none of these; a
-thread spinning on the same lines shows CPU at one or two places only. The watcher samples
-where the GIL lets it, which is mostly where C code released it (a torch op): an
-evaluation on the CPU shows as few places, but as CPU in torch's own threads.
+A thread blocked on a lock, asleep, or waiting in a collective shows none of these. A
+thread spinning on the same lines shows CPU as one that computes does: the watcher
+samples the stack where the GIL lets it, mostly where C code released it (a torch op),
+so an evaluation or a long op shows at one or two places too. The places are reported,
+not judged: nobody can tell a long computation from an endless loop.
 
 and publishes the figures over the last ``WINDOW`` samples with its heartbeat, so a judge
-on any host can tell (peerwatch._diagnose.busy_evidence, pure). Each sample costs two
-small /proc reads, one per descendant, and a walk of the main thread's frames: tens of
-microseconds, and only while the counters stand still.
+on any host can tell (peerwatch._diagnose.busy_evidence, pure). Each sample costs a few
+small /proc reads, one per thread and per descendant, and a walk of the main thread's
+frames, and only while the counters stand still. A sample whose figures cannot be read
+is not taken: a figure not read is unknown, never idle.
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ class _Sample:
     cpu_ms: float
     other_cpu_ms: float
     io_bytes: int
+    main_io_bytes: int
     children_cpu_ms: float
     place: int
 
@@ -78,22 +82,31 @@ class ActivitySampler:
             waits.clear()
 
     def sample(self, children: Iterable[Tuple[int, int]]) -> None:
-        main = _cpu_ms(f"/proc/self/task/{self._tid}/stat") or 0.0
-        ours = _own_threads()
-        own_cpu = sum(_cpu_ms(f"/proc/self/task/{tid}/stat") or 0.0 for tid in ours)
-        own_io = sum(_io_bytes(f"/proc/self/task/{tid}/io") or 0 for tid in ours)
+        """Take one sample; none where a figure cannot be read (EMFILE, EACCES): a figure
+        not read is unknown. Read as 0, a last sample's CPU time made the window of a rank
+        that works look idle; left out, the window has a sample less (too few: the judge
+        waits)."""
         for child in children:
             used = _cpu_ms(f"/proc/{child[0]}/stat", child[1])
             if used is not None:  # its main thread's run delay: a data loader worker has one thread
                 self._children_cpu[child] = used
                 self._children_wait.note(child, f"/proc/{child[0]}/schedstat")
+        ours = _own_threads()
         self._main_wait.note(self._tid, f"/proc/self/task/{self._tid}/schedstat")
         self._note_other_waits({t for t in [*ours, self._tid] if t is not None})
+        # Read last and together: what runs between two of these reads is counted once too
+        # often or not at all.
+        own_cpu = sum(_cpu_ms(f"/proc/self/task/{tid}/stat") or 0.0 for tid in ours)
+        own_io = sum(_io_bytes(f"/proc/self/task/{tid}/io") or 0 for tid in ours)
+        main, main_io = _cpu_ms(f"/proc/self/task/{self._tid}/stat"), _io_bytes(f"/proc/self/task/{self._tid}/io")
+        total, total_io = _cpu_ms("/proc/self/stat"), _io_bytes("/proc/self/io")
+        if main is None or main_io is None or total is None or total_io is None:
+            return
         self._samples.append(_Sample(
             mono_ns=time.monotonic_ns(), cpu_ms=main + self._main_wait.total_ms,
-            other_cpu_ms=(_cpu_ms("/proc/self/stat") or 0.0) - main - own_cpu + self._other_wait.total_ms,
-            io_bytes=(_io_bytes("/proc/self/io") or 0) - own_io,
-            children_cpu_ms=sum(self._children_cpu.values()) + self._children_wait.total_ms, place=_main_stack_key(),
+            other_cpu_ms=total - main - own_cpu + self._other_wait.total_ms, io_bytes=total_io - own_io,
+            main_io_bytes=main_io, children_cpu_ms=sum(self._children_cpu.values()) + self._children_wait.total_ms,
+            place=_main_stack_key(),
         ))
 
     def _note_other_waits(self, not_these: Set[int]) -> None:
@@ -119,6 +132,7 @@ class ActivitySampler:
             io_bytes=max(0, last.io_bytes - first.io_bytes),
             children_cpu_ms=max(0, round(last.children_cpu_ms - first.children_cpu_ms)),
             samples=len(self._samples) - 1,
+            main_io_bytes=max(0, last.main_io_bytes - first.main_io_bytes),
         )
 
 

@@ -18,15 +18,18 @@ has moved for the warning threshold:
    ranks are outside collectives: evaluation, checkpointing, data loading on every
    rank), no diagnosis.
 6. Busy or stuck (:func:`busy_evidence`): a hang's laggard that shows signs of work over
-   its last samples (its main thread on a CPU at several different places, its other
-   threads on a CPU, bytes read or written, descendants on a CPU; "on a CPU" counts the
-   time ready for one too, on a crowded host) is ``busy``: a checkpoint, an
-   evaluation, a slow loader. The finding says so, with the evidence, and
-   ``hang_timeout=auto`` ends such a job only at ``BUSY_END_FRACTION`` of the collective
-   timeout (it still ends before the watchdog, with the right blame). A laggard with no
-   sign of work (blocked on a lock, asleep, spinning on the same lines without I/O,
-   frozen, or in another collective) is stuck: ``hang``, ended at once under ``auto``.
-   A laggard that has published too few samples to tell yet is waited for.
+   its last samples (its main thread on a CPU, at any number of places: nobody can tell
+   a long computation in one torch op from an endless loop; bytes read or written by its
+   main thread, however few; its other threads on a CPU or moving many bytes;
+   descendants on a CPU; "on a CPU" counts the time ready for one too, on a crowded
+   host) is ``busy``: a checkpoint, an evaluation, a slow loader or read. The finding
+   says so, with the evidence, and ``hang_timeout=auto`` ends such a job only at
+   ``BUSY_END_FRACTION`` of the collective timeout (it still ends before the watchdog,
+   with the right blame). A laggard with no sign of work (blocked on a lock, asleep,
+   frozen, its watcher silent, or in another collective) is stuck: ``hang``, ended at
+   once under ``auto``. A laggard that has published too few samples to tell yet is
+   waited for (unknown, not stuck); and a busy laggard turns stuck only once it has shown
+   nothing for a whole window (peerwatch._diagnoser): one window with a dip does not.
 
 Ranks of other hosts come in as the ranks of this one (peerwatch._summary turns each
 host's summary from the store into them, its host named): the rules are the same, and a
@@ -64,10 +67,10 @@ ASSUMED_TIMEOUT_S = 2 * DEFAULT_CAP_S  # the collective timeout, when no rank ha
 BUSY_END_FRACTION = 0.9  # hang_timeout=auto ends busy laggards at this share of the collective timeout
 # Signs of work (rule 6), over a laggard's last samples (peerwatch._activity.WINDOW):
 BUSY_SAMPLES = 3  # fewer samples than this: too early to tell (the judge waits)
-BUSY_CPU_SHARE = 0.05  # the main thread on the CPU this share of the time...
-BUSY_PLACES = 4  # ...seen at this many different stacks (or at every sample, if fewer): not one loop
+BUSY_CPU_SHARE = 0.05  # the main thread on the CPU this share of the time (at any number of places)
+BUSY_MAIN_IO_BYTES = 1  # or bytes read or written by its main thread (a slow read: a few a second)
 BUSY_OTHER_SHARE = 0.10  # or its other threads (torch's intra-op pool...) on the CPU this share of a core
-BUSY_IO_BYTES = 256 * 1024  # or bytes read or written by its threads (more than a progress bar)
+BUSY_IO_BYTES = 256 * 1024  # or bytes read or written by all its threads (more than a monitor's polls)
 BUSY_CHILDREN_SHARE = 0.10  # or its descendants (data loader workers...) on the CPU this share of a core
 # A process state (/proc's) in which a rank cannot be making progress, and how to say it.
 FROZEN_STATES = {"T": "stopped (SIGSTOP)", "t": "stopped by a debugger", "D": "in uninterruptible sleep (I/O)"}
@@ -179,12 +182,20 @@ def busy_evidence(s: RankState) -> Optional[str]:
     if a.samples < BUSY_SAMPLES or a.span_ms <= 0:
         return None
     signs = []
-    if a.cpu_ms >= BUSY_CPU_SHARE * a.span_ms and a.places >= min(BUSY_PLACES, a.samples):
-        signs.append(f"its main thread on a CPU (or ready for one) {_share(a.cpu_ms, a.span_ms)} of the time, at {a.places} places")
+    # The main thread on a CPU is work, at however few places: a long op (a forward, cdist)
+    # is seen at one or two lines, as an endless loop is, and nobody can tell them apart.
+    if a.cpu_ms >= BUSY_CPU_SHARE * a.span_ms:
+        at = f"{a.places} place" + ("s" if a.places != 1 else "")
+        signs.append(f"its main thread on a CPU (or ready for one) {_share(a.cpu_ms, a.span_ms)} of the time, at {at}")
     if a.other_cpu_ms >= BUSY_OTHER_SHARE * a.span_ms:
         signs.append(f"its other threads on a CPU (or ready for one), {_share(a.other_cpu_ms, a.span_ms)} of a core")
+    # Other threads poll while the rank is stuck (NCCL's monitor thread checks the store for
+    # other ranks' signals, loggers flush): only many bytes count there. The main thread's
+    # figure is its own, and any byte is a read or a write moving on.
     if a.io_bytes >= BUSY_IO_BYTES:
         signs.append(f"{_size(a.io_bytes)} read or written")
+    elif a.main_io_bytes >= BUSY_MAIN_IO_BYTES:
+        signs.append(f"{_size(a.main_io_bytes)} read or written by its main thread")
     if a.children_cpu_ms >= BUSY_CHILDREN_SHARE * a.span_ms:
         signs.append(f"its child processes on a CPU (or ready for one), {_share(a.children_cpu_ms, a.span_ms)} of a core")
     return ", ".join(signs) + f" in the last {a.span_ms / 1000:.0f}s" if signs else ""
@@ -204,6 +215,8 @@ def _share(part_ms: int, whole_ms: int) -> str:
 
 
 def _size(n: int) -> str:
+    if n < 1000:
+        return f"{n} B"
     return f"{n / 1e6:.1f} MB" if n >= 100_000 else f"{n / 1e3:.0f} kB"
 
 

@@ -20,8 +20,8 @@ import logging
 import time
 from typing import Dict, Optional, Protocol
 
-from . import _decide, _diagnose, _identity, _summary
-from ._records import BUSY, Diagnosis
+from . import _activity, _decide, _diagnose, _identity, _summary
+from ._records import BUSY, HANG, Diagnosis
 from ._rundir import REMOTE_STALLS_FILE, STALL_FILE, RunDir
 
 logger = logging.getLogger("peerwatch")
@@ -50,11 +50,14 @@ class Diagnoser:
         self.threshold = _diagnose.Threshold(fixed_s)
         self._mine: Optional[Diagnosis] = None  # the one this judge wrote, until resolved
         self._mine_last: Optional[int] = None  # the job's last move when it was written (CLOCK_MONOTONIC)
+        self._window_ns = _activity.WINDOW * self._interval_ns  # the samples a rank's signs of work cover
+        self._idle_since: Optional[int] = None  # a busy finding's laggards first looked stuck (CLOCK_MONOTONIC)
 
     def look(self, obs: _decide.Observed) -> Optional[Diagnosis]:
         """Diagnose from what the hang judges observed; the diagnosis of the stall going
         on (written by this judge or another one of this host), or None. A busy finding
-        is looked at again every time: its laggard may stop working (then it is a hang)."""
+        is looked at again every time: its laggard may stop working (a hang, once it has shown
+        no work for a whole window more)."""
         timeout_ms = min((p.timeout_ms for p in obs.progress.values() if p.timeout_ms > 0), default=0)
         ranks = self._with_other_hosts(self.ranks(obs), obs, self.threshold.value_ns(timeout_ms))
         last = _diagnose.last_move(ranks)
@@ -65,8 +68,11 @@ class Diagnoser:
             return current
         found = _diagnose.diagnose(ranks, obs.now_mono_ns, self.threshold.value_ns(timeout_ms), timeout_ms,
                                    obs.awake_since_ns)
-        if found is None or (current is not None and current.resolved_ns is None and found.kind == BUSY):
-            return current  # nothing, or still busy: the record written stands
+        busy = current is not None and current.resolved_ns is None and current.finding == BUSY
+        if not busy or (found is not None and found.kind == BUSY):
+            self._idle_since = None
+        if found is None or (busy and (found.kind == BUSY or self._dip(found, ranks, obs))):
+            return current  # nothing, still busy, or not stuck for long enough: the record written stands
         stalled_at_ns = obs.now_ns - found.since_ns
         record = Diagnosis(
             finding=found.kind, laggards=found.laggards, entered=found.entered, since_ns=found.since_ns,
@@ -82,6 +88,17 @@ class Diagnoser:
             logger.warning("peerwatch: %s: %s (diagnosed by rank %d; %s)", found.kind, found.detail, self._rank,
                            self._what_next(record))
         return self._observer.diagnosis()
+
+    def _dip(self, found: _diagnose.Found, ranks: Dict[int, _diagnose.RankState], obs: _decide.Observed) -> bool:
+        """True while busy laggards that now show no work have shown none for less than a
+        whole window more: a window with a dip (a loaded host's late samples, a pause for
+        data, a watcher late once) does not make a hang of a rank that worked. Stopped
+        (SIGSTOP) is stuck at once."""
+        if found.kind != HANG or any(ranks[r].state in _diagnose.STOPPED_STATES for r in found.laggards if r in ranks):
+            return False
+        if self._idle_since is None:
+            self._idle_since = obs.now_mono_ns
+        return obs.now_mono_ns - max(self._idle_since, obs.awake_since_ns) < self._window_ns  # awake time only
 
     def _with_other_hosts(
         self, local: Dict[int, _diagnose.RankState], obs: _decide.Observed, threshold_ns: int,

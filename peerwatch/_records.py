@@ -26,7 +26,7 @@ HANG = "hang"  # no rank made progress for hang_timeout; the verdict names the l
 LOST = "lost"
 MISSING = "missing"  # a rank never registered within startup_timeout (startup_action=fail)
 MISMATCH = "mismatch"  # a diagnosis: ranks disagree on the collective at one sequence number
-BUSY = "busy"  # a diagnosis: the laggards are working (CPU on new lines, I/O, busy children), not stuck
+BUSY = "busy"  # a diagnosis: the laggards are working (CPU, I/O, busy children), not stuck
 
 HANG_EXIT_CODE = 124  # as timeout(1): the job was ended for not moving
 
@@ -42,6 +42,7 @@ class Activity:
     io_bytes: int  # bytes its threads read and wrote (not peerwatch's)
     children_cpu_ms: int  # CPU time of the rank's descendants
     samples: int
+    main_io_bytes: int = 0  # bytes its main thread read and wrote (a part of io_bytes)
 
     def as_tuple(self) -> Tuple[int, ...]:
         return dataclasses.astuple(self)

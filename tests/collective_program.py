@@ -20,6 +20,10 @@ trains: ``all_reduce`` of 4 floats, then ``--step-s`` seconds of "compute". Beha
     checkpoint:S S seconds of writing a file (CPU and bytes written), not in paused()
     evaluate:S   S seconds of evaluating a small model (its stack moves; no I/O), not in paused()
     workers:S    S seconds of waiting for a worker process that computes (a data loader's)
+    compute:S    S seconds of one torch op in a loop on one thread (OMP_NUM_THREADS=1): the
+                 main thread on a CPU, seen at one or two places, no other thread, no I/O
+    spin:S       S seconds of a Python loop (CPU at one or two places, as an endless loop)
+    trickle:S    S seconds of reading a few bytes a second (a slow socket): no CPU to speak of
     lock         block forever on a lock it already holds (no CPU, no I/O: stuck)
     stop         SIGSTOP itself (frozen)
 
@@ -96,6 +100,39 @@ def wait_for_workers(seconds: float) -> None:
     worker.join()
 
 
+def compute(seconds: float) -> None:
+    import torch
+
+    torch.set_num_threads(1)  # as torchrun's OMP_NUM_THREADS=1: torch's pool computes nothing
+    a = torch.randn(384, 384)
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        torch.mm(a, a)  # in C, the GIL released: the watcher sees this line
+
+
+def spin(seconds: float) -> None:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        pass
+
+
+def trickle(seconds: float) -> None:
+    """Read, a byte at a time, what a thread writes every 0.2 s (a slow socket or file)."""
+    read_end, write_end = os.pipe()
+
+    def write() -> None:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            os.write(write_end, b"x")
+            time.sleep(0.2)
+        os.close(write_end)
+
+    threading.Thread(target=write, name="trickle", daemon=True).start()
+    with os.fdopen(read_end, "rb", buffering=0) as f:
+        while f.read(1):
+            pass
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--world", type=int, required=True)
@@ -166,6 +203,8 @@ def main() -> None:
                 evaluate(float(arg))
             elif name == "workers":
                 wait_for_workers(float(arg))
+            elif name in ("compute", "spin", "trickle"):
+                {"compute": compute, "spin": spin, "trickle": trickle}[name](float(arg))
             elif name == "stop":
                 os.kill(os.getpid(), signal.SIGSTOP)
             elif name == "lock":

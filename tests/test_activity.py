@@ -103,3 +103,96 @@ def test_a_thread_that_wakes_every_10_ms_on_a_crowded_cpu_shows_no_work(one_busy
     from peerwatch._diagnose import BUSY_OTHER_SHARE
 
     assert _share(one_busy_cpu, "wakes") < BUSY_OTHER_SHARE / 2
+
+
+# -- the main thread's own signs, sampled from a watcher thread --------------------------
+
+MAIN = r"""
+import json, os, sys, threading, time
+from peerwatch._activity import ActivitySampler
+from peerwatch._diagnose import RankState, busy_evidence
+
+work = sys.argv[1]
+out, done = {}, threading.Event()
+read_end, write_end = os.pipe()
+
+def writer():  # a trickle: a byte every 50 ms, as a slow socket, or a monitor's polls
+    while not done.is_set():
+        os.write(write_end, b"x")
+        time.sleep(0.05)
+
+def watcher():  # peerwatch's thread, as the watcher: its own reads are not the rank's
+    try:
+        look()
+    finally:
+        done.set()
+
+def look():
+    sampler = ActivitySampler()
+    for i in range(SAMPLES + 1):
+        if work == "emfile" and i == SAMPLES:  # the last look fails: EMFILE
+            held = []
+            try:
+                while True:
+                    held.append(os.open("/dev/null", os.O_RDONLY))
+            except OSError:
+                sampler.sample([])
+            for fd in held:
+                os.close(fd)
+        else:
+            sampler.sample([])
+        time.sleep(SAMPLE_S)
+    a = sampler.current()
+    out.update(a.__dict__, evidence=busy_evidence(RankState(activity=a)))
+
+threading.Thread(target=writer, name="writer", daemon=True).start()
+threading.Thread(target=watcher, name="peerwatch-test", daemon=True).start()
+if work == "trickle":  # the main thread reads what comes, a few bytes at a time
+    os.set_blocking(read_end, False)
+    while not done.wait(0.01):
+        try:
+            os.read(read_end, 64)
+        except BlockingIOError:
+            pass
+elif work == "emfile":  # the main thread computes
+    n = 0
+    while not done.is_set():
+        n += 1
+else:  # blocked: only the other thread writes
+    done.wait(30)
+print(json.dumps(out))
+""".replace("SAMPLES", str(SAMPLES)).replace("SAMPLE_S", str(SAMPLE_S))
+
+
+def _main_figures(work: str) -> dict:
+    out = subprocess.run([sys.executable, "-c", MAIN, work], env=dict(os.environ, PYTHONPATH=ROOT),
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return dict(json.loads(out.stdout))
+
+
+@pytest.mark.timeout(60)
+def test_a_slow_read_by_the_main_thread_is_work() -> None:
+    """A few bytes a second read by the main thread: before, the bytes counted only from
+    256 kB on, and a rank reading a trickle was ended as stuck."""
+    figures = _main_figures("trickle")
+    assert "read or written by its main thread" in figures["evidence"], figures
+    assert 0 < figures["main_io_bytes"] < 1000, figures
+
+
+@pytest.mark.timeout(60)
+def test_a_few_bytes_of_another_thread_are_no_work_of_a_blocked_main_thread() -> None:
+    """Another thread polling (a monitor's store checks, a logger) while the main thread is
+    blocked: not work, whatever the trickle."""
+    figures = _main_figures("blocked")
+    assert figures["evidence"] == "", figures
+    assert figures.get("main_io_bytes") == 0 and 0 < figures["io_bytes"] < 1000, figures
+
+
+@pytest.mark.timeout(60)
+def test_a_look_that_fails_is_no_sample() -> None:
+    """The last sample's /proc reads fail (EMFILE) while the main thread computes: before,
+    its figures were read as 0 and the window showed no CPU (stuck); now it is not taken."""
+    figures = _main_figures("emfile")
+    assert figures["cpu_ms"] >= 0.5 * figures["span_ms"], figures
+    assert figures["samples"] == SAMPLES - 1, figures

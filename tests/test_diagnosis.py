@@ -44,8 +44,9 @@ AT_STEP = 20
 
 
 class DiagJob(Job):
-    def __init__(self, tmp: Path, steps: int, step_s: float, timeout_s: float, flags: Sequence[str], **kw: object):
-        super().__init__(tmp, world=WORLD, style="sibling", gloo=True, grace=1.0, **kw)  # type: ignore[arg-type]
+    def __init__(self, tmp: Path, steps: int, step_s: float, timeout_s: float, flags: Sequence[str],
+                 world: int = WORLD, **kw: object):
+        super().__init__(tmp, world=world, style="sibling", gloo=True, grace=1.0, **kw)  # type: ignore[arg-type]
         self.steps, self.step_s, self.timeout_s, self.flags = steps, step_s, timeout_s, list(flags)
 
     def _argv(self) -> List[str]:
@@ -91,9 +92,10 @@ def make_job(tmp_path: Path, no_leaks: str) -> Iterator[Callable[..., DiagJob]]:
     jobs: List[DiagJob] = []
 
     def make(behave: Sequence[str] = (), steps: int = 0, step_s: float = 0.02, timeout_s: float = 120.0,
-             env: Optional[Dict[str, str]] = None, flags: Sequence[str] = ()) -> DiagJob:
+             env: Optional[Dict[str, str]] = None, flags: Sequence[str] = (), world: int = WORLD) -> DiagJob:
         full = {"PEERWATCH_HEARTBEAT": f"{HEARTBEAT_S:g}", "PEERWATCH_HANG_WARN": f"{WARN_S:g}", **(env or {})}
-        job = DiagJob(tmp_path, steps, step_s, timeout_s, flags, behave=behave, env=full, name=f"job{len(jobs)}")
+        job = DiagJob(tmp_path, steps, step_s, timeout_s, flags, world=world, behave=behave, env=full,
+                      name=f"job{len(jobs)}")
         jobs.append(job)
         job.start()
         return job
@@ -113,8 +115,8 @@ def _stuck_then_ended(job: DiagJob) -> None:
 # -- a rank stops taking part ------------------------------------------------------------
 
 
-def test_a_rank_looping_in_python_is_named_by_the_collective_the_others_wait_in(make_job) -> None:
-    job = make_job(behave=[f"1=loop@{AT_STEP}"])
+def test_a_stuck_rank_is_named_by_the_collective_the_others_wait_in(make_job) -> None:
+    job = make_job(behave=[f"1=lock@{AT_STEP}"])
     job.wait_ready(timeout=START_S)
     d = job.wait_diagnosis()
     assert (d["kind"], d["laggards"], d["entered"]) == ("hang", [1], [0, 2]), d
@@ -168,7 +170,8 @@ def test_a_sigstopped_rank_is_the_laggard(make_job) -> None:
 
 def test_the_gloo_timeout_after_a_diagnosis_names_the_laggard_not_its_victims(make_job) -> None:
     """The others' 10 s gloo timeout fires: before, the verdict named the first of them,
-    cause exception."""
+    cause exception. The laggard loops in Python: busy (nobody can tell a loop from a
+    computation), not ended, and still named at the timeout."""
     job = make_job(behave=[f"1=loop@{AT_STEP}"], timeout_s=10.0)
     job.wait_ready(timeout=START_S)
     job.wait_diagnosis()
@@ -179,7 +182,7 @@ def test_the_gloo_timeout_after_a_diagnosis_names_the_laggard_not_its_victims(ma
 
 
 def test_hang_timeout_auto_ends_the_job_at_the_diagnosis(make_job) -> None:
-    job = make_job(behave=[f"1=loop@{AT_STEP}"], env={"PEERWATCH_HANG_TIMEOUT": "auto"})
+    job = make_job(behave=[f"1=lock@{AT_STEP}"], env={"PEERWATCH_HANG_TIMEOUT": "auto"})
     job.wait_ready(timeout=START_S)
     job.wait_gone(within=START_S)  # well before the 120 s gloo timeout
     v = job.verdict()
@@ -240,6 +243,26 @@ def test_a_busy_laggard_is_reported_busy_and_auto_lets_the_job_finish(make_job, 
                                        capture_output=True, text=True, timeout=30).stdout)
     jsonschema.validate(report, json.loads((Path(peerwatch.__file__).parent / "schemas" / "report-v1.schema.json").read_text()))
     assert report["diagnosis"]["kind"] == "busy" and report["diagnosis"]["ends_at"] is not None, report["diagnosis"]
+
+
+@pytest.mark.parametrize("behaviour, evidence", [
+    ("compute:15", "its main thread on a CPU"),  # one torch op in a loop, one thread: 1-2 places
+    ("spin:15", "its main thread on a CPU"),  # a Python loop: as an endless one would be
+    ("trickle:15", "read or written by its main thread"),  # a slow read: a few bytes a second
+])
+def test_a_rank_computing_or_reading_alone_is_busy_and_auto_lets_it_finish(make_job, behaviour: str, evidence: str) -> None:
+    """Two ranks: rank 0 (a judge itself) works alone, rank 1 waits in all_reduce. Before,
+    CPU at under 4 places (or a few bytes a second) was no work: the diagnosis said hang,
+    and hang_timeout=auto ended with 124 a job that computed (nanoGPT's rank-0 evaluation)."""
+    job = make_job(behave=[f"0={behaviour}@{AT_STEP}"], steps=200, env=AUTO, world=2)
+    job.wait_ready(timeout=START_S)
+    job.wait_gone(within=15.0 + 30.0)
+    assert job.returncodes() == {0: 0, 1: 0}, job.logs()
+    assert not (job.run_dir / "events" / "verdict.json").exists(), job.logs()
+    d = job.diagnosis_record()
+    assert d is not None and (d["finding"], d["laggards"]) == ("busy", [0]), d
+    assert d["resolved_ns"] is not None and evidence in d["detail"], d
+    assert not job.lines("peerwatch: hang:"), job.logs()
 
 
 def test_a_laggard_blocked_on_a_lock_is_stuck_and_auto_ends_it_at_once(make_job) -> None:

@@ -77,9 +77,9 @@ def analyze(folder: Path) -> str:
 
 
 def test_torchs_analyzer_names_the_laggard_peerwatch_named_from_the_teardown_dumps(tmp_path, jobs) -> None:
-    """A rank loops in Python while the others wait in all_reduce; hang_timeout=auto makes
+    """A rank blocks on a lock while the others wait in all_reduce; hang_timeout=auto makes
     the diagnosis the verdict, and every rank dumps as it leaves."""
-    job = start(jobs, tmp_path, f"1=loop@{AT_STEP}", PEERWATCH_HANG_TIMEOUT="auto")
+    job = start(jobs, tmp_path, f"1=lock@{AT_STEP}", PEERWATCH_HANG_TIMEOUT="auto")
     job.wait_gone(within=START_S)
     assert job.exit_codes() == {0: 124, 1: 124, 2: 124}, job.logs()
     d = job.diagnosis_record()

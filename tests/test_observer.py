@@ -27,7 +27,18 @@ from peerwatch._diagnose import RankState
 from peerwatch._diagnoser import Diagnoser
 from peerwatch._observer import Observer
 from peerwatch._ownrecords import OwnRecords
-from peerwatch._records import EXCEPTION, HANG, Diagnosis, ExitStatus, Failure, Registration, Success, encode
+from peerwatch._records import (
+    BUSY,
+    EXCEPTION,
+    HANG,
+    Activity,
+    Diagnosis,
+    ExitStatus,
+    Failure,
+    Registration,
+    Success,
+    encode,
+)
 from peerwatch._rundir import DIAGNOSIS_FILE, EVENTS, RANKS, TMP, RunDir, rank_file
 
 DEADLINE_S = 5.0
@@ -313,15 +324,18 @@ def test_a_record_of_this_rank_left_by_another_process_does_not_block_ours(run):
 # -- the Diagnoser on a real Observer -----------------------------------------------------
 
 
-def _stalled(now_mono_ns: int, moved_mono_ns: int) -> Observed:
-    """Rank 1 never entered all_reduce #21, which ranks 0 and 2 wait in, for 10 s."""
-    def progress(seq: int) -> RankState:
+def _stalled(now_mono_ns: int, moved_mono_ns: int, activity: Optional[Activity] = None, state: str = "S") -> Observed:
+    """Rank 1 never entered all_reduce #21, which ranks 0 and 2 wait in, for 10 s; its signs
+    of work ``activity``, its process ``state``."""
+    def progress(seq: int, **kw: object) -> RankState:
         entered = tuple(("0", q, "gloo:all_reduce", "[[4]] Float") for q in range(seq - 2, seq + 1))
-        return RankState(state="S", collectives=(("0", seq, seq - 1),), entered=entered, moved_mono_ns=moved_mono_ns)
+        return RankState(collectives=(("0", seq, seq - 1),), entered=entered, moved_mono_ns=moved_mono_ns,
+                         **{"state": "S", **kw})  # type: ignore[arg-type]
 
     regs = {r: _reg(r, os.getpid()) for r in range(3)}
     return Observed(self_rank=0, now_ns=time.time_ns(), registrations=regs, successes=set(), failures={},
-                    exit_statuses={}, gone={}, progress={0: progress(21), 1: progress(20), 2: progress(21)},
+                    exit_statuses={}, gone={},
+                    progress={0: progress(21), 1: progress(20, activity=activity, state=state), 2: progress(21)},
                     now_mono_ns=now_mono_ns)
 
 
@@ -352,3 +366,35 @@ def test_a_diagnosis_is_resolved_when_the_job_moves_again(observers, caplog, run
     assert resolved is not None and resolved.resolved_ns is not None
     assert run.read(EVENTS, DIAGNOSIS_FILE, Diagnosis) == resolved
     assert any("the job moved again" in r.getMessage() and "slow, not stuck" in r.getMessage() for r in caplog.records)
+
+
+WORKING = Activity(span_ms=7000, cpu_ms=7000, places=1, other_cpu_ms=0, io_bytes=0, children_cpu_ms=0, samples=7)
+IDLE = Activity(span_ms=7000, cpu_ms=0, places=1, other_cpu_ms=0, io_bytes=0, children_cpu_ms=0, samples=7)
+
+
+def _finding(judge: Diagnoser, now: int, activity: Activity, state: str = "S", moved: int = 0) -> str:
+    found = judge.look(_stalled(now, moved, activity, state))
+    assert found is not None
+    return found.finding
+
+
+def test_a_busy_laggard_turns_hang_only_after_a_whole_window_without_work(observers):
+    """Rank 1 computed, then one window shows no work (a dip: a loaded host's samples late, a
+    pause for data): before, that look made it a hang, and hang_timeout=auto ended a job that
+    computed. It turns hang once it has shown none for a whole window (8 heartbeats) more."""
+    judge = Diagnoser(0, 5.0, observers(), auto=True, interval_s=1.0)
+    now = time.monotonic_ns()  # the job last moved at 0 (_finding)
+    assert _finding(judge, now, WORKING) == BUSY
+    assert _finding(judge, now + S, IDLE) == BUSY  # the dip: no work seen since now + 1 s
+    assert _finding(judge, now + 8 * S, IDLE) == BUSY
+    assert _finding(judge, now + 9 * S, WORKING) == BUSY  # working again: the count starts over
+    assert _finding(judge, now + 10 * S, IDLE) == BUSY
+    assert _finding(judge, now + 17 * S, IDLE) == BUSY
+    assert _finding(judge, now + 18 * S, IDLE) == HANG  # nothing for 8 s more: stuck
+
+
+def test_a_busy_laggard_stopped_is_a_hang_at_once(observers):
+    judge = Diagnoser(0, 5.0, observers(), auto=True, interval_s=1.0)
+    now = time.monotonic_ns()  # the job last moved at 0 (_finding)
+    assert _finding(judge, now, WORKING) == BUSY
+    assert _finding(judge, now + S, WORKING, state="T") == HANG

@@ -607,11 +607,12 @@ def test_whether_a_failures_exit_code_was_observed_is_a_field_and_older_records_
 def test_activity_of_a_heartbeats_field_and_back() -> None:
     from peerwatch._records import Activity
 
-    a = Activity.of((4000, 0, 1, 2, 3, 0, 8))
-    assert a == Activity(span_ms=4000, cpu_ms=0, places=1, other_cpu_ms=2, io_bytes=3, children_cpu_ms=0, samples=8)
-    assert a.as_tuple() == (4000, 0, 1, 2, 3, 0, 8)
-    assert Activity.of((0,) * 7) == Activity(0, 0, 0, 0, 0, 0, 0)  # zero is a figure, not a missing one
-    for values in ((), (1,) * 6, (1,) * 8, (1, 1, 1, -1, 1, 1, 1)):
+    a = Activity.of((4000, 0, 1, 2, 3, 0, 8, 1))
+    assert a == Activity(span_ms=4000, cpu_ms=0, places=1, other_cpu_ms=2, io_bytes=3, children_cpu_ms=0, samples=8,
+                         main_io_bytes=1)
+    assert a.as_tuple() == (4000, 0, 1, 2, 3, 0, 8, 1)
+    assert Activity.of((0,) * 8) == Activity(0, 0, 0, 0, 0, 0, 0, 0)  # zero is a figure, not a missing one
+    for values in ((), (1,) * 7, (1,) * 9, (1, 1, 1, -1, 1, 1, 1, 1)):
         assert Activity.of(values) is None, values
 
 
