@@ -120,11 +120,11 @@ BLANK = b" \t\r\n\0"  # a record of nothing but these (padding, NULs) says nothi
 
 def blank(data: bytes) -> bool:
     """A record file of nothing but padding or NULs (or of nothing): not written, as an
-    empty one is, rather than garbage. Every writer here puts a record in place whole (a
-    temp file linked or renamed into place; the heartbeat rewritten by one pwrite over its
-    own bytes), yet an exit record of its full length in padding alone was seen after a
-    SIGTERM to a job's process group. Whatever left one, it says nothing: a reader takes
-    it for absent (no warning), and a writer that checks what is there replaces it."""
+    empty one is, rather than garbage. Such a file says nothing of what it stood for: an
+    exit record of 132 NULs was left by the C exit watch when its buffer was zeroed under
+    it (peerwatch/_exitstatus.c's arm_leaving, fixed), and a reader of an older run's may
+    meet one. A reader takes it for absent (no warning); a writer that checks what is
+    there replaces it."""
     return not data.strip(BLANK)
 
 
