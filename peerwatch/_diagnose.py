@@ -331,14 +331,25 @@ def _hang_detail(
     ranks: Mapping[int, RankState], laggards: Sequence[int], entered: Sequence[int], group: Optional[str],
     seq: Optional[int], op: Optional[str], since_ns: int,
 ) -> str:
+    """The finding's words. ``entered``: every rank at ``seq``, frozen ones included: a
+    frozen rank that entered it is a laggard, named as one that entered, not as one that
+    waits nor as one that never entered."""
     why = explain(ranks[laggards[0]])
     where = f" ({', '.join(why)})" if why else ""
-    text = f"nothing moved for {since_ns / 1e9:.1f}s: {_ranks(laggards, ranks)} never entered"
     if group is None:
         return f"nothing moved for {since_ns / 1e9:.1f}s: {_ranks(laggards, ranks)} holds the job up{where}"
+    never = [r for r in laggards if r not in entered]
+    waiting = [r for r in entered if r not in laggards]
+    frozen_in = [r for r in entered if r in laggards]
+    text = f"nothing moved for {since_ns / 1e9:.1f}s: {_ranks(never, ranks)} never entered"
     text += f" {op or 'collective'} #{seq} of process group {group}"
-    if entered:
-        text += f", which {_ranks(entered, ranks)} {'waits' if len(entered) == 1 else 'wait'} in"
+    joined = []
+    if waiting:
+        joined.append(f"{_ranks(waiting, ranks)} {'waits' if len(waiting) == 1 else 'wait'} in")
+    if frozen_in:
+        joined.append(f"{_ranks(frozen_in, ranks)} entered")
+    if joined:
+        text += ", which " + " and ".join(joined)
     return text + f"; rank {laggards[0]}{where or ' is elsewhere'}"
 
 

@@ -78,7 +78,7 @@ class Diagnoser:
             finding=found.kind, laggards=found.laggards, entered=found.entered, since_ns=found.since_ns,
             stalled_at_ns=stalled_at_ns, time_ns=obs.now_ns, made_by=self._rank,
             detail=found.detail, group=found.group, seq=found.seq, op=found.op,
-            end_at_ns=stalled_at_ns + found.end_after_ns if found.kind == BUSY else obs.now_ns,
+            end_at_ns=self._end_at(found, stalled_at_ns, obs.now_ns),
             hosts=tuple((r, ranks[r].host) for r in found.laggards if ranks[r].host),
         )
         # An earlier stall's, resolved, or a busy laggard now stuck: this one replaces it.
@@ -99,6 +99,13 @@ class Diagnoser:
         if self._idle_since is None:
             self._idle_since = obs.now_mono_ns
         return obs.now_mono_ns - max(self._idle_since, obs.awake_since_ns) < self._window_ns  # awake time only
+
+    def _end_at(self, found: _diagnose.Found, stalled_at_ns: int, now_ns: int) -> Optional[int]:
+        """When hang_timeout=auto ends the job (busy: near the collective timeout; else at
+        once); None without auto: nothing will end it, and the record says no time."""
+        if not self._auto:
+            return None
+        return stalled_at_ns + found.end_after_ns if found.kind == BUSY else now_ns
 
     def _with_other_hosts(
         self, local: Dict[int, _diagnose.RankState], obs: _decide.Observed, threshold_ns: int,

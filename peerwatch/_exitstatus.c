@@ -77,6 +77,7 @@ typedef struct {
 
 static leaving_state lv;
 static int claimed; /* set once, atomically, by whichever path writes the exit record */
+static int term_installed; /* on_term was installed in this process (once: see arm_leaving) */
 
 /* A SIGTERM held back: torchrun's agent and mp.spawn's main process stop the other workers
  * about 0.1 s after they see one end, and a rank acting on the verdict by then (its summary
@@ -483,6 +484,17 @@ PyDoc_STRVAR(arm_leaving_doc,
 "SIGTERM's action is the default one (the application's own handler is left alone);\n"
 "returns whether it was. Needs arm() first.");
 
+static int same_piece(const piece *a, const piece *b)
+{
+    return a->len == b->len && memcmp(a->data, b->data, a->len) == 0;
+}
+
+static int same_record(const leaving_state *a, const leaving_state *b)
+{
+    return strcmp(a->name, b->name) == 0 && same_piece(&a->head, &b->head) && same_piece(&a->mid, &b->mid) &&
+           same_piece(&a->mid2, &b->mid2) && same_piece(&a->tail, &b->tail);
+}
+
 static PyObject *arm_leaving(PyObject *self, PyObject *args)
 {
     Py_buffer nm, h, m, m2, t;
@@ -504,10 +516,17 @@ static PyObject *arm_leaving(PyObject *self, PyObject *args)
         PyErr_SetString(PyExc_RuntimeError, "arm() this process first");
         return NULL;
     }
-    if (!lv.armed) {
-        /* (Re)prepared until a teardown begins: install() again, or in a forked child. */
+    if (!lv.armed && !claimed && (lv.pid != getpid() || !same_record(&lv, &next))) {
+        /* (Re)prepared until a teardown begins: install() again, or in a forked child. Only
+         * its pieces, never lv.out, and never the same record again (the teardown's call):
+         * a SIGTERM's handler in another thread may be writing the record from them right
+         * now. Copied whole, lv.out was zeroed under it: an exit record of NULs alone. */
         __atomic_store_n(&lv.term, 0, __ATOMIC_SEQ_CST);
-        memcpy(&lv, &next, sizeof lv);
+        memcpy(lv.name, next.name, sizeof lv.name);
+        lv.head = next.head;
+        lv.mid = next.mid;
+        lv.mid2 = next.mid2;
+        lv.tail = next.tail;
         lv.pid = getpid();
         __atomic_store_n(&lv.term, 1, __ATOMIC_SEQ_CST);
     }
@@ -518,7 +537,10 @@ static PyObject *arm_leaving(PyObject *self, PyObject *args)
         Py_RETURN_FALSE;
     if ((old.sa_flags & SA_SIGINFO) && old.sa_sigaction == on_term)
         Py_RETURN_TRUE; /* ours, from an earlier call */
-    if ((old.sa_flags & SA_SIGINFO) || old.sa_handler != SIG_DFL)
+    /* Installed once: a SIGTERM's handler sets the default action back as it ends the
+     * process by the signal. Installed again meanwhile (a teardown arming in another
+     * thread), it caught the very signal it raised, and the process did not end. */
+    if (term_installed || (old.sa_flags & SA_SIGINFO) || old.sa_handler != SIG_DFL)
         Py_RETURN_FALSE;
     memset(&act, 0, sizeof act);
     act.sa_sigaction = on_term;
@@ -526,6 +548,7 @@ static PyObject *arm_leaving(PyObject *self, PyObject *args)
     sigemptyset(&act.sa_mask);
     if (sigaction(SIGTERM, &act, NULL) != 0)
         Py_RETURN_FALSE;
+    term_installed = 1;
     Py_RETURN_TRUE;
 }
 

@@ -297,10 +297,11 @@ def exit_text(r: Dict[str, Any]) -> str:
     return text
 
 
-def summary(report: Dict[str, Any], traceback: bool = True) -> str:
+def summary(report: Dict[str, Any], traceback: bool = True, leaving: bool = False) -> str:
     """A short human summary: the root cause first, then what happened to every rank.
     ``traceback=False`` leaves out the failing rank's traceback (printed just above by
-    the failing rank itself)."""
+    the failing rank itself). ``leaving``: printed during the teardown, while the other
+    ranks are still leaving (and writing what they leave, their flight-recorder dumps)."""
     v = report.get("verdict")
     late = [r for r in report["ranks"] if r.get("failed_after_done")]
     lines = _summary_head(report, v, late) + _rank_table(report["ranks"])
@@ -316,8 +317,7 @@ def summary(report: Dict[str, Any], traceback: bool = True) -> str:
     lines.extend(f"  {line}" for line in straggler_lines(report))
     fr = report.get("flight_recorder")
     if fr:
-        lines.append(f"  flight recorder of ranks {', '.join(map(str, fr['ranks']))}: {fr['dir']} "
-                     f"(torch's analyzer: {fr['analyze']})")
+        lines.append(flight_recorder_line(fr, leaving))
     if traceback and v is not None and v.get("traceback"):
         tb = v["traceback"].rstrip().splitlines()
         lines.append("  traceback of the failing rank (last lines):")
@@ -326,6 +326,21 @@ def summary(report: Dict[str, Any], traceback: bool = True) -> str:
     if v is not None or os.path.exists(path):  # a run without a verdict writes none
         lines.append(f"  report: {path}")
     return printable("\n".join(lines))  # a rank's message may hold escape sequences: shown, not obeyed
+
+
+def flight_recorder_line(fr: Dict[str, Any], leaving: bool) -> str:
+    """The summary's line for the flight-recorder dumps: those there as it is written.
+    During a teardown the other ranks dump as they leave, mostly after the summary is out:
+    it says so, rather than give the first dumps for all of them."""
+    ranks = fr["ranks"]
+    n = len(ranks)
+    which = f"rank {ranks[0]}" if n == 1 else (
+        f"ranks {', '.join(map(str, ranks))}" if n <= _NAMED_DUMPS else f"{n} ranks")
+    more = " so far; every rank dumps its own as it leaves" if leaving else ""
+    return f"  flight recorder in {fr['dir']}: {which} dumped{more} (torch's analyzer: {fr['analyze']})"
+
+
+_NAMED_DUMPS = 16  # dumps a summary names by rank (more are counted)
 
 
 def _summary_head(report: Dict[str, Any], v: Optional[Dict[str, Any]], late: List[Dict[str, Any]]) -> List[str]:
@@ -378,5 +393,5 @@ def _late_failure(r: Dict[str, Any]) -> str:
     return f"{who(r['rank'], r.get('pid'), r.get('host'))} failed after its success marker{code}"
 
 
-__all__ = ["REPORT_VERSION", "echoed_verdict", "failed_after_done", "build", "exit_text", "straggler_lines", "stragglers_entry",
-           "summary", "write"]
+__all__ = ["REPORT_VERSION", "echoed_verdict", "failed_after_done", "build", "exit_text", "flight_recorder_line",
+           "straggler_lines", "stragglers_entry", "summary", "write"]

@@ -115,6 +115,19 @@ def same_job(a: Registration, b: Registration) -> bool:
     return size is None or (a.rank < size and b.rank < size)
 
 
+BLANK = b" \t\r\n\0"  # a record of nothing but these (padding, NULs) says nothing
+
+
+def blank(data: bytes) -> bool:
+    """A record file of nothing but padding or NULs (or of nothing): not written, as an
+    empty one is, rather than garbage. Such a file says nothing of what it stood for: an
+    exit record of 132 NULs was left by the C exit watch when its buffer was zeroed under
+    it (peerwatch/_exitstatus.c's arm_leaving, fixed), and a reader of an older run's may
+    meet one. A reader takes it for absent (no warning); a writer that checks what is
+    there replaces it."""
+    return not data.strip(BLANK)
+
+
 class RunDir(HeldDir):
     """One run directory on this host, and its records. Reads are tolerant; writes are atomic.
 
@@ -221,7 +234,8 @@ class RunDir(HeldDir):
             existing = self.read_bytes(sub, name)
             if existing is not None and valid(existing):
                 return False
-            self.warn_once(self.join(sub, name), "is not a valid record; replaced by this rank's")
+            if existing is None or not blank(existing):  # a blank one was never written: nothing to say
+                self.warn_once(self.join(sub, name), "is not a valid record; replaced by this rank's")
             os.replace(tmp, name, src_dir_fd=tmp_dir, dst_dir_fd=dir_fd)
             moved = True
             return self.read_bytes(sub, name) == data
@@ -354,8 +368,8 @@ class RunDir(HeldDir):
         """The record ``sub/name`` of type ``cls``, or None: missing, malformed, or naming a
         rank outside the run's world size (each logged once)."""
         data = self.read_bytes(sub, name)
-        if data is None:
-            return None
+        if data is None or blank(data):
+            return None  # missing, or not written (empty, or padding alone): not garbage
         record = decode(cls, data)
         if record is None and data and sub == HEARTBEATS:
             # Rewritten in place: we may have caught a write half done. Once more.
@@ -497,8 +511,8 @@ class InPlace:
 
 
 __all__ = [
-    "InPlace", "EVENTS", "HEARTBEATS", "RANKS", "REPORT_FILE", "SUMMARY_FILE", "STACKS", "TMP", "VERDICT_FILE",
+    "BLANK", "InPlace", "EVENTS", "HEARTBEATS", "RANKS", "REPORT_FILE", "SUMMARY_FILE", "STACKS", "TMP", "VERDICT_FILE",
     "DIAGNOSIS_FILE", "REMOTE_STALLS_FILE", "SPAWNED_RUN", "STALL_FILE", "STRAGGLERS_FILE", "STRAGGLE_FILE", "STRAGGLE_HOSTS_FILE",
-    "FLIGHT_RECORDER", "RunDir", "fr_dump_name", "parse_fr_dump_name", "parse_rank_file", "rank_file", "safe_name", "same_job",
+    "FLIGHT_RECORDER", "RunDir", "fr_dump_name", "parse_fr_dump_name", "parse_rank_file", "rank_file", "safe_name", "same_job", "blank",
     "stack_name",
 ]

@@ -131,12 +131,13 @@ def find(profiles: Mapping[int, Profile], named: Mapping[int, int], now_ns: int)
     shares) and the enqueue gaps (:func:`lateness`, the ranks that have them). A rank is
     named when either names it, and stays named while either keeps it above ``CLEAR_SHARE``;
     its ``late_ms`` and ``share`` are the enqueue measure's where that one names it (it
-    measures the lateness itself), else the waits'."""
+    measures the lateness itself), else the waits' (its ``late_ms`` the enqueue measure's
+    where that one sees it late on fewer slots than it names on: :func:`_measured`)."""
     found = []
     by_waits = _by_waits({r: p for r, p in profiles.items() if p.shares}, named)
     by_late = _by_lateness(profiles, named)
     for r in sorted(set(by_waits) | set(by_late)):
-        late_ms, share = by_late.get(r) or by_waits[r]
+        late_ms, share = by_late.get(r) or _measured(profiles[r], by_waits[r], r in named)
         found.append(Straggler(r, profiles[r].host, late_ms, share, named.get(r, now_ns)))
     return tuple(found)
 
@@ -157,6 +158,18 @@ def _by_waits(profiles: Mapping[int, Profile], named: Mapping[int, int]) -> Dict
             gap = statistics.median(g)
             out[r] = (round(gap * period_ms), round(gap, 3))
     return out
+
+
+def _measured(p: Profile, waits: Tuple[int, float], before: bool) -> Tuple[int, float]:
+    """The figures of a rank the waits name: its ``late_ms`` is the enqueue measure's where
+    that one already sees it late on the slots it has, too few to name it on its own (it
+    names up to two slots after the waits). The waits' is derived per collective: in a job
+    of two collectives a step, half the lateness the enqueue times measure, and the one
+    line logged when the rank is named would say half what the finding says a slot later."""
+    g = [v / 1000 for v in p.late[-SLOTS:]]
+    if g and p.late_ms > 0 and _named(g, before):
+        return p.late_ms, waits[1]
+    return waits
 
 
 def _named(g: Sequence[float], before: bool) -> bool:

@@ -273,7 +273,7 @@ def _report_now(t: Teardown, print_summary: bool, traceback: bool = True) -> Non
         report = _report.write(run_dir)
         log_event("report", rank, path=run_dir.join(REPORT_FILE), outcome=report["outcome"])
         if print_summary:
-            logger.error("%s", _report.summary(report, traceback=traceback))
+            logger.error("%s", _report.summary(report, traceback=traceback, leaving=True))
             _summary_out(run_dir, rank)
     except OSError as e:
         logger.error("peerwatch: rank %d could not write the report: %s", rank, e)

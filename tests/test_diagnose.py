@@ -482,8 +482,19 @@ def test_a_frozen_rank_at_the_top_is_a_laggard_not_one_that_waits():
     ranks = {0: rank(21, entered=tail(21)), 1: rank(21, state="t", entered=tail(21)), 2: rank(20)}
     d = diagnose(ranks, NOW, 5 * S)
     assert d is not None and (d.kind, d.laggards, d.entered, d.group, d.seq) == (HANG, (1, 2), (0,), "0", 21), d
-    assert d.detail == ("nothing moved for 10.0s: ranks 1, 2 never entered gloo:all_reduce #21 of process group 0,"
-                        " which ranks 0, 1 wait in; rank 1 (its process is stopped by a debugger)")
+    assert d.detail == ("nothing moved for 10.0s: rank 2 never entered gloo:all_reduce #21 of process group 0,"
+                        " which rank 0 waits in and rank 1 entered; rank 1 (its process is stopped by a debugger)")
+
+
+def test_a_frozen_laggard_is_never_listed_as_one_that_waits():
+    """Two ranks stopped, one of them inside the last collective, and a third behind: the
+    laggards are all three, none of them waits, and only those behind never entered it."""
+    ranks = {0: rank(21), 1: rank(21, state="T"), 2: rank(22, state="T", entered=tail(22))}
+    d = diagnose(ranks, NOW, 5 * S)
+    assert d is not None and (d.laggards, d.entered, d.seq) == ((1, 2, 0), (), 22), d
+    assert d.detail == ("nothing moved for 10.0s: ranks 1, 0 never entered gloo:all_reduce #22 of process group 0,"
+                        " which rank 2 entered; rank 1 (its process is stopped (SIGSTOP))")
+    assert "wait" not in d.detail, d.detail
 
 
 def test_a_silent_watcher_is_a_laggard_and_the_text_says_why_unless_stopped():

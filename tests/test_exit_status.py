@@ -183,3 +183,58 @@ def test_without_a_hold_a_sigterm_ends_the_rank_at_once(tmp_path) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+# The exit record prepared again, over and over, in another thread (the watcher arming the
+# teardown's record at a verdict), while the SIGTERM's handler runs in the main thread.
+REARMED = """
+import os, signal, threading, time
+import peerwatch
+from peerwatch import _exitwatch
+from peerwatch._rundir import rank_file
+peerwatch.install()
+native = _exitwatch._module()
+args = (rank_file("exit", 0).encode(), *_exitwatch.exit_template(0, os.getpid()))
+def arm():
+    signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGTERM])  # the handler runs in the main thread
+    for _ in range(1000):  # the main thread asleep by now
+        native.arm_leaving(*args, False)
+    print("ready", flush=True)
+    while True:
+        native.arm_leaving(*args, False)
+threading.Thread(target=arm, daemon=True).start()
+time.sleep(60)  # the GIL free for the arming thread; the SIGTERM comes here
+"""
+
+
+@pytest.mark.skipif(not GLIBC, reason="the exit-status extension is built on glibc Linux")
+def test_a_sigterm_while_another_thread_arms_the_exit_record_still_writes_it_whole(tmp_path) -> None:
+    """A launcher's SIGTERM at the verdict, as the watcher thread arms the teardown's exit
+    record: the record was copied again over the one the handler was writing (an exit
+    record of 132 NULs, seen after a SIGTERM to a job's group; or none, the handler finding
+    it half prepared), and the handler, installed again, could catch the very SIGTERM it
+    raised to end the process. Six tries: each failed before, six times in ten."""
+    wrong = []
+    for i in range(6):
+        run = tmp_path / f"run{i}"
+        env = dict(os.environ, PEERWATCH_DIR=str(run), WORLD_SIZE="1", RANK="0", LOCAL_RANK="0")
+        proc = subprocess.Popen([sys.executable, "-c", REARMED], env=env, stdout=subprocess.PIPE, text=True)
+        try:
+            assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                wrong.append((i, "it did not end by its SIGTERM"))
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        path = run / EVENTS / "exit-00000.json"
+        data = path.read_bytes() if path.exists() else b"no record"
+        if not data.startswith(b"{") or proc.returncode != -signal.SIGTERM:
+            wrong.append((i, proc.returncode, data[:40]))
+        else:
+            record = json.loads(data)
+            assert (record["returncode"], record["signalled_by"]) == (-signal.SIGTERM, os.getpid()), record
+    assert not wrong, wrong

@@ -102,8 +102,12 @@ def test_torchs_analyzer_names_the_laggard_peerwatch_named_from_the_teardown_dum
     assert report["flight_recorder"]["dir"] == str(folder), report["flight_recorder"]
     rebuilt = job.cli_report()["flight_recorder"]
     assert rebuilt == {"dir": str(folder), "ranks": [0, 1, 2], "analyze": f"torchfrtrace {folder}"}, rebuilt
-    said = job.lines("flight recorder of ranks")
+    said = job.lines("flight recorder in")
     assert said and all(str(folder) in line for line in said), job.logs()
+    # Printed while the ranks leave: the dumps there then, and that more come (never the
+    # first ones passed for all of them).
+    assert all("so far; every rank dumps its own as it leaves" in line or "ranks 0, 1, 2 dumped" in line
+               for line in said), said
 
 
 def test_torchs_analyzer_finds_the_mismatch_peerwatch_diagnosed_from_the_diagnosis_dumps(tmp_path, jobs) -> None:

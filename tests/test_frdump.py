@@ -152,4 +152,23 @@ def test_the_report_names_the_folder_and_the_command(run_dir, monkeypatch) -> No
     report = _report.build(run_dir)
     jsonschema.validate(report, SCHEMA)
     assert report["flight_recorder"]["ranks"] == [0, 2]
-    assert f"flight recorder of ranks 0, 2: {folder}" in _report.summary(report)
+    assert f"flight recorder in {folder}: ranks 0, 2 dumped (torch's analyzer: " in _report.summary(report)
+
+
+def test_the_summary_printed_while_the_ranks_leave_does_not_pass_the_first_dumps_for_all(run_dir, monkeypatch) -> None:
+    """The summary of a hang is printed by the rank that made the verdict once its own dump
+    is written, while the others are still dumping as they leave: one dump was listed as
+    the flight recorder where four were written. It says what is there so far, and that
+    more come; ``peerwatch report`` (after) lists them all."""
+    fake_torch(monkeypatch, _dump_fr_trace=recorder(UNNAMED))
+    folder = os.path.join(run_dir.path, FLIGHT_RECORDER)
+    assert _frdump.FlightRecorderDump(run_dir, 0).dump("teardown")
+    line = _report.flight_recorder_line(_report.build(run_dir)["flight_recorder"], leaving=True)
+    assert line.startswith(f"  flight recorder in {folder}: rank 0 dumped so far; every rank dumps its own as it leaves"), line
+    for rank in (1, 2, 3):
+        assert _frdump.FlightRecorderDump(run_dir, rank).dump("teardown")
+    after = _report.summary(_report.build(run_dir))
+    assert f"flight recorder in {folder}: ranks 0, 1, 2, 3 dumped (torch's analyzer: torchfrtrace {folder}" in after, after
+    assert "so far" not in after
+    many = {"dir": folder, "ranks": list(range(17)), "analyze": "torchfrtrace"}
+    assert ": 17 ranks dumped (" in _report.flight_recorder_line(many, leaving=False)

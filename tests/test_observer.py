@@ -39,6 +39,7 @@ from peerwatch._records import (
     Success,
     encode,
 )
+from peerwatch._report import build as report_build
 from peerwatch._rundir import DIAGNOSIS_FILE, EVENTS, RANKS, TMP, RunDir, rank_file
 
 DEADLINE_S = 5.0
@@ -353,6 +354,19 @@ def test_two_judges_one_diagnosis_and_the_second_learns_the_first(observers, cap
     assert again == found and second.diagnosis() == found
     said = [r.getMessage() for r in caplog.records if "diagnosed by rank" in r.getMessage()]
     assert len(said) == 1 and "diagnosed by rank 0" in said[0]
+
+
+def test_a_diagnosis_ends_the_job_at_a_time_only_under_hang_timeout_auto(observers, run):
+    """``ends_at`` (the record's ``end_at_ns``) says when hang_timeout=auto ends the job:
+    with auto off nothing will end it, and the diagnosis says no time."""
+    now = time.monotonic_ns()
+    off = Diagnoser(0, 5.0, observers(0)).look(_stalled(now, now - 10 * S))
+    assert off is not None and off.end_at_ns is None, off
+    assert report_build(run)["diagnosis"]["ends_at"] is None
+    os.unlink(run.join(EVENTS, DIAGNOSIS_FILE))
+    auto = Diagnoser(0, 5.0, observers(0), auto=True).look(_stalled(now, now - 10 * S))
+    assert auto is not None and auto.end_at_ns == auto.time_ns, auto  # a hang: ended at once
+    assert report_build(run)["diagnosis"]["ends_at"] is not None
 
 
 def test_a_diagnosis_is_resolved_when_the_job_moves_again(observers, caplog, run):

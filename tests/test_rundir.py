@@ -318,6 +318,27 @@ def test_empty_file_is_not_written_yet_and_not_warned(rd, caplog):
     assert warnings_about(caplog, "") == []
 
 
+@pytest.mark.parametrize("pad", [b" ", b"\0"])
+def test_a_record_of_padding_alone_is_not_written_not_garbage(rd, caplog, pad):
+    """An exit record of its full length in padding alone (seen after a SIGTERM to a job's
+    process group): absent to a reader, with no warning, in the report too; a peer's
+    record of that exit replaces it, also without calling it garbage."""
+    from peerwatch import _report
+    from peerwatch._records import ExitStatus, decode
+
+    name = rank_file("exit", 0)
+    with open(rd.join(EVENTS, name), "wb") as f:
+        f.write(pad * 132)
+    with caplog.at_level(logging.WARNING, logger="peerwatch"):
+        assert rd.read(EVENTS, name, ExitStatus) is None
+        assert rd.rank_records(EVENTS, {"exit": ExitStatus})["exit"] == {}
+        assert _report.build(rd)["ranks"][0]["exit_code"] is None
+        seen = encode(ExitStatus(rank=0, pid=os.getpid(), time_ns=1, returncode=-15, observed_by=1))
+        assert rd.write(EVENTS, name, seen, valid=lambda data: decode(ExitStatus, data) is not None)
+    assert rd.read_bytes(EVENTS, name) == seen
+    assert warnings_about(caplog, "") == []
+
+
 def test_registrations_skip_what_is_not_a_registration_of_that_rank(rd):
     rd.publish_registration(my_reg(0))
     rd.publish_registration(my_reg(3))

@@ -407,3 +407,21 @@ def test_finding_size_limit_version_host_and_types() -> None:
     for key, value in (("rank", True), ("rank", "3"), ("late_ms", 9.0), ("since_ns", False), ("share", "x")):
         bad = json.dumps({"v": 1, "stragglers": [{**one, key: value}]}).encode()
         assert _straggler.finding_from_json(bad) is None, (key, value)
+
+
+def test_a_rank_the_waits_name_first_takes_the_lateness_the_enqueue_times_measure() -> None:
+    """Two collectives a step (its gradients, then its loss): the waits' figure is derived
+    per collective (the period is half the step), half the lateness; the enqueue times,
+    on fewer slots than they name on, already measure it. The finding says theirs from the
+    first look, so the one line logged then says what the finding says a slot later."""
+    waits = job({0: [333] * 8, 1: [340] * 8, 2: [20] * 8, 3: [330] * 8}, period_ms=150)
+    assert find(waits, {}, NOW)[0].late_ms == 47  # the waits alone: 0.313 of 150 ms
+    few = MIN_SLOTS - 3
+    seen = {r: dataclasses.replace(p, late=(330 if r == 2 else 0,) * few, late_numbers=tuple(range(few)),
+                                   late_ms=100 if r == 2 else 0) for r, p in waits.items()}
+    found = find(seen, {}, NOW)
+    assert [(s.rank, s.late_ms) for s in found] == [(2, 100)] and abs(found[0].share - 0.313) < 0.01
+    # The enqueue times see it on time (its whole host late, say): the waits' own figure.
+    on_time = {r: dataclasses.replace(p, late=(10,) * few, late_numbers=tuple(range(few)), late_ms=2)
+               for r, p in waits.items()}
+    assert [(s.rank, s.late_ms) for s in find(on_time, {}, NOW)] == [(2, 47)]

@@ -137,3 +137,17 @@ def test_the_tests_private_override_shortens_the_slots_and_the_sampling(run_dir:
     assert not os.path.exists(run_dir.join("straggle.json"))
     watch.tick(None, {})
     assert os.path.exists(run_dir.join("straggle.json"))
+
+
+def test_the_line_logged_says_what_the_finding_says(run_dir: RunDir, caplog) -> None:
+    """Two collectives a step, the waits naming the straggler before the enqueue times have
+    slots enough to: the line says the lateness the finding (and ``peerwatch status``) says,
+    the enqueue times' 100 ms, not the waits' per-collective 50."""
+    caplog.set_level(logging.WARNING, logger="peerwatch")
+    few = 3
+    slow = {r: Profile(tuple([20 if r == 2 else 330] * SLOTS), 150, "h", tuple(range(SLOTS)),
+                       (330 if r == 2 else 0,) * few, tuple(range(few)), 100 if r == 2 else 0) for r in range(4)}
+    StragglerWatch(run_dir, ME, 1.0, spans_hosts=False).judge(slow, NOW)
+    found = read_finding(run_dir)
+    assert found is not None and [(s.rank, s.late_ms) for s in found] == [(2, 100)], found
+    assert lines(caplog, "straggler: rank 2 (on h) enters its collectives 100 ms after its peers") == 1
