@@ -9,6 +9,8 @@ Rules, in order:
    a failure. Exited is not succeeded: exit code 0 without a marker is a failure too.
 4. A peer seen gone whose parent is a live peer is held back for ``parent_wait``: only
    the parent can read the exit status, and it usually writes it within a millisecond.
+   A peer seen gone is held back too while the last look at the run directory could not
+   read everything (``unread``: out of descriptors...): its success marker may be there.
 5. Of several failures, the earliest (then the lowest rank) is the root cause; we wait
    while a held-back failure might still turn out to be the earliest. But an exception
    never outranks a death without a record (signal, vanished, an exit status) seen
@@ -113,6 +115,8 @@ REMOTE_SETTLE_NS = 2_000_000_000
 # is such an exception waits this much longer at exit (_plan.verdict_wait_s).
 LEAVING_WAIT_NS = 15_000_000_000
 _DEATHS = (SIGNAL, VANISHED, EXIT)
+# A peer seen gone while records could not be read (rule 4): decide again this soon.
+UNREAD_RECHECK_NS = 100_000_000
 
 @dataclasses.dataclass(frozen=True)
 class Observed:
@@ -140,6 +144,9 @@ class Observed:
     # ended with no outcome recorded, its interpreter finalizes, its exit status is to come.
     # This host's ranks, read only while a collective exception is to be judged (rule 5).
     leaving: Mapping[int, int] = dataclasses.field(default_factory=dict)
+    # The last look at the run directory could not list a folder or read a record (EMFILE...):
+    # a success marker may be among what was missed (rule 4).
+    unread: bool = False
 
     def live_progress(self) -> Dict[int, RankState]:
         """The progress of the ranks neither finished nor gone: those a hang is judged by."""
@@ -234,6 +241,9 @@ def decide(obs: Observed, policy: Policy) -> Decision:
         until_ns = seen_ns + policy.parent_wait_ns
         if obs.now_ns < until_ns and _has_live_parent(obs, rank):
             held.append((rank, seen_ns, until_ns))
+            continue
+        if obs.unread:  # not known how it ended: looked at again (the watcher retries soon)
+            held.append((rank, seen_ns, obs.now_ns + UNREAD_RECHECK_NS))
             continue
         found.append(_vanished(obs, rank, seen_ns, policy))
     first = min(found, key=lambda v: _order(obs, v, found), default=None)

@@ -32,7 +32,8 @@ Actions (the last part; ``SECONDS`` as in rank_program):
                      method); READY once the first batch arrived (the workers exist)
     noisy            finish cleanly after SECONDS of work: random sleeps and CPU bursts,
                      beat() every step (scheduling noise for the false-positive runs)
-    await:NAME       finish cleanly once READY/NAME exists (another process wrote it)
+    await:NAME       finish cleanly once READY/NAME exists (another process wrote it); NAME,NAME...:
+                     once each of them exists
     raise_after:NAME raise RuntimeError once READY/NAME exists
     clobber:MODE     once every rank is ready, take peerwatch's descriptors away: ``devnull``
                      dup2s /dev/null over fds 3-39, ``close`` closes them (os.closerange);
@@ -42,6 +43,10 @@ Actions (the last part; ``SECONDS`` as in rank_program):
     exec_away        once every rank is ready, os.execv() a plain sleeping Python (same
                      pid, no peerwatch, the stack file closed on exec)
     setuid_away:UID  once every rank is ready, os.setuid(UID), then sleep
+    starve:S         once every rank is ready and watched, run out of file descriptors (a soft
+                     RLIMIT_NOFILE a little above those in use, every free one taken: EMFILE for
+                     peerwatch too, as with many DataLoader workers); note READY/starved-<rank>;
+                     after S seconds give them back and finish cleanly
 
 Child scenarios (MODE): ``exit0`` (sys.exit(0)), ``raise`` (uncaught RuntimeError),
 ``exit3`` (sys.exit(3)), ``quit5`` (the builtin exit(5)), ``raise5`` (raise SystemExit(5)),
@@ -80,7 +85,7 @@ def reaped_on_error(children: List[Any]) -> List[Any]:
 
 PARTS = frozenset({"pg", "fork", "sub", "orphan_fork", "orphan_sub", "loader", "reexec", "default_interrupt"})
 ACTIONS = frozenset({"dataloader", "noisy", "await", "raise_after", "clobber", "clobber_exit", "exec_away",
-                     "setuid_away"})
+                     "setuid_away", "starve"})
 CLOBBERED_FDS = range(3, 40)
 EXECED_VAR = "PEERWATCH_TEST_EXECED"  # set in the environment of the re-executed image
 
@@ -284,6 +289,39 @@ def _wait_watching(peers: int, timeout: float = 60.0) -> None:
         time.sleep(0.01)
 
 
+def _starve(args: argparse.Namespace, rank: int, seconds: float) -> None:
+    """Take every free descriptor for ``seconds`` (see ``starve`` in the module's docstring)."""
+    import resource
+
+    if os.environ.get("PEERWATCH_PIDFD") != "0":
+        _wait_watching(args.world - 1)
+    else:
+        time.sleep(0.5)  # the polling watcher looks every 0.1 s: its peers are registered by then
+    in_use = len(os.listdir("/proc/self/fd"))
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (in_use + 16, hard))
+    path = os.path.join(args.ready, f"starved-{rank}")
+    note_fd = os.open(f"{path}.tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)  # written once starved
+    held = [os.open(os.devnull, os.O_RDONLY)]
+    end = time.monotonic() + seconds
+    took = False
+    while time.monotonic() < end:
+        try:  # every one freed meanwhile (the watcher's own closes) is taken again
+            while True:
+                held.append(os.dup(held[0]))
+        except OSError as e:
+            if e.errno != errno.EMFILE:
+                raise
+        if not took:
+            took = True
+            os.write(note_fd, str(time.time_ns()).encode())
+            os.replace(f"{path}.tmp", path)
+        time.sleep(0.002)
+    for fd in [note_fd, *held]:
+        os.close(fd)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
 class _Forever:
     def __len__(self) -> int:
         return 1 << 30
@@ -322,7 +360,11 @@ def act(args: argparse.Namespace, rank: int, name: str, arg: str, delay: float,
             time.sleep(0.01)
     elif name == "await":
         ready(args, rank)
-        _wait_files(args.ready, [arg], timeout=120.0)
+        _wait_files(args.ready, arg.split(","), timeout=120.0)
+    elif name == "starve":
+        ready(args, rank)
+        wait_for_all(args)
+        _starve(args, rank, float(arg))
     elif name == "raise_after":
         ready(args, rank)
         _wait_files(args.ready, [arg], timeout=120.0)
