@@ -88,7 +88,7 @@ def test_ranks_out_of_descriptors_while_a_peer_ends_well_end_well(make_job, pidf
     healthy job was torn down, with pidfds and with polling (PEERWATCH_PIDFD=0). Now what
     they cannot tell they look at again: every rank exits 0, and there is no verdict."""
     job = make_job(world=3, behave=[f"0=starve:{STARVE_S}", f"1=starve:{STARVE_S}", "2=await:starved-0,starved-1"],
-                   env={"PEERWATCH_PIDFD": pidfd}).start()
+                   env={"PEERWATCH_PIDFD": pidfd, "RANK_PROGRAM_RESERVE_FDS": "8"}).start()
     job.wait_ready()
     job.wait_gone(within=STUCK_S)
     assert job.returncodes() == {0: 0, 1: 0, 2: 0}, job.logs()
