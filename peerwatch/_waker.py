@@ -239,9 +239,10 @@ class Waker:
             return True
         logger.warning(
             "peerwatch: rank %d: its pidfd of %s, fd %s, was %s by the application (os.closerange, "
-            "dup2?); rank %d is not gone, so it is watched through %s",
+            "dup2?); rank %d %s",
             self._rank, _terminal.who(rank, peer.reg.pid, peer.reg.host), fd, why, rank,
-            f"a new pidfd (fd {peer.pidfd})" if peer.pidfd is not None else "polling, until a new pidfd can be had",
+            f"still runs, so it is watched through a new pidfd (fd {peer.pidfd})" if peer.pidfd is not None else
+            "is not known to be gone, so it is polled until a new pidfd can be had",
         )
         return False
 
