@@ -560,6 +560,6 @@ def _vanished(obs: Observed, rank: int, seen_ns: int, policy: Policy) -> Verdict
 
 
 __all__ = [
-    "COLLECTIVE_SETTLE_NS", "CONSEQUENCE_WINDOW_NS", "REMOTE_SETTLE_NS", "LEAVING_WAIT_NS", "Decision", "HangJudging", "Observed",
-    "Policy", "decide", "exit_code_for",
+    "COLLECTIVE_SETTLE_NS", "CONSEQUENCE_WINDOW_NS", "REMOTE_SETTLE_NS", "LEAVING_WAIT_NS", "UNREAD_RECHECK_NS", "Decision",
+    "HangJudging", "Observed", "Policy", "decide", "exit_code_for",
 ]
