@@ -383,11 +383,21 @@ def _let_agent_see_first(me: Registration, run_dir: _rundir.RunDir, verdict: Ver
     wait_s = DEEPSPEED_AGENT_WAIT_S if launcher.kind == DEEPSPEED_LAUNCHER else AGENT_WAIT_S
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:
-        if _identity.same_process(failed.pid, failed.start_ticks) is False:  # None: cannot tell yet
+        if _reaped(failed):
             logger.debug("peerwatch: rank %d: the agent reaped rank %d", me.rank, verdict.rank)
             return  # reaped: the agent saw it and is stopping the workers now
         time.sleep(AGENT_POLL_S)
     logger.debug("peerwatch: rank %d: the agent did not reap rank %d within %gs", me.rank, verdict.rank, wait_s)
+
+
+def _reaped(reg: Registration) -> bool:
+    """Its process is no more, not even a zombie: its parent has reaped it. False while that
+    cannot be told (out of descriptors...)."""
+    try:
+        info = _identity.probe(reg.pid)
+    except _identity.Unknown:
+        return False
+    return info is None or info.start_ticks != reg.start_ticks
 
 
 __all__ = [
