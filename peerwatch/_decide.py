@@ -9,6 +9,8 @@ Rules, in order:
    a failure. Exited is not succeeded: exit code 0 without a marker is a failure too.
 4. A peer seen gone whose parent is a live peer is held back for ``parent_wait``: only
    the parent can read the exit status, and it usually writes it within a millisecond.
+   A peer seen gone is held back too while the last look at the run directory could not
+   read everything (``unread``: out of descriptors...): its success marker may be there.
 5. Of several failures, the earliest (then the lowest rank) is the root cause; we wait
    while a held-back failure might still turn out to be the earliest. But an exception
    never outranks a death without a record (signal, vanished, an exit status) seen
@@ -115,6 +117,8 @@ REMOTE_SETTLE_NS = 2_000_000_000
 # is such an exception waits this much longer at exit (_plan.verdict_wait_s).
 LEAVING_WAIT_NS = 15_000_000_000
 _DEATHS = (SIGNAL, VANISHED, EXIT)
+# A peer seen gone while records could not be read (rule 4): decide again this soon.
+UNREAD_RECHECK_NS = 100_000_000
 
 @dataclasses.dataclass(frozen=True)
 class Observed:
@@ -145,6 +149,9 @@ class Observed:
     # When this judge last resumed after it was not running (CLOCK_MONOTONIC, as now_mono_ns;
     # peerwatch._awake): no silence counts from before then.
     awake_since_ns: int = 0
+    # The last look at the run directory could not list a folder or read a record (EMFILE...):
+    # a success marker may be among what was missed (rule 4).
+    unread: bool = False
 
     def live_progress(self) -> Dict[int, RankState]:
         """The progress of the ranks neither finished nor gone: those a hang is judged by."""
@@ -239,6 +246,9 @@ def decide(obs: Observed, policy: Policy) -> Decision:
         until_ns = seen_ns + policy.parent_wait_ns
         if obs.now_ns < until_ns and _has_live_parent(obs, rank):
             held.append((rank, seen_ns, until_ns))
+            continue
+        if obs.unread:  # not known how it ended: looked at again (the watcher retries soon)
+            held.append((rank, seen_ns, obs.now_ns + UNREAD_RECHECK_NS))
             continue
         found.append(_vanished(obs, rank, seen_ns, policy))
     first = min(found, key=lambda v: _order(obs, v, found), default=None)
@@ -555,6 +565,6 @@ def _vanished(obs: Observed, rank: int, seen_ns: int, policy: Policy) -> Verdict
 
 
 __all__ = [
-    "COLLECTIVE_SETTLE_NS", "CONSEQUENCE_WINDOW_NS", "REMOTE_SETTLE_NS", "LEAVING_WAIT_NS", "Decision", "HangJudging", "Observed",
-    "Policy", "decide", "exit_code_for",
+    "COLLECTIVE_SETTLE_NS", "CONSEQUENCE_WINDOW_NS", "REMOTE_SETTLE_NS", "LEAVING_WAIT_NS", "UNREAD_RECHECK_NS", "Decision",
+    "HangJudging", "Observed", "Policy", "decide", "exit_code_for",
 ]

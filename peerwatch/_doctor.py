@@ -149,15 +149,24 @@ def check_inotify() -> Check:
     return Check("inotify", OK, detail, "each rank takes one instance; a record written in the run directory wakes its peers")
 
 
+def _identify(pid: int) -> Optional[_identity.ProcessInfo]:
+    """:func:`peerwatch._identity.probe`, None also where it cannot tell (out of descriptors...):
+    the checks then say /proc cannot be read, and nothing is taken for a process of the self-test."""
+    try:
+        return _identity.probe(pid)
+    except _identity.Unknown:
+        return None
+
+
 def check_proc() -> Check:
     fix = "mount /proc (proc(5)); hidepid is fine: peers are this user's processes"
-    me = _identity.probe(os.getpid())
+    me = _identify(os.getpid())
     if me is None or not os.path.exists("/proc/self/stat"):
         return Check("/proc", FAIL, "this process's /proc/self/stat cannot be read",
                      "peerwatch identifies processes by pid and start time read from /proc; psutil is tried instead", fix)
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], stdin=subprocess.DEVNULL)
     try:
-        other = _identity.probe(child.pid)
+        other = _identify(child.pid)
     finally:
         child.kill()
         child.wait()
@@ -541,7 +550,7 @@ def _carrying(token: str) -> List[int]:
                 env = f.read().split(b"\0")
         except OSError:
             continue
-        info = _identity.probe(int(name))
+        info = _identify(int(name))
         if needle in env and info is not None and not info.dead:
             found.append(int(name))
     return found

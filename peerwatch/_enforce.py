@@ -93,7 +93,10 @@ def _peer_and_tree(
 ) -> List[_teardown.Target]:
     target = _teardown.make_target(reg.pid, reg.start_ticks, reg.uid, f"rank {reg.rank}", rank=reg.rank)
     if target is None:
-        info = _identity.probe(reg.pid)
+        try:
+            info = _identity.probe(reg.pid)
+        except _identity.Unknown:
+            info = None  # cannot tell (out of descriptors...): not verified, so not signalled
         if info is not None and not info.dead and info.start_ticks == reg.start_ticks and info.uid != reg.uid:
             _not_signalled(obs, reg, f"it now runs as uid {info.uid}, not uid {reg.uid} as it registered")
         return []  # else it is gone (or its pid is another process now): nothing to signal

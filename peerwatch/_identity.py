@@ -1,8 +1,11 @@
 """Who is this process, and is that pid still that process?
 
 A process is identified by (boot id, PID namespace, pid, start time in clock ticks since
-boot, uid). Everything here fails closed: when we cannot tell, the answer is "not the
-same process", so a pid that cannot be verified is never signalled.
+boot, uid). A look that fails (EMFILE, EACCES...) tells nothing: :func:`probe` raises
+:class:`Unknown`, never says "no such process". Only ENOENT/ESRCH or another start time
+says the process is gone. Signalling fails closed (:func:`is_same_process`: a pid that
+cannot be verified is never signalled); watching fails open (:func:`same_process` says
+"cannot tell", and a peer that cannot be told is kept, never taken for gone).
 """
 
 from __future__ import annotations
@@ -61,8 +64,14 @@ def hostname() -> str:
     return os.uname().nodename  # what socket.gethostname() returns, without importing socket
 
 
+class Unknown(OSError):
+    """Whether a process is there cannot be told now: /proc could not be read (EMFILE when
+    the descriptors run out, EACCES...). Neither alive nor gone: look again later."""
+
+
 def probe(pid: int) -> Optional[ProcessInfo]:
-    """Read pid's identity, or ``None`` if there is no such process (or it cannot be read)."""
+    """Read pid's identity, or ``None`` if there is no such process (ENOENT, ESRCH).
+    Raises :class:`Unknown` if it cannot be told (a failed look is not an answer)."""
     if pid <= 0:
         return None
     try:
@@ -70,10 +79,12 @@ def probe(pid: int) -> Optional[ProcessInfo]:
         if data is None:
             return None
         uid = os.stat(f"/proc/{pid}").st_uid
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):
         return None
-    except OSError:
-        return _probe_psutil(pid)
+    except OSError as e:
+        if not _has_proc_entry(pid):
+            return None  # told without a descriptor: no such process
+        return _probe_psutil(pid, e)
     # The command name may hold spaces and parentheses: split after the last ')'.
     fields = data[data.rfind(b")") + 2 :].split()
     try:
@@ -85,7 +96,19 @@ def probe(pid: int) -> Optional[ProcessInfo]:
             uid=uid,
         )
     except (IndexError, ValueError):
-        return None
+        raise Unknown(errno.EIO, f"/proc/{pid}/stat: not a stat line") from None
+
+
+def _has_proc_entry(pid: int) -> bool:
+    """False only if /proc says there is no such pid: a stat, which needs no descriptor
+    (it answers when the descriptors have run out)."""
+    try:
+        os.stat(f"/proc/{pid}")
+    except FileNotFoundError:
+        return False
+    except OSError:
+        pass
+    return True
 
 
 STAT_READS = 20  # tries at /proc/PID/stat when what is read is not its stat line (see _read_stat)
@@ -122,14 +145,17 @@ def _read_stat(pid: int) -> Optional[bytes]:
     raise OSError(errno.EIO, f"/proc/{pid}/stat: another file's bytes {STAT_READS} times")
 
 
-def _probe_psutil(pid: int) -> Optional[ProcessInfo]:
-    """Fallback where /proc cannot be read (not Linux)."""
+def _probe_psutil(pid: int, why: Optional[OSError] = None) -> Optional[ProcessInfo]:
+    """Fallback where /proc cannot be read (not Linux): None if psutil says there is no
+    such process; raises :class:`Unknown` if it cannot tell either (``why``: what failed
+    before it, for the message)."""
+    cause = why if why is not None else OSError(errno.ENOSYS, "no /proc")
     try:
         import psutil
     except (ImportError, OSError):  # OSError: the import's own descriptor taken away
-        return None
+        raise _unknown(pid, cause) from None
     if not hasattr(psutil, "Process"):  # its import failed half-way before: it cannot tell
-        return None
+        raise _unknown(pid, cause)
     try:
         p = psutil.Process(pid)
         with p.oneshot():
@@ -142,14 +168,31 @@ def _probe_psutil(pid: int) -> Optional[ProcessInfo]:
                 start_ticks=int(round((p.create_time() - psutil.boot_time()) * _CLOCK_TICKS)),
                 uid=p.uids().real,
             )
-    except (psutil.Error, OSError):
+    except psutil.NoSuchProcess:  # ZombieProcess too (its subclass): a zombie is gone as well
         return None
+    except (psutil.Error, OSError) as e:
+        raise _unknown(pid, e if isinstance(e, OSError) else cause) from None
+
+
+def _unknown(pid: int, cause: OSError) -> Unknown:
+    return Unknown(cause.errno or errno.EIO, f"cannot tell whether pid {pid} runs: {cause.strerror or cause}")
+
+
+def same_process(pid: int, start_ticks: int, uid: Optional[int] = None) -> Optional[bool]:
+    """Is pid alive (not a zombie) and the process that started at ``start_ticks`` (and,
+    unless None, of ``uid``)? None if it cannot be told now (see :class:`Unknown`)."""
+    try:
+        info = probe(pid)
+    except Unknown:
+        return None
+    return info is not None and not info.dead and info.start_ticks == start_ticks and uid in (None, info.uid)
 
 
 def is_same_process(pid: int, start_ticks: int, uid: int) -> bool:
-    """True only if pid is alive (not a zombie) and is the process that started at start_ticks."""
-    info = probe(pid)
-    return info is not None and not info.dead and info.start_ticks == start_ticks and info.uid == uid
+    """True only if pid is alive (not a zombie) and is the process that started at
+    start_ticks: fails closed, for signalling (what cannot be verified is never signalled).
+    Whether a peer is gone is :func:`same_process`'s answer, where "cannot tell" is not "gone"."""
+    return same_process(pid, start_ticks, uid) is True
 
 
 def is_local(reg: Registration) -> bool:
@@ -166,9 +209,9 @@ def local_ranks(regs: Mapping[int, Registration]) -> Tuple[int, ...]:
 def seems_alive(reg: Registration) -> bool:
     """As far as this host can tell. A local process is checked; one of this host from an
     earlier boot (same host name, another boot id) is dead; another host's, or another PID
-    namespace's, is assumed alive: it is not ours to see."""
+    namespace's, is assumed alive: it is not ours to see, nor is one that cannot be told now."""
     if is_local(reg):
-        return is_same_process(reg.pid, reg.start_ticks, reg.uid)
+        return same_process(reg.pid, reg.start_ticks, reg.uid) is not False
     return not (reg.host == hostname() and reg.boot_id != boot_id())
 
 
@@ -177,8 +220,8 @@ def start_time_ns() -> int:
     (psutil's create_time adds the boot time of /proc/stat, in whole seconds: up to a
     second early, enough to take a run that ended just before this process for one that
     ended after it started.)"""
-    info = probe(os.getpid())
     try:
+        info = probe(os.getpid())
         boot_ns = time.time_ns() - time.clock_gettime_ns(time.CLOCK_BOOTTIME)
         if info is None:
             raise OSError("no /proc")
@@ -195,6 +238,6 @@ def self_info() -> ProcessInfo:
 
 
 __all__ = [
-    "ProcessInfo", "boot_id", "hostname", "is_local", "is_same_process", "local_ranks", "pid_namespace", "probe",
-    "seems_alive", "self_info",
+    "ProcessInfo", "Unknown", "boot_id", "hostname", "is_local", "is_same_process", "local_ranks", "pid_namespace",
+    "probe", "same_process", "seems_alive", "self_info",
 ]

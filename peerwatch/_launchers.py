@@ -172,7 +172,8 @@ class LauncherWatch:
                 pidfd = None
         try:
             # Verified after the pidfd is open: from now on it refers to that very process.
-            while _identity.is_same_process(launcher.pid, launcher.start_ticks, launcher.uid):
+            # One that cannot be told (out of descriptors...) is not gone: looked at again.
+            while _identity.same_process(launcher.pid, launcher.start_ticks, launcher.uid) is not False:
                 fds = [self._stop_r] if pidfd is None else [self._stop_r, pidfd]
                 ready, _, _ = select.select(fds, [], [], None if pidfd is not None else LAUNCHER_POLL_S)
                 if self._stop_r in ready or self.link.done.is_set():
@@ -198,7 +199,11 @@ def launcher_of(me: Registration, env: Mapping[str, str]) -> Optional[Launcher]:
         kind = DEEPSPEED_LAUNCHER
     else:
         return None
-    info = _identity.probe(me.ppid)
+    try:
+        info = _identity.probe(me.ppid)
+    except _identity.Unknown as e:
+        logger.warning("peerwatch: rank %d does not watch its launcher (pid %d): %s", me.rank, me.ppid, e)
+        return None  # not known: neither watched nor taken for gone
     if info is None or info.dead:
         return Launcher(me.ppid, 0, me.uid, kind)  # already gone
     return Launcher(info.pid, info.start_ticks, info.uid, kind)
@@ -373,18 +378,26 @@ def _let_agent_see_first(me: Registration, run_dir: _rundir.RunDir, verdict: Ver
     failed = run_dir.read(_rundir.RANKS, _rundir.rank_file("rank", verdict.rank), Registration)
     if failed is None or not is_local(failed) or failed.ppid != me.ppid:
         return  # not a sibling: our launcher has nothing to see
-    agent = _identity.probe(me.ppid)
-    if agent is None or agent.dead:
-        return
+    if _identity.same_process(me.ppid, launcher.start_ticks) is False:
+        return  # the agent is gone
     wait_s = DEEPSPEED_AGENT_WAIT_S if launcher.kind == DEEPSPEED_LAUNCHER else AGENT_WAIT_S
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:
-        info = _identity.probe(failed.pid)
-        if info is None or info.start_ticks != failed.start_ticks:
+        if _reaped(failed):
             logger.debug("peerwatch: rank %d: the agent reaped rank %d", me.rank, verdict.rank)
             return  # reaped: the agent saw it and is stopping the workers now
         time.sleep(AGENT_POLL_S)
     logger.debug("peerwatch: rank %d: the agent did not reap rank %d within %gs", me.rank, verdict.rank, wait_s)
+
+
+def _reaped(reg: Registration) -> bool:
+    """Its process is no more, not even a zombie: its parent has reaped it. False while that
+    cannot be told (out of descriptors...)."""
+    try:
+        info = _identity.probe(reg.pid)
+    except _identity.Unknown:
+        return False
+    return info is None or info.start_ticks != reg.start_ticks
 
 
 __all__ = [

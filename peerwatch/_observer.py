@@ -23,7 +23,7 @@ import logging
 import os
 import stat
 import time
-from typing import Dict, List, Optional, Set, Tuple
+from typing import Dict, List, Optional, Set, Tuple, Type, TypeVar
 
 from . import _decide, _eventlog, _identity, _rundir, _sharedfs
 from ._awake import AwakeClock
@@ -43,10 +43,12 @@ from ._records import (
     encode,
 )
 from ._rundir import DIAGNOSIS_FILE, EVENTS, HEARTBEATS, RANKS, VERDICT_FILE, RunDir, rank_file
+from ._schedule import RETRY_S
 from ._sources import Peer, oom_kill_count, post_mortem
 from ._waker import Waker
 
 logger = logging.getLogger("peerwatch")
+R = TypeVar("R")
 
 _IDENTIFIED = (Success, Failure, ExitStatus, Ack)  # a rank's records that name its process
 _WATCHED_EVENTS = {k: v for k, v in EVENT_TYPES.items() if k not in ("thread", "unsignalled")}  # for the report only
@@ -78,6 +80,12 @@ class Observer:
         self._leaving: Dict[int, int] = {}  # rank -> when it began to leave, as its heartbeat said (see _leaving_ranks)
         self.events: Dict[str, object] = {}  # file name in events/ -> record
         self._seen: Dict[str, Dict[str, int]] = {RANKS: {}, EVENTS: {}}  # name -> inode
+        # The last scan could not list a folder or read a record (EMFILE...): what it missed
+        # is not known (a success marker may be there), so no verdict rests on its absence.
+        self.unread = False
+        self._unread_said = False  # the warning about it: once, until a scan reads everything
+        self._unsure_said = False  # the warning about peers that cannot be told: once, until all can
+        self._unsure_told = False  # ... and a later time is said at DEBUG only
         # Exit statuses learnt while deciding, written after: the parent of a dead rank is
         # the one that can judge at once, and the write would only delay it.
         self._unwritten: List[Tuple[str, ExitStatus]] = []
@@ -147,14 +155,20 @@ class Observer:
     # -- looking at the run directory ------------------------------------------------
 
     def scan(self) -> None:
-        """Read what is new in ``ranks/`` and ``events/``."""
+        """Read what is new in ``ranks/`` and ``events/``. What cannot be read now is read
+        again at the next scan (:attr:`unread` meanwhile)."""
+        self.unread = False
         for name in self._changed(RANKS):
             parsed = _rundir.parse_rank_file(name)
             if parsed is None or parsed[0] != "rank" or parsed[1] == self.me.rank:
                 continue
-            reg = self.run_dir.read(RANKS, name, Registration)
+            reg = self._read(RANKS, name, Registration)
             if reg is not None and reg.rank == parsed[1]:
                 self._add_peer(reg)
+        # Before events/ is read: a peer seen gone here has its success marker (written before
+        # it ended) read below; read the other way round, a peer that wrote its marker and ended
+        # in between would be taken for gone without one.
+        self._poll_peers()
         for name in self._changed(EVENTS):
             record = self._read_event(name)
             if record is not None and not self._of_registered_process(name, record):
@@ -164,22 +178,66 @@ class Observer:
                 self.events[name] = record
                 if _eventlog.wanted_from_scan(name, record):  # written at exit, where its writer could not log it
                     _eventlog.record(self.run_dir, EVENTS, name, record, self.me.rank)
-        if not self.use_pidfd:
-            for rank, peer in self.peers.items():
-                if rank not in self.gone and not peer.check_alive():
-                    self._peer_gone(rank)
+        self._unread_said = self._unread_said and self.unread
+
+    def _poll_peers(self) -> None:
+        """Look at the peers without a pidfd: all of them where pidfds are not used, else
+        those whose pidfd could not be had (it is tried again)."""
+        for rank, peer in self.peers.items():
+            if rank in self.gone or peer.pidfd is not None:
+                continue
+            if not peer.check_alive():
+                self._peer_gone(rank)
+            elif peer.pidfd is not None:
+                self._waker.add(rank, peer.pidfd)  # had at last
+
+    def unsure(self) -> bool:
+        """Something could not be looked at (EMFILE...): a record, or whether a peer runs.
+        The watcher looks again soon, not only when a source fires. Said once, until every
+        peer can be told again."""
+        peers = [r for r, p in self.peers.items() if p.unsure and r not in self.gone]
+        if peers and not self._unsure_said:
+            logger.log(
+                logging.WARNING if not self._unsure_told else logging.DEBUG,  # at length once, not at every flicker
+                "peerwatch: rank %d cannot tell whether rank(s) %s still run (/proc or pidfd_open failed: out of file "
+                "descriptors?); they are not taken for gone, and are looked at again every %gs until they can be told",
+                self.me.rank, _rank_list(sorted(peers)), RETRY_S,
+            )
+        elif not peers and self._unsure_said:
+            logger.log(logging.INFO if not self._unsure_told else logging.DEBUG,
+                       "peerwatch: rank %d can tell again whether its peers run; watching them as before", self.me.rank)
+            self._unsure_told = True
+        self._unsure_said = bool(peers)
+        return self.unread or bool(peers)
+
+    def _read(self, sub: str, name: str, cls: Type[R]) -> Optional[R]:
+        """The record, as :meth:`RunDir.read`; one that cannot be read now (EMFILE...) is
+        None, and is read again at the next scan."""
+        try:
+            return self.run_dir.read(sub, name, cls, strict=True)
+        except OSError as e:
+            self._unread(sub, name, e)
+            return None
+
+    def _unread(self, sub: str, name: str, e: OSError) -> None:
+        if not self._unread_said:
+            self._unread_said = True
+            logger.warning("peerwatch: rank %d: %s cannot be read now (%s); read again soon, and until then no "
+                           "verdict rests on what it may say", self.me.rank, self.run_dir.join(sub, name), e.strerror)
+        self.unread = True
+        self._seen[sub].pop(name, None)
 
     def _read_event(self, name: str) -> Optional[object]:
         rd = self.run_dir
         if name == VERDICT_FILE:
-            return rd.read(EVENTS, name, Verdict)
+            return self._read(EVENTS, name, Verdict)
         if name == DIAGNOSIS_FILE:
-            return rd.read(EVENTS, name, Diagnosis)
+            return self._read(EVENTS, name, Diagnosis)
         parsed = _rundir.parse_rank_file(name)
         cls = _WATCHED_EVENTS.get(parsed[0]) if parsed else None
         if parsed is None or cls is None:
             return None
-        record = rd.read(EVENTS, name, cls)
+        record = self._read(EVENTS, name, cls)
         if record is not None and getattr(record, "rank", None) != parsed[1]:
             rd.warn_once(rd.join(EVENTS, name), "names another rank than its file name; ignored")
             return None
@@ -216,6 +274,7 @@ class Observer:
                         changed.append(entry.name)
         except OSError as e:
             self.run_dir.warn_once(self.run_dir.join(sub), f"cannot be listed ({e.strerror})")
+            self.unread = True  # what is there is not known
         return changed
 
     def _add_peer(self, reg: Registration) -> None:
@@ -389,6 +448,7 @@ class Observer:
             remote_silence=self.remote.silence(self.awake) if self.remote is not None else {},
             leaving=self._leaving_ranks() if not isinstance(verdict, Verdict) and _judging_an_echo(failures) else {},
             awake_since_ns=self.awake.since_ns,
+            unread=self.unread,
         )
 
     def _leaving_ranks(self) -> Dict[int, int]:
@@ -437,7 +497,10 @@ class Observer:
             beat = self._last_beats.get(reg.rank)
         else:
             self._last_beats[reg.rank] = beat
-        info = _identity.probe(reg.pid)
+        try:
+            info = _identity.probe(reg.pid)
+        except _identity.Unknown:
+            info = None
         state = info.state if info is not None and info.start_ticks == reg.start_ticks else "?"
         if beat is None or beat.pid != reg.pid:
             return RankState(state=state)
@@ -445,6 +508,12 @@ class Observer:
         now_ns = time.monotonic_ns()
         age_ns = self.awake.counted_ns(now_ns - (time.time_ns() - beat.time_ns), now_ns)
         return RankState.of(beat, state, watcher_silent=age_ns > stale_after_s * 1e9)
+
+
+def _rank_list(ranks: List[int], shown: int = 8) -> str:
+    """"1, 4, 7" or "1, 2, ..., 8 and 40 more": a log line stays short at any scale."""
+    text = ", ".join(map(str, ranks[:shown]))
+    return text if len(ranks) <= shown else f"{text} and {len(ranks) - shown} more"
 
 
 def _judging_an_echo(failures: Dict[int, object]) -> bool:

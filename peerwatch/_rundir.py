@@ -65,6 +65,9 @@ SUMMARY_FILE = "summary"
 # peerwatch: <that process's run directory>/spawn.
 SPAWNED_RUN = "spawn"
 _SUBDIRS = (RANKS, EVENTS, HEARTBEATS, STACKS, TMP)
+# Why a file could not be read that says nothing of the file: the look failed (out of
+# descriptors, of memory, interrupted). What the file says is not known, not "nothing".
+NOT_NOW = frozenset((errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS, errno.EAGAIN, errno.EINTR))
 
 R = TypeVar("R")
 
@@ -326,8 +329,10 @@ class RunDir(HeldDir):
 
     # -- reading -------------------------------------------------------------------
 
-    def read_bytes(self, sub: str, name: str, limit: int = MAX_RECORD_BYTES) -> Optional[bytes]:
-        """The file's bytes, or None if it is missing, not a regular file, a symlink or too big."""
+    def read_bytes(self, sub: str, name: str, limit: int = MAX_RECORD_BYTES, strict: bool = False) -> Optional[bytes]:
+        """The file's bytes, or None if it is missing, not a regular file, a symlink or too big.
+        ``strict``: a look that failed for want of resources (EMFILE...: :data:`NOT_NOW`), which
+        says nothing of the file, raises OSError instead of reading as None."""
         path = self.join(sub, name)
         try:
             with self._dir(sub) as dir_fd:
@@ -335,6 +340,8 @@ class RunDir(HeldDir):
         except FileNotFoundError:
             return None
         except OSError as e:
+            if strict and e.errno in NOT_NOW:
+                raise
             if e.errno == errno.ELOOP:
                 self.warn_once(path, "is a symbolic link; ignored")
             elif e.errno not in (errno.ENOTDIR,):
@@ -359,21 +366,23 @@ class RunDir(HeldDir):
                     return None
             return b"".join(chunks)
         except OSError as e:
+            if strict and e.errno in NOT_NOW:
+                raise
             self.warn_once(path, f"cannot be read ({e.strerror}); ignored")
             return None
         finally:
             os.close(fd)
 
-    def read(self, sub: str, name: str, cls: Type[R]) -> Optional[R]:
+    def read(self, sub: str, name: str, cls: Type[R], strict: bool = False) -> Optional[R]:
         """The record ``sub/name`` of type ``cls``, or None: missing, malformed, or naming a
-        rank outside the run's world size (each logged once)."""
-        data = self.read_bytes(sub, name)
+        rank outside the run's world size (each logged once). ``strict``: see :meth:`read_bytes`."""
+        data = self.read_bytes(sub, name, strict=strict)
         if data is None or blank(data):
             return None  # missing, or not written (empty, or padding alone): not garbage
         record = decode(cls, data)
         if record is None and data and sub == HEARTBEATS:
             # Rewritten in place: we may have caught a write half done. Once more.
-            data = self.read_bytes(sub, name)
+            data = self.read_bytes(sub, name, strict=strict)
             record = decode(cls, data) if data else None
         if record is None and data:
             self.warn_once(self.join(sub, name), "is not a valid peerwatch record; ignored")
@@ -513,6 +522,6 @@ class InPlace:
 __all__ = [
     "BLANK", "InPlace", "EVENTS", "HEARTBEATS", "RANKS", "REPORT_FILE", "SUMMARY_FILE", "STACKS", "TMP", "VERDICT_FILE",
     "DIAGNOSIS_FILE", "REMOTE_STALLS_FILE", "SPAWNED_RUN", "STALL_FILE", "STRAGGLERS_FILE", "STRAGGLE_FILE", "STRAGGLE_HOSTS_FILE",
-    "FLIGHT_RECORDER", "RunDir", "fr_dump_name", "parse_fr_dump_name", "parse_rank_file", "rank_file", "safe_name", "same_job", "blank",
+    "FLIGHT_RECORDER", "NOT_NOW", "RunDir", "fr_dump_name", "parse_fr_dump_name", "parse_rank_file", "rank_file", "safe_name", "same_job", "blank",
     "stack_name",
 ]

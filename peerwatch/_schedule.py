@@ -3,7 +3,8 @@ takes ``now`` (seconds of ``time.monotonic()``), so the timing rules are unit-te
 
 The watcher sleeps in ``poll(2)`` until a source fires or the earliest of:
 1. the next heartbeat (``heartbeat_interval``);
-2. where pidfds or inotify are missing, the polling fallback (``fallback_s``);
+2. where pidfds or inotify are missing, the polling fallback (``fallback_s``), and
+   while a look could not tell (``unsure``: out of descriptors...), ``RETRY_S``;
 3. in shared-filesystem mode, while this rank is a judge, the remote poll (``remote_s``);
 4. the time at which :func:`peerwatch._decide.decide` said the answer could change
    (``recheck``), or the end of a multi-host hold of an exception verdict (``hold``).
@@ -19,6 +20,7 @@ from __future__ import annotations
 from typing import Optional
 
 SAFETY_LOOK_EVERY = 10  # heartbeats between full looks at the run directory that nothing asked for
+RETRY_S = 0.1  # a look that could not tell (EMFILE...) is taken again this soon
 
 
 class Schedule:
@@ -47,13 +49,14 @@ class Schedule:
         self.beats += 1
         return True
 
-    def full_look(self, beat: bool, judging_remote: bool) -> bool:
-        if self.first or self.fallback_s is not None or judging_remote:
+    def full_look(self, beat: bool, judging_remote: bool, unsure: bool = False) -> bool:
+        if self.first or self.fallback_s is not None or judging_remote or unsure:
             return True
         return beat and (self.remote_s is not None or self.beats % SAFETY_LOOK_EVERY == 0)
 
-    def timeout(self, now: float, judging_remote: bool) -> float:
-        """How long to sleep from ``now``; the first call answers 0."""
+    def timeout(self, now: float, judging_remote: bool, unsure: bool = False) -> float:
+        """How long to sleep from ``now``; the first call answers 0. ``unsure``: a look
+        could not tell (see the module's docstring)."""
         if self.first:
             self.first = False
             return 0.0
@@ -65,6 +68,8 @@ class Schedule:
             timeout = min(timeout, self.remote_s)
         if self.fallback_s is not None:
             timeout = min(timeout, self.fallback_s)
+        if unsure:
+            timeout = min(timeout, RETRY_S)
         return max(0.0, timeout)
 
     def due(self, now: float) -> bool:
@@ -82,4 +87,4 @@ class Schedule:
         return True
 
 
-__all__ = ["SAFETY_LOOK_EVERY", "Schedule"]
+__all__ = ["RETRY_S", "SAFETY_LOOK_EVERY", "Schedule"]

@@ -88,11 +88,11 @@ class OwnedFd:
                 pass
 
 
-def still_running(reg: Registration) -> bool:
-    """True if the process of ``reg`` (pid and start time) is alive, whatever its uid now:
-    a rank that changed its uid is alive, only not ours to signal."""
-    info = _identity.probe(reg.pid)
-    return info is not None and not info.dead and info.start_ticks == reg.start_ticks
+def still_running(reg: Registration) -> Optional[bool]:
+    """Is the process of ``reg`` (pid and start time) alive, whatever its uid now (a rank
+    that changed its uid is alive, only not ours to signal)? None: it cannot be told now
+    (/proc cannot be read: out of descriptors...), which is not "gone"."""
+    return _identity.same_process(reg.pid, reg.start_ticks)
 
 
 class Peer:
@@ -101,47 +101,72 @@ class Peer:
     The pidfd is opened and then the process is verified (start time, uid): from then on
     the fd refers to that process and no other, even if its pid is later reused. The
     application may close or replace the fd (see :class:`OwnedFd`): :meth:`reopen`.
+    A peer is gone only when its identity says so (no such pid, another start time). One
+    whose pidfd cannot be had or verified (EMFILE: the application ran out of descriptors)
+    is kept without one and polled (:meth:`check_alive`, which tries its pidfd again);
+    ``unsure`` says so meanwhile (:meth:`cannot_tell`).
     """
 
     def __init__(self, reg: Registration, use_pidfd: bool) -> None:
         self.reg = reg
+        self.use_pidfd = use_pidfd
         self.pidfd: Optional[int] = None
         self._owned: Optional[OwnedFd] = None
+        self.unsure = False  # a look could not tell whether it runs (see cannot_tell)
         self.alive = False
-        if use_pidfd and not self._open():
-            return
-        self.alive = _identity.is_same_process(reg.pid, reg.start_ticks, reg.uid)
-        if not self.alive:
-            self.close()
+        if use_pidfd and self._open() is False:
+            return  # no such pid
+        self.alive = self._verify(_identity.same_process(reg.pid, reg.start_ticks, reg.uid))
 
-    def _open(self) -> bool:
+    def _open(self) -> Optional[bool]:
+        """Open its pidfd: True; False if there is no such pid; None if it cannot be had now."""
         reg = self.reg
         try:
             self.pidfd = os.pidfd_open(reg.pid)
         except OSError as e:
-            if e.errno != errno.ESRCH:
-                logger.warning("peerwatch: pidfd_open(%d) for rank %d failed: %s", reg.pid, reg.rank, e)
-            return False
+            if e.errno == errno.ESRCH:
+                return False
+            self.cannot_tell(f"pidfd_open failed: {e.strerror}")
+            return None
         os.set_inheritable(self.pidfd, False)
         self._owned = OwnedFd(self.pidfd, reg.pid)
         return True
+
+    def _verify(self, running: Optional[bool]) -> bool:
+        """After a look at its identity, with its pidfd (if any) open: False if it is gone.
+        A pidfd is kept only if the look verified it (else it may pin another process that
+        took the pid): one that could not tell drops it, and the peer is polled."""
+        if running is None:
+            self.cannot_tell("/proc cannot be read")
+        if not running:
+            self.forget()
+            return running is None
+        if self.pidfd is not None or not self.use_pidfd:
+            self.unsure = False
+        return True
+
+    def cannot_tell(self, why: str) -> None:
+        """A look could not tell whether it runs: its pidfd (if any) is dropped, and it is
+        polled until it can be told (the watcher says so, once for all its peers)."""
+        self.forget()
+        if not self.unsure:
+            self.unsure = True
+            logger.debug("peerwatch: cannot tell whether rank %d (pid %d) still runs: %s", self.reg.rank, self.reg.pid, why)
 
     def pidfd_intact(self) -> bool:
         """The pidfd number still refers to the pidfd we opened (see :class:`OwnedFd`)."""
         return self._owned is not None and self._owned.intact()
 
     def reopen(self) -> bool:
-        """After the pidfd was closed or replaced by the application: forget the number
-        (it is not ours any more) and open a new pidfd, if the process still runs. False
-        if it does not (it ended meanwhile)."""
+        """After the pidfd was closed or replaced by the application (or could not be had):
+        forget the number (it is not ours any more) and open a new pidfd, if the process
+        still runs. False if it does not (it ended meanwhile); True if it runs, or if that
+        cannot be told (then without a pidfd: polled)."""
         self.forget()
-        if not self._open():
+        if self.use_pidfd and self._open() is False:
             return False
         # Verified after the new pidfd is open: it pins this very process.
-        if still_running(self.reg):
-            return True
-        self.close()
-        return False
+        return self._verify(still_running(self.reg))
 
     def forget(self) -> None:
         """Drop the pidfd: closed if it is still ours, left alone if it is not."""
@@ -151,9 +176,10 @@ class Peer:
         self.pidfd = None
 
     def check_alive(self) -> bool:
-        """Re-check without a pidfd (the polling fallback)."""
-        if self.alive and not still_running(self.reg):
-            self.alive = False
+        """Re-check without a pidfd: the polling fallback, or a peer whose pidfd could not be
+        had (it is tried again). False once it is gone; a look that cannot tell keeps it."""
+        if self.alive:
+            self.alive = self.reopen() if self.use_pidfd else self._verify(still_running(self.reg))
         return self.alive
 
     def close(self) -> None:

@@ -175,7 +175,10 @@ def descendants(
         todo.extend(tree.get(child, ()))
         if child in exclude or _ends_by_itself(child):
             continue
-        info = _identity.probe(child)
+        try:
+            info = _identity.probe(child)
+        except _identity.Unknown:
+            continue  # cannot be verified: never signalled
         if info is not None and not info.dead and info.uid == uid:
             found.append((child, info.start_ticks))
     return found
@@ -234,11 +237,13 @@ def _named(target: Target) -> str:
 
 
 def alive(target: Target) -> bool:
+    """Not gone, as far as can be told: one that cannot be told now (out of descriptors...)
+    is waited for, and signalled only through its pidfd or once verified (:func:`send`)."""
     if target.pidfd is not None:
         ready, _, _ = select.select([target.pidfd], [], [], 0)
         if ready:
             return False
-    return _identity.is_same_process(target.pid, target.start_ticks, target.uid)
+    return _identity.same_process(target.pid, target.start_ticks, target.uid) is not False
 
 
 def wait_gone(targets: Sequence[Target], deadline: float) -> List[Target]:
@@ -266,7 +271,10 @@ def terminate(targets: Sequence[Target], grace: float, reason: str, note: Note =
     _wait_dumps_taken(targets, time.monotonic() + min(grace, _DUMP_WAIT_S))
     signalled = [t for t in targets if send(t, signal.SIGTERM, reason, note)]
     for t in signalled:
-        info = _identity.probe(t.pid)
+        try:
+            info = _identity.probe(t.pid)
+        except _identity.Unknown:
+            continue  # cannot tell whether it is stopped: SIGKILL ends it after grace anyway
         if info is not None and info.state in ("T", "t"):
             send(t, signal.SIGCONT, "it is stopped; SIGTERM takes effect only once it runs", note)
     survivors = wait_gone(signalled, time.monotonic() + grace)

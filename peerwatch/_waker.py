@@ -218,8 +218,15 @@ class Waker:
         """A peer's pidfd fired: True if its process is gone."""
         peer = self._peers[rank]
         intact = peer.pidfd_intact()
-        if not still_running(peer.reg):
+        running = still_running(peer.reg)
+        if running is False:
             return True  # gone by its identity (pid and start time), not by a readiness alone
+        if running is None:
+            # It cannot be told (out of descriptors...): not gone. A pidfd that fired stays
+            # readable: it is dropped, and the peer polled until it can be told (Peer.check_alive).
+            peer.cannot_tell("its pidfd fired, and /proc cannot be read")
+            self._repaired = True
+            return False
         # Alive by its identity: what fired was not its pidfd.
         return self._replace_pidfd(rank, "it fired while the process still runs" if intact else "closed or replaced")
 
@@ -232,8 +239,10 @@ class Waker:
             return True
         logger.warning(
             "peerwatch: rank %d: its pidfd of %s, fd %s, was %s by the application (os.closerange, "
-            "dup2?); rank %d still runs, so it is watched through a new pidfd (fd %d)",
-            self._rank, _terminal.who(rank, peer.reg.pid, peer.reg.host), fd, why, rank, peer.pidfd,
+            "dup2?); rank %d %s",
+            self._rank, _terminal.who(rank, peer.reg.pid, peer.reg.host), fd, why, rank,
+            f"still runs, so it is watched through a new pidfd (fd {peer.pidfd})" if peer.pidfd is not None else
+            "is not known to be gone, so it is polled until a new pidfd can be had",
         )
         return False
 

@@ -287,9 +287,10 @@ class Watcher:
             judge_hang = judge_remote = False
             if beat:
                 judge_hang, judge_remote = self._on_beat()
-            full_look = sched.full_look(beat, judge_remote)
+            unsure = obs.unsure()  # a look could not tell (EMFILE...): taken again soon
+            full_look = sched.full_look(beat, judge_remote, unsure)
             requested = self._settle.requested()
-            woken = obs.wait(sched.timeout(now, judge_remote))
+            woken = obs.wait(sched.timeout(now, judge_remote, unsure))
             if self.done.is_set():
                 break
             obs.awake.tick(time.monotonic_ns())  # a turn that took too long: this thread was not running
@@ -300,7 +301,8 @@ class Watcher:
                 self._stop_judging(lost)
                 return
             looked, now = woken or full_look, time.monotonic()
-            missing = self._missing_ranks() if sched.startup_over(now, obs.awake.since_ns / 1e9) else ()
+            # Not while the registrations could not all be read: one may be among those missed.
+            missing = self._missing_ranks() if not obs.unread and sched.startup_over(now, obs.awake.since_ns / 1e9) else ()
             # An idle turn (a heartbeat, nothing seen, nothing due) has nothing to judge.
             if looked or judge_hang or missing or sched.due(now):
                 if looked:

@@ -32,7 +32,8 @@ Actions (the last part; ``SECONDS`` as in rank_program):
                      method); READY once the first batch arrived (the workers exist)
     noisy            finish cleanly after SECONDS of work: random sleeps and CPU bursts,
                      beat() every step (scheduling noise for the false-positive runs)
-    await:NAME       finish cleanly once READY/NAME exists (another process wrote it)
+    await:NAME       finish cleanly once READY/NAME exists (another process wrote it); NAME,NAME...:
+                     once each of them exists
     raise_after:NAME raise RuntimeError once READY/NAME exists
     clobber:MODE     once every rank is ready, take peerwatch's descriptors away: ``devnull``
                      dup2s /dev/null over fds 3-39, ``close`` closes them (os.closerange);
@@ -42,6 +43,11 @@ Actions (the last part; ``SECONDS`` as in rank_program):
     exec_away        once every rank is ready, os.execv() a plain sleeping Python (same
                      pid, no peerwatch, the stack file closed on exec)
     setuid_away:UID  once every rank is ready, os.setuid(UID), then sleep
+    starve:S         once every rank is ready and watched, run out of file descriptors (the soft
+                     RLIMIT_NOFILE lowered to the numbers held since the start, see RESERVE_VAR:
+                     EMFILE for every thread, peerwatch's too, whatever it closes, as with many
+                     DataLoader workers); note READY/starved-<rank>; after S seconds raise the
+                     limit again and finish cleanly
 
 Child scenarios (MODE): ``exit0`` (sys.exit(0)), ``raise`` (uncaught RuntimeError),
 ``exit3`` (sys.exit(3)), ``quit5`` (the builtin exit(5)), ``raise5`` (raise SystemExit(5)),
@@ -65,6 +71,21 @@ from typing import Any, Callable, Dict, List, Tuple
 import peerwatch
 
 KEEP_CHILDREN_VAR = "RANK_PROGRAM_KEEP_CHILDREN"
+# RANK_PROGRAM_RESERVE_FDS=N: the rank holds fds 3..N+2 (/dev/null) from its start, before
+# peerwatch opens any. ``starve`` lowers the soft limit to N+3: every number below it is then
+# held for good (stdio, these), so nothing peerwatch closes (a dead peer's pidfd) lets it open
+# anything; and poll(2), which fails (EINVAL) on more descriptors than the limit, still
+# works when N covers the watcher's (world size + 1: the wake pipe, the pidfds, inotify's).
+RESERVE_VAR = "RANK_PROGRAM_RESERVE_FDS"
+_reserved: List[int] = []
+
+
+def reserve_fds() -> None:
+    """Hold the descriptors RESERVE_VAR asks for (at the start of the rank)."""
+    for _ in range(int(os.environ.get(RESERVE_VAR) or 0)):
+        _reserved.append(os.open(os.devnull, os.O_RDONLY))
+    if _reserved != list(range(3, 3 + len(_reserved))):
+        raise RuntimeError(f"{RESERVE_VAR}: fds {_reserved} are not 3..{len(_reserved) + 2}")
 
 
 def reaped_on_error(children: List[Any]) -> List[Any]:
@@ -80,7 +101,7 @@ def reaped_on_error(children: List[Any]) -> List[Any]:
 
 PARTS = frozenset({"pg", "fork", "sub", "orphan_fork", "orphan_sub", "loader", "reexec", "default_interrupt"})
 ACTIONS = frozenset({"dataloader", "noisy", "await", "raise_after", "clobber", "clobber_exit", "exec_away",
-                     "setuid_away"})
+                     "setuid_away", "starve"})
 CLOBBERED_FDS = range(3, 40)
 EXECED_VAR = "PEERWATCH_TEST_EXECED"  # set in the environment of the re-executed image
 
@@ -284,6 +305,29 @@ def _wait_watching(peers: int, timeout: float = 60.0) -> None:
         time.sleep(0.01)
 
 
+def _starve(args: argparse.Namespace, rank: int, seconds: float) -> None:
+    """Run out of descriptors for ``seconds`` (see ``starve`` in the module's docstring)."""
+    import resource
+
+    if os.environ.get("PEERWATCH_PIDFD") != "0":
+        _wait_watching(args.world - 1)
+    else:
+        time.sleep(0.5)  # the polling watcher looks every 0.1 s: its peers are registered by then
+    path = os.path.join(args.ready, f"starved-{rank}")
+    note_fd = os.open(f"{path}.tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)  # written once starved
+    if not _reserved:
+        raise RuntimeError(f"starve needs {RESERVE_VAR}")
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    # A new descriptor must have a number below the soft limit: from now on every open, pipe,
+    # socket... of any thread fails with EMFILE (see RESERVE_VAR).
+    resource.setrlimit(resource.RLIMIT_NOFILE, (3 + len(_reserved), hard))
+    os.write(note_fd, str(time.time_ns()).encode())
+    os.replace(f"{path}.tmp", path)  # no descriptor needed
+    time.sleep(seconds)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    os.close(note_fd)
+
+
 class _Forever:
     def __len__(self) -> int:
         return 1 << 30
@@ -322,7 +366,11 @@ def act(args: argparse.Namespace, rank: int, name: str, arg: str, delay: float,
             time.sleep(0.01)
     elif name == "await":
         ready(args, rank)
-        _wait_files(args.ready, [arg], timeout=120.0)
+        _wait_files(args.ready, arg.split(","), timeout=120.0)
+    elif name == "starve":
+        ready(args, rank)
+        wait_for_all(args)
+        _starve(args, rank, float(arg))
     elif name == "raise_after":
         ready(args, rank)
         _wait_files(args.ready, [arg], timeout=120.0)

@@ -236,6 +236,7 @@ def main() -> None:
         fault_behaviours.child_main(args, note)
         return
     rank = int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")))
+    fault_behaviours.reserve_fds()  # before peerwatch opens any (``starve``)
     if args.api in ("install", "both"):
         peerwatch.install(**_install_options(rank))
     children = []

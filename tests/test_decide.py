@@ -14,6 +14,7 @@ from peerwatch._decide import (
     CONSEQUENCE_WINDOW_NS,
     LEAVING_WAIT_NS,
     REMOTE_SETTLE_NS,
+    UNREAD_RECHECK_NS,
     Decision,
     Observed,
     Policy,
@@ -68,7 +69,7 @@ def status(rank: int, t: int, returncode: int, pid: Optional[int] = None, sender
 
 
 def observed(*, self_rank: int = 0, now: int = 10_000_000_000, registrations=None, successes=(),
-             failures=(), statuses=(), gone=None, verdict=None, leaving=None) -> Observed:
+             failures=(), statuses=(), gone=None, verdict=None, leaving=None, unread=False) -> Observed:
     return Observed(
         self_rank=self_rank, now_ns=now,
         registrations=registrations if registrations is not None else {r: reg(r) for r in range(4)},
@@ -78,6 +79,7 @@ def observed(*, self_rank: int = 0, now: int = 10_000_000_000, registrations=Non
         gone=dict(gone or {}),
         verdict=verdict,
         leaving=dict(leaving or {}),
+        unread=unread,
     )
 
 
@@ -257,6 +259,23 @@ def test_gone_whose_parent_is_not_a_rank_is_not_held_back():
     # torchrun: the agent is the parent; no rank can read the status.
     obs = observed(self_rank=0, gone={2: 1000}, now=1001)
     assert decide(obs, POLICY).verdict.cause == VANISHED
+
+
+def test_gone_while_records_could_not_be_read_is_held_back_until_they_are():
+    """Out of descriptors, events/ could not be listed (or a record read): the peer seen gone
+    may have a success marker there. Its end is not a failure until the look succeeds."""
+    obs = observed(gone={2: 1000}, now=1001, unread=True)
+    assert decide(obs, POLICY) == Decision(None, recheck_at_ns=1001 + UNREAD_RECHECK_NS)
+    assert decide(dataclasses.replace(obs, unread=False), POLICY).verdict.cause == VANISHED
+    assert decide(dataclasses.replace(obs, unread=False, successes=frozenset({2})), POLICY) == Decision(None)
+
+
+def test_a_failure_read_before_an_end_not_known_yet_is_acted_on():
+    """What could not be read holds back only the ends it may explain: a failure record read,
+    earlier than the death seen, is the root cause whatever that death turns out to be."""
+    seen = 500 + 2 * CONSEQUENCE_WINDOW_NS  # not the death an exception may echo (rule 5)
+    obs = observed(failures=[failure(1, 500)], gone={2: seen}, now=seen + 1, unread=True)
+    assert decide(obs, POLICY).verdict.rank == 1
 
 
 def test_gone_without_registration_is_not_held_back():

@@ -188,7 +188,7 @@ def test_a_heartbeat_caught_half_written_is_read_again_without_a_warning(rd, mon
     good = _beat(7)
     torn = good[: len(good) // 2] + b" " * (len(good) - len(good) // 2)
     reads = iter([torn, good])
-    monkeypatch.setattr(rd, "read_bytes", lambda sub, name, limit=MAX_RECORD_BYTES: next(reads))
+    monkeypatch.setattr(rd, "read_bytes", lambda sub, name, limit=MAX_RECORD_BYTES, strict=False: next(reads))
     with caplog.at_level(logging.WARNING, logger="peerwatch"):
         got = rd.read(HEARTBEATS, "rank-00000.json", Heartbeat)
     assert got is not None and got.seq == 7
@@ -199,7 +199,7 @@ def test_a_torn_write_once_record_is_not_read_again(rd, monkeypatch, caplog):
     """Records other than the heartbeat appear whole (link/rename): invalid is invalid."""
     good = encode(Success(rank=1, pid=2, time_ns=3))
     reads = iter([good[:5], good])
-    monkeypatch.setattr(rd, "read_bytes", lambda sub, name, limit=MAX_RECORD_BYTES: next(reads))
+    monkeypatch.setattr(rd, "read_bytes", lambda sub, name, limit=MAX_RECORD_BYTES, strict=False: next(reads))
     with caplog.at_level(logging.WARNING, logger="peerwatch"):
         assert rd.read(EVENTS, "success-00001.json", Success) is None
     assert "not a valid peerwatch record" in caplog.text

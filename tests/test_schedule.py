@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from peerwatch._schedule import SAFETY_LOOK_EVERY, Schedule
+from peerwatch._schedule import RETRY_S, SAFETY_LOOK_EVERY, Schedule
 
 pytestmark = pytest.mark.pure  # no process, no thread, no file: conftest skips its scan for leaks
 
@@ -68,6 +68,17 @@ def test_the_fallback_polls_and_looks_every_time() -> None:
     s.timeout(0.0, False)
     assert s.full_look(beat=False, judging_remote=False)
     assert s.timeout(0.0, False) == 0.1
+
+
+def test_a_look_that_could_not_tell_is_taken_again_soon() -> None:
+    """Out of descriptors, a record or a peer's state could not be read: the next full look
+    comes within RETRY_S, not only when a source fires (inotify would not fire again)."""
+    s = Schedule(0.0, beat_s=1.0)
+    s.beat_due(0.0)
+    s.timeout(0.0, False)
+    assert not s.full_look(beat=False, judging_remote=False) and s.timeout(0.0, False) == 1.0
+    assert s.full_look(beat=False, judging_remote=False, unsure=True)
+    assert s.timeout(0.0, False, unsure=True) == RETRY_S
 
 
 def test_a_recheck_or_a_hold_shortens_the_sleep_and_is_due_when_it_comes() -> None:
