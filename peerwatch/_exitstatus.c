@@ -90,6 +90,26 @@ static long long held_sender;      /* its sender's pid, or 0 */
 static timer_t hold_timer;
 static int have_timer;
 
+/* Who sent the last SIGINT, for a KeyboardInterrupt's record: the job was interrupted from
+ * outside, and by whom is worth saying. The handler notes the sender and passes the signal
+ * on to the handler it replaced (Python's, which raises KeyboardInterrupt), as the kernel
+ * would have; installed only over such a handler (see watch_interrupts). */
+static struct sigaction int_prev;
+static volatile sig_atomic_t int_seen;
+static long long int_sender; /* the sender's pid, or 0 (not known: a terminal's Ctrl-C) */
+
+static void on_int(int sig, siginfo_t *info, void *ctx)
+{
+    int saved_errno = errno;
+    int_sender = info != NULL && (info->si_code == SI_USER || info->si_code == SI_QUEUE) ? (long long)info->si_pid : 0;
+    int_seen = 1;
+    errno = saved_errno;
+    if (int_prev.sa_flags & SA_SIGINFO)
+        int_prev.sa_sigaction(sig, info, ctx);
+    else if (int_prev.sa_handler != SIG_DFL && int_prev.sa_handler != SIG_IGN)
+        int_prev.sa_handler(sig);
+}
+
 static int claim(void)
 {
     return __atomic_exchange_n(&claimed, 1, __ATOMIC_SEQ_CST) == 0;
@@ -589,7 +609,48 @@ static PyObject *hold_term(PyObject *self, PyObject *arg)
     Py_RETURN_TRUE;
 }
 
+PyDoc_STRVAR(watch_interrupts_doc,
+"watch_interrupts() -> bool\n"
+"\n"
+"From now on note who sends SIGINT (interrupt_sender()), passing the signal on to the\n"
+"handler it has now. Only over a handler of Python's (the default one raises\n"
+"KeyboardInterrupt): a default or ignored SIGINT is left alone. True if noted from now on.");
+
+static PyObject *watch_interrupts(PyObject *self, PyObject *unused)
+{
+    (void)self;
+    (void)unused;
+    struct sigaction cur, act;
+    if (sigaction(SIGINT, NULL, &cur) != 0)
+        Py_RETURN_FALSE;
+    if ((cur.sa_flags & SA_SIGINFO) && cur.sa_sigaction == on_int)
+        Py_RETURN_TRUE; /* ours, from an earlier call */
+    if ((cur.sa_flags & SA_SIGINFO) || cur.sa_handler == SIG_DFL || cur.sa_handler == SIG_IGN)
+        Py_RETURN_FALSE;
+    int_prev = cur;
+    memset(&act, 0, sizeof act);
+    act.sa_sigaction = on_int;
+    act.sa_flags = (cur.sa_flags & ~SA_RESETHAND) | SA_SIGINFO;
+    act.sa_mask = cur.sa_mask;
+    if (sigaction(SIGINT, &act, NULL) != 0)
+        Py_RETURN_FALSE;
+    Py_RETURN_TRUE;
+}
+
+PyDoc_STRVAR(interrupt_sender_doc,
+"interrupt_sender() -> int: the pid that sent the last SIGINT; 0 where none came, or its\n"
+"sender is not known (a terminal's Ctrl-C comes from the kernel).");
+
+static PyObject *interrupt_sender(PyObject *self, PyObject *unused)
+{
+    (void)self;
+    (void)unused;
+    return PyLong_FromLongLong(int_seen ? int_sender : 0);
+}
+
 static PyMethodDef methods[] = {
+    {"watch_interrupts", watch_interrupts, METH_NOARGS, watch_interrupts_doc},
+    {"interrupt_sender", interrupt_sender, METH_NOARGS, interrupt_sender_doc},
     {"hold_term", hold_term, METH_O, hold_term_doc},
     {"arm", arm, METH_VARARGS, arm_doc},
     {"arm_leaving", arm_leaving, METH_VARARGS, arm_leaving_doc},

@@ -182,7 +182,27 @@ def arm(run_dir: RunDir, rank: int, write_success: bool) -> bool:
                        "reaches the top will be taken for success", rank, e, hint)
         return False
     arm_leaving(rank, teardown=False)
+    _watch_interrupts(native)
     return True
+
+
+def _watch_interrupts(native: Any) -> None:
+    """Note who sends SIGINT from now on (for :func:`interrupt_sender`)."""
+    try:
+        native.watch_interrupts()
+    except AttributeError:
+        pass  # an extension built before watch_interrupts
+
+
+def interrupt_sender() -> Optional[int]:
+    """The pid that sent this process's last SIGINT; None where not known (a terminal's
+    Ctrl-C comes from the kernel, the extension is missing, or SIGINT is the application's)."""
+    native = _module()
+    try:
+        sender = int(native.interrupt_sender()) if native is not None else 0
+    except AttributeError:
+        return None  # an extension built before interrupt_sender
+    return sender if sender > 0 else None
 
 
 def set_success(flag: bool) -> None:
@@ -210,4 +230,4 @@ def _say_unavailable() -> None:
 
 
 __all__ = ["CODE_SENTINEL", "EXIT_MESSAGE", "SENDER_SENTINEL", "TIME_SENTINEL", "arm", "arm_leaving", "armed",
-           "available", "exit_template", "failure_template", "leave", "set_success", "success_template"]
+           "available", "exit_template", "failure_template", "interrupt_sender", "leave", "set_success", "success_template"]

@@ -75,17 +75,21 @@ class Registry:
 # -- judging an exception -----------------------------------------------------------
 
 
-def consequence_of_peer_failure(w: Watcher) -> Optional[Verdict]:
-    """If a peer failed before this rank's exception, the verdict on that peer; else None.
+def consequence_of_peer_failure(w: Watcher, exc: Optional[BaseException] = None) -> Optional[Verdict]:
+    """If a peer failed before this rank's exception ``exc``, the verdict on that peer; else None.
 
     When a peer dies, the survivors' collectives fail within milliseconds ("Connection
     reset by peer"): those exceptions are consequences, not root causes. The pidfd of the
     dead peer has fired before the exception was raised, so one look by the watcher
-    settles which came first.
+    settles which came first. A KeyboardInterrupt is no consequence (peerwatch never sends
+    SIGINT): it is recorded at once, so that where every rank got the same SIGINT (Ctrl-C)
+    each says so before the verdict, which then blames none (rule 9 of _decide).
     """
     v = w.verdict
     if v is not None:
         return v if v.rank != w.rank else None
+    if isinstance(exc, KeyboardInterrupt):
+        return None
     w.settle(SETTLE_S)
     if not w.peer_failed():
         return None
@@ -136,10 +140,12 @@ def exception_failure(
     """This rank's failure record for ``exc``, leaving with exit code ``code``; ``seen_ns``
     is when it reached peerwatch, before any wait of ours (its ``raised_ns``)."""
     text = "".join(traceback.format_exception(type(exc), exc, tb))
+    interrupt = isinstance(exc, KeyboardInterrupt)
     return Failure(
         rank=w.rank, pid=os.getpid(), time_ns=time.time_ns(), raised_ns=seen_ns, cause=EXCEPTION, exit_code=code,
         exception=qualified_name(type(exc)), message=exception_message(exc), traceback=text[-MAX_TRACEBACK_CHARS:],
         thread=threading.current_thread().name, collective=raised_by_torch_distributed(exc, tb),
+        signal="SIGINT" if interrupt else None, signalled_by=_exitwatch.interrupt_sender() if interrupt else None,
     )
 
 
@@ -263,7 +269,7 @@ def _excepthook(registry: Registry, previous: Callable[..., Any]) -> Callable[..
         if w is None or isinstance(exc, PeerFailure):
             previous(exc_type, exc, tb)
             return
-        verdict = consequence_of_peer_failure(w)
+        verdict = consequence_of_peer_failure(w, exc)
         if verdict is None:
             record_exception(w, exc, tb, seen_ns)
             previous(exc_type, exc, tb)

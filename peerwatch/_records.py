@@ -27,6 +27,9 @@ LOST = "lost"
 MISSING = "missing"  # a rank never registered within startup_timeout (startup_action=fail)
 MISMATCH = "mismatch"  # a diagnosis: ranks disagree on the collective at one sequence number
 BUSY = "busy"  # a diagnosis: the laggards are working (CPU on new lines, I/O, busy children), not stuck
+# Every rank of this host got the same SIGINT or SIGTERM from outside the job (Ctrl-C, a
+# scheduler stopping it): no rank failed; the verdict says so, and ranks exit 128 + signal.
+INTERRUPTED = "interrupted"
 
 HANG_EXIT_CODE = 124  # as timeout(1): the job was ended for not moving
 
@@ -109,6 +112,11 @@ class Failure:
     # (peerwatch._exitwatch's record, at exit()), not said beforehand (the code a rank
     # expected to exit with). False in a record of an older peerwatch: not known to be seen.
     observed: bool = False
+    # The failure is an interrupt: the signal that raised it (``SIGINT`` for a
+    # KeyboardInterrupt), and who sent it where known (its pid; None: not known, such as a
+    # terminal's Ctrl-C). peerwatch never sends SIGINT: it came from outside the job.
+    signal: Optional[str] = None
+    signalled_by: Optional[int] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,6 +208,7 @@ class Verdict:
     oom_suspected: bool = False
     laggards: Tuple[int, ...] = ()  # for a hang: the ranks holding the job up, most likely first
     raised_ns: Optional[int] = None  # a failure's own time, where it said (Failure.raised_ns); failed_at_ns is its record's
+    signalled_by: Optional[int] = None  # who sent ``signal``, where known (an interrupt's sender)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -471,7 +480,7 @@ def signal_name(signum: int) -> str:
 
 
 __all__ = [
-    "BUSY", "EXCEPTION", "EXIT", "HANG", "LOST", "MISMATCH", "MISSING", "SIGNAL", "VANISHED",
+    "BUSY", "EXCEPTION", "EXIT", "HANG", "INTERRUPTED", "LOST", "MISMATCH", "MISSING", "SIGNAL", "VANISHED",
     "EVENT_TYPES", "Activity", "Ack", "Diagnosis", "ExitStatus", "Failure", "Heartbeat", "NotSignalled", "Registration", "Success", "Verdict",
     "WATCHER_DEATH", "WatcherDeath",
     "HANG_EXIT_CODE", "MAX_RECORD_BYTES", "MAX_SIGNAL", "RECORD_VERSION", "decode", "encode", "in_range", "named_ranks", "returncode_exit_code", "warm",
