@@ -27,12 +27,13 @@ import traceback
 from types import FrameType, TracebackType
 from typing import Any, Callable, Optional, Type
 
-from . import _exitwatch, _leave, _stacks, _teardown, _terminal
+from . import _exitwatch, _leave, _report, _stacks, _teardown, _terminal
 from ._collectives import raised_by_torch_distributed
 from ._errors import PeerFailure
+from ._notify import CLAIMS
 from ._plan import SETTLE_S
 from ._records import EXCEPTION, EXIT, MAX_TRACEBACK_CHARS, Failure, Verdict
-from ._rundir import RANKS, SPAWNED_RUN, RunDir
+from ._rundir import RANKS, SPAWNED_RUN, SUMMARY_FILE, RunDir
 from ._terminal import exception_message
 from ._watcher import Watcher
 
@@ -189,16 +190,46 @@ def spawn_main_note(w: Watcher, exc: BaseException) -> Optional[str]:
     if _spawn_noted or qualified_name(type(exc)) not in _SPAWN_FAILURES:
         return None
     _spawn_noted = True
-    me = _terminal.who(w.rank, w.me.pid, w.me.host)
-    head = (f"peerwatch: {me} is torch.multiprocessing.spawn's main process, not one of its workers: "
-            f"what it raised is a worker's failure")
+    head = (f"peerwatch: pid {w.me.pid} on {w.me.host} is torch.multiprocessing.spawn's main process, not one of its "
+            f"workers: what it raised is a worker's failure")
     workers = w.run_dir.join(SPAWNED_RUN)  # for people; looked at through the held descriptor
-    spawned = RunDir(w.run_dir.at(SPAWNED_RUN))
-    watched = any(name.startswith("rank-") for name in spawned.names(RANKS))
-    if watched:
+    if watched_workers(w, exc) is not None:
         return f"{head}. Its workers are watched in their own run: peerwatch report {workers} names the one that failed first"
     return (f"{head}. install() ran only here: its workers were not watched (none was ended at once, no report "
             "names the worker). Call peerwatch.install(rank=i, world_size=nprocs) at the start of the worker function")
+
+
+def watched_workers(w: Watcher, exc: BaseException) -> Optional[RunDir]:
+    """The run of this process's workers (``RUN/spawn``), if ``exc`` is torch.multiprocessing.spawn's
+    main process telling that a worker failed and the workers are watched there; else None."""
+    if qualified_name(type(exc)) not in _SPAWN_FAILURES:
+        return None
+    try:
+        # By its path, as people read it (the report and the summary name its files): the
+        # main process reads it as the CLI would.
+        spawned = RunDir(w.run_dir.join(SPAWNED_RUN))
+        return spawned if any(name.startswith("rank-") for name in spawned.names(RANKS)) else None
+    except OSError:
+        return None
+
+
+def tell_workers_failure(w: Watcher, exc: BaseException, workers: RunDir) -> None:
+    """This process is mp.spawn's main process and a watched worker failed: not this
+    process's failure (no record, no verdict in its own run, no second summary). It says
+    what it is and where the workers' run is; and, where no worker could print that run's
+    summary (the main process SIGTERMs the survivors as soon as it sees one worker end,
+    maybe before their watchers made a verdict), prints it, told from the workers' records."""
+    note = spawn_main_note(w, exc)
+    if note is not None:
+        logger.warning("%s", note)
+    try:
+        if not workers.claim(CLAIMS, SUMMARY_FILE):
+            return  # a worker printed it
+        report = _report.build(workers)
+        if report["verdict"] is not None:
+            logger.error("%s", _report.summary(report))
+    except Exception:  # noqa: BLE001 - an excepthook of ours must never raise
+        logger.debug("peerwatch: could not tell the workers' failure", exc_info=True)
 
 
 def qualified_name(cls: type) -> str:
@@ -268,6 +299,11 @@ def _excepthook(registry: Registry, previous: Callable[..., Any]) -> Callable[..
         w = registry.active()
         if w is None or isinstance(exc, PeerFailure):
             previous(exc_type, exc, tb)
+            return
+        workers = watched_workers(w, exc)
+        if workers is not None:  # mp.spawn's main process: a worker's failure, told in the workers' run
+            previous(exc_type, exc, tb)
+            tell_workers_failure(w, exc, workers)
             return
         verdict = consequence_of_peer_failure(w, exc)
         if verdict is None:
@@ -476,4 +512,5 @@ def install_interrupt_handler(registry: Registry) -> bool:
 __all__ = [
     "Registry", "arm_exit_status", "consequence_of_peer_failure", "exception_failure", "exit_status", "install_hooks",
     "install_interrupt_handler", "qualified_name", "record_exception", "spawn_main_note", "spawn_wrapped", "tell_consequence",
+    "tell_workers_failure", "watched_workers",
 ]

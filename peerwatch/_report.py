@@ -30,6 +30,7 @@ from ._rundir import (
     FLIGHT_RECORDER,
     HEARTBEATS,
     REPORT_FILE,
+    SPAWNED_RUN,
     STRAGGLERS_FILE,
     VERDICT_FILE,
     RunDir,
@@ -54,11 +55,35 @@ INTERRUPTED_STATE = INTERRUPTED
 
 
 def build(rd: RunDir) -> Dict[str, Any]:
-    """The report as a dict, from what the run directory holds now."""
+    """The report as a dict, from what the run directory holds now. The run of
+    torch.multiprocessing.spawn's main process, where install() ran at the top of the
+    script, is not the job's: its workers' run (``RUN/spawn``) is reported instead, with
+    ``launcher_run`` naming the one asked for, unless a watcher wrote a verdict in the main
+    process's own run (its workers were not watched)."""
+    report = _build(rd)
+    if report["verdict"] is None or report["verdict"]["inferred"]:
+        workers = _spawned_run(rd)
+        if workers is not None:
+            report = _build(workers)
+            report["launcher_run"] = rd.path
+    return report
+
+
+def _spawned_run(rd: RunDir) -> Optional[RunDir]:
+    """``RUN/spawn``, where it holds registered ranks (peerwatch._basedir: the run of the
+    workers of torch.multiprocessing.spawn's main process that installed peerwatch)."""
+    try:
+        spawned = RunDir(rd.join(SPAWNED_RUN))
+        return spawned if spawned.registrations() else None
+    except OSError:
+        return None
+
+
+def _build(rd: RunDir) -> Dict[str, Any]:
     regs = rd.registrations()
     events = _events(rd)
     written = rd.read(EVENTS, VERDICT_FILE, Verdict)
-    verdict = written or interrupted_without_verdict(regs, events)
+    verdict = written or verdict_from_records(rd, regs, events)
     ranks = [
         _rank_entry(rd, rank, regs.get(rank), events, verdict)
         for rank in sorted(set(regs) | set(events["failure"]) | set(events["exit"]))
@@ -93,19 +118,33 @@ def build(rd: RunDir) -> Dict[str, Any]:
     return report
 
 
-def interrupted_without_verdict(regs: Dict[int, Registration], events: Dict[str, Dict[int, Any]]) -> Optional[Verdict]:
-    """Where no verdict was written: the verdict that the job was interrupted, if the
-    records say every rank got the same SIGTERM (or SIGINT) from outside (rule 9 of
-    _decide). A SIGTERM to the whole process group ends every rank at once, each writing
-    its exit record as it goes: no watcher is left to make the verdict."""
-    if not regs:
-        return None
+def verdict_from_records(
+    rd: RunDir, regs: Dict[int, Registration], events: Dict[str, Dict[int, Any]],
+) -> Optional[Verdict]:
+    """Where no verdict was written and no rank is left alive to write one: the verdict the
+    ranks' records tell, by the watchers' own rules (peerwatch._decide). A SIGTERM to the
+    whole process group ends every rank at once, each writing its exit record as it goes
+    (the job was interrupted, rule 9); mp.spawn's main process SIGTERMs the other workers as
+    soon as it sees one end, maybe before their watchers made a verdict (the one that ended
+    first is the cause: rule 5). None where the records do not tell: a rank that ended
+    without a record is taken for the cause only where it is the one such rank (when
+    several vanished, which went first is not known)."""
+    if not regs or any(_identity.seems_alive(reg) for reg in regs.values()):
+        return None  # a watcher may still judge
+    recorded = set(events["success"]) | set(events["failure"]) | set(events["exit"])
+    gone = {}
+    for rank, reg in regs.items():
+        if rank not in recorded:  # last known alive at its last heartbeat
+            beat = rd.read(HEARTBEATS, rank_file("rank", rank), Heartbeat)
+            gone[rank] = beat.time_ns if beat is not None else reg.time_ns
     obs = _decide.Observed(
         self_rank=min(regs), now_ns=time.time_ns(), registrations=regs, successes=frozenset(events["success"]),
-        failures=events["failure"], exit_statuses=events["exit"], gone={},
+        failures=events["failure"], exit_statuses=events["exit"], gone=gone,
     )
     verdict = _decide.decide(obs, _decide.Policy(parent_wait_ns=0, default_exit_code=1)).verdict
-    return verdict if verdict is not None and verdict.cause == INTERRUPTED else None
+    if verdict is None or (verdict.rank in gone and len(gone) > 1):
+        return None
+    return verdict
 
 
 def _events(rd: RunDir) -> Dict[str, Dict[int, Any]]:
@@ -345,7 +384,10 @@ def summary(report: Dict[str, Any], traceback: bool = True) -> str:
     the failing rank itself)."""
     v = report.get("verdict")
     late = [r for r in report["ranks"] if r.get("failed_after_done")]
-    lines = _summary_head(report, v, late) + _rank_table(report["ranks"])
+    lines = _summary_head(report, v, late)
+    if report.get("launcher_run"):
+        lines.append(f"  the workers' run of torch.multiprocessing.spawn's main process, whose own run is {report['launcher_run']}")
+    lines += _rank_table(report["ranks"])
     if late:
         lines.append("  failed after it was marked done (watch() had ended, or mark_success()): no teardown, by design; "
                      "the run did not succeed")
@@ -384,6 +426,8 @@ def _summary_head(report: Dict[str, Any], v: Optional[Dict[str, Any]], late: Lis
     how = v.get("detail") or v.get("cause")
     if v.get("cause") == INTERRUPTED:
         return _interrupted_head(v, str(how))
+    by = (f"verdict by rank {v['detected_by']} at {_clock(v['detected_at_ns'])}" if not v.get("inferred")
+          else "no watcher was left to judge: told from the ranks' records")
     extra = f"cause: {v['cause']}, ranks exit with code {v['exit_code']}"
     if v.get("signal"):
         extra += f", signal {v['signal']}"
@@ -394,8 +438,7 @@ def _summary_head(report: Dict[str, Any], v: Optional[Dict[str, Any]], late: Lis
     return [
         f"peerwatch: {who(v['rank'], v.get('pid'), v.get('host'))} failed first: {how}",
         f"  {extra}",
-        f"  failed at {_clock(failed_ns)}, verdict by rank {v['detected_by']} at "
-        f"{_clock(v['detected_at_ns'])} (+{max(delay_ms, 0.0):.1f} ms)",
+        f"  failed at {_clock(failed_ns)}, {by}" + ("" if v.get("inferred") else f" (+{max(delay_ms, 0.0):.1f} ms)"),
     ]
 
 
