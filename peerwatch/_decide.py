@@ -58,8 +58,8 @@ Rules, in order:
 
 9. Interrupts are not failures: when every failure found is the same SIGINT or SIGTERM
    from outside the job (a KeyboardInterrupt, whose SIGINT peerwatch never sends; a
-   SIGTERM whose sender is no rank of the job, whose teardown sends them), from the same
-   sender, and every rank of this host that has not finished got it, the job was
+   SIGTERM whose sender is no rank of the job, whose teardown sends them), a SIGTERM from
+   the same sender, and every rank of this host that has not finished got it, the job was
    interrupted: the verdict (cause ``interrupted``) names no failing rank, and its exit
    code is the signal's (130, 143). Until they all show it, the decision waits, at most
    ``INTERRUPT_WINDOW_NS`` from the first: a signal to the process group (Ctrl-C, a
@@ -95,6 +95,7 @@ from ._records import (
     Diagnosis,
     ExitStatus,
     Failure,
+    Interrupt,
     Registration,
     Verdict,
     returncode_exit_code,
@@ -158,6 +159,9 @@ class Observed:
     # ended with no outcome recorded, its interpreter finalizes, its exit status is to come.
     # This host's ranks, read only while a collective exception is to be judged (rule 5).
     leaving: Mapping[int, int] = dataclasses.field(default_factory=dict)
+    # rank -> the SIGINT it got, as its watcher saw it arrive (rule 9): not a failure, the
+    # evidence that a rank whose main thread waits in C (a collective) got it too.
+    interrupts: Mapping[int, Interrupt] = dataclasses.field(default_factory=dict)
 
     def live_progress(self) -> Dict[int, RankState]:
         """The progress of the ranks neither finished nor gone: those a hang is judged by."""
@@ -490,6 +494,14 @@ def _interrupt_of(obs: Observed, rank: int) -> Optional[Tuple[str, Optional[int]
     return signal_name(-st.returncode), st.signalled_by, st.time_ns
 
 
+def _got_too(obs: Observed, rank: int, sig: str, since_ns: int) -> bool:
+    """The rank, alive, got ``sig`` too, within INTERRUPT_WINDOW_NS of ``since_ns``, as its
+    watcher saw (its main thread may wait in C for a peer that raised already)."""
+    seen = obs.interrupts.get(rank)
+    return (seen is not None and seen.signal == sig and rank not in obs.failures and rank not in obs.exit_statuses
+            and abs(seen.time_ns - since_ns) <= INTERRUPT_WINDOW_NS)
+
+
 def _local(obs: Observed) -> Dict[int, Registration]:
     """The ranks registered on this watcher's host (its boot and PID namespace)."""
     me = obs.registrations.get(obs.self_rank)
@@ -508,11 +520,15 @@ def _interrupted(obs: Observed, found: List[Verdict]) -> Optional[Decision]:
         if seen is None:
             return None  # a failure of another kind: not (only) an interrupt
         got[v.rank] = seen
-    if not got or len({(sig, sender) for sig, sender, _ in got.values()}) != 1:
+    # One signal; for SIGTERM, from one sender: a launcher stops the other workers with a
+    # SIGTERM of its own when one ended (its kill from outside is that rank's failure). Nobody
+    # sends SIGINT because a rank ended: a SIGINT is one, whoever passed it on (Ctrl-C reaches
+    # torchrun's workers from the terminal, and again from their agent).
+    if not got or len({(sig, sender if sig == "SIGTERM" else None) for sig, sender, _ in got.values()}) != 1:
         return None
     first = min(got, key=lambda r: (got[r][2], r))
     sig, sender, since_ns = got[first]
-    if any(r not in got and r not in obs.successes for r in _local(obs)):
+    if any(r not in got and r not in obs.successes and not _got_too(obs, r, sig, since_ns) for r in _local(obs)):
         until_ns = since_ns + INTERRUPT_WINDOW_NS
         return Decision(None, recheck_at_ns=until_ns) if obs.now_ns < until_ns else None
     return Decision(Verdict(

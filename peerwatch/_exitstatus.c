@@ -90,26 +90,6 @@ static long long held_sender;      /* its sender's pid, or 0 */
 static timer_t hold_timer;
 static int have_timer;
 
-/* Who sent the last SIGINT, for a KeyboardInterrupt's record: the job was interrupted from
- * outside, and by whom is worth saying. The handler notes the sender and passes the signal
- * on to the handler it replaced (Python's, which raises KeyboardInterrupt), as the kernel
- * would have; installed only over such a handler (see watch_interrupts). */
-static struct sigaction int_prev;
-static volatile sig_atomic_t int_seen;
-static long long int_sender; /* the sender's pid, or 0 (not known: a terminal's Ctrl-C) */
-
-static void on_int(int sig, siginfo_t *info, void *ctx)
-{
-    int saved_errno = errno;
-    int_sender = info != NULL && (info->si_code == SI_USER || info->si_code == SI_QUEUE) ? (long long)info->si_pid : 0;
-    int_seen = 1;
-    errno = saved_errno;
-    if (int_prev.sa_flags & SA_SIGINFO)
-        int_prev.sa_sigaction(sig, info, ctx);
-    else if (int_prev.sa_handler != SIG_DFL && int_prev.sa_handler != SIG_IGN)
-        int_prev.sa_handler(sig);
-}
-
 static int claim(void)
 {
     return __atomic_exchange_n(&claimed, 1, __ATOMIC_SEQ_CST) == 0;
@@ -143,6 +123,33 @@ static long long now_ns(clockid_t clock)
     if (clock_gettime(clock, &ts) != 0)
         return 0;
     return (long long)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+/* Who sent SIGINT, for a KeyboardInterrupt's record: the job was interrupted from outside,
+ * and by whom is worth saying. The handler notes the sender and passes the signal on to the
+ * handler it replaced (Python's, which raises KeyboardInterrupt), as the kernel would have;
+ * installed only over such a handler (see watch_interrupts). Of a burst (Ctrl-C reaches a
+ * torchrun worker, then its agent passes it on) the first is kept: the one that raised. */
+#define INT_BURST_NS 1000000000LL
+static struct sigaction int_prev;
+static volatile sig_atomic_t int_seen;
+static long long int_sender;  /* the sender's pid, or 0 (not known: a terminal's Ctrl-C) */
+static long long int_time_ns; /* when it came (CLOCK_MONOTONIC) */
+
+static void on_int(int sig, siginfo_t *info, void *ctx)
+{
+    int saved_errno = errno;
+    long long now = now_ns(CLOCK_MONOTONIC);
+    if (!int_seen || now - int_time_ns > INT_BURST_NS) {
+        int_sender = info != NULL && (info->si_code == SI_USER || info->si_code == SI_QUEUE) ? (long long)info->si_pid : 0;
+        int_time_ns = now;
+        int_seen = 1;
+    }
+    errno = saved_errno;
+    if (int_prev.sa_flags & SA_SIGINFO)
+        int_prev.sa_sigaction(sig, info, ctx);
+    else if (int_prev.sa_handler != SIG_DFL && int_prev.sa_handler != SIG_IGN)
+        int_prev.sa_handler(sig);
 }
 
 /* tmp/<name>.<pid>.0.<monotonic ns>, as RunDir.write names its temp files. */
@@ -637,20 +644,23 @@ static PyObject *watch_interrupts(PyObject *self, PyObject *unused)
     Py_RETURN_TRUE;
 }
 
-PyDoc_STRVAR(interrupt_sender_doc,
-"interrupt_sender() -> int: the pid that sent the last SIGINT; 0 where none came, or its\n"
-"sender is not known (a terminal's Ctrl-C comes from the kernel).");
+PyDoc_STRVAR(last_interrupt_doc,
+"last_interrupt() -> (time, sender) or None: when the last SIGINT came (CLOCK_MONOTONIC ns; the\n"
+"first of a burst within a second) and the pid that sent it (0 where not known: a terminal's\n"
+"Ctrl-C comes from the kernel); None where none came since watch_interrupts().");
 
-static PyObject *interrupt_sender(PyObject *self, PyObject *unused)
+static PyObject *last_interrupt(PyObject *self, PyObject *unused)
 {
     (void)self;
     (void)unused;
-    return PyLong_FromLongLong(int_seen ? int_sender : 0);
+    if (!int_seen)
+        Py_RETURN_NONE;
+    return Py_BuildValue("(LL)", int_time_ns, int_sender);
 }
 
 static PyMethodDef methods[] = {
     {"watch_interrupts", watch_interrupts, METH_NOARGS, watch_interrupts_doc},
-    {"interrupt_sender", interrupt_sender, METH_NOARGS, interrupt_sender_doc},
+    {"last_interrupt", last_interrupt, METH_NOARGS, last_interrupt_doc},
     {"hold_term", hold_term, METH_O, hold_term_doc},
     {"arm", arm, METH_VARARGS, arm_doc},
     {"arm_leaving", arm_leaving, METH_VARARGS, arm_leaving_doc},

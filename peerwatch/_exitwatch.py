@@ -194,15 +194,26 @@ def _watch_interrupts(native: Any) -> None:
         pass  # an extension built before watch_interrupts
 
 
-def interrupt_sender() -> Optional[int]:
-    """The pid that sent this process's last SIGINT; None where not known (a terminal's
-    Ctrl-C comes from the kernel, the extension is missing, or SIGINT is the application's)."""
+def last_interrupt() -> Optional[Tuple[int, Optional[int]]]:
+    """When this process's last SIGINT came (``time.monotonic_ns()``; the first of a burst
+    within a second) and the pid that sent it (None where not known: a terminal's Ctrl-C
+    comes from the kernel); None where none came, the extension is missing, or SIGINT is
+    the application's own."""
     native = _module()
     try:
-        sender = int(native.interrupt_sender()) if native is not None else 0
+        seen = native.last_interrupt() if native is not None else None
     except AttributeError:
-        return None  # an extension built before interrupt_sender
-    return sender if sender > 0 else None
+        return None  # an extension built before last_interrupt
+    if seen is None:
+        return None
+    at_ns, sender = seen
+    return int(at_ns), (int(sender) if sender > 0 else None)
+
+
+def interrupt_sender() -> Optional[int]:
+    """The pid that sent this process's last SIGINT; None where not known."""
+    seen = last_interrupt()
+    return seen[1] if seen is not None else None
 
 
 def set_success(flag: bool) -> None:
@@ -230,4 +241,4 @@ def _say_unavailable() -> None:
 
 
 __all__ = ["CODE_SENTINEL", "EXIT_MESSAGE", "SENDER_SENTINEL", "TIME_SENTINEL", "arm", "arm_leaving", "armed",
-           "available", "exit_template", "failure_template", "interrupt_sender", "leave", "set_success", "success_template"]
+           "available", "exit_template", "failure_template", "interrupt_sender", "last_interrupt", "leave", "set_success", "success_template"]

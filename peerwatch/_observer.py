@@ -36,6 +36,7 @@ from ._records import (
     ExitStatus,
     Failure,
     Heartbeat,
+    Interrupt,
     Registration,
     Success,
     Verdict,
@@ -383,6 +384,7 @@ class Observer:
             now_mono_ns=time.monotonic_ns(), missing=missing, diagnosis=self.diagnosis(),
             remote_silence=self.remote.silence() if self.remote is not None else {},
             leaving=self._leaving_ranks() if not isinstance(verdict, Verdict) and _judging_an_echo(failures) else {},
+            interrupts=self.of_kind(Interrupt),  # type: ignore[arg-type]
         )
 
     def _leaving_ranks(self) -> Dict[int, int]:

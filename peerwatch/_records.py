@@ -133,6 +133,21 @@ class ExitStatus:
 
 
 @dataclasses.dataclass(frozen=True)
+class Interrupt:
+    """The rank got a SIGINT (Ctrl-C) from outside the job, as its watcher saw it arrive:
+    not a failure (the application may catch the KeyboardInterrupt and go on), but evidence
+    that the whole job was interrupted, where its main thread cannot raise yet (it waits in
+    a collective for a peer that did). Rewritten with the latest."""
+
+    KIND = "interrupt"
+    rank: int
+    pid: int
+    time_ns: int
+    signal: str
+    signalled_by: Optional[int] = None
+
+
+@dataclasses.dataclass(frozen=True)
 class Ack:
     """A rank saw the verdict and is leaving on its own by ``deadline_ns`` (CLOCK_MONOTONIC)."""
 
@@ -266,7 +281,7 @@ WATCHER_DEATH = "watcher"  # events/watcher-<rank>.json: a WatcherDeath (not an 
 # The events folder's file name prefixes (``<prefix>-<rank>.json``) and their record types.
 # ``thread``: an uncaught exception in another thread of the rank (for the report).
 EVENT_TYPES: Dict[str, type] = {"success": Success, "failure": Failure, "exit": ExitStatus, "ack": Ack, "thread": Failure,
-                                 "unsignalled": NotSignalled}
+                                 "unsignalled": NotSignalled, "interrupt": Interrupt}
 
 
 R = TypeVar("R")
@@ -384,7 +399,7 @@ def _ranges(record: Any) -> bool:
         return record.pid > 0 and record.observed_by >= 0
     if isinstance(record, Diagnosis):
         return record.finding in (HANG, MISMATCH, BUSY) and all(r >= 0 for r in record.laggards + record.entered)
-    if isinstance(record, (Success, Ack)):
+    if isinstance(record, (Success, Ack, Interrupt)):
         return record.pid > 0
     return True
 
@@ -481,7 +496,7 @@ def signal_name(signum: int) -> str:
 
 __all__ = [
     "BUSY", "EXCEPTION", "EXIT", "HANG", "INTERRUPTED", "LOST", "MISMATCH", "MISSING", "SIGNAL", "VANISHED",
-    "EVENT_TYPES", "Activity", "Ack", "Diagnosis", "ExitStatus", "Failure", "Heartbeat", "NotSignalled", "Registration", "Success", "Verdict",
+    "EVENT_TYPES", "Activity", "Ack", "Diagnosis", "ExitStatus", "Failure", "Heartbeat", "Interrupt", "NotSignalled", "Registration", "Success", "Verdict",
     "WATCHER_DEATH", "WatcherDeath",
     "HANG_EXIT_CODE", "MAX_RECORD_BYTES", "MAX_SIGNAL", "RECORD_VERSION", "decode", "encode", "in_range", "named_ranks", "returncode_exit_code", "warm",
     "signal_name",

@@ -36,6 +36,7 @@ from peerwatch._records import (
     Diagnosis,
     ExitStatus,
     Failure,
+    Interrupt,
     Registration,
     Verdict,
 )
@@ -1292,6 +1293,32 @@ def test_one_rank_interrupted_alone_waits_for_the_others_then_is_blamed(how: str
     v = decide(observed(now=1_000 + INTERRUPT_WINDOW_NS, **kw), POLICY).verdict
     assert v is not None and v.rank == 1 and v.cause == (EXCEPTION if how == "sigint" else SIGNAL), v
     assert v.exit_code == (130 if how == "sigint" else 143), v
+
+
+def test_a_sigint_passed_on_by_a_launcher_is_the_same_interrupt():
+    # Ctrl-C reaches torchrun's workers from the terminal and again from their agent (pid 77):
+    # whichever came first, it is one interrupt. A SIGTERM must come from one sender.
+    regs = {r: reg(r, ppid=77) for r in range(4)}
+    obs = observed(registrations=regs, failures=[interrupt(r, 1_000 + r, sender=77 if r % 2 else None) for r in range(4)],
+                   now=2_000)
+    v = decide(obs, POLICY).verdict
+    assert v is not None and (v.cause, v.signalled_by) == (INTERRUPTED, None), v
+
+
+def test_ranks_whose_watcher_saw_the_sigint_arrive_got_it_too():
+    """Rank 0 raised KeyboardInterrupt; ranks 1-3 wait in a collective for it, their main
+    threads in C, unable to raise: their watchers saw the SIGINT arrive (an interrupt record,
+    not a failure). Only one within the window counts: an old Ctrl-C, caught and gone on
+    from, is no evidence of this one."""
+    seen = {r: Interrupt(rank=r, pid=1000 + r, time_ns=1_000 + r, signal="SIGINT") for r in (1, 2, 3)}
+    obs = dataclasses.replace(observed(failures=[interrupt(0, 1_000)], now=1_500), interrupts=seen)
+    v = decide(obs, POLICY).verdict
+    assert v is not None and (v.rank, v.cause, v.exit_code) == (0, INTERRUPTED, 130), v
+    seen[3] = Interrupt(rank=3, pid=1003, time_ns=1_000 - INTERRUPT_WINDOW_NS - 1, signal="SIGINT")
+    obs = dataclasses.replace(obs, interrupts=seen)
+    assert decide(obs, POLICY) == Decision(None, recheck_at_ns=1_000 + INTERRUPT_WINDOW_NS)
+    v = decide(dataclasses.replace(obs, now_ns=1_000 + INTERRUPT_WINDOW_NS), POLICY).verdict
+    assert v is not None and (v.rank, v.cause) == (0, EXCEPTION), v
 
 
 def test_a_rank_that_finished_need_not_get_the_signal():

@@ -84,3 +84,39 @@ def test_a_sigint_to_one_rank_is_still_that_ranks_failure(make_job) -> None:
     assert (v["rank"], v["cause"], v["exception"]) == (1, "exception", "KeyboardInterrupt"), f"{v}\n{logs}"
     assert by_rank(report)[1]["state"] == "failed", report["ranks"]
     assert "rank 1 (pid" in logs and "failed first: raised KeyboardInterrupt" in logs, logs
+
+
+@pytest.mark.torch
+def test_a_sigint_to_a_job_waiting_in_collectives_is_an_interrupt(make_job) -> None:
+    """Ranks training in gloo's all_reduce: at Ctrl-C a rank in Python raises at once, while
+    a rank inside all_reduce waits there for it, its main thread in C, unable to raise. Its
+    watcher saw the SIGINT arrive and says so (``events/interrupt-<rank>.json``): the job
+    was interrupted, no rank failed, and every rank exits 130."""
+    pytest.importorskip("torch")
+    job = make_job(world=WORLD, grace=GRACE_S, own_group=True, gloo=True,
+                   behave=[f"{r}=gloo" for r in range(WORLD)]).start()
+    job.wait_ready(timeout=60)
+    job.wait_noted([f"collective-{r}" for r in range(WORLD)], timeout=30)
+    job.signal_group(signal.SIGINT)
+    job.wait_gone(within=GONE_S + 5.0)
+    logs = job.logs()
+    assert job.exit_codes() == {r: 130 for r in range(WORLD)}, logs
+    report = job.report()
+    _no_blame(job, logs, report)
+    assert report["verdict"]["signal"] == "SIGINT", report["verdict"]
+
+
+def test_a_sigint_to_a_job_whose_rank_waits_in_c_is_an_interrupt(make_job) -> None:
+    """Rank 2's main thread waits in C (as in a collective whose peer will never come) and
+    cannot raise KeyboardInterrupt; ranks 0 and 1 raise at once. Rank 2's watcher saw the
+    SIGINT arrive and says so: the job was interrupted, and rank 2 is ended with the others.
+    Before, nothing showed that rank 2 got it: 'rank 0 failed first: raised KeyboardInterrupt'."""
+    job = make_job(world=WORLD, grace=GRACE_S, own_group=True, behave=["2=c_wait"]).start()
+    job.wait_ready()
+    job.signal_group(signal.SIGINT)
+    job.wait_gone(within=GONE_S)
+    logs = job.logs()
+    assert job.exit_codes() == {r: 130 for r in range(WORLD)}, logs
+    report = job.report()
+    _no_blame(job, logs, report)
+    assert (job.run_dir / "events" / "interrupt-00002.json").exists(), logs
