@@ -183,6 +183,26 @@ def test_torchrun_worker_sigkilled(job_dir: Path, block: str) -> None:
 
 
 @pytest.mark.timeout(120)
+def test_torchrun_ctrl_c_is_an_interrupt_not_a_failure(job_dir: Path) -> None:
+    """Ctrl-C reaches torchrun's agent (its workers run in sessions of their own), which
+    passes the SIGINT on to every worker: each raises KeyboardInterrupt. The job was
+    interrupted, no worker failed; before: "rank 1 failed first: raised KeyboardInterrupt"."""
+    with torchrun_job(job_dir) as job:
+        agent = job.start()
+        job.wait_ready()
+        job.kill(agent.pid, signal.SIGINT)
+        job.wait_launcher(LAUNCHER_EXIT_S)
+        job.wait_all_gone(WITHIN_S)
+        log = job.log(limit=200_000)
+        assert "failed first" not in log, log[-4000:]
+        report = only_report(job)
+        v = report["verdict"]
+        assert (report["outcome"], v["cause"], v["signal"], v["exit_code"]) == ("interrupted", "interrupted", "SIGINT", 130), v
+        assert {r["state"] for r in report["ranks"]} == {"interrupted"}, report["ranks"]
+        assert "through the launcher" in v["detail"], v
+
+
+@pytest.mark.timeout(120)
 def test_torchrun_restart_is_a_new_run(job_dir: Path) -> None:
     """With --max-restarts 1 the agent restarts the workers after the kill: that restart
     is a new run directory (-r1), where every rank succeeds; torchrun exits 0."""
