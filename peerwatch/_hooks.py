@@ -30,7 +30,7 @@ from typing import Any, Callable, Optional, Type
 from . import _exitwatch, _leave, _report, _stacks, _teardown, _terminal
 from ._collectives import raised_by_torch_distributed
 from ._errors import PeerFailure
-from ._notify import CLAIMS
+from ._notify import CLAIMS, start_hook
 from ._plan import SETTLE_S
 from ._records import EXCEPTION, EXIT, MAX_TRACEBACK_CHARS, Failure, Verdict
 from ._rundir import RANKS, SPAWNED_RUN, SUMMARY_FILE, RunDir
@@ -218,16 +218,19 @@ def tell_workers_failure(w: Watcher, exc: BaseException, workers: RunDir) -> Non
     process's failure (no record, no verdict in its own run, no second summary). It says
     what it is and where the workers' run is; and, where no worker could print that run's
     summary (the main process SIGTERMs the survivors as soon as it sees one worker end,
-    maybe before their watchers made a verdict), prints it, told from the workers' records."""
+    maybe before their watchers made a verdict), prints it, told from the workers' records,
+    and runs the on_verdict hook where no worker did (claimed in the workers' run)."""
     note = spawn_main_note(w, exc)
     if note is not None:
         logger.warning("%s", note)
     try:
-        if not workers.claim(CLAIMS, SUMMARY_FILE):
-            return  # a worker printed it
-        report = _report.build(workers)
-        if report["verdict"] is not None:
-            logger.error("%s", _report.summary(report))
+        verdict = _report.verdict_of(workers)
+        if verdict is not None and workers.claim(CLAIMS, SUMMARY_FILE):  # else a worker printed it
+            logger.error("%s", _report.summary(_report.write(workers)))  # report.json too: nobody wrote it
+        hook = None if verdict is None else start_hook(
+            w.config.on_verdict, workers, verdict, w.rank, w.config.on_verdict_timeout)
+        if hook is not None:
+            hook.finish()
     except Exception:  # noqa: BLE001 - an excepthook of ours must never raise
         logger.debug("peerwatch: could not tell the workers' failure", exc_info=True)
 

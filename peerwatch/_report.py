@@ -79,6 +79,12 @@ def _spawned_run(rd: RunDir) -> Optional[RunDir]:
         return None
 
 
+def verdict_of(rd: RunDir) -> Optional[Verdict]:
+    """The run's verdict: the one written, or where nobody was left to write one, the one its
+    records tell (:func:`verdict_from_records`); None where there is none."""
+    return rd.read(EVENTS, VERDICT_FILE, Verdict) or verdict_from_records(rd, rd.registrations(), _events(rd))
+
+
 def _build(rd: RunDir) -> Dict[str, Any]:
     regs = rd.registrations()
     events = _events(rd)
@@ -476,5 +482,5 @@ def _late_failure(r: Dict[str, Any]) -> str:
     return f"{who(r['rank'], r.get('pid'), r.get('host'))} failed after its success marker{code}"
 
 
-__all__ = ["REPORT_VERSION", "echoed_verdict", "failed_after_done", "build", "exit_text", "straggler_lines", "stragglers_entry",
+__all__ = ["REPORT_VERSION", "verdict_from_records", "verdict_of", "echoed_verdict", "failed_after_done", "build", "exit_text", "straggler_lines", "stragglers_entry",
            "summary", "write"]
