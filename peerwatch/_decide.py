@@ -56,10 +56,11 @@ Rules, in order:
    code 134 from NCCL's watchdog) after a diagnosis of the stall still going on named
    other ranks, the verdict names the diagnosed laggard, cause hang.
 
-9. Interrupts are not failures: when every failure found is the same SIGINT or SIGTERM
-   from outside the job (a KeyboardInterrupt, whose SIGINT peerwatch never sends; a
-   SIGTERM whose sender is no rank of the job, whose teardown sends them), a SIGTERM from
-   the same sender, and every rank of this host that has not finished got it, the job was
+9. Interrupts are not failures: when every failure found is the same signal from outside
+   the job, a SIGINT (a KeyboardInterrupt: peerwatch never sends SIGINT) or a SIGTERM from
+   one sender that is no rank of the job (a teardown's SIGTERMs are sent by ranks), and
+   every rank of this host that has not finished got it (its failure, its exit record, or,
+   for one whose main thread waits in C, its watcher's ``interrupt`` record), the job was
    interrupted: the verdict (cause ``interrupted``) names no failing rank, and its exit
    code is the signal's (130, 143). Until they all show it, the decision waits, at most
    ``INTERRUPT_WINDOW_NS`` from the first: a signal to the process group (Ctrl-C, a
@@ -528,12 +529,13 @@ def _interrupted(obs: Observed, found: List[Verdict]) -> Optional[Decision]:
         return None
     first = min(got, key=lambda r: (got[r][2], r))
     sig, sender, since_ns = got[first]
-    if any(r not in got and r not in obs.successes and not _got_too(obs, r, sig, since_ns) for r in _local(obs)):
+    others = [r for r in _local(obs) if r not in got and r not in obs.successes]
+    if not all(_got_too(obs, r, sig, since_ns) for r in others):
         until_ns = since_ns + INTERRUPT_WINDOW_NS
         return Decision(None, recheck_at_ns=until_ns) if obs.now_ns < until_ns else None
     return Decision(Verdict(
         **_base(obs, first), cause=INTERRUPTED, exit_code=128 + int(_signal.Signals[sig]), failed_at_ns=since_ns,
-        signal=sig, signalled_by=sender, detail=interrupt_detail(obs, first, sig, sender, len(got)),
+        signal=sig, signalled_by=sender, detail=interrupt_detail(obs, first, sig, sender, len(got) + len(others)),
     ))
 
 

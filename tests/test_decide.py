@@ -1314,6 +1314,7 @@ def test_ranks_whose_watcher_saw_the_sigint_arrive_got_it_too():
     obs = dataclasses.replace(observed(failures=[interrupt(0, 1_000)], now=1_500), interrupts=seen)
     v = decide(obs, POLICY).verdict
     assert v is not None and (v.rank, v.cause, v.exit_code) == (0, INTERRUPTED, 130), v
+    assert v.detail.endswith("all 4 ranks got it, none failed"), v
     seen[3] = Interrupt(rank=3, pid=1003, time_ns=1_000 - INTERRUPT_WINDOW_NS - 1, signal="SIGINT")
     obs = dataclasses.replace(obs, interrupts=seen)
     assert decide(obs, POLICY) == Decision(None, recheck_at_ns=1_000 + INTERRUPT_WINDOW_NS)
