@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 
 import pytest
 from harness import by_rank
@@ -67,6 +69,9 @@ def test_a_sigterm_to_the_whole_job_is_an_interrupt_not_a_failure(make_job) -> N
     entries = by_rank(report)
     assert {r: (e["pid"], e["exit_code"], e["exit_observed"]) for r, e in entries.items()} == {
         r: (pid, 143, True) for r, pid in pids.items()}, entries
+    listing = subprocess.run([sys.executable, "-m", "peerwatch", "ls", "--base", str(job.tmp)], capture_output=True,
+                             text=True, timeout=30)
+    assert "interrupted (SIGTERM)" in listing.stdout and "rank 0 interrupted" not in listing.stdout, listing.stdout
 
 
 def test_a_sigint_to_one_rank_is_still_that_ranks_failure(make_job) -> None:
