@@ -214,7 +214,7 @@ class watch:
             w.record_success()
         elif not isinstance(exc, PeerFailure):
             seen_ns = time.time_ns()  # the failure's time: before the settle wait
-            verdict = _hooks.consequence_of_peer_failure(w)
+            verdict = _hooks.consequence_of_peer_failure(w, exc)
             if verdict is not None:
                 raise PeerFailure.from_verdict(verdict) from exc
             _hooks.record_exception(w, exc, tb, seen_ns)
@@ -281,7 +281,7 @@ def record_exception(exc: BaseException) -> Optional[Verdict]:
     if isinstance(exc, SystemExit) and exc.code in (None, 0):
         return None
     seen_ns = time.time_ns()  # the failure's time: before the settle wait
-    verdict = _hooks.consequence_of_peer_failure(w)
+    verdict = _hooks.consequence_of_peer_failure(w, exc)
     if verdict is None:
         _hooks.record_exception(w, exc, exc.__traceback__, seen_ns)
     return verdict

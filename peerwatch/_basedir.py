@@ -317,8 +317,16 @@ def process_key(pid: int) -> str:
 
 
 def is_multiprocessing_child() -> bool:
+    """A process started by multiprocessing (an ``mp.spawn`` worker, a DataLoader worker).
+
+    Also while it is being prepared, before its target runs: a child started by "spawn" or
+    "forkserver" imports the parent's main module again (as ``__mp_main__``), so an
+    ``install()`` at the top of the script runs there before ``parent_process()`` is set
+    (multiprocessing sets ``_inheriting`` on the process meanwhile)."""
     mp = sys.modules.get("multiprocessing")  # not imported: this cannot be a multiprocessing child
-    return mp is not None and mp.parent_process() is not None
+    if mp is None:
+        return False
+    return mp.parent_process() is not None or bool(getattr(mp.current_process(), "_inheriting", False))
 
 
 def _parent_key() -> str:

@@ -60,6 +60,16 @@ Rules, in order:
    code 134 from NCCL's watchdog) after a diagnosis of the stall still going on named
    other ranks, the verdict names the diagnosed laggard, cause hang.
 
+9. Interrupts are not failures: when every failure found is the same signal from outside
+   the job, a SIGINT (a KeyboardInterrupt: peerwatch never sends SIGINT) or a SIGTERM from
+   one sender that is no rank of the job (a teardown's SIGTERMs are sent by ranks), and
+   every rank of this host that has not finished got it (its failure, its exit record, or,
+   for one whose main thread waits in C, its watcher's ``interrupt`` record), the job was
+   interrupted: the verdict (cause ``interrupted``) names no failing rank, and its exit
+   code is the signal's (130, 143). Until they all show it, the decision waits, at most
+   ``INTERRUPT_WINDOW_NS`` from the first: a signal to the process group (Ctrl-C, a
+   scheduler) reaches every rank at once. One rank signalled alone failed, and is blamed.
+
 Why rule 6 does not fire on a slow rank: in a synchronous job every rank waits for the
 slowest in each collective, so the job as a whole moves exactly as fast as its slowest
 rank. Judging "no rank moved" rather than "this rank is behind" means a rank that is
@@ -72,6 +82,7 @@ Entering and leaving ``paused()`` count as progress, so a pause cannot age into 
 from __future__ import annotations
 
 import dataclasses
+import signal as _signal
 from typing import TYPE_CHECKING, AbstractSet, Dict, List, Mapping, Optional, Tuple
 
 from ._diagnose import FROZEN_STATES, RankState, explain
@@ -81,6 +92,7 @@ from ._records import (
     EXIT,
     HANG,
     HANG_EXIT_CODE,
+    INTERRUPTED,
     LOST,
     MISSING,
     SIGNAL,
@@ -88,6 +100,7 @@ from ._records import (
     Diagnosis,
     ExitStatus,
     Failure,
+    Interrupt,
     Registration,
     Verdict,
     returncode_exit_code,
@@ -119,6 +132,13 @@ LEAVING_WAIT_NS = 15_000_000_000
 _DEATHS = (SIGNAL, VANISHED, EXIT)
 # A peer seen gone while records could not be read (rule 4): decide again this soon.
 UNREAD_RECHECK_NS = 100_000_000
+# How long, from the first rank seen to get a SIGINT or SIGTERM from outside the job, the
+# decision waits for the other ranks of this host to show the same one (rule 9): a signal
+# to the process group reaches them all at once, and each says so within milliseconds (a
+# SIGTERM's record is written by its handler, a KeyboardInterrupt's as it reaches the top);
+# 2 s leaves room for a loaded host. Waited only while every failure found is such a signal.
+INTERRUPT_WINDOW_NS = 2_000_000_000
+_INTERRUPTS = ("SIGINT", "SIGTERM")
 
 @dataclasses.dataclass(frozen=True)
 class Observed:
@@ -152,6 +172,9 @@ class Observed:
     # The last look at the run directory could not list a folder or read a record (EMFILE...):
     # a success marker may be among what was missed (rule 4).
     unread: bool = False
+    # rank -> the SIGINT it got, as its watcher saw it arrive (rule 9): not a failure, the
+    # evidence that a rank whose main thread waits in C (a collective) got it too.
+    interrupts: Mapping[int, Interrupt] = dataclasses.field(default_factory=dict)
 
     def live_progress(self) -> Dict[int, RankState]:
         """The progress of the ranks neither finished nor gone: those a hang is judged by."""
@@ -257,6 +280,9 @@ def decide(obs: Observed, policy: Policy) -> Decision:
     waiting = [until for rank, seen, until in held if horizon is None or seen <= horizon or rank in echoed]
     if waiting:
         return Decision(None, recheck_at_ns=min(waiting))
+    interrupted = _interrupted(obs, found)
+    if interrupted is not None:
+        return interrupted
     settled_ns = _collective_settled_ns(obs, first, policy.collective_settle_ns)
     if settled_ns is not None and obs.now_ns < settled_ns:
         return Decision(None, recheck_at_ns=settled_ns)
@@ -467,6 +493,80 @@ def _victim_of_hang(obs: Observed, first: Verdict) -> Verdict:
     )
 
 
+def _interrupt_of(obs: Observed, rank: int) -> Optional[Tuple[str, Optional[int], int]]:
+    """(signal, sender, when) if the rank's record says it got a SIGINT or SIGTERM from
+    outside the job (rule 9); None for any other end. A SIGTERM sent by a rank of the job
+    (a teardown's) is not one."""
+    failure = obs.failures.get(rank)
+    if failure is not None:
+        if failure.signal not in _INTERRUPTS:
+            return None
+        return failure.signal, failure.signalled_by, failure.raised_ns or failure.time_ns
+    st = obs.exit_statuses.get(rank)
+    if st is None or st.returncode >= 0 or signal_name(-st.returncode) not in _INTERRUPTS:
+        return None
+    if st.signalled_by is not None and any(r.pid == st.signalled_by for r in _local(obs).values()):
+        return None
+    return signal_name(-st.returncode), st.signalled_by, st.time_ns
+
+
+def _got_too(obs: Observed, rank: int, sig: str, since_ns: int) -> bool:
+    """The rank, alive, got ``sig`` too, within INTERRUPT_WINDOW_NS of ``since_ns``, as its
+    watcher saw (its main thread may wait in C for a peer that raised already)."""
+    seen = obs.interrupts.get(rank)
+    return (seen is not None and seen.signal == sig and rank not in obs.failures and rank not in obs.exit_statuses
+            and abs(seen.time_ns - since_ns) <= INTERRUPT_WINDOW_NS)
+
+
+def _local(obs: Observed) -> Dict[int, Registration]:
+    """The ranks registered on this watcher's host (its boot and PID namespace)."""
+    me = obs.registrations.get(obs.self_rank)
+    if me is None:
+        return {}
+    return {r: reg for r, reg in obs.registrations.items()
+            if reg.host == me.host and reg.boot_id == me.boot_id and reg.pidns == me.pidns}
+
+
+def _interrupted(obs: Observed, found: List[Verdict]) -> Optional[Decision]:
+    """Rule 9: the verdict that the job was interrupted, a wait for the other ranks of this
+    host to show the same signal, or None (the other rules judge)."""
+    got: Dict[int, Tuple[str, Optional[int], int]] = {}
+    for v in found:
+        seen = _interrupt_of(obs, v.rank)
+        if seen is None:
+            return None  # a failure of another kind: not (only) an interrupt
+        got[v.rank] = seen
+    # One signal; for SIGTERM, from one sender: a launcher stops the other workers with a
+    # SIGTERM of its own when one ended (its kill from outside is that rank's failure). Nobody
+    # sends SIGINT because a rank ended: a SIGINT is one, whoever passed it on (Ctrl-C reaches
+    # torchrun's workers from the terminal, and again from their agent).
+    if not got or len({(sig, sender if sig == "SIGTERM" else None) for sig, sender, _ in got.values()}) != 1:
+        return None
+    first = min(got, key=lambda r: (got[r][2], r))
+    sig, sender, since_ns = got[first]
+    others = [r for r in _local(obs) if r not in got and r not in obs.successes]
+    if not all(_got_too(obs, r, sig, since_ns) for r in others):
+        until_ns = since_ns + INTERRUPT_WINDOW_NS
+        return Decision(None, recheck_at_ns=until_ns) if obs.now_ns < until_ns else None
+    return Decision(Verdict(
+        **_base(obs, first), cause=INTERRUPTED, exit_code=128 + int(_signal.Signals[sig]), failed_at_ns=since_ns,
+        signal=sig, signalled_by=sender, detail=interrupt_detail(obs, first, sig, sender, len(got) + len(others)),
+    ))
+
+
+def interrupt_detail(obs: Observed, first: int, sig: str, sender: Optional[int], ranks: int) -> str:
+    """What an interrupted job's verdict says: the signal, its sender where known (the
+    ranks' launcher, which passes it on, by name), how many ranks got it."""
+    reg = obs.registrations.get(first)
+    if sender is None:
+        by = "from outside the job"
+    elif reg is not None and sender == reg.ppid:
+        by = f"from outside the job, through the launcher, pid {sender}"
+    else:
+        by = f"from outside the job, pid {sender}"
+    return f"{sig} {by}; {'its one rank' if ranks == 1 else f'all {ranks} ranks'} got it, none failed"
+
+
 def _has_live_parent(obs: Observed, rank: int) -> bool:
     """True if the rank's parent is another registered rank that is not known to be gone
     and is not this watcher (which would already have read the status if it could)."""
@@ -565,6 +665,6 @@ def _vanished(obs: Observed, rank: int, seen_ns: int, policy: Policy) -> Verdict
 
 
 __all__ = [
-    "COLLECTIVE_SETTLE_NS", "CONSEQUENCE_WINDOW_NS", "REMOTE_SETTLE_NS", "LEAVING_WAIT_NS", "UNREAD_RECHECK_NS", "Decision",
-    "HangJudging", "Observed", "Policy", "decide", "exit_code_for",
+    "COLLECTIVE_SETTLE_NS", "CONSEQUENCE_WINDOW_NS", "INTERRUPT_WINDOW_NS", "REMOTE_SETTLE_NS", "LEAVING_WAIT_NS",
+    "UNREAD_RECHECK_NS", "Decision", "HangJudging", "Observed", "Policy", "decide", "exit_code_for",
 ]

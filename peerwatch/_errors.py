@@ -96,7 +96,10 @@ class PeerFailure(SystemExit):
         return (_rebuild_peer_failure, (self.rank, self.cause, self.exit_code, kwargs))
 
     def __str__(self) -> str:
-        text = f"rank {self.rank} failed ({self.cause}); this rank exits with code {self.exit_code}"
+        if self.cause == "interrupted":  # no rank failed: the job was interrupted from outside (peerwatch._records)
+            text = f"the job was interrupted; this rank exits with code {self.exit_code}"
+        else:
+            text = f"rank {self.rank} failed ({self.cause}); this rank exits with code {self.exit_code}"
         return f"{text}: {self.detail}" if self.detail else text
 
 

@@ -126,6 +126,33 @@ static long long now_ns(clockid_t clock)
     return (long long)ts.tv_sec * 1000000000LL + ts.tv_nsec;
 }
 
+/* Who sent SIGINT, for a KeyboardInterrupt's record: the job was interrupted from outside,
+ * and by whom is worth saying. The handler notes the sender and passes the signal on to the
+ * handler it replaced (Python's, which raises KeyboardInterrupt), as the kernel would have;
+ * installed only over such a handler (see watch_interrupts). Of a burst (Ctrl-C reaches a
+ * torchrun worker, then its agent passes it on) the first is kept: the one that raised. */
+#define INT_BURST_NS 1000000000LL
+static struct sigaction int_prev;
+static volatile sig_atomic_t int_seen;
+static long long int_sender;  /* the sender's pid, or 0 (not known: a terminal's Ctrl-C) */
+static long long int_time_ns; /* when it came (CLOCK_MONOTONIC) */
+
+static void on_int(int sig, siginfo_t *info, void *ctx)
+{
+    int saved_errno = errno;
+    long long now = now_ns(CLOCK_MONOTONIC);
+    if (!int_seen || now - int_time_ns > INT_BURST_NS) {
+        int_sender = info != NULL && (info->si_code == SI_USER || info->si_code == SI_QUEUE) ? (long long)info->si_pid : 0;
+        int_time_ns = now;
+        int_seen = 1;
+    }
+    errno = saved_errno;
+    if (int_prev.sa_flags & SA_SIGINFO)
+        int_prev.sa_sigaction(sig, info, ctx);
+    else if (int_prev.sa_handler != SIG_DFL && int_prev.sa_handler != SIG_IGN)
+        int_prev.sa_handler(sig);
+}
+
 /* tmp/<name>.<pid>.0.<monotonic ns>, as RunDir.write names its temp files. */
 static int temp_name(char *buf, size_t size, const char *name)
 {
@@ -612,7 +639,51 @@ static PyObject *hold_term(PyObject *self, PyObject *arg)
     Py_RETURN_TRUE;
 }
 
+PyDoc_STRVAR(watch_interrupts_doc,
+"watch_interrupts() -> bool\n"
+"\n"
+"From now on note who sends SIGINT (interrupt_sender()), passing the signal on to the\n"
+"handler it has now. Only over a handler of Python's (the default one raises\n"
+"KeyboardInterrupt): a default or ignored SIGINT is left alone. True if noted from now on.");
+
+static PyObject *watch_interrupts(PyObject *self, PyObject *unused)
+{
+    (void)self;
+    (void)unused;
+    struct sigaction cur, act;
+    if (sigaction(SIGINT, NULL, &cur) != 0)
+        Py_RETURN_FALSE;
+    if ((cur.sa_flags & SA_SIGINFO) && cur.sa_sigaction == on_int)
+        Py_RETURN_TRUE; /* ours, from an earlier call */
+    if ((cur.sa_flags & SA_SIGINFO) || cur.sa_handler == SIG_DFL || cur.sa_handler == SIG_IGN)
+        Py_RETURN_FALSE;
+    int_prev = cur;
+    memset(&act, 0, sizeof act);
+    act.sa_sigaction = on_int;
+    act.sa_flags = (cur.sa_flags & ~SA_RESETHAND) | SA_SIGINFO;
+    act.sa_mask = cur.sa_mask;
+    if (sigaction(SIGINT, &act, NULL) != 0)
+        Py_RETURN_FALSE;
+    Py_RETURN_TRUE;
+}
+
+PyDoc_STRVAR(last_interrupt_doc,
+"last_interrupt() -> (time, sender) or None: when the last SIGINT came (CLOCK_MONOTONIC ns; the\n"
+"first of a burst within a second) and the pid that sent it (0 where not known: a terminal's\n"
+"Ctrl-C comes from the kernel); None where none came since watch_interrupts().");
+
+static PyObject *last_interrupt(PyObject *self, PyObject *unused)
+{
+    (void)self;
+    (void)unused;
+    if (!int_seen)
+        Py_RETURN_NONE;
+    return Py_BuildValue("(LL)", int_time_ns, int_sender);
+}
+
 static PyMethodDef methods[] = {
+    {"watch_interrupts", watch_interrupts, METH_NOARGS, watch_interrupts_doc},
+    {"last_interrupt", last_interrupt, METH_NOARGS, last_interrupt_doc},
     {"hold_term", hold_term, METH_O, hold_term_doc},
     {"arm", arm, METH_VARARGS, arm_doc},
     {"arm_leaving", arm_leaving, METH_VARARGS, arm_leaving_doc},

@@ -182,7 +182,38 @@ def arm(run_dir: RunDir, rank: int, write_success: bool) -> bool:
                        "reaches the top will be taken for success", rank, e, hint)
         return False
     arm_leaving(rank, teardown=False)
+    _watch_interrupts(native)
     return True
+
+
+def _watch_interrupts(native: Any) -> None:
+    """Note who sends SIGINT from now on (for :func:`interrupt_sender`)."""
+    try:
+        native.watch_interrupts()
+    except AttributeError:
+        pass  # an extension built before watch_interrupts
+
+
+def last_interrupt() -> Optional[Tuple[int, Optional[int]]]:
+    """When this process's last SIGINT came (``time.monotonic_ns()``; the first of a burst
+    within a second) and the pid that sent it (None where not known: a terminal's Ctrl-C
+    comes from the kernel); None where none came, the extension is missing, or SIGINT is
+    the application's own."""
+    native = _module()
+    try:
+        seen = native.last_interrupt() if native is not None else None
+    except AttributeError:
+        return None  # an extension built before last_interrupt
+    if seen is None:
+        return None
+    at_ns, sender = seen
+    return int(at_ns), (int(sender) if sender > 0 else None)
+
+
+def interrupt_sender() -> Optional[int]:
+    """The pid that sent this process's last SIGINT; None where not known."""
+    seen = last_interrupt()
+    return seen[1] if seen is not None else None
 
 
 def set_success(flag: bool) -> None:
@@ -210,4 +241,4 @@ def _say_unavailable() -> None:
 
 
 __all__ = ["CODE_SENTINEL", "EXIT_MESSAGE", "SENDER_SENTINEL", "TIME_SENTINEL", "arm", "arm_leaving", "armed",
-           "available", "exit_template", "failure_template", "leave", "set_success", "success_template"]
+           "available", "exit_template", "failure_template", "interrupt_sender", "last_interrupt", "leave", "set_success", "success_template"]

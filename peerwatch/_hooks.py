@@ -27,12 +27,13 @@ import traceback
 from types import FrameType, TracebackType
 from typing import Any, Callable, Optional, Type
 
-from . import _exitwatch, _leave, _stacks, _teardown, _terminal
+from . import _exitwatch, _leave, _report, _stacks, _teardown, _terminal
 from ._collectives import raised_by_torch_distributed
 from ._errors import PeerFailure
+from ._notify import CLAIMS, start_hook
 from ._plan import SETTLE_S
 from ._records import EXCEPTION, EXIT, MAX_TRACEBACK_CHARS, Failure, Verdict
-from ._rundir import RANKS, SPAWNED_RUN, RunDir
+from ._rundir import RANKS, SPAWNED_RUN, SUMMARY_FILE, RunDir
 from ._terminal import exception_message
 from ._watcher import Watcher
 
@@ -75,17 +76,21 @@ class Registry:
 # -- judging an exception -----------------------------------------------------------
 
 
-def consequence_of_peer_failure(w: Watcher) -> Optional[Verdict]:
-    """If a peer failed before this rank's exception, the verdict on that peer; else None.
+def consequence_of_peer_failure(w: Watcher, exc: Optional[BaseException] = None) -> Optional[Verdict]:
+    """If a peer failed before this rank's exception ``exc``, the verdict on that peer; else None.
 
     When a peer dies, the survivors' collectives fail within milliseconds ("Connection
     reset by peer"): those exceptions are consequences, not root causes. The pidfd of the
     dead peer has fired before the exception was raised, so one look by the watcher
-    settles which came first.
+    settles which came first. A KeyboardInterrupt is no consequence (peerwatch never sends
+    SIGINT): it is recorded at once, so that where every rank got the same SIGINT (Ctrl-C)
+    each says so before the verdict, which then blames none (rule 9 of _decide).
     """
     v = w.verdict
     if v is not None:
         return v if v.rank != w.rank else None
+    if isinstance(exc, KeyboardInterrupt):
+        return None
     w.settle(SETTLE_S)
     if not w.peer_failed():
         return None
@@ -136,10 +141,12 @@ def exception_failure(
     """This rank's failure record for ``exc``, leaving with exit code ``code``; ``seen_ns``
     is when it reached peerwatch, before any wait of ours (its ``raised_ns``)."""
     text = "".join(traceback.format_exception(type(exc), exc, tb))
+    interrupt = isinstance(exc, KeyboardInterrupt)
     return Failure(
         rank=w.rank, pid=os.getpid(), time_ns=time.time_ns(), raised_ns=seen_ns, cause=EXCEPTION, exit_code=code,
         exception=qualified_name(type(exc)), message=exception_message(exc), traceback=text[-MAX_TRACEBACK_CHARS:],
         thread=threading.current_thread().name, collective=raised_by_torch_distributed(exc, tb),
+        signal="SIGINT" if interrupt else None, signalled_by=_exitwatch.interrupt_sender() if interrupt else None,
     )
 
 
@@ -183,16 +190,49 @@ def spawn_main_note(w: Watcher, exc: BaseException) -> Optional[str]:
     if _spawn_noted or qualified_name(type(exc)) not in _SPAWN_FAILURES:
         return None
     _spawn_noted = True
-    me = _terminal.who(w.rank, w.me.pid, w.me.host)
-    head = (f"peerwatch: {me} is torch.multiprocessing.spawn's main process, not one of its workers: "
-            f"what it raised is a worker's failure")
+    head = (f"peerwatch: pid {w.me.pid} on {w.me.host} is torch.multiprocessing.spawn's main process, not one of its "
+            f"workers: what it raised is a worker's failure")
     workers = w.run_dir.join(SPAWNED_RUN)  # for people; looked at through the held descriptor
-    spawned = RunDir(w.run_dir.at(SPAWNED_RUN))
-    watched = any(name.startswith("rank-") for name in spawned.names(RANKS))
-    if watched:
+    if watched_workers(w, exc) is not None:
         return f"{head}. Its workers are watched in their own run: peerwatch report {workers} names the one that failed first"
     return (f"{head}. install() ran only here: its workers were not watched (none was ended at once, no report "
             "names the worker). Call peerwatch.install(rank=i, world_size=nprocs) at the start of the worker function")
+
+
+def watched_workers(w: Watcher, exc: BaseException) -> Optional[RunDir]:
+    """The run of this process's workers (``RUN/spawn``), if ``exc`` is torch.multiprocessing.spawn's
+    main process telling that a worker failed and the workers are watched there; else None."""
+    if qualified_name(type(exc)) not in _SPAWN_FAILURES:
+        return None
+    try:
+        # By its path, as people read it (the report and the summary name its files): the
+        # main process reads it as the CLI would.
+        spawned = RunDir(w.run_dir.join(SPAWNED_RUN))
+        return spawned if any(name.startswith("rank-") for name in spawned.names(RANKS)) else None
+    except OSError:
+        return None
+
+
+def tell_workers_failure(w: Watcher, exc: BaseException, workers: RunDir) -> None:
+    """This process is mp.spawn's main process and a watched worker failed: not this
+    process's failure (no record, no verdict in its own run, no second summary). It says
+    what it is and where the workers' run is; and, where no worker could print that run's
+    summary (the main process SIGTERMs the survivors as soon as it sees one worker end,
+    maybe before their watchers made a verdict), prints it, told from the workers' records,
+    and runs the on_verdict hook where no worker did (claimed in the workers' run)."""
+    note = spawn_main_note(w, exc)
+    if note is not None:
+        logger.warning("%s", note)
+    try:
+        verdict = _report.verdict_of(workers)
+        if verdict is not None and workers.claim(CLAIMS, SUMMARY_FILE):  # else a worker printed it
+            logger.error("%s", _report.summary(_report.write(workers)))  # report.json too: nobody wrote it
+        hook = None if verdict is None else start_hook(
+            w.config.on_verdict, workers, verdict, w.rank, w.config.on_verdict_timeout)
+        if hook is not None:
+            hook.finish()
+    except Exception:  # noqa: BLE001 - an excepthook of ours must never raise
+        logger.debug("peerwatch: could not tell the workers' failure", exc_info=True)
 
 
 def qualified_name(cls: type) -> str:
@@ -263,7 +303,12 @@ def _excepthook(registry: Registry, previous: Callable[..., Any]) -> Callable[..
         if w is None or isinstance(exc, PeerFailure):
             previous(exc_type, exc, tb)
             return
-        verdict = consequence_of_peer_failure(w)
+        workers = watched_workers(w, exc)
+        if workers is not None:  # mp.spawn's main process: a worker's failure, told in the workers' run
+            previous(exc_type, exc, tb)
+            tell_workers_failure(w, exc, workers)
+            return
+        verdict = consequence_of_peer_failure(w, exc)
         if verdict is None:
             record_exception(w, exc, tb, seen_ns)
             previous(exc_type, exc, tb)
@@ -470,4 +515,5 @@ def install_interrupt_handler(registry: Registry) -> bool:
 __all__ = [
     "Registry", "arm_exit_status", "consequence_of_peer_failure", "exception_failure", "exit_status", "install_hooks",
     "install_interrupt_handler", "qualified_name", "record_exception", "spawn_main_note", "spawn_wrapped", "tell_consequence",
+    "tell_workers_failure", "watched_workers",
 ]

@@ -37,6 +37,7 @@ from ._records import (
     ExitStatus,
     Failure,
     Heartbeat,
+    Interrupt,
     Registration,
     Success,
     Verdict,
@@ -449,6 +450,7 @@ class Observer:
             leaving=self._leaving_ranks() if not isinstance(verdict, Verdict) and _judging_an_echo(failures) else {},
             awake_since_ns=self.awake.since_ns,
             unread=self.unread,
+            interrupts=self.of_kind(Interrupt),  # type: ignore[arg-type]
         )
 
     def _leaving_ranks(self) -> Dict[int, int]:

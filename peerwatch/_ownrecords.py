@@ -19,7 +19,7 @@ import threading
 from typing import Callable
 
 from . import _eventlog
-from ._records import Failure, Registration, Success, decode, encode
+from ._records import Failure, Interrupt, Registration, Success, decode, encode
 from ._rundir import EVENTS, RunDir, rank_file
 
 logger = logging.getLogger("peerwatch")
@@ -73,6 +73,11 @@ class OwnRecords:
     def success(self, success: Success) -> bool:
         """This rank ended cleanly."""
         return self.write(rank_file("success", self.me.rank), success, self._mine)
+
+    def interrupt(self, interrupt: Interrupt) -> bool:
+        """This rank got a SIGINT (the latest one replaces an earlier one's record)."""
+        return self.write(rank_file("interrupt", self.me.rank), interrupt,
+                          lambda r: self._mine(r) and getattr(r, "time_ns", 0) >= interrupt.time_ns)
 
     def _mine(self, record: object) -> bool:
         """A record of this rank there is this process's (or says no pid: another host's)."""

@@ -83,7 +83,7 @@ import enum
 from typing import AbstractSet, Iterable, Optional, Sequence, Tuple
 
 from ._decide import LEAVING_WAIT_NS
-from ._records import EXCEPTION, EXIT, HANG, LOST, MISSING
+from ._records import EXCEPTION, EXIT, HANG, INTERRUPTED, LOST, MISSING
 
 ENFORCERS = 3  # rule 3
 ACK_STRETCH_FRACTION = 4  # rule 5: the window stretches to ack_window / 4 after the latest ack
@@ -204,7 +204,9 @@ def enforcers(live_local_ranks: Sequence[int], failed_rank: int) -> Tuple[int, .
 
 def plan(s: Situation) -> Plan:
     """Rules 1-4, 7, 9 and 10 for one rank."""
-    mine = s.failed_rank == s.self_rank
+    # An interrupted job (every rank got the same SIGINT or SIGTERM from outside) has no
+    # failed rank: the verdict names the first to get it, and it is one rank among others.
+    mine = s.failed_rank == s.self_rank and s.cause != INTERRUPTED
     interrupt = s.in_watch and not mine
     stay = interrupt or (mine and s.cause in _LEAVES_BY_ITSELF)
     chosen = enforcers(s.live_local_ranks, s.failed_rank)

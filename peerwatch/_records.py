@@ -27,6 +27,9 @@ LOST = "lost"
 MISSING = "missing"  # a rank never registered within startup_timeout (startup_action=fail)
 MISMATCH = "mismatch"  # a diagnosis: ranks disagree on the collective at one sequence number
 BUSY = "busy"  # a diagnosis: the laggards are working (CPU, I/O, busy children), not stuck
+# Every rank of this host got the same SIGINT or SIGTERM from outside the job (Ctrl-C, a
+# scheduler stopping it): no rank failed; the verdict says so, and ranks exit 128 + signal.
+INTERRUPTED = "interrupted"
 
 HANG_EXIT_CODE = 124  # as timeout(1): the job was ended for not moving
 
@@ -110,6 +113,11 @@ class Failure:
     # (peerwatch._exitwatch's record, at exit()), not said beforehand (the code a rank
     # expected to exit with). False in a record of an older peerwatch: not known to be seen.
     observed: bool = False
+    # The failure is an interrupt: the signal that raised it (``SIGINT`` for a
+    # KeyboardInterrupt), and who sent it where known (its pid; None: not known, such as a
+    # terminal's Ctrl-C). peerwatch never sends SIGINT: it came from outside the job.
+    signal: Optional[str] = None
+    signalled_by: Optional[int] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,6 +131,21 @@ class ExitStatus:
     returncode: int  # as subprocess reports it: -N for signal N
     observed_by: int  # the rank that saw it: its parent, a peer reading its last words, or itself as it left
     signalled_by: Optional[int] = None  # for a signal the rank saw arrive: the sender's pid
+
+
+@dataclasses.dataclass(frozen=True)
+class Interrupt:
+    """The rank got a SIGINT (Ctrl-C) from outside the job, as its watcher saw it arrive:
+    not a failure (the application may catch the KeyboardInterrupt and go on), but evidence
+    that the whole job was interrupted, where its main thread cannot raise yet (it waits in
+    a collective for a peer that did). Rewritten with the latest."""
+
+    KIND = "interrupt"
+    rank: int
+    pid: int
+    time_ns: int
+    signal: str
+    signalled_by: Optional[int] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,6 +224,7 @@ class Verdict:
     oom_suspected: bool = False
     laggards: Tuple[int, ...] = ()  # for a hang: the ranks holding the job up, most likely first
     raised_ns: Optional[int] = None  # a failure's own time, where it said (Failure.raised_ns); failed_at_ns is its record's
+    signalled_by: Optional[int] = None  # who sent ``signal``, where known (an interrupt's sender)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -258,7 +282,7 @@ WATCHER_DEATH = "watcher"  # events/watcher-<rank>.json: a WatcherDeath (not an 
 # The events folder's file name prefixes (``<prefix>-<rank>.json``) and their record types.
 # ``thread``: an uncaught exception in another thread of the rank (for the report).
 EVENT_TYPES: Dict[str, type] = {"success": Success, "failure": Failure, "exit": ExitStatus, "ack": Ack, "thread": Failure,
-                                 "unsignalled": NotSignalled}
+                                 "unsignalled": NotSignalled, "interrupt": Interrupt}
 
 
 R = TypeVar("R")
@@ -376,7 +400,7 @@ def _ranges(record: Any) -> bool:
         return record.pid > 0 and record.observed_by >= 0
     if isinstance(record, Diagnosis):
         return record.finding in (HANG, MISMATCH, BUSY) and all(r >= 0 for r in record.laggards + record.entered)
-    if isinstance(record, (Success, Ack)):
+    if isinstance(record, (Success, Ack, Interrupt)):
         return record.pid > 0
     return True
 
@@ -472,8 +496,8 @@ def signal_name(signum: int) -> str:
 
 
 __all__ = [
-    "BUSY", "EXCEPTION", "EXIT", "HANG", "LOST", "MISMATCH", "MISSING", "SIGNAL", "VANISHED",
-    "EVENT_TYPES", "Activity", "Ack", "Diagnosis", "ExitStatus", "Failure", "Heartbeat", "NotSignalled", "Registration", "Success", "Verdict",
+    "BUSY", "EXCEPTION", "EXIT", "HANG", "INTERRUPTED", "LOST", "MISMATCH", "MISSING", "SIGNAL", "VANISHED",
+    "EVENT_TYPES", "Activity", "Ack", "Diagnosis", "ExitStatus", "Failure", "Heartbeat", "Interrupt", "NotSignalled", "Registration", "Success", "Verdict",
     "WATCHER_DEATH", "WatcherDeath",
     "HANG_EXIT_CODE", "MAX_RECORD_BYTES", "MAX_SIGNAL", "RECORD_VERSION", "decode", "encode", "in_range", "named_ranks", "returncode_exit_code", "warm",
     "signal_name",

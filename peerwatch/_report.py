@@ -11,9 +11,10 @@ import os
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
-from . import _identity
+from . import _decide, _identity
 from ._records import (
     EVENT_TYPES,
+    INTERRUPTED,
     Diagnosis,
     ExitStatus,
     Failure,
@@ -29,6 +30,7 @@ from ._rundir import (
     FLIGHT_RECORDER,
     HEARTBEATS,
     REPORT_FILE,
+    SPAWNED_RUN,
     STRAGGLERS_FILE,
     VERDICT_FILE,
     RunDir,
@@ -36,7 +38,7 @@ from ._rundir import (
     rank_file,
 )
 from ._straggler import finding_from_json
-from ._terminal import printable, who
+from ._terminal import interrupted_text, printable, who
 
 REPORT_VERSION = 1
 
@@ -47,13 +49,47 @@ TORN_DOWN = "torn_down"  # saw the verdict and left (or was made to)
 RUNNING = "running"  # no verdict yet, still registered and alive as far as we know
 ENDED = "ended"  # gone without a marker, not (yet) judged
 NOT_SIGNALLED = "not_signalled"  # a verdict, no acknowledgement, and it could not be verified: left alone
+# The job was interrupted from outside (verdict cause "interrupted"): no rank failed. The
+# run's outcome then is INTERRUPTED too.
+INTERRUPTED_STATE = INTERRUPTED
 
 
 def build(rd: RunDir) -> Dict[str, Any]:
-    """The report as a dict, from what the run directory holds now."""
+    """The report as a dict, from what the run directory holds now. The run of
+    torch.multiprocessing.spawn's main process, where install() ran at the top of the
+    script, is not the job's: its workers' run (``RUN/spawn``) is reported instead, with
+    ``launcher_run`` naming the one asked for, unless a watcher wrote a verdict in the main
+    process's own run (its workers were not watched)."""
+    report = _build(rd)
+    if report["verdict"] is None or report["verdict"]["inferred"]:
+        workers = _spawned_run(rd)
+        if workers is not None:
+            report = _build(workers)
+            report["launcher_run"] = rd.path
+    return report
+
+
+def _spawned_run(rd: RunDir) -> Optional[RunDir]:
+    """``RUN/spawn``, where it holds registered ranks (peerwatch._basedir: the run of the
+    workers of torch.multiprocessing.spawn's main process that installed peerwatch)."""
+    try:
+        spawned = RunDir(rd.join(SPAWNED_RUN))
+        return spawned if spawned.registrations() else None
+    except OSError:
+        return None
+
+
+def verdict_of(rd: RunDir) -> Optional[Verdict]:
+    """The run's verdict: the one written, or where nobody was left to write one, the one its
+    records tell (:func:`verdict_from_records`); None where there is none."""
+    return rd.read(EVENTS, VERDICT_FILE, Verdict) or verdict_from_records(rd, rd.registrations(), _events(rd))
+
+
+def _build(rd: RunDir) -> Dict[str, Any]:
     regs = rd.registrations()
     events = _events(rd)
-    verdict = rd.read(EVENTS, VERDICT_FILE, Verdict)
+    written = rd.read(EVENTS, VERDICT_FILE, Verdict)
+    verdict = written or verdict_from_records(rd, regs, events)
     ranks = [
         _rank_entry(rd, rank, regs.get(rank), events, verdict)
         for rank in sorted(set(regs) | set(events["failure"]) | set(events["exit"]))
@@ -63,6 +99,8 @@ def build(rd: RunDir) -> Dict[str, Any]:
     outcome = "failed" if verdict is not None or any(r["failed_after_done"] for r in ranks) else (
         "succeeded" if ranks and all(r["state"] == SUCCEEDED for r in ranks) else "running"
     )
+    if verdict is not None and verdict.cause == INTERRUPTED and not any(r["state"] == FAILED for r in ranks):
+        outcome = INTERRUPTED
     report: Dict[str, Any] = {
         "version": REPORT_VERSION,
         "run_dir": rd.path,
@@ -81,8 +119,38 @@ def build(rd: RunDir) -> Dict[str, Any]:
         v["raised_at"] = None if verdict.raised_ns is None else _iso(verdict.raised_ns)
         stack = rd.stack_path(verdict.rank)
         v["stack_file"] = stack if _non_empty(stack) else None
+        v["inferred"] = written is None
         report["verdict"] = v
     return report
+
+
+def verdict_from_records(
+    rd: RunDir, regs: Dict[int, Registration], events: Dict[str, Dict[int, Any]],
+) -> Optional[Verdict]:
+    """Where no verdict was written and no rank is left alive to write one: the verdict the
+    ranks' records tell, by the watchers' own rules (peerwatch._decide). A SIGTERM to the
+    whole process group ends every rank at once, each writing its exit record as it goes
+    (the job was interrupted, rule 9); mp.spawn's main process SIGTERMs the other workers as
+    soon as it sees one end, maybe before their watchers made a verdict (the one that ended
+    first is the cause: rule 5). None where the records do not tell: a rank that ended
+    without a record is taken for the cause only where it is the one such rank (when
+    several vanished, which went first is not known)."""
+    if not regs or any(_identity.seems_alive(reg) for reg in regs.values()):
+        return None  # a watcher may still judge
+    recorded = set(events["success"]) | set(events["failure"]) | set(events["exit"])
+    gone = {}
+    for rank, reg in regs.items():
+        if rank not in recorded:  # last known alive at its last heartbeat
+            beat = rd.read(HEARTBEATS, rank_file("rank", rank), Heartbeat)
+            gone[rank] = beat.time_ns if beat is not None else reg.time_ns
+    obs = _decide.Observed(
+        self_rank=min(regs), now_ns=time.time_ns(), registrations=regs, successes=frozenset(events["success"]),
+        failures=events["failure"], exit_statuses=events["exit"], gone=gone,
+    )
+    verdict = _decide.decide(obs, _decide.Policy(parent_wait_ns=0, default_exit_code=1)).verdict
+    if verdict is None or (verdict.rank in gone and len(gone) > 1):
+        return None
+    return verdict
 
 
 def _events(rd: RunDir) -> Dict[str, Dict[int, Any]]:
@@ -91,6 +159,8 @@ def _events(rd: RunDir) -> Dict[str, Dict[int, Any]]:
 
 
 def _state(rank: int, reg: Optional[Registration], events: Dict[str, Dict[int, Any]], verdict: Optional[Verdict]) -> str:
+    if verdict is not None and verdict.cause == INTERRUPTED:
+        return _interrupted_state(rank, events)
     if verdict is not None and verdict.rank == rank:
         return FAILED
     if rank in events["success"]:
@@ -104,6 +174,15 @@ def _state(rank: int, reg: Optional[Registration], events: Dict[str, Dict[int, A
     if rank in events["exit"] or (reg is not None and not _identity.seems_alive(reg)):
         return ENDED
     return RUNNING
+
+
+def _interrupted_state(rank: int, events: Dict[str, Dict[int, Any]]) -> str:
+    """A rank's state in a job interrupted from outside: it finished before, it failed
+    after it was marked done, or it was interrupted as the others were (its KeyboardInterrupt,
+    its SIGTERM, or its teardown)."""
+    if rank in events["success"]:
+        return FAILED if failed_after_done(rank, events) else SUCCEEDED
+    return INTERRUPTED_STATE
 
 
 def echoed_verdict(rank: int, events: Dict[str, Dict[int, Any]], verdict: Optional[Verdict]) -> bool:
@@ -141,7 +220,7 @@ def _exit_code(
     if failure is not None and failure.exit_code is not None:
         # Written from the exit status itself (peerwatch._exitstatus), or said beforehand.
         return failure.exit_code, failure.observed
-    if state == TORN_DOWN and verdict is not None:
+    if state in (TORN_DOWN, INTERRUPTED_STATE) and verdict is not None:
         return verdict.exit_code, False
     if state == SUCCEEDED:
         return 0, True  # a success marker is written only for exit status 0 (invariant 10)
@@ -164,9 +243,10 @@ def _rank_entry(
     stack = rd.stack_path(rank)
     status = events["exit"].get(rank)
     state = _state(rank, reg, events, verdict)
-    code, observed = _exit_code(state, status, events["failure"].get(rank), verdict)
+    failure = events["failure"].get(rank)
+    code, observed = _exit_code(state, status, failure, verdict)
     ended_at = _ended_at(rank, events)
-    if ended_at is None and state in (TORN_DOWN, NOT_SIGNALLED) and verdict is not None:
+    if ended_at is None and state in (TORN_DOWN, NOT_SIGNALLED, INTERRUPTED_STATE) and verdict is not None:
         ended_at = verdict.detected_at_ns  # torn down from then on; how it ended was not seen
     return {
         "rank": rank,
@@ -175,8 +255,8 @@ def _rank_entry(
         "state": state,
         "exit_code": code,
         "exit_observed": observed,
-        "signal": signal_name(-status.returncode) if status is not None and status.returncode < 0 else None,
-        "signalled_by": status.signalled_by if status is not None else None,
+        "signal": _signal_of(status, failure),
+        "signalled_by": status.signalled_by if status is not None else (failure.signalled_by if failure else None),
         "stack_file": stack if _non_empty(stack) else None,
         "last_heartbeat_ns": beat.time_ns if beat else None,
         "step": beat.step if beat else None,
@@ -190,6 +270,13 @@ def _rank_entry(
         "failed_after_done": state == FAILED and failed_after_done(rank, events),
         "unwatched": _unwatched(reg),
     }
+
+
+def _signal_of(status: Optional[ExitStatus], failure: Optional[Failure]) -> Optional[str]:
+    """The signal the rank ended by (its exit status), or that raised its failure (SIGINT)."""
+    if status is not None and status.returncode < 0:
+        return signal_name(-status.returncode)
+    return failure.signal if failure is not None else None
 
 
 def stragglers_entry(rd: RunDir) -> List[Dict[str, Any]]:
@@ -304,7 +391,10 @@ def summary(report: Dict[str, Any], traceback: bool = True, leaving: bool = Fals
     ranks are still leaving (and writing what they leave, their flight-recorder dumps)."""
     v = report.get("verdict")
     late = [r for r in report["ranks"] if r.get("failed_after_done")]
-    lines = _summary_head(report, v, late) + _rank_table(report["ranks"])
+    lines = _summary_head(report, v, late)
+    if report.get("launcher_run"):
+        lines.append(f"  the workers' run of torch.multiprocessing.spawn's main process, whose own run is {report['launcher_run']}")
+    lines += _rank_table(report["ranks"])
     if late:
         lines.append("  failed after it was marked done (watch() had ended, or mark_success()): no teardown, by design; "
                      "the run did not succeed")
@@ -323,7 +413,7 @@ def summary(report: Dict[str, Any], traceback: bool = True, leaving: bool = Fals
         lines.append("  traceback of the failing rank (last lines):")
         lines.extend("    " + line for line in tb[-8:])
     path = os.path.join(report["run_dir"], REPORT_FILE)
-    if v is not None or os.path.exists(path):  # a run without a verdict writes none
+    if (v is not None and not v.get("inferred")) or os.path.exists(path):  # a run without a verdict writes none
         lines.append(f"  report: {path}")
     return printable("\n".join(lines))  # a rank's message may hold escape sequences: shown, not obeyed
 
@@ -355,6 +445,10 @@ def _summary_head(report: Dict[str, Any], v: Optional[Dict[str, Any]], late: Lis
     if v is None:
         return [f"peerwatch: no failure recorded in {report['run_dir']} (outcome: {report['outcome']})"]
     how = v.get("detail") or v.get("cause")
+    if v.get("cause") == INTERRUPTED:
+        return _interrupted_head(v, str(how))
+    by = (f"verdict by rank {v['detected_by']} at {_clock(v['detected_at_ns'])}" if not v.get("inferred")
+          else "no watcher was left to judge: told from the ranks' records")
     extra = f"cause: {v['cause']}, ranks exit with code {v['exit_code']}"
     if v.get("signal"):
         extra += f", signal {v['signal']}"
@@ -365,8 +459,18 @@ def _summary_head(report: Dict[str, Any], v: Optional[Dict[str, Any]], late: Lis
     return [
         f"peerwatch: {who(v['rank'], v.get('pid'), v.get('host'))} failed first: {how}",
         f"  {extra}",
-        f"  failed at {_clock(failed_ns)}, verdict by rank {v['detected_by']} at "
-        f"{_clock(v['detected_at_ns'])} (+{max(delay_ms, 0.0):.1f} ms)",
+        f"  failed at {_clock(failed_ns)}, {by}" + ("" if v.get("inferred") else f" (+{max(delay_ms, 0.0):.1f} ms)"),
+    ]
+
+
+def _interrupted_head(v: Dict[str, Any], how: str) -> List[str]:
+    """The summary's first lines for a job interrupted from outside: no rank is named as failed."""
+    return [
+        f"peerwatch: {interrupted_text(how)}",
+        f"  cause: interrupted, ranks exit with code {v['exit_code']}, signal {v['signal']}",
+        f"  interrupted at {_clock(v['failed_at_ns'])}, " + (
+            "no watcher was left to judge: told from the ranks' records" if v.get("inferred")
+            else f"verdict by rank {v['detected_by']} at {_clock(v['detected_at_ns'])}"),
     ]
 
 
@@ -393,5 +497,5 @@ def _late_failure(r: Dict[str, Any]) -> str:
     return f"{who(r['rank'], r.get('pid'), r.get('host'))} failed after its success marker{code}"
 
 
-__all__ = ["REPORT_VERSION", "echoed_verdict", "failed_after_done", "build", "exit_text", "flight_recorder_line",
-           "straggler_lines", "stragglers_entry", "summary", "write"]
+__all__ = ["REPORT_VERSION", "verdict_from_records", "verdict_of", "echoed_verdict", "failed_after_done", "build", "exit_text",
+           "flight_recorder_line", "straggler_lines", "stragglers_entry", "summary", "write"]

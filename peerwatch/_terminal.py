@@ -55,9 +55,17 @@ def short(text: str, limit: int = SHORT_CHARS) -> str:
     return first
 
 
-def stop_line(failed: str, detail: str, me: str, exit_code: int) -> str:
-    """The one line a surviving rank prints when it acts on the verdict on ``failed``."""
+def stop_line(failed: str, detail: str, me: str, exit_code: int, interrupted: bool = False) -> str:
+    """The one line a surviving rank prints when it acts on the verdict on ``failed``
+    (``interrupted``: on a job interrupted from outside, where no rank failed)."""
+    if interrupted:
+        return f"peerwatch: {me} stops with exit code {exit_code}: {interrupted_text(detail)}"
     return f"peerwatch: {me} stops with exit code {exit_code}: {failed} failed first ({short(detail)})"
+
+
+def interrupted_text(detail: str) -> str:
+    """``the job was interrupted (SIGINT from outside the job, pid 4242; ...)``."""
+    return f"the job was interrupted ({short(detail)})"
 
 
 def consequence_line(me: str, failed: str, kept_in: Optional[str]) -> str:
@@ -98,4 +106,5 @@ def exception_message(exc: BaseException) -> str:
         return f"<unprintable {type(exc).__name__}>"
 
 
-__all__ = ["SHORT_CHARS", "consequence_line", "exception_message", "keep_consequence", "printable", "short", "stop_line", "who"]
+__all__ = ["SHORT_CHARS", "consequence_line", "exception_message", "interrupted_text", "keep_consequence", "printable", "short",
+           "stop_line", "who"]

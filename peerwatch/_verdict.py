@@ -28,7 +28,7 @@ from ._heartbeat import HeartbeatWriter
 from ._notify import CLAIMS, Hook, start_hook
 from ._observer import Observer
 from ._plan import Step
-from ._records import Ack, Failure, Registration, Verdict
+from ._records import INTERRUPTED, Ack, Failure, Registration, Verdict
 from ._rundir import REPORT_FILE, SUMMARY_FILE, RunDir, rank_file
 from ._stacks import StackFile
 
@@ -210,7 +210,7 @@ def _say_stop_line(t: Teardown) -> None:
     v = t.verdict
     logger.error("%s", _terminal.stop_line(
         _terminal.who(v.rank, v.pid, v.host), v.detail or v.cause, _terminal.who(t.rank, t.me.pid, t.me.host),
-        t.plan.exit_code,
+        t.plan.exit_code, interrupted=v.cause == INTERRUPTED,
     ))
 
 

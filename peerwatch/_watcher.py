@@ -28,7 +28,7 @@ import threading
 import time
 from typing import IO, Optional, Tuple
 
-from . import _bridge, _decide, _launchers, _plan, _sharedfs, _verdict
+from . import _bridge, _decide, _exitwatch, _launchers, _plan, _sharedfs, _verdict
 from ._config import Config
 from ._diagnoser import Diagnoser
 from ._eventlog import log as log_event
@@ -37,7 +37,7 @@ from ._heartbeat import HeartbeatWriter, OwnProgress
 from ._identity import local_ranks
 from ._observer import Observer
 from ._ownrecords import OwnRecords
-from ._records import EXCEPTION, WATCHER_DEATH, Failure, Registration, Success, Verdict, WatcherDeath, encode
+from ._records import EXCEPTION, WATCHER_DEATH, Failure, Interrupt, Registration, Success, Verdict, WatcherDeath, encode
 from ._records import warm as warm_record_types
 from ._rundir import EVENTS, VERDICT_FILE, RunDir, rank_file
 from ._schedule import Schedule
@@ -143,6 +143,7 @@ class Watcher:
         # it, through their own writer: on disk before that thread goes on, and read back by
         # the observer like any other record (its state has the watcher thread as one writer).
         self.own_records = OwnRecords(run_dir, me)
+        self._interrupt_noted: Optional[int] = None  # the last SIGINT said (its monotonic time): _note_interrupt
         self.observer = Observer(run_dir, me, use_pidfd, remote, self.own_records, config.heartbeat_interval)
         self._hangs = hangs = _decide.HangJudging.from_config(config)
         self.heartbeat = HeartbeatWriter(run_dir, me, self.progress, with_position=hangs.timeout,
@@ -294,6 +295,7 @@ class Watcher:
             if self.done.is_set():
                 break
             obs.awake.tick(time.monotonic_ns())  # a turn that took too long: this thread was not running
+            self._note_interrupt()
             if self.heartbeat.children_changed.is_set():
                 self.heartbeat.write(obs.local_pids)
             lost = obs.storage_lost()  # on every turn: a rank must say at once that it is unprotected
@@ -315,6 +317,20 @@ class Watcher:
                 obs.flush()
                 self._peer_failure_known = obs.peer_failed()
             self._settle.looked(requested)
+
+    def _note_interrupt(self) -> None:
+        """A SIGINT came since the last look (the C extension notes it as it arrives): say so
+        in ``events/interrupt-<rank>.json``, for rule 9 of _decide. Not a failure (the
+        application may catch the KeyboardInterrupt): the evidence that this rank got the
+        job's Ctrl-C too, where its main thread cannot raise yet (it waits in a collective
+        for a peer that did). Seen within a heartbeat at most: the watcher wakes that often."""
+        seen = _exitwatch.last_interrupt()
+        if seen is None or seen[0] == self._interrupt_noted:
+            return
+        self._interrupt_noted = seen[0]
+        at_ns = time.time_ns() - max(0, time.monotonic_ns() - seen[0])
+        self.own_records.interrupt(Interrupt(rank=self.rank, pid=self.me.pid, time_ns=at_ns, signal="SIGINT",
+                                             signalled_by=seen[1]))
 
     def _stop_judging(self, how: str) -> None:
         """The run directory is gone: no success marker, failure record or acknowledgement

@@ -253,7 +253,8 @@ def _ls_cmd(args: argparse.Namespace) -> int:
         except OSError:
             continue
         verdict = report["verdict"]
-        what = f"rank {verdict['rank']} {verdict['cause']}" if verdict else "-"
+        what = "-" if not verdict else (f"interrupted ({verdict['signal']})" if verdict["cause"] == "interrupted"
+                                         else f"rank {verdict['rank']} {verdict['cause']}")  # no rank failed
         rows.append((run, report["outcome"], len(report["ranks"]), what))
     if not rows:
         print(f"no run directories in {base}")

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import json
 import os
 import select
@@ -185,6 +186,7 @@ class Job:
         gloo: bool = False,
         sync: bool = True,
         name: str = "job",
+        own_group: bool = False,
     ) -> None:
         assert style in ("lightning", "sibling"), style
         self.tmp = Path(tmp) / name
@@ -196,6 +198,10 @@ class Job:
         self.extra_env = dict(env or {})
         self.gloo = gloo
         self.sync = sync  # behaviours' delays count from when every rank is ready
+        # The ranks in a process group of their own, led by the first started (signal_group):
+        # as a terminal's foreground job, which Ctrl-C signals as a whole.
+        self.own_group = own_group
+        self.pgid: Optional[int] = None
         self.run_dir = self.tmp / "run"
         self.ready_dir = self.tmp / "ready"
         self.started: Dict[int, Proc] = {}  # rank -> process the test started
@@ -246,11 +252,14 @@ class Job:
             rank_env = dict(env)
             if self.style == "sibling":
                 rank_env.update(RANK=str(rank), WORLD_SIZE=str(self.world), LOCAL_RANK=str(rank))
+            group = self.pgid or 0
             with open(self.log_path(rank), "wb") as log:
                 popen = subprocess.Popen(
                     self._argv(), env=rank_env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                    cwd=str(self.tmp),
+                    cwd=str(self.tmp), preexec_fn=functools.partial(os.setpgid, 0, group) if self.own_group else None,
                 )
+            if self.own_group and self.pgid is None:
+                self.pgid = popen.pid
             self.started[rank] = Proc(popen.pid, f"rank {rank} (pid {popen.pid}, started by the test)", popen)
         return self
 
@@ -376,6 +385,15 @@ class Job:
         proc = self.ranks[rank]
         assert proc.pidfd is not None and not proc.gone(), f"{proc.label} is already gone"
         signal.pidfd_send_signal(proc.pidfd, sig)
+        self.killed_at = time.monotonic()
+        return self.killed_at
+
+    def signal_group(self, sig: int) -> float:
+        """Send ``sig`` to the job's own process group (``own_group``), as a terminal's Ctrl-C
+        or ``kill -TERM -PGID`` does; returns time.monotonic() of the kill."""
+        assert self.pgid is not None, "the job was not started in its own process group (own_group=True)"
+        self.snapshot_tree()
+        os.killpg(self.pgid, sig)
         self.killed_at = time.monotonic()
         return self.killed_at
 

@@ -13,6 +13,8 @@ Environment:
     LP_WORLD       number of ranks (lightning, spawn; default 2)
     LP_PEERWATCH   0: do not install peerwatch (the "without" runs of the benchmark)
     LP_WORKER_INSTALL  spawn: 0: the workers do not install peerwatch (with --install-in-parent: the parent only)
+    LP_INSTALL_AT_TOP  1: peerwatch.install() at the top of this script, when it is imported (spawn: the
+                   workers import it again, as ``__mp_main__``, before their function runs)
     LP_BLOCK       ``allreduce`` (default) or ``store`` (after READY, survivors wait in the
                    store for a key nobody sets: like NCCL, nothing notices a dead peer)
     LP_CRASH_RANK  worker: this rank raises before init_process_group, once every other
@@ -45,6 +47,12 @@ TIMEOUT = datetime.timedelta(seconds=float(os.environ.get("LP_TIMEOUT_S", "300")
 
 def peerwatch_on() -> bool:
     return os.environ.get("LP_PEERWATCH", "1") == "1"
+
+
+if os.environ.get("LP_INSTALL_AT_TOP") == "1" and peerwatch_on():
+    import peerwatch
+
+    peerwatch.install()  # the README's one line, at the top of the script
 
 
 def steps() -> int:

@@ -28,6 +28,8 @@ one of them). Behaviours per rank, ``RANK=WHAT[@SECONDS]``:
     children:N       start N sleeping child processes, then sleep
     thread_raise     a thread dies of an uncaught exception (combine: thread_raise+succeed@1)
     gil              hold the GIL in C (ctypes sleep, signals blocked) for a long time
+    c_wait           wait in C without the GIL (ctypes sleep, signals blocked in the main
+                     thread): as a main thread waiting in a collective, it cannot raise
     slow_exit:S      at exit (an atexit handler, registered after install(): it runs before
                      peerwatch's), destroy the process group if there is one, then take S
                      seconds more, as a cleanup that uploads logs would (combine: pg+slow_exit:2+raise_exit:3)
@@ -207,6 +209,9 @@ def behave(args: argparse.Namespace, rank: int, action: str, delay: float) -> No
         os._exit(int(arg))
     if name == "segv":
         ctypes.string_at(0)
+    if name == "c_wait":
+        signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())  # delivered to another thread
+        ctypes.CDLL(None).sleep(600)  # CDLL: the GIL is released, the watcher runs
     if name == "gil":
         # Like a long computation in C: signals must not cut the call short (a handled
         # signal ends sleep() early, and Python would get the GIL back), so the main

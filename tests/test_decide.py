@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from peerwatch._decide import (
     COLLECTIVE_SETTLE_NS,
     CONSEQUENCE_WINDOW_NS,
+    INTERRUPT_WINDOW_NS,
     LEAVING_WAIT_NS,
     REMOTE_SETTLE_NS,
     UNREAD_RECHECK_NS,
@@ -28,6 +29,7 @@ from peerwatch._records import (
     EXIT,
     HANG,
     HANG_EXIT_CODE,
+    INTERRUPTED,
     LOST,
     MISSING,
     SIGNAL,
@@ -35,6 +37,7 @@ from peerwatch._records import (
     Diagnosis,
     ExitStatus,
     Failure,
+    Interrupt,
     Registration,
     Verdict,
 )
@@ -1262,3 +1265,109 @@ def test_hang_judging_from_config(hang_timeout: Any, hang_warn: Any, expected: T
 
     h = HangJudging.from_config(_config(hang_timeout=hang_timeout, hang_warn=hang_warn))
     assert (h.timeout, h.diagnose, h.warn_fixed_s, h.auto, h.read_collectives) == expected
+
+
+# -- rule 9: interrupts are not failures ---------------------------------------------------
+
+
+def interrupt(rank: int, t: int, sender: Optional[int] = None) -> Failure:
+    """Rank's KeyboardInterrupt, as the hooks record it: the SIGINT and who sent it."""
+    return failure(rank, t, exit_code=130, exception="KeyboardInterrupt", message="", signal="SIGINT",
+                   signalled_by=sender)
+
+
+def test_every_rank_interrupted_by_the_same_sigint_is_an_interrupted_job_not_a_failure():
+    # Ctrl-C: the terminal sends SIGINT to the whole process group (no sender pid).
+    obs = observed(failures=[interrupt(r, 1_000 + r) for r in range(4)], now=2_000)
+    v = decide(obs, POLICY).verdict
+    assert v is not None and (v.cause, v.exit_code, v.signal, v.signalled_by) == (INTERRUPTED, 130, "SIGINT", None), v
+    assert v.detail == "SIGINT from outside the job; all 4 ranks got it, none failed", v
+    assert v.failed_at_ns == 1_000 and v.rank == 0  # the first to get it: named, not blamed
+
+
+def test_every_rank_sigtermed_by_the_same_outsider_is_an_interrupted_job():
+    # kill -TERM -PGID (or a scheduler): each rank's own exit record says SIGTERM and who sent it.
+    obs = observed(statuses=[status(r, 500 + r, -15, sender=4242) for r in range(4)], now=600)
+    v = decide(obs, POLICY).verdict
+    assert v is not None and (v.cause, v.exit_code, v.signal, v.signalled_by) == (INTERRUPTED, 143, "SIGTERM", 4242), v
+    assert v.detail == "SIGTERM from outside the job, pid 4242; all 4 ranks got it, none failed", v
+
+
+def test_a_launcher_passing_a_sigterm_on_to_every_worker_is_an_interrupted_job():
+    # torchrun's agent got SIGTERM and stops every worker with one: the job was stopped, not failed.
+    regs = {r: reg(r, ppid=77) for r in range(4)}
+    obs = observed(registrations=regs, statuses=[status(r, 500 + r, -15, sender=77) for r in range(4)], now=600)
+    v = decide(obs, POLICY).verdict
+    assert v is not None and v.cause == INTERRUPTED, v
+    assert v.detail.startswith("SIGTERM from outside the job, through the launcher, pid 77;"), v
+
+
+@pytest.mark.parametrize("how", ["sigint", "sigterm"])
+def test_one_rank_interrupted_alone_waits_for_the_others_then_is_blamed(how: str):
+    """A signal to one rank only (kill -TERM PID) is that rank's failure: the decision waits
+    INTERRUPT_WINDOW_NS for the other ranks to show the same signal, then blames it."""
+    kw: Dict[str, Any] = {"failures": [interrupt(1, 1_000)]} if how == "sigint" else {
+        "statuses": [status(1, 1_000, -15, sender=4242)]}
+    assert decide(observed(now=1_001, **kw), POLICY) == Decision(None, recheck_at_ns=1_000 + INTERRUPT_WINDOW_NS)
+    v = decide(observed(now=1_000 + INTERRUPT_WINDOW_NS, **kw), POLICY).verdict
+    assert v is not None and v.rank == 1 and v.cause == (EXCEPTION if how == "sigint" else SIGNAL), v
+    assert v.exit_code == (130 if how == "sigint" else 143), v
+
+
+def test_a_sigint_passed_on_by_a_launcher_is_the_same_interrupt():
+    # Ctrl-C reaches torchrun's workers from the terminal and again from their agent (pid 77):
+    # whichever came first, it is one interrupt. A SIGTERM must come from one sender.
+    regs = {r: reg(r, ppid=77) for r in range(4)}
+    obs = observed(registrations=regs, failures=[interrupt(r, 1_000 + r, sender=77 if r % 2 else None) for r in range(4)],
+                   now=2_000)
+    v = decide(obs, POLICY).verdict
+    assert v is not None and (v.cause, v.signalled_by) == (INTERRUPTED, None), v
+
+
+def test_ranks_whose_watcher_saw_the_sigint_arrive_got_it_too():
+    """Rank 0 raised KeyboardInterrupt; ranks 1-3 wait in a collective for it, their main
+    threads in C, unable to raise: their watchers saw the SIGINT arrive (an interrupt record,
+    not a failure). Only one within the window counts: an old Ctrl-C, caught and gone on
+    from, is no evidence of this one."""
+    seen = {r: Interrupt(rank=r, pid=1000 + r, time_ns=1_000 + r, signal="SIGINT") for r in (1, 2, 3)}
+    obs = dataclasses.replace(observed(failures=[interrupt(0, 1_000)], now=1_500), interrupts=seen)
+    v = decide(obs, POLICY).verdict
+    assert v is not None and (v.rank, v.cause, v.exit_code) == (0, INTERRUPTED, 130), v
+    assert v.detail.endswith("all 4 ranks got it, none failed"), v
+    seen[3] = Interrupt(rank=3, pid=1003, time_ns=1_000 - INTERRUPT_WINDOW_NS - 1, signal="SIGINT")
+    obs = dataclasses.replace(obs, interrupts=seen)
+    assert decide(obs, POLICY) == Decision(None, recheck_at_ns=1_000 + INTERRUPT_WINDOW_NS)
+    v = decide(dataclasses.replace(obs, now_ns=1_000 + INTERRUPT_WINDOW_NS), POLICY).verdict
+    assert v is not None and (v.rank, v.cause) == (0, EXCEPTION), v
+
+
+def test_a_rank_that_finished_need_not_get_the_signal():
+    obs = observed(successes={3}, failures=[interrupt(r, 1_000) for r in range(3)], now=1_001)
+    v = decide(obs, POLICY).verdict
+    assert v is not None and v.cause == INTERRUPTED, v
+
+
+def test_a_sigterm_sent_by_a_rank_is_a_teardown_not_an_interrupt():
+    # pid 1000 is rank 0's: peerwatch's own SIGTERM, never taken for one from outside.
+    obs = observed(statuses=[status(r, 500, -15, sender=1000) for r in range(1, 4)], gone={0: 400}, now=10**12)
+    v = decide(obs, POLICY).verdict
+    assert v is not None and v.cause != INTERRUPTED, v
+
+
+@pytest.mark.parametrize("other", ["sender", "failure", "signal"])
+def test_anything_but_one_signal_from_one_sender_is_judged_as_before(other: str):
+    # Rank 2 was SIGTERMed from outside; its launcher (pid 77) then stopped the others: a
+    # failure of rank 2, not an interrupt. Likewise with another failure among them, or
+    # with ranks that got different signals.
+    regs = {r: reg(r, ppid=77) for r in range(4)}
+    statuses = [status(r, 600 + r, -15, sender=77) for r in (0, 1, 3)] + [status(2, 500, -15, sender=4242)]
+    failures: List[Failure] = []
+    if other == "failure":
+        statuses = [status(r, 500 + r, -15, sender=4242) for r in (0, 1, 3)]
+        failures = [failure(2, t=400)]
+    if other == "signal":
+        statuses = [status(r, 500 + r, -15, sender=4242) for r in (0, 1, 3)]
+        failures = [interrupt(2, 400, sender=4242)]
+    v = decide(observed(registrations=regs, statuses=statuses, failures=failures, now=10**12), POLICY).verdict
+    assert v is not None and v.cause != INTERRUPTED, v
+    assert v.rank == (2 if other == "sender" else 0), v  # else: a death outranks an exception just before it

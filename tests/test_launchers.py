@@ -12,8 +12,10 @@ inherits). The programs are in launcher_program.py; the plumbing in launcher_job
 
 from __future__ import annotations
 
+import json
 import re
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -181,6 +183,26 @@ def test_torchrun_worker_sigkilled(job_dir: Path, block: str) -> None:
 
 
 @pytest.mark.timeout(120)
+def test_torchrun_ctrl_c_is_an_interrupt_not_a_failure(job_dir: Path) -> None:
+    """Ctrl-C reaches torchrun's agent (its workers run in sessions of their own), which
+    passes the SIGINT on to every worker: each raises KeyboardInterrupt. The job was
+    interrupted, no worker failed; before: "rank 1 failed first: raised KeyboardInterrupt"."""
+    with torchrun_job(job_dir) as job:
+        agent = job.start()
+        job.wait_ready()
+        job.kill(agent.pid, signal.SIGINT)
+        job.wait_launcher(LAUNCHER_EXIT_S)
+        job.wait_all_gone(WITHIN_S)
+        log = job.log(limit=200_000)
+        assert "failed first" not in log, log[-4000:]
+        report = only_report(job)
+        v = report["verdict"]
+        assert (report["outcome"], v["cause"], v["signal"], v["exit_code"]) == ("interrupted", "interrupted", "SIGINT", 130), v
+        assert {r["state"] for r in report["ranks"]} == {"interrupted"}, report["ranks"]
+        assert "through the launcher" in v["detail"], v
+
+
+@pytest.mark.timeout(120)
 def test_torchrun_restart_is_a_new_run(job_dir: Path) -> None:
     """With --max-restarts 1 the agent restarts the workers after the kill: that restart
     is a new run directory (-r1), where every rank succeeds; torchrun exits 0."""
@@ -266,6 +288,44 @@ def test_spawn_worker_sigkilled(job_dir: Path, where: str) -> None:
             log = job.log(limit=200_000)
             assert log.count("is torch.multiprocessing.spawn's main process, not one of its workers") == 1, log[-4000:]
             assert f"Its workers are watched in their own run: peerwatch report {job.run_dirs()[1]}" in log, log[-4000:]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("how", ["raise", "kill"])
+def test_spawn_with_install_at_the_top_too_tells_one_story(job_dir: Path, how: str) -> None:
+    """install() at the top of the script and install(rank=i, world_size=n) in the worker
+    (docs/launchers.md), 2 workers; worker 1 raises, or is SIGKILLed. The workers import the
+    script again (as ``__mp_main__``) before their function runs, when multiprocessing has not
+    yet said they are its children: their install() at the top took them for the main
+    process's rank 0 ("rank 0 is NOT protected: ... two jobs share this run directory", once
+    per worker), and the main process, a run of its own, printed a second summary blaming
+    itself ("rank 0 (pid <main>) failed first: raised ProcessExitedException"). A SIGKILLed
+    worker could leave no verdict at all (the main process SIGTERMs the others before their
+    watchers judge), and ``peerwatch report`` said "no failure recorded (outcome: running)"."""
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "LP_INSTALL_AT_TOP": "1"}
+    env.update({"LP_FAIL_RANK": "1"} if how == "raise" else {})
+    with LauncherJob(job_dir / "spawn", [sys.executable, str(PROGRAM), "spawn"], world=2, env=env, grace=GRACE_S) as job:
+        job.start()
+        ranks = job.wait_ready()
+        if how == "kill":
+            job.kill(ranks[1])
+        else:
+            job.wait_died(ranks[1], timeout=30)
+        assert job.wait_launcher(LAUNCHER_EXIT_S) == 1
+        job.wait_all_gone(WITHIN_S)
+        log = job.log(limit=200_000)
+        assert "NOT protected" not in log, log[-4000:]
+        summaries = re.findall(r"^peerwatch: rank \d+ \(pid \d+ on [^)]*\) failed first: .*$", log, re.M)
+        assert len(summaries) == 1 and summaries[0].startswith(f"peerwatch: rank 1 (pid {ranks[1]} "), log[-4000:]
+        # The latest run is the main process's: its report is its workers' run's.
+        out = subprocess.run([sys.executable, "-m", "peerwatch", "report", "--json"], env=job.env, capture_output=True,
+                             text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        report = json.loads(out.stdout)
+        v = report["verdict"]
+        assert report["outcome"] == "failed" and v is not None and v["rank"] == 1, f"{report}\n{log[-4000:]}"
+        assert (v["cause"], v["exception"]) == (("exception", "RuntimeError") if how == "raise" else ("vanished", None)), v
+        assert report["run_dir"].endswith("/spawn") and report["launcher_run"] == report["run_dir"][:-len("/spawn")], report
 
 
 @pytest.mark.timeout(120)

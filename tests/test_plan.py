@@ -9,7 +9,7 @@ import pytest
 
 from peerwatch import _plan
 from peerwatch._plan import SUMMARY_POLL_RANKS, SUMMARY_POLL_S, AckWindow, Situation, plan
-from peerwatch._records import EXCEPTION, EXIT, HANG, LOST, MISSING, SIGNAL, VANISHED
+from peerwatch._records import EXCEPTION, EXIT, HANG, INTERRUPTED, LOST, MISSING, SIGNAL, VANISHED
 
 pytestmark = pytest.mark.pure  # no process, no thread, no file: conftest skips its scan for leaks
 
@@ -54,6 +54,17 @@ def test_a_rank_whose_own_exception_or_exit_is_the_cause_is_given_grace_to_leave
 def test_a_rank_blamed_for_what_its_main_thread_did_not_raise_leaves_at_once(cause: str) -> None:
     p = plan(situation(self_rank=2, failed_rank=2, cause=cause))
     assert not p.stay and p.stay_s == 0.0
+
+
+def test_in_an_interrupted_job_the_rank_the_verdict_names_is_one_among_others() -> None:
+    """No rank failed: the first rank to get the signal says its one line like the others,
+    and the writer of the verdict prints the summary, at once (nobody prints a traceback of
+    a failure to put it below)."""
+    first = plan(situation(self_rank=2, failed_rank=2, cause=INTERRUPTED, verdict_exit_code=130, own_exit_code=130,
+                           live_local_ranks=(0, 1, 2, 3)))
+    assert first.stop_line and not first.print_summary and not first.stay and first.exit_code == 130, first
+    writer = plan(situation(cause=INTERRUPTED, verdict_exit_code=130, wrote_verdict=True, failed_rank_speaks=True))
+    assert writer.print_summary and writer.summary_now and writer.stop_line, writer
 
 
 def test_a_survivor_inside_watch_is_interrupted_and_given_grace() -> None:

@@ -640,10 +640,10 @@ def test_named_ranks_are_every_rank_a_record_names() -> None:
 
 
 def test_the_events_folders_prefixes() -> None:
-    from peerwatch._records import EVENT_TYPES, WATCHER_DEATH
+    from peerwatch._records import EVENT_TYPES, WATCHER_DEATH, Interrupt
 
     assert EVENT_TYPES == {"success": Success, "failure": Failure, "exit": ExitStatus, "ack": Ack, "thread": Failure,
-                           "unsignalled": NotSignalled}
+                           "unsignalled": NotSignalled, "interrupt": Interrupt}
     assert WATCHER_DEATH == "watcher"
 
 

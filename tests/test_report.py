@@ -297,3 +297,46 @@ def _run_of_this_process(tmp_path: Path, ranks: int):
     for reg in regs[1:]:
         rd.write(RANKS, rank_file("rank", reg.rank), encode(reg))
     return rd, now
+
+
+def test_a_run_nobody_was_left_to_judge_is_told_from_its_records(tmp_path: Path) -> None:
+    """mp.spawn's main process SIGTERMs the other workers as soon as it sees one end; where
+    that comes before their watchers judge, nobody writes a verdict, and `peerwatch report`
+    said "no failure recorded (outcome: running)". Once no rank is alive, the report tells
+    the verdict from the records by the watchers' own rules (`inferred`): the worker that
+    ended without a word, not the one its launcher stopped. Where two ended without a word,
+    which went first is not known: no verdict is made up."""
+    from peerwatch import _report
+    from peerwatch._records import ExitStatus, encode
+    from peerwatch._rundir import EVENTS, rank_file
+
+    for ranks in (2, 3):
+        rd, now, regs = _ended_run(tmp_path / str(ranks), ranks, launcher=4242)
+        rd.write(EVENTS, rank_file("exit", 0), encode(ExitStatus(
+            rank=0, pid=regs[0].pid, time_ns=now, returncode=-signal.SIGTERM, observed_by=0, signalled_by=4242)))
+        report = json.loads(json.dumps(_report.build(rd)))  # as report.json and `peerwatch report --json` hold it
+        _validate(report)
+        v = report["verdict"]
+        if ranks == 3:
+            assert v is None and report["outcome"] == "running", report
+            continue
+        assert report["outcome"] == "failed" and v is not None, report
+        assert (v["rank"], v["cause"], v["inferred"]) == (1, "vanished", True), v
+        assert "no watcher was left to judge: told from the ranks' records" in _report.summary(report)
+
+
+def _ended_run(tmp_path: Path, ranks: int, launcher: int):
+    """A run directory of ``ranks`` ranks, children of ``launcher``, that have all ended (their
+    registrations name a process that is gone: this pid, with another start time)."""
+    import dataclasses
+
+    from peerwatch._records import encode
+    from peerwatch._rundir import RANKS, rank_file
+
+    rd, now = _run_of_this_process(tmp_path, ranks)
+    regs = []
+    for rank, reg in sorted(rd.registrations().items()):
+        gone = dataclasses.replace(reg, ppid=launcher, start_ticks=reg.start_ticks + 1)
+        rd.write(RANKS, rank_file("rank", rank), encode(gone), replace=True)
+        regs.append(gone)
+    return rd, now, regs
