@@ -17,7 +17,7 @@ Importing peerwatch is cheap and never imports torch.
 #
 #   pure     no I/O, no clock, no threads: values and the rules over them
 #            _errors _records _signals _mounts _config _terminal _schedule _decide
-#            _diagnose _plan _hosts _summary _straggler
+#            _diagnose _plan _hosts _summary _straggler _awake
 #   os       adapters to the OS, one concern each: processes, signals, the run directory
 #            _identity _activity _collectives _keeper _store_client _store_protocol
 #            _sources _inotify _teardown _sharedfs _exitwatch _eventlog _stacks _waits

@@ -205,10 +205,15 @@ def watched_workers(w: Watcher, exc: BaseException) -> Optional[RunDir]:
     if qualified_name(type(exc)) not in _SPAWN_FAILURES:
         return None
     try:
-        # By its path, as people read it (the report and the summary name its files): the
-        # main process reads it as the CLI would.
-        spawned = RunDir(w.run_dir.join(SPAWNED_RUN))
-        return spawned if any(name.startswith("rank-") for name in spawned.names(RANKS)) else None
+        # Looked at through the held descriptor: a symlink put in the run directory's place
+        # never vouches for workers. Used by its path (the report and the summary name its
+        # files, as people read them) only while that path is the same directory.
+        held = RunDir(w.run_dir.at(SPAWNED_RUN))
+        if not any(name.startswith("rank-") for name in held.names(RANKS)):
+            return None
+        by_path = RunDir(w.run_dir.join(SPAWNED_RUN))
+        same = os.path.samestat(os.stat(held.path), os.lstat(by_path.path))
+        return by_path if same else held
     except OSError:
         return None
 
