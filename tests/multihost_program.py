@@ -11,14 +11,14 @@ children with RANK/WORLD_SIZE/LOCAL_RANK/LOCAL_WORLD_SIZE, reaps them (and any o
 it is init here), notes each rank's returncode in ``READY/exit-<rank>``, and exits when
 they are all gone. Killing it kills the whole simulated host.
 
-``rank`` installs peerwatch, notes ``READY/rank-<rank>`` (JSON: pid in its namespace,
-host), then behaves: ``sleep`` (the default: beat until torn down),
-``succeed_on:NAME`` (finish cleanly once ``READY/NAME`` exists), ``raise_on:NAME``
-(raise RuntimeError once it exists), ``torch`` (import
-torch.distributed, note ``READY/torch-<rank>``, then sleep), ``gloo`` (join a gloo
-process group of every rank, note ``READY/pg-<rank>``, all_reduce in a loop), or the
-same with a laggard's behaviour after STEP all_reduces, outside the collectives its peers
-wait in (``READY/doing-<rank>`` is noted right before it starts):
+``rank`` installs peerwatch, imports torch.distributed (as a training script does),
+notes ``READY/rank-<rank>`` (JSON: pid in its namespace, host), then behaves: ``sleep``
+(the default: beat until torn down), ``succeed_on:NAME`` (finish cleanly once
+``READY/NAME`` exists), ``raise_on:NAME`` (raise RuntimeError once it exists), ``torch``
+(note ``READY/torch-<rank>``, then sleep), ``gloo`` (join a gloo process group of every
+rank, note ``READY/pg-<rank>``, all_reduce in a loop), or the same with a laggard's
+behaviour after STEP all_reduces, outside the collectives its peers wait in
+(``READY/doing-<rank>`` is noted right before it starts):
 
     gloo:loop_at=STEP        loop in Python forever, asleep, without a beat
     gloo:lock_at=STEP        block forever on a lock it already holds (a deadlock)
@@ -112,6 +112,10 @@ def rank_main(args: argparse.Namespace) -> None:
 
     rank = int(os.environ["RANK"])
     peerwatch.install()
+    # As a training script does, in the README's order: a job that uses a TCPStore imports
+    # torch.distributed itself, and the store bridge waits for it (peerwatch never imports torch).
+    import torch.distributed  # noqa: F401
+
     behaviours = dict(item.split("=", 1) for item in args.behave)
     action = behaviours.get(str(rank), "sleep")
     note(args.ready, f"rank-{rank}", json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))
@@ -140,7 +144,6 @@ def rank_main(args: argparse.Namespace) -> None:
             peerwatch.beat()
             time.sleep(step_s)
     if name == "torch":
-        import torch.distributed  # noqa: F401 - as a training script has it: the bridge can use it at once
         note(args.ready, f"torch-{rank}", "")
     while True:
         if name == "succeed_on" and os.path.exists(os.path.join(args.ready, arg)):

@@ -182,7 +182,7 @@ def _waiter(run_dir: RunDir, port_client: Callable[[], Any], secret: Any, heartb
     if started_ns:
         link = dataclasses.replace(link, started_ns=started_ns)
     gate = _TorchGate()
-    gate.open(loud=True)
+    gate.open(threading.Event(), loud=True)
     waiter = _VerdictWaiter(link, gate)
     thread = threading.Thread(target=waiter.run, name="test-waiter", daemon=True)
     thread.start()
