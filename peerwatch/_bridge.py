@@ -585,6 +585,7 @@ class Bridge:
         self._client: Optional[StoreClient] = None
         self._life = threading.Lock()  # orders starting threads against stop()
         self._threads: List[threading.Thread] = []
+        self.left_in_store: List[str] = []  # set by stop(): the threads still inside a store request
         self._beat: Optional[_BeatLoop] = None
         self._waiter: Optional[_VerdictWaiter] = None
         self._wait_thread: Optional[threading.Thread] = None
@@ -757,7 +758,7 @@ class Bridge:
         """This rank finished cleanly: the job is ending; tell the other hosts (bounded)."""
         self._succeeded.set()
         index, client = self.index, self._client
-        if not (self.running and self.connected and index is not None and client is not None):
+        if self.stopped.is_set() or not (self.running and self.connected and index is not None and client is not None):
             return  # the beat thread says it at its next interval, if it can
         done = functools.partial(send_beat, prefix=self.prefix, index=index, beat=beat_value(self._seq(), True),
                                  seal=self._seal)
@@ -771,7 +772,9 @@ class Bridge:
         """Stop the bridge's threads and join them (at most ``STOP_BUDGET_S``). Any thread,
         more than once. A waiter blocked in the store's ``wait`` cannot be interrupted
         (a timeout there would leave torch's client out of step): it is a daemon, and ends
-        when the verdict key is set or the process ends."""
+        when the verdict key is set or the process ends. The threads still inside a store
+        request are named in ``left_in_store``: such a thread must not wake while Python
+        finalizes (it would abort the process), so the exit ends the process first."""
         with self._life:
             self.stopped.set()
             threads = list(self._threads)
@@ -783,6 +786,7 @@ class Bridge:
                 continue
             t.join(max(0.0, deadline - time.monotonic()))
         stuck += [t for t in threads if t.is_alive()]
+        self.left_in_store = sorted({t.name for t in stuck if t.is_alive()})
         if stuck:
             logger.debug("peerwatch: left in a store request: %s", ", ".join(t.name for t in stuck))
 
