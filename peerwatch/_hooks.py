@@ -53,7 +53,7 @@ class Registry:
         self._owner_pid: Optional[int] = None
         self.explicit = False
         self.hooks_installed = False
-        # How the program ends, for exit_status_known(): the __main__ module's frame (kept
+        # How the program ends, for take_exit_status(): the __main__ module's frame (kept
         # from install() on), and the last sys.exit/exit/quit of the main thread (its status,
         # and where that frame was then).
         self.main_frame: Optional[FrameType] = None
@@ -432,6 +432,7 @@ def _leaving(registry: Registry) -> None:
 
 def _at_exit(registry: Registry) -> None:
     """At a normal interpreter exit: the rank finished cleanly unless we know otherwise."""
+    status = take_exit_status(registry)
     w = registry.active()
     if w is None:
         return
@@ -459,27 +460,29 @@ def _at_exit(registry: Registry) -> None:
         _exitwatch.set_success(False)
     w.stop(timeout=1.0)
     if w.left_in_store():
-        _leave_before_finalizing(w, registry, succeeded)
+        _leave_before_finalizing(w, status, succeeded)
 
 
-def _leave_before_finalizing(w: Watcher, registry: Registry, succeeded: bool) -> None:
+def _leave_before_finalizing(w: Watcher, status: Optional[int], succeeded: bool) -> None:
     """A thread of the store bridge is still inside a store request (torch's C++ client,
     the GIL released: the store did not answer, or the verdict waiter's ``wait``). If
     Python finalized under it, the thread would be torn down the moment the store answers
     (std::terminate: "terminate called without an active exception", SIGABRT) and its
     client destroyed while in use (SIGSEGV): a rank that succeeded would end in a crash.
     So the process ends here, as a torn-down rank does (flushed, then ``os._exit``), with
-    the status Python would have given it, and its success marker written first. Where
-    that status cannot be told (a ``raise SystemExit(n)`` that reached the top is seen by
-    no hook), the exit goes on as before: the status must stay true."""
-    status = exit_status_known(registry)
+    the status Python would have given it, and its success marker written first; what
+    Python's exit would have done outside the process is done first (multiprocessing's
+    children, logging, open files flushed), but the atexit handlers registered before
+    install() and the objects' finalizers do not run. Where that status cannot be told (a
+    ``raise SystemExit(n)`` that reached the top is seen by no hook), the exit goes on as
+    before: the status must stay true."""
     if status is None:
         logger.info("peerwatch: rank %d: its exit status cannot be told here; Python finalizes with a store "
                     "request in flight", w.rank)
         return
     if status == 0 and succeeded and _exitwatch.armed():
         w.record_success()  # what the exit status would have written
-    logging.shutdown()  # what finalization would have flushed
+    _leave.finish_like_python()
     _leave.flush_and_exit(status)
 
 
@@ -496,13 +499,14 @@ def main_module_frame() -> Optional[FrameType]:
     return found
 
 
-def exit_status_known(registry: Registry) -> Optional[int]:
+def take_exit_status(registry: Registry) -> Optional[int]:
     """At exit: the status the process will exit with, where peerwatch can tell it: 0 if
     the ``__main__`` module ran to its end (its frame's last instruction is its return),
     the status of the ``sys.exit``/``exit``/``quit`` whose SystemExit ended it (the frame
     stopped where it stood at that call); None otherwise (an uncaught exception, a
-    ``raise SystemExit(n)``, a program not run as ``__main__``)."""
-    frame = registry.main_frame
+    ``raise SystemExit(n)``, a program not run as ``__main__``). The frame is let go: it
+    holds the module's globals, which Python's finalization must destroy as usual."""
+    frame, registry.main_frame = registry.main_frame, None
     if frame is None or frame.f_lasti < 0:
         return None
     code = frame.f_code.co_code

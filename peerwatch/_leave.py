@@ -7,6 +7,8 @@ log, the exit watch), and the lowest layer (:mod:`peerwatch._teardown`) imports 
 
 from __future__ import annotations
 
+import gc
+import io
 import logging
 import sys
 
@@ -31,4 +33,33 @@ def flush_and_exit(code: int) -> None:
     _exitwatch.leave(code)
 
 
-__all__ = ["flush_and_exit"]
+def finish_like_python() -> None:
+    """Before an ``os._exit`` that replaces a clean end of the interpreter: do what Python's
+    own exit would have done that matters outside this process. The multiprocessing
+    children are ended or joined (multiprocessing's exit function: it runs once), logging
+    is shut down (its handlers flushed and closed), and every Python file still open is
+    flushed (finalization would have, as it destroyed them). Never raises."""
+    util = sys.modules.get("multiprocessing.util")
+    for step in (getattr(util, "_exit_function", None), logging.shutdown, _flush_open_files):
+        try:
+            if callable(step):
+                step()
+        except Exception:  # noqa: BLE001, S110 - leaving must not fail
+            pass
+
+
+_BUFFERED = (io.TextIOWrapper, io.BufferedWriter, io.BufferedRandom)
+
+
+def _flush_open_files() -> None:
+    # The exact types only: isinstance() on arbitrary objects may run their code (proxies,
+    # lazy modules); these are the buffers that hold what a program wrote and did not flush.
+    for obj in gc.get_objects():
+        if type(obj) in _BUFFERED and not obj.closed:
+            try:
+                obj.flush()
+            except Exception:  # noqa: BLE001, S110 - one file that cannot be flushed stops nothing
+                pass
+
+
+__all__ = ["finish_like_python", "flush_and_exit"]

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Tuple
 
 import pytest
 from harness import _FOREIGN_ENV
@@ -32,26 +33,22 @@ START_S = 60.0  # python, peerwatch, torch and a bridge connected, on a loaded 2
 EXIT_S = 30.0  # from "go" to the rank gone: its bounded store work (a few seconds), or its finalization
 
 
-def _env(tmp_path: Path) -> dict:
-    return {k: v for k, v in os.environ.items() if k not in _FOREIGN_ENV and k != "PEERWATCH_STORE"}
-
-
-@pytest.mark.torch
-@pytest.mark.timeout(START_S + EXIT_S + SLOW_S + 30)
-def test_a_clean_exit_with_the_store_silent_is_a_success_not_a_crash(tmp_path: Path) -> None:
-    pytest.importorskip("torch.distributed")
-    env = _env(tmp_path)
+def _end_with_the_store_silent(tmp_path: Path, end: str) -> Tuple[int, str, bool, str]:
+    """Run the program to its end (``end``) with its store stopped, the store ended if the
+    rank gets to finalize. (returncode, stderr, success marker written, results file)."""
+    env = {k: v for k, v in os.environ.items() if k not in _FOREIGN_ENV and k != "PEERWATCH_STORE"}
     store = subprocess.Popen([sys.executable, "-c", SERVE], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                              text=True, env=env)
     rank = None
+    finalizing, results = tmp_path / f"finalizing-{end}", tmp_path / f"results-{end}"
     try:
         port = int(store.stdout.readline())  # type: ignore[union-attr]
-        finalizing = tmp_path / "finalizing"
         rank = subprocess.Popen(
-            [sys.executable, str(PROGRAM), "--finalizing", str(finalizing), "--slow", str(SLOW_S)],
+            [sys.executable, str(PROGRAM), "--finalizing", str(finalizing), "--slow", str(SLOW_S), "--end", end,
+             "--results", str(results)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            env=dict(env, PEERWATCH_DIR=str(tmp_path / "run"), PEERWATCH_STORE=f"127.0.0.1:{port}",
-                     PEERWATCH_RUN_ID="store-exit"))
+            env=dict(env, PEERWATCH_DIR=str(tmp_path / f"run-{end}"), PEERWATCH_STORE=f"127.0.0.1:{port}",
+                     PEERWATCH_RUN_ID=f"store-exit-{end}"))
         said, _, run_dir = rank.stdout.readline().strip().partition(" ")  # type: ignore[union-attr]
         assert said == "connected", f"{said} {run_dir}"
         os.kill(store.pid, signal.SIGSTOP)  # the store stops answering
@@ -73,6 +70,20 @@ def test_a_clean_exit_with_the_store_silent_is_a_success_not_a_crash(tmp_path: P
         if rank is not None and rank.poll() is None:
             rank.kill()
             rank.communicate()
-    assert rank.returncode == 0, f"exit {rank.returncode}\n{err[-3000:]}"
-    assert "terminate called" not in err, err[-3000:]
-    assert (Path(run_dir) / EVENTS / rank_file("success", 0)).exists(), err[-3000:]
+    written = results.read_text() if results.exists() else ""
+    return rank.returncode, err, (Path(run_dir) / EVENTS / rank_file("success", 0)).exists(), written
+
+
+@pytest.mark.torch
+@pytest.mark.timeout(3 * (START_S + EXIT_S + SLOW_S) + 30)
+def test_a_clean_exit_with_the_store_silent_is_a_success_not_a_crash(tmp_path: Path) -> None:
+    """It runs to its end, or sys.exit(0): exit 0, success marker, its open file flushed.
+    A ``raise SystemExit(3)`` (its status seen by no hook) is never taken for a success."""
+    pytest.importorskip("torch.distributed")
+    for end in ("return", "exit0"):
+        code, err, succeeded, written = _end_with_the_store_silent(tmp_path, end)
+        assert (code, succeeded) == (0, True), f"{end}: exit {code}, success marker {succeeded}\n{err[-3000:]}"
+        assert "terminate called" not in err, err[-3000:]
+        assert written == "the last result\n", f"{end}: {written!r}"
+    code, err, succeeded, _ = _end_with_the_store_silent(tmp_path, "raise3")
+    assert code != 0 and not succeeded, f"raise SystemExit(3): exit {code}, success marker {succeeded}\n{err[-3000:]}"
