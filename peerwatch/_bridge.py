@@ -576,6 +576,7 @@ class Bridge:
         self.stopped = threading.Event()
         self._seq = _BeatSeq()  # any thread: a beat's sequence number
         self._succeeded = threading.Event()  # the main thread's
+        self._done_sent = False  # the main thread's: on_success() sent (or tried to send) the done beat
         self._created = time.monotonic()
         self._unresolved_warned = False
         self._torch_warned = False
@@ -755,11 +756,15 @@ class Bridge:
         return self.connected if self.running else connected_elsewhere(self.run_dir)
 
     def on_success(self) -> None:
-        """This rank finished cleanly: the job is ending; tell the other hosts (bounded)."""
+        """This rank finished cleanly: the job is ending; tell the other hosts (bounded, and
+        tried once: leaving watch() and then the exit both say it, and a store that did not
+        answer the first time is not waited for again)."""
         self._succeeded.set()
         index, client = self.index, self._client
-        if self.stopped.is_set() or not (self.running and self.connected and index is not None and client is not None):
+        if self._done_sent or self.stopped.is_set() or not (
+                self.running and self.connected and index is not None and client is not None):
             return  # the beat thread says it at its next interval, if it can
+        self._done_sent = True
         done = functools.partial(send_beat, prefix=self.prefix, index=index, beat=beat_value(self._seq(), True),
                                  seal=self._seal)
         try:
