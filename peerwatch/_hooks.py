@@ -482,8 +482,7 @@ def _leave_before_finalizing(w: Watcher, status: Optional[int], succeeded: bool)
         return
     if status == 0 and succeeded and _exitwatch.armed():
         w.record_success()  # what the exit status would have written
-    _leave.finish_like_python()
-    _leave.flush_and_exit(status)
+    _leave.end_like_python(status)
 
 
 def main_module_frame() -> Optional[FrameType]:
