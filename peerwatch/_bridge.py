@@ -19,8 +19,11 @@ per stall, into ``RUN/stalls-remote.json`` for the judges. A job that moves cost
 What the bridge writes locally is only ever a record (a verdict from the store, or a
 ``Failure`` with cause ``lost`` when a host or the store falls silent for ``peer_timeout``,
 by the rules of :mod:`._hosts`); the decision stays in :mod:`._decide`, and only local
-processes are ever signalled. torch is imported in the bridge's threads, and only when a
-store is to be used.
+processes are ever signalled. peerwatch never imports torch: the bridge starts once the
+application has imported ``torch.distributed`` itself (a job that uses a TCPStore always
+does), since an import from a bridge thread while the main thread is inside its own
+``import torch`` breaks both (Python hands out half-initialised modules and the process
+aborts). Until then the bridge waits, and says so once after ``peer_timeout``.
 
 The parts, and the thread that owns each one's fields (written by it alone; others only read):
 
@@ -35,8 +38,8 @@ The parts, and the thread that owns each one's fields (written by it alone; othe
   (``bridge.up``, ``bridge.json``), the ``lost`` records it wrote.
 - :class:`_VerdictWaiter` (the waiter thread, ``peerwatch-bridge-wait-rank<N>``): its own
   connection, blocked in the store's ``wait``, and the verdict taken from the store.
-- :class:`_TorchGate`: whether torch.distributed can be imported, found out by the beat thread;
-  the waiter imports nothing before it did.
+- :class:`_TorchGate`: whether torch.distributed, as the application imported it, can serve a
+  store, found out by the beat thread; the waiter touches the store only after it did.
 - the client's owner thread (``peerwatch-bridge-io-rank<N>``): the store client (:mod:`._store_client`).
 """
 
@@ -53,7 +56,7 @@ import time
 from typing import Any, Callable, Dict, List, Mapping, Optional, Set, Tuple
 
 from . import _identity, _summary, _terminal
-from ._collectives import torch_loaded
+from ._collectives import imported, torch_loaded
 from ._config import Config, LauncherFacts
 from ._election import Election, UpFlag, connected_elsewhere
 from ._hosts import (
@@ -83,7 +86,7 @@ from ._hosts import (
 )
 from ._records import Failure, Registration, Verdict, decode, encode
 from ._rundir import EVENTS, RANKS, REMOTE_STALLS_FILE, STALL_FILE, VERDICT_FILE, RunDir, rank_file
-from ._store_client import StoreClient, connect, import_torch
+from ._store_client import StoreClient, connect
 from ._store_protocol import (
     NO_SEAL,
     VERDICT_TRIES,
@@ -116,7 +119,8 @@ PUBLISH_BUDGET_S = 1.0  # the teardown never waits longer than this for the stor
 # published before peer_timeout makes the other hosts call this one lost, not its rank dead.
 TAKEOVER_CONNECT_S = 1.0
 STOP_BUDGET_S = 1.0  # stop() joins the bridge's threads for at most this long
-GATE_POLL_S = 1.0  # how often the waiter, waiting for the beat thread's torch import, looks at stopped
+GATE_POLL_S = 1.0  # how often the waiter, waiting for the beat thread's gate, looks at stopped
+TORCH_POLL_S = 0.1  # how often the beat thread looks whether the application's import of torch has finished
 STALL_FRESH_BEATS = 3  # RUN/stall.json older than this many heartbeats (+1 s): the judges stopped writing it
 
 
@@ -182,33 +186,38 @@ class _Kept:
 
 
 class _TorchGate:
-    """Whether torch.distributed can be imported here. The beat thread finds out (importing
-    takes seconds on a busy host, and is no sign of an unreachable store) and owns
-    ``missing``; the waiter thread imports nothing before it did."""
+    """Whether torch.distributed can serve a store here. It is never imported by peerwatch:
+    the beat thread waits until the application's own import has finished (the bridge
+    starts only then, :meth:`Bridge.tick`; this holds for any other caller too) and owns
+    ``usable``; the waiter thread touches the store only after it decided."""
 
     def __init__(self) -> None:
         self._decided = threading.Event()
-        self.missing = False  # torch.distributed cannot be imported: no bridge
+        self.usable = False  # torch.distributed is imported and has a store
 
-    def open(self, loud: bool) -> bool:
-        """The beat thread's: import torch; False (logged, at WARNING if ``loud``) if it cannot be."""
+    def open(self, stopped: threading.Event, loud: bool) -> bool:
+        """The beat thread's: True once torch.distributed is imported and can serve a store;
+        False if ``stopped`` first, or if it cannot (logged, at WARNING if ``loud``)."""
         try:
-            import_torch()
-        except ImportError as e:
-            self.missing = True
-            logger.log(logging.WARNING if loud else logging.INFO, "peerwatch: no store bridge (torch.distributed "
-                       "cannot be imported: %s); failures on other hosts will not reach this one", e)
-            return False
+            while not torch_loaded():
+                if stopped.wait(TORCH_POLL_S):
+                    return False
+            dist = imported("torch.distributed")
+            if dist is None or not dist.is_available():
+                logger.log(logging.WARNING if loud else logging.INFO, "peerwatch: no store bridge (this torch "
+                           "has no torch.distributed); failures on other hosts will not reach this one")
+                return False
+            self.usable = True
+            return True
         finally:
             self._decided.set()
-        return True
 
     def wait(self, stopped: threading.Event) -> bool:
-        """The waiter thread's: block until the beat thread tried; False: stopped, or no torch."""
+        """The waiter thread's: block until the beat thread decided; False: stopped, or unusable."""
         while not self._decided.wait(GATE_POLL_S):
             if stopped.is_set():
                 return False
-        return not self.missing
+        return self.usable
 
 
 class _BeatLoop:
@@ -252,7 +261,7 @@ class _BeatLoop:
 
     def run(self) -> None:
         """The beat thread's body."""
-        if not self._gate.open(loud=self.link.config.store is not None):
+        if not self._gate.open(self.link.stopped, loud=self.link.config.store is not None):
             return
         try:
             self._loop()
@@ -628,14 +637,17 @@ class Bridge:
         self.stopped = threading.Event()
         self._seq = _BeatSeq()  # any thread: a beat's sequence number
         self._succeeded = threading.Event()  # the main thread's
+        self._done_sent = False  # the main thread's: on_success() sent (or tried to send) the done beat
         self._created = time.monotonic()
         self._unresolved_warned = False
+        self._torch_warned = False
         self._election = Election(run_dir)
         self.running = False
         self.published = False
         self._client: Optional[StoreClient] = None
         self._life = threading.Lock()  # orders starting threads against stop()
         self._threads: List[threading.Thread] = []
+        self.left_in_store: List[str] = []  # set by stop(): the threads still inside a store request
         self._beat: Optional[_BeatLoop] = None
         self._waiter: Optional[_VerdictWaiter] = None
         self._wait_thread: Optional[threading.Thread] = None
@@ -698,7 +710,7 @@ class Bridge:
         """Once per heartbeat: become this host's bridge if nobody is (the holder exited)."""
         if self.running or self.stopped.is_set():
             return
-        if not self._resolve_late() or not self._election.take():
+        if not self._resolve_late() or not self._torch_imported() or not self._election.take():
             return
         self.running = True
         link = _Link(self.config, self.run_dir, self.facts, self._store_client(), self.stopped, self._seal,
@@ -731,6 +743,21 @@ class Bridge:
             reason = facts.store_why if facts.store is None else "nothing names the job on every host (set PEERWATCH_RUN_ID)"
             logger.warning("peerwatch: rank %d: no store bridge yet: %s; a failure on another host will not "
                            "reach this one", self.me.rank, reason)
+        return False
+
+    def _torch_imported(self) -> bool:
+        """Has the application imported torch.distributed (completely)? Until it has, no
+        bridge: peerwatch never imports torch (the application's own import may be under
+        way in the main thread). A job that uses a TCPStore imports it itself; where a store
+        was named and it never does, say so once after peer_timeout, and go on waiting."""
+        if torch_loaded():
+            return True
+        if not self._torch_warned and time.monotonic() - self._created >= self.config.peer_timeout:
+            self._torch_warned = True
+            logger.log(logging.WARNING if self.config.store is not None else logging.INFO,
+                       "peerwatch: rank %d: no store bridge yet: this process has not imported torch.distributed "
+                       "(peerwatch never imports it itself); a failure on another host will not reach this one "
+                       "until it does", self.me.rank)
         return False
 
     def _store_client(self) -> StoreClient:
@@ -786,11 +813,15 @@ class Bridge:
         return self.connected if self.running else connected_elsewhere(self.run_dir)
 
     def on_success(self) -> None:
-        """This rank finished cleanly: the job is ending; tell the other hosts (bounded)."""
+        """This rank finished cleanly: the job is ending; tell the other hosts (bounded, and
+        tried once: leaving watch() and then the exit both say it, and a store that did not
+        answer the first time is not waited for again)."""
         self._succeeded.set()
         index, client = self.index, self._client
-        if not (self.running and self.connected and index is not None and client is not None):
+        if self._done_sent or self.stopped.is_set() or not (
+                self.running and self.connected and index is not None and client is not None):
             return  # the beat thread says it at its next interval, if it can
+        self._done_sent = True
         done = functools.partial(send_beat, prefix=self.prefix, index=index, beat=beat_value(self._seq(), True),
                                  seal=self._seal)
         try:
@@ -803,7 +834,9 @@ class Bridge:
         """Stop the bridge's threads and join them (at most ``STOP_BUDGET_S``). Any thread,
         more than once. A waiter blocked in the store's ``wait`` cannot be interrupted
         (a timeout there would leave torch's client out of step): it is a daemon, and ends
-        when the verdict key is set or the process ends."""
+        when the verdict key is set or the process ends. The threads still inside a store
+        request are named in ``left_in_store``: such a thread must not wake while Python
+        finalizes (it would abort the process), so the exit ends the process first."""
         with self._life:
             self.stopped.set()
             threads = list(self._threads)
@@ -815,6 +848,7 @@ class Bridge:
                 continue
             t.join(max(0.0, deadline - time.monotonic()))
         stuck += [t for t in threads if t.is_alive()]
+        self.left_in_store = sorted({t.name for t in stuck if t.is_alive()})
         if stuck:
             logger.debug("peerwatch: left in a store request: %s", ", ".join(t.name for t in stuck))
 

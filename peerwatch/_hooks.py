@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import atexit
 import builtins
+import dis
 import logging
 import os
 import signal
@@ -25,7 +26,7 @@ import threading
 import time
 import traceback
 from types import FrameType, TracebackType
-from typing import Any, Callable, Optional, Type
+from typing import Any, Callable, Optional, Tuple, Type
 
 from . import _exitwatch, _leave, _report, _stacks, _teardown, _terminal
 from ._collectives import raised_by_torch_distributed
@@ -53,6 +54,11 @@ class Registry:
         self._owner_pid: Optional[int] = None
         self.explicit = False
         self.hooks_installed = False
+        # How the program ends, for take_exit_status(): the __main__ module's frame (kept
+        # from install() on), and the last sys.exit/exit/quit of the main thread (its status,
+        # and where that frame was then).
+        self.main_frame: Optional[FrameType] = None
+        self.exit_call: Optional[Tuple[Any, int]] = None
 
     def set(self, watcher: Watcher) -> None:
         self._watcher, self._owner_pid = watcher, os.getpid()
@@ -276,6 +282,7 @@ def install_hooks(registry: Registry) -> None:
     if registry.hooks_installed:
         return
     registry.hooks_installed = True
+    registry.main_frame = main_module_frame()
     logger.addHandler(_StderrFallback())
     sys.excepthook = _excepthook(registry, sys.excepthook)
     threading.excepthook = _threading_excepthook(registry, threading.excepthook)
@@ -390,6 +397,8 @@ def _record_exit_call(registry: Registry, status: Any, call: str, caller: Option
     rank's failure, with the stack of the caller (``call`` names the call, ``caller`` is
     the frame it was made from)."""
     seen_ns = time.time_ns()  # the exit's time: before the settle wait of consequence_of_peer_failure
+    if threading.current_thread() is threading.main_thread() and registry.main_frame is not None:
+        registry.exit_call = (status, registry.main_frame.f_lasti)
     w = registry.active()
     if w is None or threading.current_thread() is not threading.main_thread() or w.in_watch:
         return
@@ -473,6 +482,7 @@ def _leaving(registry: Registry) -> None:
 
 def _at_exit(registry: Registry) -> None:
     """At a normal interpreter exit: the rank finished cleanly unless we know otherwise."""
+    status = take_exit_status(registry)
     w = registry.active()
     if w is None:
         return
@@ -487,7 +497,8 @@ def _at_exit(registry: Registry) -> None:
         w.leave()
         _leave.flush_and_exit(w.exit_code())
         return
-    if w.failed_code is None and registry.explicit:
+    succeeded = w.failed_code is None and registry.explicit
+    if succeeded:
         if _exitwatch.armed():
             # The exit status decides, once the interpreter is done: a SystemExit(3) that
             # reached the top has not been seen by any hook. Other hosts are told the job
@@ -498,6 +509,62 @@ def _at_exit(registry: Registry) -> None:
     else:
         _exitwatch.set_success(False)
     w.stop(timeout=1.0)
+    if w.left_in_store():
+        _leave_before_finalizing(w, status, succeeded)
+
+
+def _leave_before_finalizing(w: Watcher, status: Optional[int], succeeded: bool) -> None:
+    """A thread of the store bridge is still inside a store request (torch's C++ client,
+    the GIL released: the store did not answer, or the verdict waiter's ``wait``). If
+    Python finalized under it, the thread would be torn down the moment the store answers
+    (std::terminate: "terminate called without an active exception", SIGABRT) and its
+    client destroyed while in use (SIGSEGV): a rank that succeeded would end in a crash.
+    So the process ends here, as a torn-down rank does (flushed, then ``os._exit``), with
+    the status Python would have given it, and its success marker written first; what
+    Python's exit would have done outside the process is done first (multiprocessing's
+    children, logging, open files flushed), but the atexit handlers registered before
+    install() and the objects' finalizers do not run. Where that status cannot be told (a
+    ``raise SystemExit(n)`` that reached the top is seen by no hook), the exit goes on as
+    before: the status must stay true."""
+    if status is None:
+        logger.info("peerwatch: rank %d: its exit status cannot be told here; Python finalizes with a store "
+                    "request in flight", w.rank)
+        return
+    if status == 0 and succeeded and _exitwatch.armed():
+        w.record_success()  # what the exit status would have written
+    _leave.end_like_python(status)
+
+
+def main_module_frame() -> Optional[FrameType]:
+    """The frame of the ``__main__`` module's code, if this thread is running it (the
+    outermost such frame on the stack); None elsewhere (another thread, an embedding)."""
+    main = getattr(sys.modules.get("__main__"), "__dict__", None)
+    found = None
+    frame: Optional[FrameType] = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "<module>" and frame.f_globals is main:
+            found = frame
+        frame = frame.f_back
+    return found
+
+
+def take_exit_status(registry: Registry) -> Optional[int]:
+    """At exit: the status the process will exit with, where peerwatch can tell it: 0 if
+    the ``__main__`` module ran to its end (its frame's last instruction is its return),
+    the status of the ``sys.exit``/``exit``/``quit`` whose SystemExit ended it (the frame
+    stopped where it stood at that call); None otherwise (an uncaught exception, a
+    ``raise SystemExit(n)``, a program not run as ``__main__``). The frame is let go: it
+    holds the module's globals, which Python's finalization must destroy as usual."""
+    frame, registry.main_frame = registry.main_frame, None
+    if frame is None or frame.f_lasti < 0:
+        return None
+    code = frame.f_code.co_code
+    name = dis.opname[code[frame.f_lasti]] if frame.f_lasti < len(code) else ""
+    if name.endswith(("RETURN_VALUE", "RETURN_CONST")):
+        return 0
+    if registry.exit_call is not None and registry.exit_call[1] == frame.f_lasti:
+        return exit_status(registry.exit_call[0])
+    return None
 
 
 # -- PeerFailure in the main thread -------------------------------------------------

@@ -27,6 +27,8 @@ import threading
 import time
 from typing import Any, Callable, Generic, List, Optional, Set, TypeVar
 
+from ._collectives import imported
+
 logger = logging.getLogger("peerwatch")
 
 T = TypeVar("T")
@@ -168,11 +170,13 @@ class StoreClient:
 
 def connect(endpoint: Any, timeout: float) -> Any:
     """A new client of the store at ``"host:port"``, or the user's Store itself; raises on
-    failure. Only in a thread that owns it, once torch is loaded (:func:`import_torch`)."""
-    import torch.distributed as dist  # `import peerwatch` stays light
-
+    failure. Only in a thread that owns it, once the application has imported
+    torch.distributed (``_collectives.torch_loaded()``): peerwatch never imports torch."""
     if not isinstance(endpoint, str):
         return endpoint
+    dist = imported("torch.distributed")
+    if dist is None:
+        raise ImportError("torch.distributed is not imported (yet) by the application")
     host, _, port = endpoint.rpartition(":")
     # Probe with a plain socket first: torch's client logs a C++ stack trace per failed
     # attempt, and the store does not exist before init_process_group.
@@ -182,16 +186,4 @@ def connect(endpoint: Any, timeout: float) -> Any:
                          timeout=datetime.timedelta(seconds=timeout))
 
 
-def import_torch() -> None:
-    """Import torch.distributed from a bridge thread without breaking the application's own
-    import of torch. ``import torch.distributed`` would take the submodule's import lock
-    and then wait for ``torch``'s: if the main thread is importing torch at that moment,
-    torch's own __init__ needs the submodule (torch._jit_internal imports
-    torch.distributed.rpc), Python sees a deadlock and hands out half-initialised modules
-    ("'torch._C' is not a package"). ``import torch`` alone holds nothing while it waits
-    for another thread's import to finish; torch.distributed is then already there."""
-    import torch  # noqa: F401
-    import torch.distributed  # noqa: F401
-
-
-__all__ = ["MAX_RETIRED", "StoreClient", "StoreOverrun", "connect", "import_torch"]
+__all__ = ["MAX_RETIRED", "StoreClient", "StoreOverrun", "connect"]

@@ -235,6 +235,11 @@ class Watcher:
         if threading.current_thread() is not self.thread and self.thread.is_alive():
             self.thread.join(timeout)
 
+    def left_in_store(self) -> bool:
+        """After :meth:`stop`: is a thread of the store bridge still inside a store request
+        (torch's C++ client, the GIL released)? It must not wake while Python finalizes."""
+        return self.bridge is not None and bool(self.bridge.left_in_store)
+
     def await_own_verdict(self) -> None:
         """This rank failed and is exiting: wait for the verdict (rule 8 of the plan)."""
         if not self.thread.is_alive():

@@ -12,14 +12,15 @@ it is init here), notes each rank's returncode in ``READY/exit-<rank>``, and exi
 they are all gone. Killing it kills the whole simulated host.
 
 ``rank`` installs peerwatch, notes ``READY/rank-<rank>`` (JSON: pid in its namespace,
-host), then behaves: ``sleep`` (the default: beat until torn down),
-``succeed_on:NAME`` (finish cleanly once ``READY/NAME`` exists), ``torch_succeed_on:NAME``
-(the same after importing torch.distributed), ``raise_on:NAME``
-(raise RuntimeError once it exists), ``torch`` (import
-torch.distributed, note ``READY/torch-<rank>``, then sleep), ``gloo`` (join a gloo
-process group of every rank, note ``READY/pg-<rank>``, all_reduce in a loop), or the
-same with a laggard's behaviour after STEP all_reduces, outside the collectives its peers
-wait in (``READY/doing-<rank>`` is noted right before it starts):
+host), imports torch.distributed (as a training script does; on a host's first rank,
+and where the behaviour uses torch: the store bridge runs in a rank that did), then
+behaves: ``sleep`` (the default: beat until torn down), ``succeed_on:NAME`` (finish
+cleanly once ``READY/NAME`` exists; ``torch_succeed_on:NAME`` imports torch.distributed
+first), ``raise_on:NAME`` (raise RuntimeError once it
+exists), ``torch`` (note ``READY/torch-<rank>``, then sleep), ``gloo`` (join a gloo
+process group of every rank, note ``READY/pg-<rank>``, all_reduce in a loop), or the same
+with a laggard's behaviour after STEP all_reduces, outside the collectives its peers wait
+in (``READY/doing-<rank>`` is noted right before it starts):
 
     gloo:loop_at=STEP        loop in Python forever, asleep, without a beat
     gloo:lock_at=STEP        block forever on a lock it already holds (a deadlock)
@@ -117,6 +118,12 @@ def rank_main(args: argparse.Namespace) -> None:
     action = behaviours.get(str(rank), "sleep")
     note(args.ready, f"rank-{rank}", json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))
     name, _, arg = action.partition(":")
+    if os.environ.get("LOCAL_RANK") == "0" or name in ("torch", "torch_succeed_on", "gloo"):
+        # As a training script does, after install(): the store bridge waits for the
+        # application's own import (peerwatch never imports torch). The host's first rank
+        # has it (it is the host's bridge), the others only where they use torch: each
+        # import costs about a second of CPU on a 2-core machine.
+        import torch.distributed  # noqa: F401
     if name == "gloo":
         # A real process group across the hosts: rank 0 serves the job's TCPStore at
         # MASTER_ADDR:MASTER_PORT (the store the bridges use by default).
@@ -141,7 +148,6 @@ def rank_main(args: argparse.Namespace) -> None:
             peerwatch.beat()
             time.sleep(step_s)
     if name in ("torch", "torch_succeed_on"):
-        import torch.distributed  # noqa: F401 - as a training script has it: the bridge can use it at once
         note(args.ready, f"torch-{rank}", "")
     while True:
         if name in ("succeed_on", "torch_succeed_on") and os.path.exists(os.path.join(args.ready, arg)):

@@ -113,6 +113,7 @@ SIDEWAYS = {
     ("_teardown", "_identity"): "a target is verified by its process identity right before it is signalled",
     ("_sources", "_identity"): "a peer's pidfd is opened only for the process that registered",
     ("_inotify", "_sources"): "inotify's descriptor is told to be ours as every other one is, by OwnedFd",
+    ("_store_client", "_collectives"): "a store client uses torch.distributed as the application imported it, never importing it",
     ("_rundir", "_identity"): "a shared run directory names each host's own files by its host name",
     ("_rundir", "_dirfd"): "the records are read and written through the descriptors held since the check",
     ("_rundir", "_trust"): "a file kept open in the run directory is opened only if it is a regular file",

@@ -20,6 +20,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -152,6 +153,47 @@ def test_bridges_through_a_store_object(tmp_path: Path, clone: bool) -> None:
     finally:
         for x in (a, b, c):
             x.stop()
+
+
+class _Silent:
+    """A store without clone() that stops answering while ``silent`` is set (each request
+    blocks until ``answer`` is set), as a stopped store server does."""
+
+    def __init__(self, store: object, silent: threading.Event, answer: threading.Event) -> None:
+        self._store, self._silent, self._answer = store, silent, answer
+
+    def __getattr__(self, name: str) -> object:
+        if name not in ("set", "get", "add", "check", "multi_get", "compare_set"):
+            raise AttributeError(name)
+        method = getattr(self._store, name)
+
+        def call(*args: object) -> object:
+            if self._silent.is_set():
+                self._answer.wait(60.0)
+            return method(*args)
+
+        return call
+
+
+def test_a_store_that_does_not_answer_is_asked_once_to_mark_the_host_done(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Leaving watch() and then the exit both say that the rank succeeded: the done beat is
+    sent once, its wait bounded; a store that did not answer is not waited for again."""
+    dist = pytest.importorskip("torch.distributed")
+    silent, answer = threading.Event(), threading.Event()
+    a = _in_process_host(tmp_path, "hosta", [0, 1], _Silent(dist.HashStore(), silent, answer))
+    try:
+        _wait_for(lambda: a.connected and a.index is not None, 10.0, "host a connected")
+        silent.set()
+        with caplog.at_level(logging.WARNING, logger="peerwatch"):
+            a.on_success()
+            a.on_success()
+        said = [r for r in caplog.records if "could not mark this host done" in r.getMessage()]
+        assert len(said) == 1, [r.getMessage() for r in said]
+    finally:
+        answer.set()
+        a.stop()
 
 
 def test_bridges_with_a_store_secret_sign_what_they_write_and_replace_a_forged_verdict(

@@ -178,7 +178,7 @@ def _waiter(run_dir: RunDir, port_client: Callable[[], Any], secret: Any,
     client = StoreClient(lambda t: port_client(), 1.0, "test-store-owner")
     link = _Link(config, run_dir, facts, client, stopped, Seal(config.store_secret))
     gate = _TorchGate()
-    gate.open(loud=True)
+    gate.open(threading.Event(), loud=True)
     waiter = _VerdictWaiter(link, gate)
     thread = threading.Thread(target=waiter.run, name="test-waiter", daemon=True)
     thread.start()
