@@ -187,10 +187,13 @@ class HeartbeatWriter:
             self._seq += 1
             if read_counters and self._read_collectives:
                 self._read_counters()
-            if self.children_changed.is_set() or self._seq % CHILDREN_SCAN_EVERY == 1:
+            sampling = read_counters and self._still > 0
+            # While the counters stand still, every beat: a child started then (subprocess's
+            # fork runs no Python at-fork hook) is work the hang judges must see at once.
+            if self.children_changed.is_set() or self._seq % CHILDREN_SCAN_EVERY == 1 or sampling:
                 self.children_changed.clear()
                 self._children = tuple(_teardown.descendants(os.getpid(), os.geteuid(), set(peer_pids())))
-            if read_counters and self._still > 0:
+            if sampling:
                 self._activity.sample(self._children)
             self._ending = self._ending or last  # from now on, whole files only
             beat = self._record()

@@ -24,6 +24,8 @@ trains: ``all_reduce`` of 4 floats, then ``--step-s`` seconds of "compute". Beha
                  main thread on a CPU, seen at one or two places, no other thread, no I/O
     spin:S       S seconds of a Python loop (CPU at one or two places, as an endless loop)
     trickle:S    S seconds of reading a few bytes a second (a slow socket): no CPU to speak of
+    subprocess:S S seconds of waiting for a child that computes, started by subprocess (whose
+                 fork runs no Python at-fork hook: nothing tells peerwatch a child came)
     lock         block forever on a lock it already holds (no CPU, no I/O: stuck)
     stop         SIGSTOP itself (frozen)
 
@@ -42,6 +44,7 @@ import datetime
 import multiprocessing
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -133,6 +136,11 @@ def trickle(seconds: float) -> None:
             pass
 
 
+def computing_child(seconds: float) -> None:
+    work = f"import time\nend = time.monotonic() + {seconds}\nwhile time.monotonic() < end:\n    pass\n"
+    subprocess.run([sys.executable, "-c", work], check=True, timeout=seconds + 60)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--world", type=int, required=True)
@@ -203,8 +211,8 @@ def main() -> None:
                 evaluate(float(arg))
             elif name == "workers":
                 wait_for_workers(float(arg))
-            elif name in ("compute", "spin", "trickle"):
-                {"compute": compute, "spin": spin, "trickle": trickle}[name](float(arg))
+            elif name in ("compute", "spin", "trickle", "subprocess"):
+                {"compute": compute, "spin": spin, "trickle": trickle, "subprocess": computing_child}[name](float(arg))
             elif name == "stop":
                 os.kill(os.getpid(), signal.SIGSTOP)
             elif name == "lock":

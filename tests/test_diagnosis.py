@@ -249,6 +249,7 @@ def test_a_busy_laggard_is_reported_busy_and_auto_lets_the_job_finish(make_job, 
     ("compute:15", "its main thread on a CPU"),  # one torch op in a loop, one thread: 1-2 places
     ("spin:15", "its main thread on a CPU"),  # a Python loop: as an endless one would be
     ("trickle:15", "read or written by its main thread"),  # a slow read: a few bytes a second
+    ("subprocess:15", "its child processes on a CPU"),  # a child the rank waits for, started by subprocess
 ])
 def test_a_rank_computing_or_reading_alone_is_busy_and_auto_lets_it_finish(make_job, behaviour: str, evidence: str) -> None:
     """Two ranks: rank 0 (a judge itself) works alone, rank 1 waits in all_reduce. Before,
