@@ -26,13 +26,7 @@ import subprocess
 import sys
 import time
 
-
-def note(folder: str, name: str, text: str) -> None:
-    path = os.path.join(folder, name)
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
+from _ranks import note  # this script's folder is first on sys.path
 
 
 def fdstarve(seconds: float) -> None:
