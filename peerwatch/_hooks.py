@@ -33,7 +33,7 @@ from ._collectives import raised_by_torch_distributed
 from ._errors import PeerFailure
 from ._notify import CLAIMS, start_hook
 from ._plan import SETTLE_S
-from ._records import EXCEPTION, EXIT, MAX_TRACEBACK_CHARS, Failure, Verdict
+from ._records import EXCEPTION, EXIT, INTERRUPTED, MAX_TRACEBACK_CHARS, Failure, Verdict
 from ._rundir import RANKS, SPAWNED_RUN, SUMMARY_FILE, RunDir
 from ._terminal import exception_message
 from ._watcher import Watcher
@@ -350,14 +350,16 @@ def tell_consequence(
     """
     me = _terminal.who(w.rank, w.me.pid, w.me.host)
     failed = _terminal.who(verdict.rank, verdict.pid, verdict.host)
-    kept = _terminal.keep_consequence(w.stack_file(), me, failed, exc_type, exc, tb)
+    interrupted = verdict.cause == INTERRUPTED  # nobody failed: no rank is named
+    kept = _terminal.keep_consequence(w.stack_file(), me, failed, exc_type, exc, tb, interrupted)
     if raised_by_torch_distributed(exc, tb) and not w.config.verbose:
         return
     previous(exc_type, exc, tb)
     stream = sys.stderr if sys.stderr is not None else sys.__stderr__
     if stream is not None:
         try:
-            stream.write(_terminal.consequence_line(me, failed, w.run_dir.stack_path(w.rank) if kept else None) + "\n")
+            kept_in = w.run_dir.stack_path(w.rank) if kept else None
+            stream.write(_terminal.consequence_line(me, failed, kept_in, interrupted) + "\n")
             stream.flush()
         except (OSError, ValueError):
             pass

@@ -68,16 +68,21 @@ def interrupted_text(detail: str) -> str:
     return f"the job was interrupted ({short(detail)})"
 
 
-def consequence_line(me: str, failed: str, kept_in: Optional[str]) -> str:
+def consequence_line(me: str, failed: str, kept_in: Optional[str], interrupted: bool = False) -> str:
     """Printed after a surviving rank's exception that followed a peer's failure, when it
-    is printed at all (``verbose``, or an exception that did not come from a collective)."""
+    is printed at all (``verbose``, or an exception that did not come from a collective).
+    ``interrupted``: the job was interrupted from outside, and nobody failed."""
     where = f"; kept in {kept_in}" if kept_in else ""
-    return f"peerwatch: {me}: this exception came after {failed} failed first{where}"
+    return f"peerwatch: {me}: this exception came after {_after(failed, interrupted)}{where}"
+
+
+def _after(failed: str, interrupted: bool) -> str:
+    return "the job was interrupted" if interrupted else f"{failed} failed first"
 
 
 def keep_consequence(
     file: Optional[IO[str]], me: str, failed: str,
-    exc_type: Type[BaseException], exc: BaseException, tb: Optional[TracebackType],
+    exc_type: Type[BaseException], exc: BaseException, tb: Optional[TracebackType], interrupted: bool = False,
 ) -> bool:
     """Append the traceback of an exception that followed a peer's failure to this rank's
     stack file (open for writing; faulthandler dumps into it too). False if it could not."""
@@ -88,7 +93,7 @@ def keep_consequence(
     # file (a crash's last words): an exception's message must not look like one.
     text = text.replace("Fatal Python error: ", "Fatal Python error - ")
     try:
-        file.write(f"peerwatch: {me}: exception raised after {failed} failed first (not printed; "
+        file.write(f"peerwatch: {me}: exception raised after {_after(failed, interrupted)} (not printed; "
                    f"PEERWATCH_VERBOSE=1 prints it):\n{text}\n")
         file.flush()
         return True

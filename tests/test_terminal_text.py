@@ -77,6 +77,8 @@ def test_consequence_line() -> None:
         "peerwatch: rank 0: this exception came after rank 1 failed first; kept in /run/stacks/rank0.txt"
     )
     assert consequence_line("rank 0", "rank 1", None) == "peerwatch: rank 0: this exception came after rank 1 failed first"
+    assert consequence_line("rank 0", "rank 1", None, interrupted=True) == (
+        "peerwatch: rank 0: this exception came after the job was interrupted")
     assert consequence_line("rank 0", "rank 1", "") == "peerwatch: rank 0: this exception came after rank 1 failed first"
 
 
