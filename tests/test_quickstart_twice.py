@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,17 @@ def quickstart_script() -> str:
     text = DOCS.read_text()
     after = text.split("Save this as `train.py`", 1)[1]
     return after.split("```python\n", 1)[1].split("```", 1)[0]
+
+
+def _why_set_aside(base: Path) -> str:
+    """What the first run left, for a failure's message: each run directory's verdict and
+    registrations, and the clocks now (its verdict is compared with the second run's start)."""
+    lines = [f"\nnow: time_ns {time.time_ns()}, CLOCK_BOOTTIME {time.clock_gettime_ns(time.CLOCK_BOOTTIME)}"]
+    for run in sorted((base / "peerwatch").iterdir()):
+        for name in ("events/verdict.json", "ranks/rank-00000.json", "ranks/rank-00001.json"):
+            path = run / name
+            lines.append(f"{path}: {path.read_text() if path.exists() else 'missing'}")
+    return "\n".join(lines)
 
 
 @pytest.mark.timeout(120)
@@ -46,7 +58,7 @@ wait $!; echo "second run, rank 0: $?"
     out = subprocess.run(["bash", "-c", shell], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=100)
     log = out.stdout + out.stderr
     assert "first run, rank 0: 1" in log and "second run, rank 0: 0" in log, log
-    assert "moved it to" not in log, log  # no earlier run set aside
+    assert "moved it to" not in log, log + _why_set_aside(base)  # no earlier run set aside
     printed = re.findall(r"report: (\S+)", log)
     assert len(printed) == 1, log
     first = Path(printed[0])
