@@ -40,14 +40,18 @@ ENTRIES_KEPT = 3  # per process group, the last collectives published (a mismatc
 class OwnProgress:
     """What the training said of itself. Written by the training thread only."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_first_beat: Optional[Callable[[], None]] = None) -> None:
         self.step: Optional[int] = None
+        self._on_first_beat = on_first_beat  # called by the training thread at its first beat()
         self.progress_ns: Optional[int] = None  # time.monotonic_ns() of the last beat()
         self.paused = 0  # depth of nested paused()
 
     def beat(self, step: Optional[int]) -> None:
+        first = self.step is None
         self.step = (self.step or 0) + 1 if step is None else step
         self.progress_ns = time.monotonic_ns()
+        if first and self._on_first_beat is not None:
+            self._on_first_beat()
 
     def pause(self, delta: int) -> None:
         # Progress first: a heartbeat written in between must not say "not paused" with
@@ -127,6 +131,12 @@ class HeartbeatWriter:
         a judge judging itself); None before the first one."""
         with self._lock:
             return self._published
+
+    def training(self) -> bool:
+        """The rank began its steps: a ``beat()``, or a collective entered (read by the
+        watcher thread, which counts them). Before that it imports and loads: ``import
+        torch`` holds the GIL for seconds in one call on a loaded machine."""
+        return self._progress.step is not None or self._moves > 0
 
     def counts_collectives(self) -> bool:
         """True once torch's collective counters were read (the watcher thread, which

@@ -128,7 +128,7 @@ class Watcher:
         self.rank = me.rank
         self.stacks = stacks
         self.interrupt_installed = interrupt_installed  # our signal handler raises PeerFailure in the main thread
-        self.progress = OwnProgress()
+        self.progress = OwnProgress(on_first_beat=self._arm_gil_watchdog)
         self.in_watch = 0
         self.verdict_seen = threading.Event()
         self.done = threading.Event()
@@ -364,13 +364,21 @@ class Watcher:
             remote_s=_sharedfs.POLL_S if shared else None, startup_s=self.config.startup_timeout or None,
         )
 
+    def _arm_gil_watchdog(self) -> None:
+        """gil_timeout's watchdog, (re-)armed every heartbeat from the rank's first step on,
+        and at its first ``beat()`` by the training thread itself (its next step may hold
+        the GIL before the watcher runs again). Not before: a rank that imports and loads
+        holds the GIL in one call for seconds on a loaded machine (``import torch``)."""
+        if self.config.gil_timeout and not self.verdict_seen.is_set():
+            self.stacks.arm_gil_watchdog(self.config.gil_timeout)
+
     def _on_beat(self) -> Tuple[bool, bool]:
         """Heartbeat, GIL watchdog, the bridge; whether this rank judges hangs and other hosts."""
         self.heartbeat.write(self.observer.local_pids, read_counters=True)
         if not self._lightning_deferred:  # rank 0 under Lightning: its observer gives way
             self._lightning_deferred = _launchers.defer_lightning_observer(self.thread.is_alive)
-        if self.config.gil_timeout and not self.verdict_seen.is_set():
-            self.stacks.arm_gil_watchdog(self.config.gil_timeout)
+        if self.heartbeat.training():
+            self._arm_gil_watchdog()
         if self.bridge is not None:
             self.bridge.tick()
         self._judge_stragglers()

@@ -13,6 +13,8 @@ rank, ``RANK=WHAT@STEP`` (from step STEP on):
     deadlock     acquire a threading.Lock it already holds
     gil          hold the GIL in C (ctypes sleep, signals blocked) for a long time
     slow:S       every step from then on takes S seconds more
+    loadgil:S    before its first step (before ``import torch``), hold the GIL in C for S
+                 seconds, once its watcher has beaten twice (as a slow import does), then train
     paused:S     one ``peerwatch.paused()`` phase of S seconds, then train on
 
 Markers in ``--ready`` (written atomically): ``rank-<i>`` (the pid) after the rank's first
@@ -25,6 +27,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import datetime
+import json
 import os
 import signal
 import threading
@@ -71,6 +74,22 @@ def hold_gil() -> None:
     libc.sleep(600)
 
 
+def beaten_twice(rank: int) -> bool:
+    path = os.path.join(os.environ["PEERWATCH_DIR"], "heartbeats", f"rank-{rank:05d}.json")
+    try:
+        with open(path) as f:
+            return json.loads(f.read())["seq"] >= 2
+    except (OSError, ValueError, KeyError):
+        return False
+
+
+def hold_gil_for(seconds: float) -> None:
+    libc = ctypes.PyDLL(None)  # PyDLL: the GIL stays held during the call
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
+    libc.usleep(int(seconds * 1e6))
+    signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--world", type=int, required=True)
@@ -81,12 +100,17 @@ def main() -> None:
     args = parser.parse_args()
     rank = int(os.environ["RANK"])
     peerwatch.install()
+    name, arg, at = parse_behaviours(args.behave).get(rank, ("", "", -1))
+    if name == "loadgil":
+        deadline = time.monotonic() + 60
+        while not beaten_twice(rank) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        hold_gil_for(float(arg))
 
     import torch
     import torch.distributed as dist
 
     dist.init_process_group("gloo", rank=rank, world_size=args.world, timeout=datetime.timedelta(seconds=120))
-    name, arg, at = parse_behaviours(args.behave).get(rank, ("", "", -1))
     t = torch.ones(1)
     extra_s = 0.0
     step = 0

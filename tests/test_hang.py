@@ -241,6 +241,17 @@ def test_gil_timeout_names_the_rank_holding_the_gil(make_hang_job) -> None:
     _assert_exit_codes(job, {0: v["exit_code"], 1: 1, 2: v["exit_code"]})
 
 
+@pytest.mark.timeout(150)
+def test_gil_timeout_spares_a_rank_still_starting(make_hang_job) -> None:
+    """Before its first step a rank imports and loads (``import torch`` holds the GIL for
+    seconds in one call on a loaded machine): its watcher, starved longer than
+    gil_timeout then, must not end it. The job trains on and ends cleanly."""
+    job = make_hang_job(behave=[f"1=loadgil:{GIL_S + 2:g}@0"], hang_timeout=0, gil_timeout=GIL_S, steps=3)
+    job.wait_gone(within=2 * START_S + GIL_S + 2 + TEARDOWN_S)  # 53 s at load 20 on 2 cores
+
+    _assert_exit_codes(job, {r: 0 for r in range(WORLD)})
+
+
 def test_gil_timeout_hang_verdict_is_a_hang_verdict(make_hang_job) -> None:
     """The same job as above: its verdict must read like any hang verdict (docs/hangs.md,
     docs/report.md)."""
