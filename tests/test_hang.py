@@ -233,7 +233,8 @@ def test_gil_timeout_names_the_rank_holding_the_gil(make_hang_job) -> None:
     stuck_at = time.monotonic()
     job.wait_gone(within=GIL_S + TEARDOWN_S)
 
-    assert job.ranks[1].gone_at - stuck_at <= GIL_S + 0.5  # type: ignore[operator]
+    # Its watchdog ended it, not the peers' grace: within gil_timeout and its exit (4.6 s seen at load 19).
+    assert job.ranks[1].gone_at - stuck_at <= 2 * GIL_S  # type: ignore[operator]
     v = job.verdict()
     assert (v["rank"], v["pid"], v["cause"]) == (1, job.pids[1], "hang"), v
     assert "could not run for 0:00:03" in (v["message"] or "") + v["detail"], v
