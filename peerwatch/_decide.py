@@ -24,7 +24,8 @@ Rules, in order:
    finalizes, before its exit status is written (at ``exit(3)``). Only a collective
    exception with no other failure in sight pays this wait.
    A rank that began to leave (``leaving``: its program ended and its interpreter is
-   finalizing, with no outcome recorded yet) up to ``LEAVING_WAIT_NS`` before a collective
+   finalizing, with no outcome recorded yet; or its process is seen in ``exit()``, its
+   sockets closed while its memory is torn down, its pidfd still to fire) up to ``LEAVING_WAIT_NS`` before a collective
    exception, or within ``COLLECTIVE_SETTLE_NS`` after it, is what that exception may
    echo: the exception waits until that rank has ended, at most ``LEAVING_WAIT_NS`` from
    when it began to leave, and if it ended in a failure (an exit status or record, a
@@ -163,7 +164,8 @@ class Observed:
     # Why the job stopped moving, as a judge of this host diagnosed it (peerwatch._diagnose).
     diagnosis: Optional[Diagnosis] = None
     # rank -> when it began to leave (time_ns; its heartbeat's leaving_ns): its program
-    # ended with no outcome recorded, its interpreter finalizes, its exit status is to come.
+    # ended with no outcome recorded, its interpreter finalizes, its exit status is to come;
+    # or when its process was first seen in exit() (PF_EXITING: _exit, a signal).
     # This host's ranks, read only while a collective exception is to be judged (rule 5).
     leaving: Mapping[int, int] = dataclasses.field(default_factory=dict)
     # When this judge last resumed after it was not running (CLOCK_MONOTONIC, as now_mono_ns;

@@ -30,12 +30,14 @@ class ProcessInfo:
     state: str  # R, S, D, T, t, Z, X, ...
     start_ticks: int
     uid: int
+    exiting: bool = False  # it began to exit (PF_EXITING): its descriptors close, its pidfd fires next
 
     @property
     def dead(self) -> bool:
         return self.state in ("Z", "X", "x")
 
 
+PF_EXITING = 0x4  # /proc/<pid>/stat's flags: the process is in exit(), closing its descriptors
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
@@ -94,6 +96,7 @@ def probe(pid: int) -> Optional[ProcessInfo]:
             state=fields[0].decode("ascii", "replace"),
             start_ticks=int(fields[19]),
             uid=uid,
+            exiting=bool(int(fields[6]) & PF_EXITING),
         )
     except (IndexError, ValueError):
         raise Unknown(errno.EIO, f"/proc/{pid}/stat: not a stat line") from None
@@ -188,6 +191,17 @@ def same_process(pid: int, start_ticks: int, uid: Optional[int] = None) -> Optio
     return info is not None and not info.dead and info.start_ticks == start_ticks and uid in (None, info.uid)
 
 
+def exiting(pid: int, start_ticks: int) -> bool:
+    """pid is the process that started at ``start_ticks`` and has begun to exit (its
+    sockets close now; its pidfd fires once its memory is torn down, which takes long on a
+    loaded machine). False if it cannot be told."""
+    try:
+        info = probe(pid)
+    except Unknown:
+        return False
+    return info is not None and info.start_ticks == start_ticks and info.exiting
+
+
 def is_same_process(pid: int, start_ticks: int, uid: int) -> bool:
     """True only if pid is alive (not a zombie) and is the process that started at
     start_ticks: fails closed, for signalling (what cannot be verified is never signalled).
@@ -238,6 +252,6 @@ def self_info() -> ProcessInfo:
 
 
 __all__ = [
-    "ProcessInfo", "Unknown", "boot_id", "hostname", "is_local", "is_same_process", "local_ranks", "pid_namespace",
+    "ProcessInfo", "Unknown", "boot_id", "exiting", "hostname", "is_local", "is_same_process", "local_ranks", "pid_namespace",
     "probe", "same_process", "seems_alive", "self_info",
 ]

@@ -454,9 +454,11 @@ class Observer:
         )
 
     def _leaving_ranks(self) -> Dict[int, int]:
-        """This host's ranks (ours too) whose heartbeat says they began to leave, and when.
+        """This host's ranks (ours too) whose heartbeat says they began to leave, and when,
+        and the peers seen in ``exit()`` (since then: a process ended by ``_exit`` or a signal
+        closes its sockets at once, while its pidfd fires only once its memory is torn down).
         Read only while an exception raised by torch.distributed is to be judged (rule 5
-        of _decide): one heartbeat per rank not known to be leaving yet, each time."""
+        of _decide): one heartbeat and one /proc look per rank not known to be leaving yet."""
         for rank in (self.me.rank, *self.peers):
             if rank in self._leaving:
                 continue
@@ -464,6 +466,8 @@ class Observer:
             beat = self.run_dir.read(HEARTBEATS, rank_file("rank", rank), Heartbeat)
             if beat is not None and beat.pid == reg.pid and beat.leaving_ns is not None:
                 self._leaving[rank] = beat.leaving_ns
+            elif rank != self.me.rank and rank not in self.gone and _identity.exiting(reg.pid, reg.start_ticks):
+                self._leaving[rank] = time.time_ns()
         return dict(self._leaving)
 
     def _oom_kills_since_start(self) -> int:

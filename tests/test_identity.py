@@ -118,6 +118,19 @@ def test_zombie_is_probed_but_is_not_the_same_process(cat):
     assert probe(cat.pid) is None
 
 
+def test_a_process_in_exit_is_seen_exiting(cat):
+    """PF_EXITING, from /proc's flags: set from the start of exit() (when its sockets close)
+    and kept while it is a zombie; never on a live process."""
+    info = probe(cat.pid)
+    assert info is not None and not info.exiting
+    assert not _identity.exiting(cat.pid, info.start_ticks)
+    exit_without_reaping(cat)
+    assert probe(cat.pid).exiting  # type: ignore[union-attr]
+    assert _identity.exiting(cat.pid, info.start_ticks)
+    assert not _identity.exiting(cat.pid, info.start_ticks + 1)  # another process's
+    assert cat.wait(timeout=DEADLINE_S) == 0
+
+
 def test_stopped_process_is_still_the_same_process(cat):
     info = probe(cat.pid)
     os.kill(cat.pid, signal.SIGSTOP)
