@@ -25,6 +25,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <limits.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
@@ -200,6 +201,18 @@ static int check_dirs(void)
     return err ? err : checked_dir(&st.events_fd, st.events_dev, st.events_ino, st.events_path);
 }
 
+/* Out of descriptors at exit (EMFILE: a leak, many DataLoader workers), the record of how
+ * this rank ended must still be written, or its clean exit reads as a failure to its
+ * peers: the soft limit is raised to the hard one (the process is ending). Returns 1 if it was. */
+static int more_descriptors(void)
+{
+    struct rlimit rl;
+    if (getrlimit(RLIMIT_NOFILE, &rl) != 0 || rl.rlim_cur >= rl.rlim_max)
+        return 0;
+    rl.rlim_cur = rl.rlim_max;
+    return setrlimit(RLIMIT_NOFILE, &rl) == 0;
+}
+
 /* Write data to events/<name>: the first writer wins (link), or, for this rank's own
  * success marker, whatever sits there is replaced (rename: garbage planted in its place
  * must not block it). Returns 0, or the errno that stopped it. */
@@ -212,6 +225,8 @@ static int write_record(const char *name, const char *data, size_t len, int repl
     if (bad)
         return bad;
     int fd = openat(st.tmp_fd, tmp, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+    if (fd < 0 && (errno == EMFILE || errno == ENFILE) && more_descriptors())
+        fd = openat(st.tmp_fd, tmp, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
     if (fd < 0)
         return errno;
     size_t done = 0;

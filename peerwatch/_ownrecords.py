@@ -8,21 +8,33 @@ reads it back like any other record (inotify wakes it). The watcher thread write
 here too (the verdict, its acknowledgement, the exit statuses it observed), through its
 :class:`peerwatch._observer.Observer`.
 
+A rank that ran out of descriptors (EMFILE: DataLoader workers, a leak) must still be
+able to say how it ended, or its peers take a clean exit for a failure and tear a healthy
+job down: for the rank's own end (its success or failure), a write that finds none left is
+tried again with the soft limit raised to the hard one for that write (as the record
+written at exit by peerwatch._exitstatus is).
+
 Threads: any thread may write. The one piece of state, whether a write failed (said
 loudly once: records of this rank may be missing from then on), is under ``_lock``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import logging
+import resource  # here, not where it is needed: an import needs a descriptor
 import threading
-from typing import Callable
+from typing import Callable, Iterator
 
 from . import _eventlog
 from ._records import Failure, Interrupt, Registration, Success, decode, encode
 from ._rundir import EVENTS, RunDir, rank_file
 
 logger = logging.getLogger("peerwatch")
+
+
+OUT_OF_DESCRIPTORS = (errno.EMFILE, errno.ENFILE)
 
 
 class OwnRecords:
@@ -40,14 +52,22 @@ class OwnRecords:
         with self._lock:
             return self._write_failed
 
-    def write(self, name: str, record: object, belongs: Callable[[object], bool]) -> bool:
+    def write(self, name: str, record: object, belongs: Callable[[object], bool], own_end: bool = False) -> bool:
         """Write ``record`` as ``events/name`` (first writer wins); False if it was not
         ours. What is there already is kept only if ``belongs`` says it is a record of
         this run (garbage, or another job's record of this rank, must not block ours).
+        ``own_end``: how this rank ended; out of descriptors, the spares are given back for it.
         Never raises: a failure is logged (loudly the first time)."""
         cls = type(record)
         try:
-            wrote = self.run_dir.write(EVENTS, name, encode(record), valid=lambda data: _valid(cls, data, belongs))
+            try:
+                wrote = self.run_dir.write(EVENTS, name, encode(record), valid=lambda data: _valid(cls, data, belongs))
+            except OSError as e:
+                if not (own_end and e.errno in OUT_OF_DESCRIPTORS):
+                    raise
+                with self._more_descriptors():
+                    wrote = self.run_dir.write(EVENTS, name, encode(record),
+                                               valid=lambda data: _valid(cls, data, belongs))
             if wrote:
                 _eventlog.record(self.run_dir, EVENTS, name, record, self.me.rank)
             return wrote
@@ -62,9 +82,31 @@ class OwnRecords:
 
     # -- this rank's own records (any thread) --------------------------------------------
 
+    @contextlib.contextmanager
+    def _more_descriptors(self) -> Iterator[None]:
+        """Out of descriptors, for the record of how this rank ended: the soft limit raised
+        to the hard one for that write (where they are equal, ``ulimit -n``, nothing more
+        can be done here: the write fails as before, said loudly)."""
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        raised = False
+        if soft < hard:
+            try:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+                raised = True
+                logger.warning("peerwatch: rank %d is out of file descriptors; its soft limit was raised from %d "
+                               "for a moment to record how it ended", self.me.rank, soft)
+            except (ValueError, OSError):  # a hard limit above what the kernel allows (nr_open)
+                pass
+        try:
+            yield
+        finally:
+            if raised:
+                with contextlib.suppress(ValueError, OSError):
+                    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
     def failure(self, failure: Failure) -> bool:
         """This rank failed (first record wins)."""
-        return self.write(rank_file("failure", self.me.rank), failure, self._mine)
+        return self.write(rank_file("failure", self.me.rank), failure, self._mine, own_end=True)
 
     def thread_exception(self, failure: Failure) -> bool:
         """Another thread of this rank died of an exception (for the report)."""
@@ -72,7 +114,7 @@ class OwnRecords:
 
     def success(self, success: Success) -> bool:
         """This rank ended cleanly."""
-        return self.write(rank_file("success", self.me.rank), success, self._mine)
+        return self.write(rank_file("success", self.me.rank), success, self._mine, own_end=True)
 
     def interrupt(self, interrupt: Interrupt) -> bool:
         """This rank got a SIGINT (the latest one replaces an earlier one's record)."""

@@ -48,6 +48,11 @@ Actions (the last part; ``SECONDS`` as in rank_program):
                      EMFILE for every thread, peerwatch's too, whatever it closes, as with many
                      DataLoader workers); note READY/starved-<rank>; after S seconds raise the
                      limit again and finish cleanly
+    starve_exit      as starve (needs RESERVE_VAR), and finish cleanly at once, still out of
+                     descriptors
+    starve_raise     as starve_exit, but raise RuntimeError at once
+    leak_exit        once every rank is ready, under ``ulimit -n 128`` (soft = hard), open files
+                     until EMFILE and hold them; note READY/starved-<rank>; finish cleanly at once
 
 Child scenarios (MODE): ``exit0`` (sys.exit(0)), ``raise`` (uncaught RuntimeError),
 ``exit3`` (sys.exit(3)), ``quit5`` (the builtin exit(5)), ``raise5`` (raise SystemExit(5)),
@@ -101,7 +106,7 @@ def reaped_on_error(children: List[Any]) -> List[Any]:
 
 PARTS = frozenset({"pg", "fork", "sub", "orphan_fork", "orphan_sub", "loader", "reexec", "default_interrupt"})
 ACTIONS = frozenset({"dataloader", "noisy", "await", "raise_after", "clobber", "clobber_exit", "exec_away",
-                     "setuid_away", "starve"})
+                     "setuid_away", "starve", "starve_exit", "starve_raise", "leak_exit"})
 CLOBBERED_FDS = range(3, 40)
 EXECED_VAR = "PEERWATCH_TEST_EXECED"  # set in the environment of the re-executed image
 
@@ -309,6 +314,39 @@ def _starve(args: argparse.Namespace, rank: int, seconds: float) -> None:
     """Run out of descriptors for ``seconds`` (see ``starve`` in the module's docstring)."""
     import resource
 
+    soft, hard, note_fd = _run_out_of_descriptors(args, rank)
+    time.sleep(seconds)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    os.close(note_fd)
+
+
+_leaked: List[int] = []
+
+
+def _leak_until_out(args: argparse.Namespace, rank: int) -> None:
+    """Under ``ulimit -n 128`` (soft = hard: no limit to raise), open /dev/null until EMFILE
+    and hold every one, as a leak does; note READY/starved-<rank>."""
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_NOFILE, (128, 128))
+    path = os.path.join(args.ready, f"starved-{rank}")
+    note_fd = os.open(f"{path}.tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    while True:
+        try:
+            _leaked.append(os.open(os.devnull, os.O_RDONLY))
+        except OSError as e:
+            if e.errno != errno.EMFILE:
+                raise
+            break
+    os.write(note_fd, str(time.time_ns()).encode())
+    os.replace(f"{path}.tmp", path)  # no descriptor needed
+
+
+def _run_out_of_descriptors(args: argparse.Namespace, rank: int) -> Tuple[int, int, int]:
+    """Lower the soft limit to the numbers held (see RESERVE_VAR), note READY/starved-<rank>;
+    returns the limits it had and the note's descriptor."""
+    import resource
+
     if os.environ.get("PEERWATCH_PIDFD") != "0":
         _wait_watching(args.world - 1)
     else:
@@ -323,9 +361,7 @@ def _starve(args: argparse.Namespace, rank: int, seconds: float) -> None:
     resource.setrlimit(resource.RLIMIT_NOFILE, (3 + len(_reserved), hard))
     os.write(note_fd, str(time.time_ns()).encode())
     os.replace(f"{path}.tmp", path)  # no descriptor needed
-    time.sleep(seconds)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
-    os.close(note_fd)
+    return soft, hard, note_fd
 
 
 class _Forever:
@@ -371,6 +407,19 @@ def act(args: argparse.Namespace, rank: int, name: str, arg: str, delay: float,
         ready(args, rank)
         wait_for_all(args)
         _starve(args, rank, float(arg))
+    elif name == "starve_exit":
+        ready(args, rank)
+        wait_for_all(args)
+        _run_out_of_descriptors(args, rank)  # and finish cleanly at once, still out of them
+    elif name == "starve_raise":
+        ready(args, rank)
+        wait_for_all(args)
+        _run_out_of_descriptors(args, rank)
+        raise RuntimeError(f"rank {rank} failed out of descriptors")
+    elif name == "leak_exit":
+        ready(args, rank)
+        wait_for_all(args)
+        _leak_until_out(args, rank)  # and finish cleanly at once, still out of them
     elif name == "raise_after":
         ready(args, rank)
         _wait_files(args.ready, [arg], timeout=120.0)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import subprocess
 import sys
 from pathlib import Path
@@ -96,3 +97,36 @@ def test_ranks_out_of_descriptors_while_a_peer_ends_well_end_well(make_job, pidf
     starved_ns = max(int((job.ready_dir / f"starved-{r}").read_text()) for r in (0, 1))
     success_ns = json.loads((job.run_dir / "events" / "success-00002.json").read_text())["time_ns"]
     assert starved_ns <= success_ns < starved_ns + STARVE_S * 1e9, job.logs()
+
+
+@pytest.mark.parametrize("how", ["starve_exit", "leak_exit"], ids=["soft-limit", "ulimit-leak"])
+def test_a_rank_that_ends_out_of_descriptors_still_says_it_succeeded(make_job, how: str) -> None:
+    """Rank 2 runs out of descriptors and finishes cleanly at once, still out of them: its
+    success marker could not be written, and its peers took its clean exit for a failure
+    ("ended without a success marker") and tore the healthy job down. For that record the
+    soft limit is raised to the hard one (``soft-limit``). Under ``ulimit -n`` (soft = hard)
+    with a leak (``ulimit-leak``), what peerwatch's own watching held is given back first,
+    at exit, and the record is written: every rank exits 0."""
+    job = make_job(world=3, behave=["0=await:gone-2", "1=await:gone-2", f"2={how}"],
+                   env={"RANK_PROGRAM_RESERVE_FDS": "8"}).start()
+    job.wait_ready()
+    assert select.select([job.ranks[2].pidfd], [], [], STUCK_S)[0], job.logs()  # rank 2 ended
+    (job.ready_dir / "gone-2").write_text("")
+    job.wait_gone(within=STUCK_S)
+    assert job.returncodes() == {0: 0, 1: 0, 2: 0}, job.logs()
+    assert not (job.run_dir / "events" / "verdict.json").exists(), job.logs()
+    assert (job.run_dir / "events" / "success-00002.json").exists(), job.logs()
+
+
+
+def test_a_rank_that_fails_out_of_descriptors_is_blamed_for_its_exception(make_job) -> None:
+    """Rank 2 runs out of descriptors and raises: its failure record (the exception) could
+    not be written, and its peers learnt only its exit code. It is written with the soft
+    limit raised for that write: the verdict names the exception."""
+    job = make_job(world=3, behave=["0=await:never", "1=await:never", "2=starve_raise"],
+                   env={"RANK_PROGRAM_RESERVE_FDS": "8"}).start()
+    job.wait_ready()
+    job.wait_gone(within=STUCK_S)
+    verdict = json.loads((job.run_dir / "events" / "verdict.json").read_text())
+    assert (verdict["rank"], verdict["cause"], verdict["exception"]) == (2, "exception", "RuntimeError"), verdict
+    assert "failed out of descriptors" in verdict["message"], verdict
