@@ -35,6 +35,7 @@ from ._records import (
     Ack,
     ExitStatus,
     Failure,
+    Interrupt,
     NotSignalled,
     Registration,
     Success,
@@ -158,6 +159,8 @@ def describe(rec: object) -> Optional[tuple]:
     if isinstance(rec, NotSignalled):
         return "not_signalled", rec.rank, rec.time_ns, {
             "pid": rec.pid, "reason": rec.reason, "observed_by": rec.observed_by}
+    if isinstance(rec, Interrupt):
+        return "interrupt", rec.rank, rec.time_ns, {"pid": rec.pid, "signal": rec.signal, "signalled_by": rec.signalled_by}
     if isinstance(rec, WatcherDeath):
         return "watcher_death", rec.rank, rec.time_ns, {
             "pid": rec.pid, "exception": rec.exception, "message": rec.message}

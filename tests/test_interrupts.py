@@ -8,6 +8,7 @@ Real sibling ranks in a process group of their own, as a terminal's foreground j
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -125,3 +126,5 @@ def test_a_sigint_to_a_job_whose_rank_waits_in_c_is_an_interrupt(make_job) -> No
     report = job.report()
     _no_blame(job, logs, report)
     assert (job.run_dir / "events" / "interrupt-00002.json").exists(), logs
+    logged = [json.loads(line) for line in (job.run_dir / "events.jsonl").read_text().splitlines()]
+    assert any(e["event"] == "interrupt" and e["rank"] == 2 and e["signal"] == "SIGINT" for e in logged), logged
