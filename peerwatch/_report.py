@@ -223,7 +223,7 @@ def _exit_code(
     if state in (TORN_DOWN, INTERRUPTED_STATE) and verdict is not None:
         return verdict.exit_code, False
     if state == SUCCEEDED:
-        return 0, True  # a success marker is written only for exit status 0 (invariant 10)
+        return 0, True  # a success marker is written only for exit status 0 (docs/security.md, "Success needs evidence")
     return None, False
 
 

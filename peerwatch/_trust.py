@@ -2,7 +2,7 @@
 
 A run directory, and every folder above it, must be safe from other users: ours, not
 group- or world-writable, never reached through a symlink another user could swap
-(DESIGN.md invariant 11). Files in it are opened never through a symlink, never blocking
+(docs/security.md, "The path to the run directory"). Files in it are opened never through a symlink, never blocking
 on a FIFO, and only when regular (:func:`open_regular`).
 """
 
