@@ -13,7 +13,8 @@ Threads: owned by the watcher thread (its :class:`peerwatch._observer.Observer`'
 (any thread). The folder watch is made, drained, swapped and closed only under
 ``_folders_lock`` (a repair and a stop may race: a watch made after the stop would outlive
 the rank's watching; a number closed by a stop and reused by the application must not be
-read), and once stopped it is never started or repaired again.
+read), and once stopped it is never started or repaired again. ``_repaired`` is set by
+either thread (a stop sets it under that lock) and reset only by the watcher, under it.
 """
 
 from __future__ import annotations
@@ -177,8 +178,12 @@ class Waker:
 
     def _rebuild_poll(self) -> None:
         """A new poll set of the descriptors that are ours now. After a repair, a number
-        may have changed hands (a new pipe can get a closed pidfd's number)."""
-        self._repaired = False
+        may have changed hands (a new pipe can get a closed pidfd's number). The flag's
+        reset and the read of the folder watch are one step under ``_folders_lock``: a
+        stop() that closes the watch in between sets the flag again, never lost."""
+        with self._folders_lock:
+            self._repaired = False
+            folders = self._folders
         self._poller = select.poll()
         self._poller.register(self._wake_r.fd, select.POLLIN)
         self._fd_rank = {}
@@ -186,7 +191,6 @@ class Waker:
             if peer.pidfd is not None and rank not in self._gone:
                 self._fd_rank[peer.pidfd] = rank
                 self._poller.register(peer.pidfd, select.POLLIN)
-        folders = self._folders
         if folders is not None and folders.fd is not None and folders.fd not in self._fd_rank:
             self._poller.register(folders.fd, select.POLLIN)
 
