@@ -2,10 +2,12 @@
 
 Threads:
 - :class:`OwnProgress` is written by the training thread only (``beat()``, ``paused()``) and
-  read by the watcher thread (single ints: no torn reads).
-- :class:`HeartbeatWriter` writes from the watcher thread every ``heartbeat_interval``,
-  and from the training thread when it enters or leaves ``paused()`` (the judges must
-  not miss a pause); its lock serialises the two.
+  read by the watcher thread (single ints: no torn reads). Its first ``beat()`` calls
+  ``on_first_beat`` in the training thread (the GIL watchdog is armed there).
+- :class:`HeartbeatWriter` writes from three threads: the watcher thread every
+  ``heartbeat_interval``, the training thread when it enters or leaves ``paused()`` (the
+  judges must not miss a pause), and whichever thread ends the rank (its last heartbeat,
+  ``leaving()``); its one lock serialises them.
 - ``children_changed`` is set by whichever thread forked, cleared by the writer.
 """
 
