@@ -146,7 +146,7 @@ def _lost_here(b: Bridge, rank: int) -> bool:
 
 
 @pytest.mark.parametrize("hosts", [3, 8])
-def test_a_host_reads_one_key_per_beat_whatever_the_number_of_hosts(store, tmp_path: Path, hosts: int) -> None:
+def test_a_host_reads_one_key_per_beat_whatever_the_number_of_hosts_and_none_is_lost_at_start(store, tmp_path: Path, hosts: int) -> None:
     """Every bridge read every host's beat every heartbeat: O(hosts) keys per host, O(hosts^2)
     for the store. Now the aggregator alone reads the beats; every other host reads the
     digest (one key, one request) besides its own beat (one set), with 3 hosts as with 8."""
@@ -173,6 +173,10 @@ def test_a_host_reads_one_key_per_beat_whatever_the_number_of_hosts(store, tmp_p
             assert beats - 2 <= read.get("digest", 0) <= beats + 2, (read, beats)
             assert sum(read.values()) <= beats + 4, (read, beats)
             assert requests <= 2 * beats + 4, (requests, beats)
+        # Started together (each first request at a random point of its first heartbeat):
+        # no host was judged lost while the job started, nor since.
+        for b in bridges:
+            assert not [n for n in b.run_dir.names(EVENTS) if n.startswith("failure-")], b.index
     finally:
         for b in bridges:
             b.stop()
