@@ -89,6 +89,7 @@ from ._hosts import (
     op_timeout_s,
     report_store_lost,
     settle_deadline,
+    stalled_for_digest,
     store_silent_for,
     takeover_ns,
     unannounced_ranks,
@@ -266,6 +267,7 @@ class _BeatLoop:
         self._stall_published_ns = 0
         self._stalls_read_ns = 0
         self._remote: Dict[int, Tuple[str, int, bytes]] = {}  # host -> (its stall, its last move on our clock, summary)
+        self._laggards: Set[int] = set()  # hosts whose summary has ranks not waiting in a collective (ours too)
         self._remote_file = False  # RUN/stalls-remote.json names hosts
         self._relay = StraggleRelay(link.run_dir, link.config.heartbeat_interval) if link.config.stragglers else None
         # The digest (docs/multi-node.md): one host, the aggregator, reads every beat and
@@ -342,7 +344,7 @@ class _BeatLoop:
             self._judge(seen.beats)
         else:
             self._judge_digest(seen.digest, seen_ns)
-        self._role(seen, plan.beat, stall is not None, seen_ns)
+        self._role(seen, plan.beat, stall, seen_ns)
         self._judge_missing()
         if plan.stall is not None and stall is not None:
             self._stall_token, self._stall_published_ns = stall.stall, now_ns
@@ -395,10 +397,15 @@ class _BeatLoop:
         before = dict(self._remote)
         still = set(seen.stalled) if stalled else set()
         self._remote = {j: v for j, v in self._remote.items() if j in still}
+        self._laggards &= still
         for j, data in seen.stalls.items() if read else ():
             summary = _summary.Summary.from_json(data) if data is not None else None
             if summary is None or j not in still:
                 continue
+            if summary.detailed:
+                self._laggards.add(j)
+            else:
+                self._laggards.discard(j)
             old = self._remote.get(j)
             moved = old[1] if old is not None and old[0] == summary.stall else now_ns - summary.age_ms * 1_000_000
             self._remote[j] = (summary.stall, moved, bytes(data))  # type: ignore[arg-type]
@@ -476,7 +483,7 @@ class _BeatLoop:
             if j != self.index and j not in self._lost_reported:
                 self._host_lost(j, self.link.config.peer_timeout)
 
-    def _role(self, seen: Seen, beat: bytes, stalled: bool, now_ns: int) -> None:
+    def _role(self, seen: Seen, beat: bytes, stall: Optional[_summary.Summary], now_ns: int) -> None:
         """Aggregate or read, from the next heartbeat on (:func:`._hosts.aggregate_term`);
         the aggregator publishes its digest now."""
         term = aggregate_term(seen.index, seen.digest, self.term, self._watch.silent_ns(now_ns), self._takeover_ns)
@@ -496,7 +503,10 @@ class _BeatLoop:
         if was is None or term is None:
             return
         lost, more = bounded(self.liveness.lost(now_ns))
-        stalls, _ = bounded(list(seen.stalled) + ([seen.index] if stalled else []))
+        # Past MAX_DIGEST_LIST hosts standing still, the others read the laggard candidates first.
+        mine = [seen.index] if stall is not None else []
+        stalls = stalled_for_digest(list(seen.stalled) + mine,
+                                    self._laggards | (set(mine) if stall is not None and stall.detailed else set()))
         rank0 = next((j for j, h in self.hosts.items() if 0 in h.ranks), None)
         digest = Digest(seen.index, term, beat, self._count, self.joined, lost, stalls, self.job_ending, rank0, more)
         link = self.link

@@ -229,6 +229,14 @@ def bounded(hosts: List[int]) -> Tuple[Tuple[int, ...], int]:
     return tuple(hosts[:MAX_DIGEST_LIST]), max(0, len(hosts) - MAX_DIGEST_LIST)
 
 
+def stalled_for_digest(stalled: List[int], first: AbstractSet[int]) -> Tuple[int, ...]:
+    """The hosts standing still that a digest names (every other host reads their
+    summaries): at most ``MAX_DIGEST_LIST``, those in ``first`` first (the hosts whose
+    summary holds ranks that do not wait inside a collective: the laggard candidates),
+    then the lowest indices."""
+    return tuple(sorted(set(stalled), key=lambda j: (j not in first, j))[:MAX_DIGEST_LIST])
+
+
 class DigestWatch:
     """How long the digest has not advanced (a new writer or term, or a higher sequence
     number of the same writer), on this host's monotonic clock, counted only while we
@@ -489,7 +497,7 @@ def lost_store_failure(
 
 __all__ = [
     "CONNECT_BACKOFF_MAX_S", "DONE", "JOIN_TIMEOUTS", "MAX_HOSTS", "MAX_HOST_BYTES", "READ_BATCH", "REMOTE_SETTLE_S",
-    "STALLED", "MAX_DIGEST_LIST", "MAX_DIGEST_BYTES", "Absence", "Digest", "DigestWatch", "aggregate_term", "bounded",
+    "STALLED", "MAX_DIGEST_LIST", "MAX_DIGEST_BYTES", "Absence", "Digest", "DigestWatch", "aggregate_term", "bounded", "stalled_for_digest",
     "successor_distance", "takeover_ns", "beat_seq", "stalled_hosts", "HostInfo", "Liveness", "beat_value", "connect_allowance_s",
     "host_ident", "hosts_missing", "missing_hosts_failure", "parse_count", "unannounced_ranks",
     "hosts_to_declare_lost", "hosts_to_read", "interval_deadline_s", "lost_host_failure", "lost_store_failure",

@@ -490,3 +490,12 @@ def test_the_digest_watch_counts_only_while_we_look() -> None:
     assert w.silent_ns(2000) == 0
     w.observe(2100, Digest(1, 1, b"3"))  # a new writer (lower sequence: another host's clock) is news
     assert w.silent_ns(2100) == 0
+
+
+def test_past_the_bound_a_digest_names_the_laggard_candidates_first() -> None:
+    from peerwatch._hosts import stalled_for_digest
+
+    many = list(range(1000))
+    named = stalled_for_digest(many, {900, 5})
+    assert len(named) == MAX_DIGEST_LIST and named[:2] == (5, 900) and named[2:5] == (0, 1, 2)
+    assert stalled_for_digest([3, 1, 2], set()) == (1, 2, 3)
