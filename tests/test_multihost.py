@@ -644,6 +644,31 @@ def test_a_frozen_host_is_lost_after_peer_timeout(cluster) -> None:  # type: ign
 
 @multihost
 @pytest.mark.timeout(60)
+def test_the_aggregator_frozen_is_lost_on_every_other_host(cluster) -> None:  # type: ignore[no-untyped-def]
+    """The host that reads every beat and publishes the digest freezes: the others, which read
+    only its digest, judge it by that digest (it carries its beat), as they would any host."""
+    c = cluster().start()
+    c.wait_connected()
+    states = {name: h.bridge_state() for name, h in c.hosts.items()}
+    (name,) = [n for n, s in states.items() if s.get("index") is not None and s.get("aggregator") == s.get("index")]
+    agg = c.hosts[name]
+    others = [n for n in c.hosts if n != name]
+    agg.signal("ranks", signal.SIGSTOP)
+    stopped_ns = time.time_ns()
+    c.wait_gone(others, within=LOST_S)
+    first = min(agg.ranks)
+    for n in others:
+        h = c.hosts[n]
+        assert f"host {agg.name} (ranks {first}-{max(agg.ranks)}) lost" in _lost_detail(h)
+        assert (h.verdict()["rank"], h.verdict()["host"]) == (first, agg.name)  # type: ignore[index]
+        assert (h.verdict_written_ns() - stopped_ns) / 1e9 >= PEER_TIMEOUT_S - HEARTBEAT_S
+    agg.signal("ranks", signal.SIGCONT)  # back to life, it learns the job is over and ends too
+    c.wait_gone([name], within=LOST_S)
+    assert agg.verdict() is not None
+
+
+@multihost
+@pytest.mark.timeout(60)
 def test_a_partitioned_host_ends_in_a_verdict_everywhere(cluster) -> None:  # type: ignore[no-untyped-def]
     c = cluster(isolated="c").start()
     c.wait_connected()
