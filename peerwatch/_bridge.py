@@ -234,7 +234,8 @@ class _TorchGate:
 class _BeatLoop:
     """The beat thread: once per heartbeat, this host's beat and the digest, or, on the
     aggregator, every host's beat (one bounded :func:`._store_protocol.exchange`) and the
-    digest published; the judgement of hosts that fell silent, and of the store itself. Every field is the beat thread's (others only read ``index``, ``hosts``,
+    digest published; the judgement of hosts that fell silent, and of the store itself.
+    Every field is the beat thread's (others only read ``index``, ``hosts``, ``term``, ``last_digest``,
     ``liveness``, ``job_ending``, ``connected`` and ``requests``)."""
 
     def __init__(self, link: _Link, me: Registration, ident: str, seq: Callable[[], int], succeeded: threading.Event,
@@ -274,6 +275,7 @@ class _BeatLoop:
         # publishes one key; every other host reads that key alone.
         self.term: Optional[int] = None  # we aggregate under this term (None: we read the digest)
         self.digest: Optional[Digest] = None  # the digest as last read
+        self.last_digest: Optional[Digest] = None  # the digest we last published (for on_success's done)
         self._digest_known = False  # the key is there: read without a check first
         self._watch = DigestWatch(int(link.config.peer_timeout * 1e9))
         self._takeover_ns = takeover_ns(link.config.peer_timeout, link.config.heartbeat_interval)
@@ -512,6 +514,7 @@ class _BeatLoop:
         link = self.link
         link.client.call(functools.partial(publish_digest, prefix=link.prefix, digest=digest, seal=link.seal),
                          interval_deadline_s(link.config.peer_timeout))
+        self.last_digest = digest
         self.requests += 1
 
     def _judge_missing(self) -> None:
@@ -933,8 +936,11 @@ class Bridge:
                 self.running and self.connected and index is not None and client is not None):
             return  # the beat thread says it at its next interval, if it can
         self._done_sent = True
-        done = functools.partial(send_beat, prefix=self.prefix, index=index, beat=beat_value(self._seq(), True),
-                                 seal=self._seal)
+        # The aggregator says it in its digest too (the other hosts read nothing else): a job
+        # whose aggregator ended first is ending, not missing its aggregator.
+        last = self._beat.last_digest if self._beat is not None and self._beat.term is not None else None
+        done = functools.partial(_send_done, prefix=self.prefix, index=index, beat=beat_value(self._seq(), True),
+                                 seal=self._seal, digest=last)
         try:
             client.call(done, PUBLISH_BUDGET_S)
         except Exception as e:  # noqa: BLE001
@@ -975,6 +981,13 @@ class Bridge:
         """Where the waiter thread hands what the store held (a seam: the load benchmark times it)."""
         assert self._waiter is not None
         self._waiter.take(data)
+
+
+def _send_done(c: Any, prefix: str, index: int, beat: bytes, seal: Seal, digest: Optional[Digest]) -> None:
+    """The done beat, and on the aggregator its last digest again with it (saying the job is ending)."""
+    send_beat(c, prefix, index, beat, seal)
+    if digest is not None and digest.by == index:
+        publish_digest(c, prefix, dataclasses.replace(digest, beat=beat, ending=True), seal)
 
 
 def _write_failure(run_dir: RunDir, failure: Failure) -> None:

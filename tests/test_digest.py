@@ -211,3 +211,27 @@ def test_the_aggregators_death_is_seen_and_its_successor_takes_over(store, tmp_p
     finally:
         for b in bridges:
             b.stop()
+
+
+def test_an_aggregator_that_ends_well_first_is_not_lost(store, tmp_path: Path) -> None:
+    """The aggregator's rank finishes cleanly and its host goes away first: the other hosts,
+    which read nothing but its digest, learn from it that the job is ending (its done beat
+    is in the digest too), and none judges it lost when its digest stands still."""
+    bridges = [_host(tmp_path, n, f"127.0.0.1:{int(store().port)}", "digest-ends") for n in range(3)]
+    try:
+        _until("every host counted by the digest", lambda: all(b.joined == 3 and b.connected for b in bridges),
+               START_S, lambda: _state(bridges))
+        (first,) = [b for b in bridges if b.aggregating]
+        rest = [b for b in bridges if b is not first]
+        first.on_success()
+        first.stop()
+        ended = time.monotonic()
+        _until("the job ending on every other host", lambda: all(b.job_ending for b in rest), LOST_S,
+               lambda: _state(bridges))
+        # Past peer_timeout (and a takeover) since the aggregator went quiet: nobody judged it.
+        _until("peer_timeout passed", lambda: time.monotonic() > ended + PEER_TIMEOUT_S + 4 * HEARTBEAT_S, LOST_S)
+        for b in rest:
+            assert not [n for n in b.run_dir.names(EVENTS) if n.startswith("failure-")], b.index
+    finally:
+        for b in bridges:
+            b.stop()
