@@ -67,6 +67,8 @@ def worker(first: int, count: int, args: Dict[str, Any], port: int, base: str, c
     """Run ``count`` simulated hosts (indices first..first+count-1) in this process."""
     import logging
 
+    import torch.distributed  # noqa: F401 - as the application does: the bridges start only once it is imported
+
     import peerwatch._bridge as bridge_mod
     from peerwatch import _identity
     from peerwatch._config import Config, LauncherFacts
