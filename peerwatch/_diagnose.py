@@ -34,8 +34,9 @@ has moved for the warning threshold:
    (``Threshold.stuck_ns``: ``STUCK_S`` of the judge's awake time since the job last
    moved, 10 s at 1 s heartbeats), not only from the learnt one, but a finding made
    before the learnt threshold is kept only if it is a ``hang`` or ``mismatch`` whose every
-   laggard is plainly stuck (:func:`plainly_stuck`): stopped, its watcher silent, or a
-   whole window of ``STUCK_SAMPLES`` samples with no sign of work at all. A laggard that
+   laggard is plainly stuck (:func:`plainly_stuck`): stopped, or a whole window of
+   ``STUCK_SAMPLES`` samples with no sign of work at all (a silent watcher alone is not:
+   a long garbage collection holds the GIL too). A laggard that
    itself waits in another collective is named early only if no rank of the job shows a
    sign of work (it may wait for a pipeline stage that computes). Anything with a sign
    of work, or too few samples, waits for the learnt threshold as before: rule 7 names
@@ -174,10 +175,14 @@ def diagnose(
 
 
 def plainly_stuck(s: RankState) -> bool:
-    """Rule 7: the rank cannot be working: stopped, its watcher silent, or a whole window
-    of samples (``STUCK_SAMPLES``) with no sign of work at all (in D state too)."""
-    if s.state in STOPPED_STATES or s.watcher_silent:
+    """Rule 7: the rank cannot be working: stopped, or a whole window of samples
+    (``STUCK_SAMPLES``) with no sign of work at all (in D state too). Not a silent watcher
+    alone: the GIL held for long is as often a garbage collection or a C call that
+    computes as a deadlock, and nobody sampled it meanwhile (the learnt threshold judges it)."""
+    if s.state in STOPPED_STATES:
         return True
+    if s.watcher_silent:
+        return False
     a = s.activity
     return a is not None and a.samples >= STUCK_SAMPLES and busy_evidence(s) == ""
 
@@ -189,8 +194,7 @@ def _named_early(found: Found, ranks: Mapping[int, RankState]) -> bool:
     sign of work either."""
     if found.kind not in (HANG, MISMATCH) or not all(plainly_stuck(ranks[r]) for r in found.laggards):
         return False
-    waiting = [r for r in found.laggards if ranks[r].in_collective and ranks[r].state not in STOPPED_STATES
-               and not ranks[r].watcher_silent]
+    waiting = [r for r in found.laggards if ranks[r].in_collective and ranks[r].state not in STOPPED_STATES]
     return found.kind == MISMATCH or not waiting or all(busy_evidence(s) == "" for s in ranks.values())
 
 

@@ -59,9 +59,10 @@ class Diagnoser:
         is looked at again every time: its laggard may stop working (a hang, once it has shown
         no work for a whole window more)."""
         timeout_ms = min((p.timeout_ms for p in obs.progress.values() if p.timeout_ms > 0), default=0)
-        stuck_ns = self.threshold.stuck_ns(timeout_ms, self._interval_ns / 1e9)  # rule 7's, shorter (0: none)
-        # The other hosts are asked for at the shorter of the two: a stuck rank may be theirs.
-        ranks = self._with_other_hosts(self.ranks(obs), obs, stuck_ns or self.threshold.value_ns(timeout_ms))
+        # The other hosts are asked for at the learnt threshold, not the stuck one: a stall's
+        # summaries cost the store as before. A stuck rank is named early by its own host's
+        # judges where a rank of its host waits for it; a whole host behind, at the threshold.
+        ranks = self._with_other_hosts(self.ranks(obs), obs, self.threshold.value_ns(timeout_ms))
         last = _diagnose.last_move(ranks)
         self.threshold.observe(last, obs.awake_since_ns)
         self._resolve(last, obs.now_ns)
