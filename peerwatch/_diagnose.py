@@ -30,6 +30,17 @@ has moved for the warning threshold:
    once under ``auto``. A laggard that has published too few samples to tell yet is
    waited for (unknown, not stuck); and a busy laggard turns stuck only once it has shown
    nothing for a whole window (peerwatch._diagnoser): one window with a dip does not.
+7. Plainly stuck, named early: rules 2-6 are applied from the stuck threshold
+   (``Threshold.stuck_ns``: ``STUCK_S`` of the judge's awake time since the job last
+   moved, 10 s at 1 s heartbeats), not only from the learnt one, but a finding made
+   before the learnt threshold is kept only if it is a ``hang`` or ``mismatch`` whose every
+   laggard is plainly stuck (:func:`plainly_stuck`): stopped, or a whole window of
+   ``STUCK_SAMPLES`` samples with no sign of work at all (a silent watcher alone is not:
+   a long garbage collection holds the GIL too). A laggard that
+   itself waits in another collective is named early only if no rank of the job shows a
+   sign of work (it may wait for a pipeline stage that computes). Anything with a sign
+   of work, or too few samples, waits for the learnt threshold as before: rule 7 names
+   nothing ``busy``, and a busy finding turns into a hang only by rule 6's window.
 
 Ranks of other hosts come in as the ranks of this one (peerwatch._summary turns each
 host's summary from the store into them, its host named): the rules are the same, and a
@@ -39,9 +50,10 @@ The threshold (:class:`Threshold`) is learnt from the job's own intervals betwee
 movements (any rank's counters or ``beat()``): after ``WARMUP_GAPS`` of them, it is
 ``FACTOR`` times the longest seen, at least ``FLOOR_S``, and at most ``CAP_FRACTION`` of the
 process group's collective timeout (so it comes well before the timeout kills the job).
-Before the warm-up it is ``FLOOR_S`` (at most the cap): a job that hangs right after its
-first collectives is diagnosed within about a minute, and rule 6 keeps a busy laggard
-from being ended that early. Why it does not fire on slow steps, evaluation or
+Before the warm-up it is ``FLOOR_S`` (at most the cap), and rule 6 keeps a busy laggard
+from being ended that early. That threshold governs anything with a sign of work; a
+plainly stuck laggard is named at the stuck threshold (rule 7), about 10 s, whatever the
+job's steps: a long step is work, and shows. Why it does not fire on slow steps, evaluation or
 checkpointing: a step is one interval, so slow steps raise the threshold as they come
 (a step would have to get five times longer than the longest so far, and over a
 minute, at once); a phase without collectives on every rank is rule 5 (nothing to
@@ -72,6 +84,11 @@ BUSY_MAIN_IO_BYTES = 1  # or bytes read or written by its main thread (a slow re
 BUSY_OTHER_SHARE = 0.10  # or its other threads (torch's intra-op pool...) on the CPU this share of a core
 BUSY_IO_BYTES = 256 * 1024  # or bytes read or written by all its threads (more than a monitor's polls)
 BUSY_CHILDREN_SHARE = 0.10  # or its descendants (data loader workers...) on the CPU this share of a core
+# The stuck threshold (rule 7): a laggard with no sign of work at all is named this soon,
+# whatever the learnt threshold, once its samples cover a whole window.
+STUCK_S = 10.0  # of the judge's awake time since the job last moved
+STUCK_SAMPLES = 8  # samples with no sign of work, a whole window (peerwatch._activity.WINDOW)
+STUCK_MARGIN_BEATS = 2  # beats over the window: its first sample, and the judge's look
 # A process state (/proc's) in which a rank cannot be making progress, and how to say it.
 FROZEN_STATES = {"T": "stopped (SIGSTOP)", "t": "stopped by a debugger", "D": "in uninterruptible sleep (I/O)"}
 STOPPED_STATES = ("T", "t")  # stopped: its watcher is stopped too, and no I/O is under way
@@ -133,11 +150,14 @@ def last_move(ranks: Mapping[int, RankState]) -> Optional[int]:
 
 def diagnose(
     ranks: Mapping[int, RankState], now_mono_ns: int, threshold_ns: int, timeout_ms: int = 0, awake_since_ns: int = 0,
+    stuck_ns: int = 0,
 ) -> Optional[Found]:
     """The diagnosis if nothing has moved for ``threshold_ns``; None otherwise.
     ``timeout_ms``: the shortest collective timeout (0: unknown), for rule 6's end.
     ``awake_since_ns``: when the judge last resumed (peerwatch._awake): only the time since
-    counts (a judge that was stopped with the ranks sees their stale heartbeats first)."""
+    counts (a judge that was stopped with the ranks sees their stale heartbeats first).
+    ``stuck_ns``: rule 7's shorter threshold (0: none): from then on, a ``hang`` or
+    ``mismatch`` whose every laggard is plainly stuck (:func:`plainly_stuck`) is named."""
     if threshold_ns <= 0 or not ranks or any(s.paused for s in ranks.values()):
         return None
     counted = {r: s for r, s in ranks.items() if s.collectives}
@@ -145,8 +165,41 @@ def diagnose(
     if not counted or last is None:
         return None
     since = now_mono_ns - max(last, awake_since_ns)
-    if since < threshold_ns:
+    early = 0 < stuck_ns <= since < threshold_ns  # rule 7: only a plainly stuck laggard is named
+    if since < threshold_ns and not early:
         return None
+    found = _found(ranks, counted, since, timeout_ms)
+    if early and (found is None or not _named_early(found, ranks)):
+        return None  # a sign of work, too few samples yet, or a wait on others: the learnt threshold
+    return found
+
+
+def plainly_stuck(s: RankState) -> bool:
+    """Rule 7: the rank cannot be working: stopped, or a whole window of samples
+    (``STUCK_SAMPLES``) with no sign of work at all (in D state too). Not a silent watcher
+    alone: the GIL held for long is as often a garbage collection or a C call that
+    computes as a deadlock, and nobody sampled it meanwhile (the learnt threshold judges it)."""
+    if s.state in STOPPED_STATES:
+        return True
+    if s.watcher_silent:
+        return False
+    a = s.activity
+    return a is not None and a.samples >= STUCK_SAMPLES and busy_evidence(s) == ""
+
+
+def _named_early(found: Found, ranks: Mapping[int, RankState]) -> bool:
+    """Rule 7: a hang or mismatch whose every laggard is plainly stuck. A hang's laggard
+    that waits in another collective (not stopped) waits for someone else, who may be
+    working (a pipeline stage computing): named early only if no rank of the job shows a
+    sign of work either."""
+    if found.kind not in (HANG, MISMATCH) or not all(plainly_stuck(ranks[r]) for r in found.laggards):
+        return False
+    waiting = [r for r in found.laggards if ranks[r].in_collective and ranks[r].state not in STOPPED_STATES]
+    return found.kind == MISMATCH or not waiting or all(busy_evidence(s) == "" for s in ranks.values())
+
+
+def _found(ranks: Mapping[int, RankState], counted: Mapping[int, RankState], since: int, timeout_ms: int) -> Optional[Found]:
+    """Rules 2 to 6, once nothing has moved for ``since``."""
     evidence = {r: busy_evidence(s) for r, s in ranks.items()}
     frozen = sorted(r for r, s in ranks.items() if _frozen(s, evidence[r]))
     mismatch = _mismatch(counted, ranks)
@@ -375,6 +428,15 @@ class Threshold:
         if self._last is None or last_move_ns > self._last:
             self._last = last_move_ns
 
+    def stuck_ns(self, timeout_ms: int, interval_s: float = 1.0) -> int:
+        """Rule 7's threshold: ``STUCK_S``, or long enough for a whole window of samples at
+        heartbeats of ``interval_s``; never over :meth:`value_ns`. 0 (none) under a fixed
+        threshold: hang_warn set in seconds is the one threshold."""
+        if self.fixed_s is not None:
+            return 0
+        window_ns = int((STUCK_SAMPLES + STUCK_MARGIN_BEATS) * interval_s * 1e9)
+        return min(max(int(STUCK_S * 1e9), window_ns), self.value_ns(timeout_ms))
+
     def value_ns(self, timeout_ms: int) -> int:
         """The threshold now, given the shortest collective timeout (ms; 0: unknown)."""
         if self.fixed_s is not None:
@@ -387,5 +449,6 @@ class Threshold:
 
 __all__ = [
     "BUSY_END_FRACTION", "CAP_FRACTION", "FACTOR", "FLOOR_S", "FROZEN_STATES", "Found", "RankState", "STOPPED_STATES",
-    "Threshold", "WARMUP_GAPS", "busy_evidence", "diagnose", "explain", "last_move",
+    "STUCK_S", "STUCK_SAMPLES", "Threshold", "WARMUP_GAPS", "busy_evidence", "diagnose", "explain", "last_move",
+    "plainly_stuck",
 ]

@@ -59,6 +59,9 @@ class Diagnoser:
         is looked at again every time: its laggard may stop working (a hang, once it has shown
         no work for a whole window more)."""
         timeout_ms = min((p.timeout_ms for p in obs.progress.values() if p.timeout_ms > 0), default=0)
+        # The other hosts are asked for at the learnt threshold, not the stuck one: a stall's
+        # summaries cost the store as before. A stuck rank is named early by its own host's
+        # judges where a rank of its host waits for it; a whole host behind, at the threshold.
         ranks = self._with_other_hosts(self.ranks(obs), obs, self.threshold.value_ns(timeout_ms))
         last = _diagnose.last_move(ranks)
         self.threshold.observe(last, obs.awake_since_ns)
@@ -67,7 +70,7 @@ class Diagnoser:
         if current is not None and current.resolved_ns is None and current.finding != BUSY:
             return current
         found = _diagnose.diagnose(ranks, obs.now_mono_ns, self.threshold.value_ns(timeout_ms), timeout_ms,
-                                   obs.awake_since_ns)
+                                   obs.awake_since_ns, self.threshold.stuck_ns(timeout_ms, self._interval_ns / 1e9))
         busy = current is not None and current.resolved_ns is None and current.finding == BUSY
         if not busy or (found is not None and found.kind == BUSY):
             self._idle_since = None

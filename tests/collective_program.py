@@ -28,6 +28,11 @@ trains: ``all_reduce`` of 4 floats, then ``--step-s`` seconds of "compute". Beha
                  fork runs no Python at-fork hook: nothing tells peerwatch a child came)
     lock         block forever on a lock it already holds (no CPU, no I/O: stuck)
     stop         SIGSTOP itself (frozen)
+    dstate       its main thread in uninterruptible sleep (D) for good, the GIL released:
+                 posix_spawn (a vfork) of a child whose first act, opening
+                 ``--ready``/fifo-<rank> (a FIFO nobody writes), blocks; the parent waits
+                 for its exec. No root needed; whoever ends the job opens the FIFO for
+                 writing to let the child go
 
 ``--no-torch``: never import torch (a job of plain processes). ``--no-collectives``:
 join the group, then only "compute". ``--ddp``: each step is a DistributedDataParallel
@@ -141,6 +146,21 @@ def computing_child(seconds: float) -> None:
     subprocess.run([sys.executable, "-c", work], check=True, timeout=seconds + 60)
 
 
+def uninterruptible(fifo: str) -> None:
+    """posix_spawn through ctypes (the GIL released, as any C call stuck in the kernel):
+    glibc's vfork parent waits, in state D, for a child that blocks opening ``fifo``."""
+    import ctypes
+
+    os.mkfifo(fifo)
+    libc = ctypes.CDLL(None, use_errno=True)
+    actions = ctypes.create_string_buffer(256)  # a posix_spawn_file_actions_t (80 bytes on glibc x86-64)
+    libc.posix_spawn_file_actions_init(actions)
+    libc.posix_spawn_file_actions_addopen(actions, 3, fifo.encode(), os.O_RDONLY, 0)
+    pid = ctypes.c_int()
+    argv = (ctypes.c_char_p * 2)(b"/bin/true", None)
+    libc.posix_spawn(ctypes.byref(pid), b"/bin/true", actions, None, argv, None)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--world", type=int, required=True)
@@ -215,6 +235,8 @@ def main() -> None:
                 {"compute": compute, "spin": spin, "trickle": trickle, "subprocess": computing_child}[name](float(arg))
             elif name == "stop":
                 os.kill(os.getpid(), signal.SIGSTOP)
+            elif name == "dstate":
+                uninterruptible(os.path.join(args.ready, f"fifo-{rank}"))
             elif name == "lock":
                 lock = threading.Lock()
                 lock.acquire()

@@ -17,6 +17,8 @@ from peerwatch._diagnose import (
     CAP_FRACTION,
     FACTOR,
     FLOOR_S,
+    STUCK_S,
+    STUCK_SAMPLES,
     WARMUP_GAPS,
     RankState,
     Threshold,
@@ -648,3 +650,102 @@ def test_the_hang_verdict_and_the_diagnosis_explain_a_laggard_in_the_same_words(
     assert verdict is not None and verdict.rank == 1, verdict
     assert f"({said}, at train.py:3 in f)" in found.detail, found.detail
     assert f"({said}, it never reported progress, at train.py:3 in f)" in verdict.detail, verdict.detail
+
+
+# -- rule 7: a plainly stuck laggard is named at STUCK_S, not at the learnt threshold (issue 34) --
+
+LEARNT = int(FLOOR_S * S)  # the learnt threshold with no configuration, before its warm-up
+STUCK = int(STUCK_S * S)
+WINDOW = act(samples=STUCK_SAMPLES)  # a whole window with no sign of work
+
+
+def test_the_stuck_threshold_is_ten_seconds_or_a_window_of_beats_never_over_the_learnt_one():
+    from peerwatch import _activity
+
+    assert (STUCK_S, STUCK_SAMPLES) == (10.0, _activity.WINDOW)
+    learnt = Threshold()
+    assert learnt.stuck_ns(0) == STUCK and learnt.value_ns(0) == LEARNT
+    assert learnt.stuck_ns(0, interval_s=2.0) == 20 * S  # 8 samples + 2 beats of 2 s
+    assert learnt.stuck_ns(8_000) == 4 * S  # a 8 s collective timeout: at most its half, as the learnt one
+    assert Threshold(fixed_s=30.0).stuck_ns(0) == 0  # hang_warn in seconds: the one threshold
+
+
+def test_a_laggard_with_a_whole_window_of_nothing_is_a_hang_at_the_stuck_threshold():
+    ranks = {0: rank(21, moved=NOW - STUCK), 1: rank(20, moved=NOW - 20 * S, activity=WINDOW, where="t.py:3 in f"),
+             2: rank(21, moved=NOW - STUCK)}
+    assert diagnose(ranks, NOW, LEARNT) is None  # before: nothing until the learnt threshold (a minute)
+    d = diagnose(ranks, NOW, LEARNT, stuck_ns=STUCK)
+    assert d is not None and (d.kind, d.laggards, d.entered, d.seq, d.since_ns) == (HANG, (1,), (0, 2), 21, STUCK), d
+    assert "t.py:3 in f" in d.detail
+    assert diagnose(ranks, NOW - 1, LEARNT, stuck_ns=STUCK) is None  # not before
+
+
+@pytest.mark.parametrize("laggard", [
+    rank(20, activity=act(samples=STUCK_SAMPLES - 1)),  # too few samples yet: wait
+    rank(20, activity=act(samples=STUCK_SAMPLES, cpu_ms=7_000, places=1)),  # one torch op, a loop: busy
+    rank(20, activity=act(samples=STUCK_SAMPLES, main_io_bytes=20, io_bytes=20)),  # a slow read
+    rank(20, activity=act(samples=STUCK_SAMPLES, children_cpu_ms=7_000)),  # data loader workers
+    rank(20, activity=act(samples=STUCK_SAMPLES, other_cpu_ms=7_000)),  # torch's threads evaluating
+    rank(20, activity=None),  # a rank that publishes no samples: judged as before
+    rank(20, state="D", activity=act(samples=STUCK_SAMPLES, io_bytes=50_000_000)),  # writing, in D
+    rank(20, watcher_silent=True, activity=WINDOW),  # the GIL held: a deadlock in C, or a long GC: unsampled
+])
+def test_a_laggard_with_any_sign_of_work_or_too_few_samples_waits_for_the_learnt_threshold(laggard: RankState):
+    ranks = {0: rank(21), 1: laggard, 2: rank(21)}
+    assert diagnose(ranks, NOW, LEARNT, stuck_ns=STUCK) is None
+    late = diagnose(ranks, NOW + LEARNT, LEARNT, stuck_ns=STUCK)  # the learnt threshold governs it, as before
+    assert late is not None or laggard.activity is not None and laggard.activity.samples < STUCK_SAMPLES
+
+
+@pytest.mark.parametrize("laggard, why", [
+    (rank(20, state="T"), "stopped (SIGSTOP)"),  # no samples needed: it cannot work
+    (rank(20, state="D", activity=WINDOW), "uninterruptible sleep"),  # D, nothing moving for a window
+])
+def test_a_frozen_laggard_is_a_hang_at_the_stuck_threshold(laggard: RankState, why: str):
+    d = diagnose({0: rank(21), 1: laggard, 2: rank(21)}, NOW, LEARNT, stuck_ns=STUCK)
+    assert d is not None and (d.kind, d.laggards) == (HANG, (1,)) and why in d.detail, d
+
+
+def test_a_laggard_waiting_in_another_collective_is_named_early_only_if_nobody_works():
+    """A pipeline stage waits in a recv for a stage that computes: its silence says nothing."""
+    waiting = rank(20, activity=WINDOW, in_collective=True)
+    working = rank(21, activity=act(samples=STUCK_SAMPLES, cpu_ms=7_000))
+    assert diagnose({0: working, 1: waiting, 2: rank(21)}, NOW, LEARNT, stuck_ns=STUCK) is None
+    quiet = {0: rank(21, activity=WINDOW), 1: waiting, 2: rank(21, activity=WINDOW)}
+    d = diagnose(quiet, NOW, LEARNT, stuck_ns=STUCK)
+    assert d is not None and (d.kind, d.laggards) == (HANG, (1,)), d
+
+
+def test_a_mismatch_of_plainly_stuck_ranks_is_named_at_the_stuck_threshold():
+    ranks = {0: rank(21, entered=tail(21), activity=WINDOW),
+             1: rank(21, entered=tail(21, op="gloo:barrier"), activity=WINDOW, in_collective=True),
+             2: rank(21, entered=tail(21), activity=WINDOW)}
+    d = diagnose(ranks, NOW, LEARNT, stuck_ns=STUCK)
+    assert d is not None and (d.kind, d.laggards) == (MISMATCH, (1,)), d
+    ranks[1] = dataclasses.replace(ranks[1], activity=act(samples=4))
+    assert diagnose(ranks, NOW, LEARNT, stuck_ns=STUCK) is None  # its window is not whole yet
+
+
+def test_everyone_at_the_same_collective_is_nothing_at_the_stuck_threshold_too():
+    ranks = {r: rank(21, entered=tail(21), activity=WINDOW) for r in range(3)}
+    assert diagnose(ranks, NOW, LEARNT, stuck_ns=STUCK) is None
+    assert diagnose({0: rank(21), 1: rank(20, activity=WINDOW, paused=True)}, NOW, LEARNT, stuck_ns=STUCK) is None
+
+
+def test_the_stuck_threshold_counts_awake_time_only():
+    ranks = {0: rank(21), 1: rank(20, activity=WINDOW)}
+    assert diagnose(ranks, NOW, LEARNT, awake_since_ns=NOW - STUCK + 1, stuck_ns=STUCK) is None
+    assert diagnose(ranks, NOW, LEARNT, awake_since_ns=NOW - STUCK, stuck_ns=STUCK) is not None
+
+
+@given(samples=st.integers(0, 20), cpu_ms=st.integers(0, 20_000), io=st.integers(0, 10**6),
+       children=st.integers(0, 20_000), other=st.integers(0, 20_000), since_s=st.integers(0, 59))
+@settings(max_examples=300, deadline=None)
+def test_before_the_learnt_threshold_nothing_busy_is_ever_named(samples, cpu_ms, io, children, other, since_s):
+    """Rule 7 never names a laggard with a sign of work, nor one with too few samples."""
+    a = Activity(span_ms=SPAN_MS, cpu_ms=cpu_ms, places=1, other_cpu_ms=other, io_bytes=io, children_cpu_ms=children,
+                 samples=samples, main_io_bytes=io)
+    ranks = {0: rank(21, moved=NOW - since_s * S), 1: rank(20, moved=NOW - 100 * S, activity=a)}
+    d = diagnose(ranks, NOW, LEARNT, stuck_ns=STUCK)
+    if d is not None:
+        assert d.kind == HANG and samples >= STUCK_SAMPLES and since_s >= STUCK_S and busy_evidence(ranks[1]) == ""
