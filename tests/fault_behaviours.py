@@ -403,23 +403,17 @@ def act(args: argparse.Namespace, rank: int, name: str, arg: str, delay: float,
     elif name == "await":
         ready(args, rank)
         _wait_files(args.ready, arg.split(","), timeout=120.0)
-    elif name == "starve":
+    elif name in ("starve", "starve_exit", "starve_raise", "leak_exit"):
         ready(args, rank)
         wait_for_all(args)
-        _starve(args, rank, float(arg))
-    elif name == "starve_exit":
-        ready(args, rank)
-        wait_for_all(args)
-        _run_out_of_descriptors(args, rank)  # and finish cleanly at once, still out of them
-    elif name == "starve_raise":
-        ready(args, rank)
-        wait_for_all(args)
-        _run_out_of_descriptors(args, rank)
-        raise RuntimeError(f"rank {rank} failed out of descriptors")
-    elif name == "leak_exit":
-        ready(args, rank)
-        wait_for_all(args)
-        _leak_until_out(args, rank)  # and finish cleanly at once, still out of them
+        if name == "starve":
+            _starve(args, rank, float(arg))
+        elif name == "leak_exit":
+            _leak_until_out(args, rank)  # and finish cleanly at once, still out of them
+        else:
+            _run_out_of_descriptors(args, rank)  # and finish at once, still out of them
+            if name == "starve_raise":
+                raise RuntimeError(f"rank {rank} failed out of descriptors")
     elif name == "raise_after":
         ready(args, rank)
         _wait_files(args.ready, [arg], timeout=120.0)
