@@ -154,7 +154,7 @@ def _start(config: Config) -> Watcher:
         time_ns=time.time_ns(), world_size=config.world_size, local_rank=config.local_rank,
         argv=" ".join(sys.argv)[:500],
     )
-    _prepare.prepare(rd, reg, _identity.start_time_ns())  # registers this rank: the first claim of a slot wins
+    _prepare.prepare(rd, reg, _identity.started())  # registers this rank: the first claim of a slot wins
     try:
         from . import _gc  # old run directories under the default base: once per process, never raises
 

@@ -281,18 +281,19 @@ MAX_RUNS_PER_NAME = 1000  # -2 ... -1000; then the last one is set aside as befo
 
 def _past_ended_runs(path: str) -> str:
     """``path``, or the first of ``path-2``, ``path-3``, ... not holding an earlier run that ended."""
-    started_ns = _identity.start_time_ns()
+    started = _identity.started()
     candidate = path
     for n in range(2, MAX_RUNS_PER_NAME + 1):
-        if not _ended_before(candidate, started_ns):
+        if not _ended_before(candidate, started):
             return candidate
         candidate = f"{path}-{n}"
     return candidate
 
 
-def _ended_before(path: str, started_ns: int) -> bool:
-    """``path`` holds a run that ended before ``started_ns``: registered ranks, none alive,
-    and a verdict or every rank's success marker, from before then. Anything else (no such
+def _ended_before(path: str, started: _identity.Started) -> bool:
+    """``path`` holds a run that ended before this process ``started``: registered ranks, none
+    alive, and a verdict or every rank's success marker, from before then (or all of them of
+    an earlier boot). Anything else (no such
     directory, a live or unfinished run, one we cannot read) is left to :func:`peerwatch._prepare.prepare`."""
     try:
         if not os.path.isdir(os.path.join(path, RANKS)) or os.path.islink(path):
@@ -301,11 +302,13 @@ def _ended_before(path: str, started_ns: int) -> bool:
         regs = rd.registrations()
         if not regs or any(_identity.seems_alive(r) for r in regs.values()):
             return False
+        if all(r.boot_id != _identity.boot_id() for r in regs.values()):
+            return True
         verdict = rd.read(EVENTS, VERDICT_FILE, Verdict)
         if verdict is not None:
-            return verdict.detected_at_ns < started_ns
+            return verdict.made_before(*started)
         successes = rd.successes()
-        return all(r in successes and successes[r].time_ns < started_ns for r in regs)
+        return all(r in successes and successes[r].time_ns < started.wall_ns for r in regs)
     except OSError:
         return False
 

@@ -607,8 +607,10 @@ class _VerdictWaiter:
             return
         self.from_store = data
         run_dir = self.link.run_dir
+        # Stamped again on this host's CLOCK_BOOTTIME: the maker's means nothing here.
+        local = encode(dataclasses.replace(verdict, boot_ns=_identity.boot_clock_ns()))
         try:
-            written = run_dir.write(EVENTS, VERDICT_FILE, data, valid=lambda d: decode(Verdict, d) is not None)
+            written = run_dir.write(EVENTS, VERDICT_FILE, local, valid=lambda d: decode(Verdict, d) is not None)
         except OSError as e:
             logger.error("peerwatch: the verdict from another host cannot be written into %s: %s", run_dir.path, e)
             return

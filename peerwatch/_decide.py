@@ -177,6 +177,7 @@ class Observed:
     # rank -> the SIGINT it got, as its watcher saw it arrive (rule 9): not a failure, the
     # evidence that a rank whose main thread waits in C (a collective) got it too.
     interrupts: Mapping[int, Interrupt] = dataclasses.field(default_factory=dict)
+    now_boot_ns: Optional[int] = None  # CLOCK_BOOTTIME now: a verdict's stamp (Verdict.made_before)
 
     def live_progress(self) -> Dict[int, RankState]:
         """The progress of the ranks neither finished nor gone: those a hang is judged by."""
@@ -603,6 +604,7 @@ def _base(obs: Observed, rank: int, host: Optional[str] = None) -> dict:
         "host": reg.host if reg else host,
         "detected_by": obs.self_rank,
         "detected_at_ns": obs.now_ns,
+        "boot_ns": obs.now_boot_ns,
     }
 
 

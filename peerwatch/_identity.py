@@ -16,7 +16,7 @@ import errno
 import functools
 import os
 import time
-from typing import Mapping, Optional, Tuple
+from typing import Mapping, NamedTuple, Optional, Tuple
 
 from ._records import Registration
 
@@ -229,19 +229,36 @@ def seems_alive(reg: Registration) -> bool:
     return not (reg.host == hostname() and reg.boot_id != boot_id())
 
 
-def start_time_ns() -> int:
-    """When this process started, on the wall clock, to about a clock tick (10 ms).
+class Started(NamedTuple):
+    """When a process started: on the wall clock, and on CLOCK_BOOTTIME (None where it
+    cannot be told), which no clock step moves: records of this host are ordered by it."""
+
+    wall_ns: int
+    boot_ns: Optional[int]
+
+
+def boot_clock_ns() -> Optional[int]:
+    """CLOCK_BOOTTIME now (None without it): the clock /proc's start times count on."""
+    try:
+        return time.clock_gettime_ns(time.CLOCK_BOOTTIME)
+    except (AttributeError, OSError):
+        return None
+
+
+def started() -> Started:
+    """When this process started, to about a clock tick (10 ms).
     (psutil's create_time adds the boot time of /proc/stat, in whole seconds: up to a
     second early, enough to take a run that ended just before this process for one that
     ended after it started.)"""
+    now = boot_clock_ns()
     try:
         info = probe(os.getpid())
-        boot_ns = time.time_ns() - time.clock_gettime_ns(time.CLOCK_BOOTTIME)
-        if info is None:
-            raise OSError("no /proc")
-        return boot_ns + info.start_ticks * 1_000_000_000 // os.sysconf("SC_CLK_TCK")
-    except (AttributeError, OSError, ValueError):
-        return time.time_ns()  # no CLOCK_BOOTTIME or /proc: "now" only errs towards a new run
+        if info is None or now is None:
+            raise OSError("no /proc or CLOCK_BOOTTIME")
+        boot_ns = info.start_ticks * 1_000_000_000 // os.sysconf("SC_CLK_TCK")
+        return Started(time.time_ns() - now + boot_ns, boot_ns)
+    except (OSError, ValueError):
+        return Started(time.time_ns(), None)  # "now" only errs towards a new run
 
 
 def self_info() -> ProcessInfo:
@@ -252,6 +269,6 @@ def self_info() -> ProcessInfo:
 
 
 __all__ = [
-    "ProcessInfo", "Unknown", "boot_id", "exiting", "hostname", "is_local", "is_same_process", "local_ranks", "pid_namespace",
-    "probe", "same_process", "seems_alive", "self_info",
+    "ProcessInfo", "Started", "Unknown", "boot_clock_ns", "boot_id", "exiting", "hostname", "is_local", "is_same_process", "local_ranks", "pid_namespace",
+    "probe", "same_process", "seems_alive", "self_info", "started",
 ]

@@ -439,7 +439,8 @@ class Observer:
         verdict = self.events.get(VERDICT_FILE)
         failures = self.of_kind(Failure)
         return _decide.Observed(
-            self_rank=self.me.rank, now_ns=time.time_ns(), registrations=self.registrations,
+            self_rank=self.me.rank, now_ns=time.time_ns(), now_boot_ns=_identity.boot_clock_ns(),
+            registrations=self.registrations,
             successes=self.finished(), failures=failures,  # type: ignore[arg-type]
             exit_statuses=self.of_kind(ExitStatus),  # type: ignore[arg-type]
             gone=self.gone, verdict=verdict if isinstance(verdict, Verdict) else None,

@@ -21,7 +21,7 @@ from ._trust import check_ancestors, check_trusted, private_dir
 logger = logging.getLogger("peerwatch")
 
 
-def prepare(run_dir: RunDir, reg: Registration, process_start_ns: int) -> None:
+def prepare(run_dir: RunDir, reg: Registration, started: _identity.Started) -> None:
     """Create the directory and its folders (0700), and register rank ``reg.rank`` in it.
 
     Every folder above it must be safe from other users (:func:`check_ancestors`),
@@ -47,7 +47,7 @@ def prepare(run_dir: RunDir, reg: Registration, process_start_ns: int) -> None:
     try:
         with lock:
             run_dir.close()
-            _set_aside_if_stale(run_dir, reg, process_start_ns)
+            _set_aside_if_stale(run_dir, reg, started)
             try:
                 os.mkdir(run_dir.path, 0o700)
             except FileExistsError:
@@ -66,7 +66,7 @@ def prepare(run_dir: RunDir, reg: Registration, process_start_ns: int) -> None:
         raise RunDirError(run_dir.path, "timed out waiting for its lock file") from None
 
 
-def _set_aside_if_stale(run_dir: RunDir, reg: Registration, process_start_ns: int) -> None:
+def _set_aside_if_stale(run_dir: RunDir, reg: Registration, started: _identity.Started) -> None:
     if not os.path.lexists(run_dir.path):
         return
     run_dir.hold()  # read what was checked, not what the path names a moment later
@@ -76,7 +76,7 @@ def _set_aside_if_stale(run_dir: RunDir, reg: Registration, process_start_ns: in
     regs = run_dir.registrations()
     live = {r.rank: r for r in regs.values() if r.rank != reg.rank and _identity.seems_alive(r)}
     _refuse_if_shared(run_dir, reg, mine, live)
-    stale_reason = stale_because(reg, mine, regs, bool(live), run_dir.successes(), process_start_ns,
+    stale_reason = stale_because(reg, mine, regs, bool(live), run_dir.successes(), started,
                                  run_dir.read(EVENTS, VERDICT_FILE, Verdict))
     if stale_reason is None:
         return
@@ -136,7 +136,7 @@ def _refuse_if_shared(run_dir: RunDir, reg: Registration, mine: Optional[Registr
 
 def stale_because(
     reg: Registration, mine: Optional[Registration], regs: Mapping[int, Registration], live: bool,
-    successes: Mapping[int, Success], process_start_ns: int, verdict: Optional[Verdict],
+    successes: Mapping[int, Success], started: _identity.Started, verdict: Optional[Verdict],
 ) -> Optional[str]:
     """Why the directory ``reg`` is about to register in holds an earlier, ended run (to be
     set aside), or None: it is this run's (or empty). Only when no registered process lives:
@@ -151,9 +151,9 @@ def stale_because(
         return None
     if mine is not None and (mine.pid, mine.start_ticks) != (reg.pid, reg.start_ticks):
         return f"rank {reg.rank} was registered by pid {mine.pid}, which is gone"
-    if verdict is not None and verdict.detected_at_ns < process_start_ns:
+    if verdict is not None and verdict.made_before(*started):
         return "it holds a verdict from before this process started"
-    if regs and all(r in successes and successes[r].time_ns < process_start_ns for r in regs):
+    if regs and all(r in successes and successes[r].time_ns < started.wall_ns for r in regs):
         return f"every rank of its run (ranks {sorted(regs)}) finished before this process started"
     strangers = sorted(r.rank for r in regs.values() if not same_job(r, reg))
     if strangers:

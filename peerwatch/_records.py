@@ -225,6 +225,17 @@ class Verdict:
     laggards: Tuple[int, ...] = ()  # for a hang: the ranks holding the job up, most likely first
     raised_ns: Optional[int] = None  # a failure's own time, where it said (Failure.raised_ns); failed_at_ns is its record's
     signalled_by: Optional[int] = None  # who sent ``signal``, where known (an interrupt's sender)
+    # CLOCK_BOOTTIME when made or taken on this host: ordered against a process's start
+    # without the wall clock, which may step between two runs (made_before).
+    boot_ns: Optional[int] = None
+
+    def made_before(self, started_ns: int, started_boot_ns: Optional[int]) -> bool:
+        """Made before a process of this host (and boot) that started at ``started_ns`` on
+        the wall clock, ``started_boot_ns`` on CLOCK_BOOTTIME (None where it has none): by
+        CLOCK_BOOTTIME where both have it, else by the wall clock."""
+        if self.boot_ns is not None and started_boot_ns is not None:
+            return self.boot_ns < started_boot_ns
+        return self.detected_at_ns < started_ns
 
 
 @dataclasses.dataclass(frozen=True)

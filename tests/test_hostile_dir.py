@@ -19,6 +19,7 @@ from typing import Optional
 import pytest
 
 from peerwatch import RunDirError, _identity
+from peerwatch._identity import Started
 from peerwatch._prepare import prepare
 from peerwatch._records import Registration, Verdict, encode
 from peerwatch._rundir import EVENTS, HEARTBEATS, RANKS, STACKS, VERDICT_FILE, RunDir, rank_file
@@ -91,7 +92,7 @@ def test_a_run_directory_under_another_users_sticky_folder_is_refused(tmp_path: 
     shared = _hostile_parent(tmp_path)
     rd = RunDir(str(shared / "alice-run"))
     with pytest.raises(RunDirError) as info:
-        prepare(rd, _reg(0, os.getpid()), time.time_ns())
+        prepare(rd, _reg(0, os.getpid()), Started(time.time_ns(), None))
     assert info.value.path == str(shared)
     assert f"owned by uid {STRANGER_UID}" in info.value.reason
     assert not (shared / "alice-run").exists(), "nothing is created under a hostile folder"
@@ -103,7 +104,7 @@ def test_a_folder_above_writable_by_others_without_the_sticky_bit_is_refused(tmp
     above.mkdir()
     above.chmod(mode)
     with pytest.raises(RunDirError, match="without the sticky bit") as info:
-        prepare(RunDir(str(above / "x" / "run")), _reg(0, os.getpid()), time.time_ns())
+        prepare(RunDir(str(above / "x" / "run")), _reg(0, os.getpid()), Started(time.time_ns(), None))
     assert info.value.path == str(above)
 
 
@@ -113,7 +114,7 @@ def test_a_sticky_world_writable_folder_of_our_own_or_roots_is_fine(tmp_path: Pa
     tmp_like.mkdir()
     tmp_like.chmod(0o1777)
     check_ancestors(str(tmp_like / "run"))
-    prepare(RunDir(str(tmp_like / "run")), _reg(0, os.getpid()), time.time_ns())
+    prepare(RunDir(str(tmp_like / "run")), _reg(0, os.getpid()), Started(time.time_ns(), None))
 
 
 def test_a_symlink_of_another_user_on_the_way_is_refused(tmp_path: Path) -> None:
@@ -157,11 +158,11 @@ def test_a_run_directory_swapped_after_prepare_is_never_read_or_written(tmp_path
     run = tmp_path / "run"
     rd = RunDir(str(run))
     me = _reg(0, os.getpid(), world_size=2)
-    prepare(rd, me, time.time_ns())
+    prepare(rd, me, Started(time.time_ns(), None))
     rd.publish_registration(me)
     os.rename(run, tmp_path / "moved")
     forged = RunDir(str(run))
-    prepare(forged, _reg(1, os.getpid(), world_size=2), time.time_ns())  # their own, laid out as ours
+    prepare(forged, _reg(1, os.getpid(), world_size=2), Started(time.time_ns(), None))  # their own, laid out as ours
     forged_verdict = Verdict(rank=1, cause="exit", exit_code=1, failed_at_ns=1, detected_by=1, detected_at_ns=1)
     assert forged.write(EVENTS, VERDICT_FILE, encode(forged_verdict))
     forged.publish_registration(_reg(1, os.getpid(), world_size=2))

@@ -217,6 +217,7 @@ def test_the_nested_run_s_claim_is_taken_in_the_directory_checked_not_a_symlink_
     import time
 
     from peerwatch import _identity
+    from peerwatch._identity import Started
     from peerwatch._notify import CLAIMS, NOTIFIED_FILE, claim
     from peerwatch._prepare import prepare
     from peerwatch._records import Registration
@@ -227,7 +228,7 @@ def test_the_nested_run_s_claim_is_taken_in_the_directory_checked_not_a_symlink_
                        host=_identity.hostname(), boot_id=_identity.boot_id(), pidns=_identity.pid_namespace(),
                        time_ns=time.time_ns())
     rd = RunDir(str(tmp_path / "run"))
-    prepare(rd, reg, time.time_ns())
+    prepare(rd, reg, Started(time.time_ns(), None))
     (tmp_path / "run" / SPAWNED_RUN).mkdir(mode=0o700)
     os.rename(tmp_path / "run", tmp_path / "moved")
     (tmp_path / "decoy" / SPAWNED_RUN).mkdir(parents=True)

@@ -25,6 +25,7 @@ from peerwatch import _identity, _prepare
 from peerwatch._decide import Observed
 from peerwatch._diagnose import RankState
 from peerwatch._diagnoser import Diagnoser
+from peerwatch._identity import Started
 from peerwatch._observer import Observer
 from peerwatch._ownrecords import OwnRecords
 from peerwatch._records import (
@@ -59,7 +60,7 @@ def _reg(rank: int, pid: int) -> Registration:
 @pytest.fixture
 def run(tmp_path: Path) -> RunDir:
     rd = RunDir(str(tmp_path / "run"))
-    _prepare.prepare(rd, _reg(0, os.getpid()), time.time_ns())
+    _prepare.prepare(rd, _reg(0, os.getpid()), Started(time.time_ns(), None))
     return rd
 
 

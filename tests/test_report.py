@@ -284,6 +284,7 @@ def _run_of_this_process(tmp_path: Path, ranks: int):
     import time
 
     from peerwatch import _identity
+    from peerwatch._identity import Started
     from peerwatch._prepare import prepare
     from peerwatch._records import Registration, encode
     from peerwatch._rundir import RANKS, RunDir, rank_file
@@ -293,7 +294,7 @@ def _run_of_this_process(tmp_path: Path, ranks: int):
     regs = [Registration(rank=r, pid=me.pid, ppid=me.ppid, start_ticks=me.start_ticks, uid=me.uid,
                          host=_identity.hostname(), boot_id=_identity.boot_id(), pidns=_identity.pid_namespace(),
                          time_ns=now) for r in range(ranks)]
-    prepare(rd, regs[0], now)
+    prepare(rd, regs[0], Started(now, None))
     for reg in regs[1:]:
         rd.write(RANKS, rank_file("rank", reg.rank), encode(reg))
     return rd, now

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 from peerwatch import RunDirError, _identity
 from peerwatch._basedir import base_dir, resolve
+from peerwatch._identity import Started
 from peerwatch._prepare import prepare
 from peerwatch._records import MAX_RECORD_BYTES, Heartbeat, Registration, Success, Verdict, encode
 from peerwatch._rundir import (
@@ -57,7 +58,7 @@ def my_reg(rank: int = 0, **over: Any) -> Registration:
 @pytest.fixture
 def rd(tmp_path: Path) -> RunDir:
     run = RunDir(str(tmp_path / "run"))
-    prepare(run, my_reg(), time.time_ns())
+    prepare(run, my_reg(), Started(time.time_ns(), None))
     return run
 
 
@@ -422,7 +423,7 @@ def test_prepare_creates_0700_folders_whatever_the_umask(tmp_path):
     run = RunDir(str(tmp_path / "run"))
     old = os.umask(0)
     try:
-        prepare(run, my_reg(), time.time_ns())
+        prepare(run, my_reg(), Started(time.time_ns(), None))
     finally:
         os.umask(old)
     assert mode(run.path) == 0o700
@@ -433,14 +434,14 @@ def test_prepare_creates_0700_folders_whatever_the_umask(tmp_path):
 
 def test_prepare_creates_missing_parents(tmp_path):
     run = RunDir(str(tmp_path / "a" / "b" / "run"))
-    prepare(run, my_reg(), time.time_ns())
+    prepare(run, my_reg(), Started(time.time_ns(), None))
     assert os.path.isdir(run.join(EVENTS))
 
 
 def test_prepare_is_idempotent_for_the_same_rank(rd, caplog):
     rd.publish_registration(my_reg(0))
     rd.write(EVENTS, "success-00001.json", SUCCESS)
-    prepare(rd, my_reg(0), time.time_ns())
+    prepare(rd, my_reg(0), Started(time.time_ns(), None))
     assert rd.read(EVENTS, "success-00001.json", Success) is not None
     assert set_asides(rd) == []
     assert warnings_about(caplog, "earlier run") == []
@@ -450,15 +451,15 @@ def test_prepare_is_idempotent_for_the_same_rank(rd, caplog):
 def test_prepare_refuses_a_writable_directory(rd, where):
     os.chmod(rd.join(where) if where else rd.path, 0o777)
     with pytest.raises(RunDirError, match="writable"):
-        prepare(rd, my_reg(), time.time_ns())
+        prepare(rd, my_reg(), Started(time.time_ns(), None))
 
 
 def test_prepare_refuses_a_symlinked_run_directory(tmp_path):
     real = RunDir(str(tmp_path / "real"))
-    prepare(real, my_reg(), time.time_ns())
+    prepare(real, my_reg(), Started(time.time_ns(), None))
     os.symlink(real.path, tmp_path / "link")
     with pytest.raises(RunDirError, match="symbolic link"):
-        prepare(RunDir(str(tmp_path / "link")), my_reg(), time.time_ns())
+        prepare(RunDir(str(tmp_path / "link")), my_reg(), Started(time.time_ns(), None))
 
 
 def test_prepare_checks_the_base_directory(tmp_path, monkeypatch):
@@ -468,11 +469,11 @@ def test_prepare_checks_the_base_directory(tmp_path, monkeypatch):
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     base = base_dir()
     assert base == str(tmp_path / f"peerwatch-{os.geteuid()}")
-    prepare(RunDir(os.path.join(base, "run-1")), my_reg(), time.time_ns())
+    prepare(RunDir(os.path.join(base, "run-1")), my_reg(), Started(time.time_ns(), None))
     assert mode(base) == 0o700
     os.chmod(base, 0o777)
     with pytest.raises(RunDirError) as info:
-        prepare(RunDir(os.path.join(base, "run-2")), my_reg(), time.time_ns())
+        prepare(RunDir(os.path.join(base, "run-2")), my_reg(), Started(time.time_ns(), None))
     assert info.value.path == base
 
 
@@ -480,7 +481,7 @@ def test_slot_held_by_a_dead_process_sets_the_directory_aside(rd, caplog):
     old = registration(dead_process_info(), rank=0)
     rd.publish_registration(old)
     rd.write(EVENTS, "failure-00002.json", b"from the old run")
-    prepare(rd, my_reg(0), time.time_ns())
+    prepare(rd, my_reg(0), Started(time.time_ns(), None))
     aside = set_asides(rd)
     assert len(aside) == 1
     moved = RunDir(os.path.join(os.path.dirname(rd.path), aside[0]))
@@ -497,7 +498,7 @@ def test_slot_held_by_a_live_other_process_is_an_error(rd, child):
     holder = registration(_identity.probe(child.pid), rank=0)
     rd.publish_registration(holder)
     with pytest.raises(RunDirError) as info:
-        prepare(rd, my_reg(0), time.time_ns())
+        prepare(rd, my_reg(0), Started(time.time_ns(), None))
     assert info.value.path == rd.path
     assert f"live pid {child.pid}" in info.value.reason and "rank 0" in info.value.reason
     assert set_asides(rd) == []
@@ -509,26 +510,26 @@ def test_slot_held_by_a_zombie_is_stale(rd, child):
     rd.publish_registration(holder)
     child.stdin.close()
     os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOWAIT)  # exited, not reaped
-    prepare(rd, my_reg(0), time.time_ns())
+    prepare(rd, my_reg(0), Started(time.time_ns(), None))
     assert len(set_asides(rd)) == 1
 
 
 def test_slot_held_by_a_live_pid_from_an_earlier_boot_is_stale(rd, child):
     rd.publish_registration(registration(_identity.probe(child.pid), rank=0, boot_id="an-earlier-boot"))
-    prepare(rd, my_reg(0), time.time_ns())
+    prepare(rd, my_reg(0), Started(time.time_ns(), None))
     assert len(set_asides(rd)) == 1
 
 
 def test_slot_held_by_a_pid_reused_by_another_process_is_stale(rd, child):
     info = _identity.probe(child.pid)
     rd.publish_registration(registration(info, rank=0, start_ticks=info.start_ticks - 1))
-    prepare(rd, my_reg(0), time.time_ns())
+    prepare(rd, my_reg(0), Started(time.time_ns(), None))
     assert len(set_asides(rd)) == 1
 
 
 def test_dead_registration_of_another_rank_is_left_alone(rd):
     rd.publish_registration(registration(dead_process_info(), rank=1))
-    prepare(rd, my_reg(0), time.time_ns())
+    prepare(rd, my_reg(0), Started(time.time_ns(), None))
     assert set_asides(rd) == []
     assert sorted(rd.registrations()) == [0, 1]  # its own, published by prepare
 
@@ -540,22 +541,56 @@ def _verdict(detected_at_ns: int) -> bytes:
 
 def test_verdict_from_before_this_process_sets_the_directory_aside(rd):
     rd.write(EVENTS, VERDICT_FILE, _verdict(1000))
-    prepare(rd, my_reg(0), process_start_ns=1001)
+    prepare(rd, my_reg(0), Started(1001, None))
     assert len(set_asides(rd)) == 1
     assert rd.read_bytes(EVENTS, VERDICT_FILE) is None
 
 
 def test_verdict_from_after_this_process_started_is_kept(rd):
     rd.write(EVENTS, VERDICT_FILE, _verdict(1000))
-    prepare(rd, my_reg(0), process_start_ns=1000)
+    prepare(rd, my_reg(0), Started(1000, None))
     assert set_asides(rd) == []
     assert rd.read_bytes(EVENTS, VERDICT_FILE) is not None
+
+
+def test_verdict_ordered_by_the_boot_clock_not_the_wall_clock(rd):
+    # The wall clock stepped back between two runs: the verdict's wall stamp reads later
+    # than this process's start, its CLOCK_BOOTTIME stamp earlier. It is of an earlier run
+    # (the quickstart run twice in one shell once set such a directory aside as its own).
+    stepped = Verdict(rank=1, cause="exit", exit_code=1, failed_at_ns=4999, detected_by=0, detected_at_ns=5000,
+                      boot_ns=1000)
+    rd.write(EVENTS, VERDICT_FILE, encode(stepped))
+    prepare(rd, my_reg(0), Started(wall_ns=2000, boot_ns=1001))
+    assert len(set_asides(rd)) == 1
+
+
+def test_verdict_made_after_start_by_the_boot_clock_is_kept(rd):
+    forward = Verdict(rank=1, cause="exit", exit_code=1, failed_at_ns=999, detected_by=0, detected_at_ns=1000,
+                      boot_ns=1001)
+    rd.write(EVENTS, VERDICT_FILE, encode(forward))
+    prepare(rd, my_reg(0), Started(wall_ns=2000, boot_ns=1000))
+    assert set_asides(rd) == []
+
+
+def test_verdicts_carry_the_boot_clock(tmp_path):
+    # Every verdict a watcher makes is stamped with CLOCK_BOOTTIME, which the checks above
+    # order runs by; so is this process's start.
+    from peerwatch._decide import Observed, Policy, decide
+
+    me = my_reg(0)
+    obs = Observed(self_rank=0, now_ns=time.time_ns(), now_boot_ns=_identity.boot_clock_ns(),
+                   registrations={0: me, 1: dataclasses.replace(me, rank=1)}, successes=set(), failures={},
+                   exit_statuses={}, gone={1: time.time_ns()})
+    verdict = decide(obs, Policy(parent_wait_ns=0, default_exit_code=1)).verdict
+    assert verdict is not None and verdict.boot_ns == obs.now_boot_ns
+    started = _identity.started()
+    assert started.boot_ns is not None and 0 < started.boot_ns <= (_identity.boot_clock_ns() or 0)
 
 
 def test_old_verdict_is_kept_while_a_registered_peer_lives(rd, child):
     rd.publish_registration(registration(_identity.probe(child.pid), rank=1))
     rd.write(EVENTS, VERDICT_FILE, _verdict(1000))
-    prepare(rd, my_reg(0), process_start_ns=1001)
+    prepare(rd, my_reg(0), Started(1001, None))
     assert set_asides(rd) == []
 
 
@@ -680,7 +715,7 @@ def test_slot_held_by_another_host_is_never_judged_stale(rd, other):
     holder = my_reg(0, pid=4_000_000, **other)
     rd.publish_registration(holder)
     with pytest.raises(RunDirError, match="belongs to one host"):
-        prepare(rd, my_reg(0), time.time_ns())
+        prepare(rd, my_reg(0), Started(time.time_ns(), None))
     assert set_asides(rd) == []
     assert rd.registrations() == {0: holder}
 
@@ -712,6 +747,7 @@ import os, sys, time
 from peerwatch import _exitwatch, _identity
 from peerwatch._prepare import prepare
 from peerwatch._records import Registration
+from peerwatch._identity import Started
 from peerwatch._rundir import RunDir
 info = _identity.self_info()
 reg = Registration(rank=0, pid=info.pid, ppid=info.ppid, start_ticks=info.start_ticks, uid=info.uid,
@@ -719,7 +755,7 @@ reg = Registration(rank=0, pid=info.pid, ppid=info.ppid, start_ticks=info.start_
                    time_ns=time.time_ns())
 path, moved, decoy = sys.argv[1:]
 rd = RunDir(path)
-prepare(rd, reg, time.time_ns())
+prepare(rd, reg, Started(time.time_ns(), None))
 os.rename(path, moved)
 os.symlink(decoy, path)
 assert _exitwatch.arm(rd, 0, write_success=True)

@@ -21,6 +21,7 @@ import pytest
 from harness import _FOREIGN_ENV, Job
 
 from peerwatch import _identity
+from peerwatch._identity import Started
 from peerwatch._prepare import stale_because
 from peerwatch._records import Registration, Success, encode
 from peerwatch._rundir import HEARTBEATS, RANKS, RunDir, rank_file, same_job
@@ -176,13 +177,13 @@ def test_an_ended_earlier_run_is_stale_and_this_runs_dead_rank_is_not() -> None:
     me = _reg(2, 3, pid=300)
     old = {0: _reg(0, 2), 1: _reg(1, 2)}
     succeeded = {r: Success(rank=r, pid=100, time_ns=50) for r in old}
-    assert stale_because(me, None, old, False, succeeded, 100, None) is not None
-    assert stale_because(me, None, old, True, succeeded, 100, None) is None  # someone lives
+    assert stale_because(me, None, old, False, succeeded, Started(100, None), None) is not None
+    assert stale_because(me, None, old, True, succeeded, Started(100, None), None) is None  # someone lives
     # The same run: rank 0 died (no success marker) before this rank started: not stale.
     same = {0: _reg(0, 3)}
-    assert stale_because(me, None, same, False, {}, 100, None) is None
-    assert stale_because(me, None, same, False, {0: Success(rank=0, pid=100, time_ns=150)}, 100, None) is None
+    assert stale_because(me, None, same, False, {}, Started(100, None), None) is None
+    assert stale_because(me, None, same, False, {0: Success(rank=0, pid=100, time_ns=150)}, Started(100, None), None) is None
     # Another world size: an earlier job of another size.
-    assert "world size 2" in (stale_because(me, None, {0: _reg(0, 2)}, False, {}, 100, None) or "")
+    assert "world size 2" in (stale_because(me, None, {0: _reg(0, 2)}, False, {}, Started(100, None), None) or "")
     # This rank's slot held by a process that is gone.
-    assert stale_because(me, _reg(2, 3, pid=99), {2: _reg(2, 3, pid=99)}, False, {}, 100, None) is not None
+    assert stale_because(me, _reg(2, 3, pid=99), {2: _reg(2, 3, pid=99)}, False, {}, Started(100, None), None) is not None

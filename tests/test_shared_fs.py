@@ -33,6 +33,7 @@ import pytest
 from peerwatch import _decide, _sharedfs
 from peerwatch._awake import AwakeClock
 from peerwatch._errors import RunDirError
+from peerwatch._identity import Started
 from peerwatch._prepare import prepare
 from peerwatch._records import LOST, Registration, encode
 from peerwatch._rundir import RANKS, RunDir, rank_file
@@ -248,11 +249,11 @@ def test_rundir_slot_held_by_another_host(tmp_path: Path) -> None:
     for shared, expected in [("shared_fs=on (test)", "give each job a new PEERWATCH_DIR"),
                              (None, "or set shared_fs=on")]:
         rd = RunDir(str(tmp_path / f"run-{bool(shared)}"), shared=shared)
-        prepare(rd, reg, 0)
+        prepare(rd, reg, Started(0, None))
         other = Registration(**{**reg.__dict__, "host": "elsewhere", "pidns": "pid:[2]", "pid": 1})
         rd.write(RANKS, rank_file("rank", 1), encode(other), replace=True)
         with pytest.raises(RunDirError, match=re.escape(expected)):
-            prepare(rd, reg, 0)
+            prepare(rd, reg, Started(0, None))
 
 
 @pytest.mark.parametrize("shared_fs, expected", [

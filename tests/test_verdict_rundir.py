@@ -24,6 +24,7 @@ from typing import Callable, Dict, Iterator, List, Optional
 import pytest
 
 from peerwatch import _eventlog, _identity, _prepare
+from peerwatch._identity import Started
 from peerwatch._notify import CLAIMS
 from peerwatch._records import SIGNAL, Ack, ExitStatus, Heartbeat, NotSignalled, Registration, Verdict, encode
 from peerwatch._rundir import EVENTS, HEARTBEATS, RANKS, REPORT_FILE, SUMMARY_FILE, VERDICT_FILE, RunDir, rank_file
@@ -60,7 +61,7 @@ class Job:
         self.procs: List[subprocess.Popen] = []
         self.dead = self._spawn(["sleep", "60"])
         self.rd = RunDir(str(tmp_path / "run"))
-        _prepare.prepare(self.rd, _reg(FAILED, self.dead.pid), time.time_ns())  # rank 1 made the directory
+        _prepare.prepare(self.rd, _reg(FAILED, self.dead.pid), Started(time.time_ns(), None))  # rank 1 made the directory
         self.dead.send_signal(signal.SIGKILL)  # our own child
         assert self.dead.wait(DEADLINE_S) == -9
         now = time.time_ns()
