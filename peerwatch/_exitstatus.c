@@ -25,6 +25,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <limits.h>
+#include <pthread.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
 #include <time.h>
@@ -696,7 +697,137 @@ static PyObject *last_interrupt(PyObject *self, PyObject *unused)
     return Py_BuildValue("(LL)", int_time_ns, int_sender);
 }
 
+/* -- gil_timeout's watchdog ---------------------------------------------------------------
+ *
+ * faulthandler's dump_traceback_later counts CLOCK_MONOTONIC, which runs on while the
+ * process is stopped: a job a scheduler suspended (SIGSTOP) and resumed (SIGCONT) longer
+ * than gil_timeout was ended on resume, before its watcher could feed the timer. This
+ * watchdog counts only the time it was itself awake to see: it wakes every GW_SLICE_NS,
+ * and a slice that took longer (the process stopped, or this thread starved) counts as
+ * GW_SLICE_NS + GW_SLACK_NS at most, as peerwatch._awake counts a judge's gaps. When the
+ * watcher has not fed it for gil_timeout of such time, it writes faulthandler's "Timeout"
+ * line into the stack file, has faulthandler dump every thread there (the signal it is
+ * registered on, sent to this thread: the dump is done when pthread_kill returns) and
+ * ends the process with status 1, as faulthandler's exit=True does. No Python API in
+ * the thread: it runs while another thread holds the GIL. */
+#define GW_SLICE_NS 100000000LL  /* 0.1 s */
+#define GW_SLACK_NS 100000000LL
+
+static pthread_mutex_t gw_lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t gw_cond;
+static int gw_started, gw_pid, gw_fd = -1, gw_signal;
+static long long gw_timeout_ns; /* 0: disarmed */
+static unsigned long long gw_fed; /* bumped by every feed */
+
+static long long mono_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (long long)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+static void gw_fire(int fd, int sig, long long timeout_ns)
+{
+    char line[64] = "Timeout (";
+    size_t n = strlen(line);
+    unsigned long long secs = (unsigned long long)(timeout_ns / 1000000000LL);
+    unsigned long long us = (unsigned long long)(timeout_ns % 1000000000LL / 1000);
+    /* faulthandler's own format (format_timeout): the report reads it */
+    if (us)
+        n += (size_t)snprintf(line + n, sizeof line - n, "%llu:%02llu:%02llu.%06llu)!\n", secs / 3600,
+                              secs / 60 % 60, secs % 60, us);
+    else
+        n += (size_t)snprintf(line + n, sizeof line - n, "%llu:%02llu:%02llu)!\n", secs / 3600, secs / 60 % 60,
+                              secs % 60);
+    ssize_t unused = write(fd, line, n);
+    (void)unused;
+    sigset_t one;
+    sigemptyset(&one);
+    sigaddset(&one, sig);
+    pthread_sigmask(SIG_UNBLOCK, &one, NULL);
+    pthread_kill(pthread_self(), sig); /* faulthandler's handler dumps every thread, in this one */
+    _exit(1);
+}
+
+static void *gw_main(void *arg)
+{
+    (void)arg;
+    long long awake = 0;
+    unsigned long long seen = 0;
+    pthread_mutex_lock(&gw_lock);
+    for (;;) {
+        while (gw_timeout_ns == 0) {
+            pthread_cond_wait(&gw_cond, &gw_lock);
+            awake = 0;
+        }
+        if (gw_fed != seen) {
+            seen = gw_fed;
+            awake = 0;
+        }
+        if (awake >= gw_timeout_ns && getpid() == gw_pid) {
+            int fd = gw_fd, sig = gw_signal;
+            long long timeout = gw_timeout_ns;
+            pthread_mutex_unlock(&gw_lock);
+            gw_fire(fd, sig, timeout);
+        }
+        long long before = mono_ns();
+        struct timespec until;
+        long long at = before + GW_SLICE_NS;
+        until.tv_sec = (time_t)(at / 1000000000LL);
+        until.tv_nsec = (long)(at % 1000000000LL);
+        while (pthread_cond_timedwait(&gw_cond, &gw_lock, &until) == 0 && gw_fed == seen && gw_timeout_ns != 0)
+            ; /* woken for nothing (another thread's broadcast): wait out the slice */
+        long long took = mono_ns() - before;
+        awake += took < GW_SLICE_NS + GW_SLACK_NS ? took : GW_SLICE_NS + GW_SLACK_NS;
+    }
+    return NULL;
+}
+
+PyDoc_STRVAR(gil_watch_doc,
+"gil_watch(fd, signum, timeout_s): (re-)arm the watchdog: unless fed again within timeout_s of\n"
+"its own awake time, faulthandler dumps every thread into fd (registered on signum) and the\n"
+"process ends with status 1. timeout_s 0 disarms it. Starts its thread on first use.");
+
+static PyObject *gil_watch(PyObject *self, PyObject *args)
+{
+    (void)self;
+    int fd, sig;
+    double timeout_s;
+    if (!PyArg_ParseTuple(args, "iid", &fd, &sig, &timeout_s))
+        return NULL;
+    pthread_mutex_lock(&gw_lock);
+    if (!gw_started || gw_pid != getpid()) { /* a forked child has no thread of its own yet */
+        pthread_condattr_t attr;
+        pthread_condattr_init(&attr);
+        pthread_condattr_setclock(&attr, CLOCK_MONOTONIC);
+        pthread_cond_init(&gw_cond, &attr);
+        pthread_condattr_destroy(&attr);
+        pthread_t thread;
+        sigset_t all, old;
+        sigfillset(&all);
+        pthread_sigmask(SIG_SETMASK, &all, &old); /* no signal handler of Python's runs there */
+        int err = pthread_create(&thread, NULL, gw_main, NULL);
+        pthread_sigmask(SIG_SETMASK, &old, NULL);
+        if (err) {
+            pthread_mutex_unlock(&gw_lock);
+            errno = err;
+            return PyErr_SetFromErrno(PyExc_OSError);
+        }
+        pthread_detach(thread);
+        gw_started = 1;
+        gw_pid = getpid();
+    }
+    gw_fd = fd;
+    gw_signal = sig;
+    gw_timeout_ns = timeout_s > 0 ? (long long)(timeout_s * 1e9) : 0;
+    gw_fed++;
+    pthread_cond_broadcast(&gw_cond);
+    pthread_mutex_unlock(&gw_lock);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
+    {"gil_watch", gil_watch, METH_VARARGS, gil_watch_doc},
     {"watch_interrupts", watch_interrupts, METH_NOARGS, watch_interrupts_doc},
     {"last_interrupt", last_interrupt, METH_NOARGS, last_interrupt_doc},
     {"hold_term", hold_term, METH_O, hold_term_doc},

@@ -266,7 +266,7 @@ def post_mortem(
     return None, Failure(
         rank=reg.rank, pid=reg.pid, time_ns=gone_ns, cause=HANG,
         message=f"its watcher could not run for {starved} (the GIL was held, e.g. by C code); "
-        "faulthandler's gil_timeout watchdog ended it",
+        "its gil_timeout watchdog ended it",
         traceback=dump.decode("utf-8", "replace")[-MAX_TRACEBACK_CHARS:],
     )
 

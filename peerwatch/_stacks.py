@@ -3,7 +3,9 @@
 Every rank holds its stack file open for as long as it runs: faulthandler dumps every
 thread's stack into it on :data:`STACKS_SIGNAL` (from its C signal handler, so it works
 while the main thread holds the GIL in C code), a crash leaves its last words there, and
-a peer checks that a pid holds it before signalling that pid.
+a peer checks that a pid holds it before signalling that pid. gil_timeout's watchdog is
+the C extension's thread (it counts only time it was awake to see, and has faulthandler
+dump on STACKS_SIGNAL before it ends the process); the last resort is faulthandler's timer.
 
 Threads: :meth:`StackFile.open` runs in the thread that calls ``install()``; the timers
 are armed by the watcher thread and cancelled by it or by the thread that stops the
@@ -19,7 +21,7 @@ import faulthandler
 import logging
 import os
 import threading
-from typing import IO, Optional
+from typing import IO, Any, Optional
 
 from ._rundir import RunDir
 from ._signals import STACKS_SIGNAL
@@ -70,14 +72,28 @@ class StackFile:
             pass
 
     def arm_gil_watchdog(self, timeout_s: float) -> None:
-        """If the watcher cannot run for ``timeout_s`` (the GIL held by C code), faulthandler's
-        C thread dumps every stack here and ends the process. Re-armed every heartbeat; a
-        no-op once the timers were cancelled, or the last resort armed (it must not be replaced)."""
+        """If the watcher cannot run for ``timeout_s`` (the GIL held by C code), a C thread
+        dumps every stack here and ends the process. Re-armed every heartbeat; a no-op once
+        the timers were cancelled, or the last resort armed (it must not be replaced).
+
+        The C extension's watchdog counts only the time it was awake to see: a job stopped
+        by a scheduler (SIGSTOP) and resumed goes on. Without the extension, faulthandler's
+        timer is used, which counts the stop too."""
         if self.file is None:
             return
         with self._timer_lock:
-            if not (self._stopped or self._tearing_down):
+            if self._stopped or self._tearing_down:
+                return
+            native = _native()
+            if native is not None:
+                native.gil_watch(self.file.fileno(), STACKS_SIGNAL, timeout_s)
+            else:
                 faulthandler.dump_traceback_later(timeout_s, exit=True, file=self.file)
+
+    def _disarm_native(self) -> None:
+        native = _native()
+        if native is not None and self.file is not None:
+            native.gil_watch(self.file.fileno(), STACKS_SIGNAL, 0.0)
 
     def arm_last_resort(self, budget_s: float) -> None:
         """Once teardown has begun this process ends, even if the watcher thread never runs
@@ -87,6 +103,7 @@ class StackFile:
             return
         with self._timer_lock:
             self._tearing_down = True
+            self._disarm_native()  # the teardown's exit code, not the watchdog's
             try:
                 faulthandler.dump_traceback_later(budget_s, exit=True, file=self.file)
             except (OSError, ValueError, RuntimeError):
@@ -100,7 +117,17 @@ class StackFile:
             if self._tearing_down:
                 return
             self._stopped = True
+            self._disarm_native()
             faulthandler.cancel_dump_traceback_later()
+
+
+def _native() -> Optional[Any]:
+    """The C extension (its GIL watchdog), or None where it was not built."""
+    try:
+        from . import _exitstatus  # type: ignore[attr-defined]
+    except ImportError:
+        return None
+    return _exitstatus
 
 
 def after_fork_in_child() -> None:

@@ -253,6 +253,29 @@ def test_gil_timeout_spares_a_rank_still_starting(make_hang_job) -> None:
     _assert_exit_codes(job, {r: 0 for r in range(WORLD)})
 
 
+def test_gil_timeout_spares_a_job_suspended_and_resumed(make_hang_job) -> None:
+    """A scheduler stops every rank (SIGSTOP) for longer than gil_timeout, then resumes
+    them: the watchdog counts only the time it was awake to see, so no rank is ended on
+    resume (faulthandler's timer counted the stop and ended each rank at once: exit 1)."""
+    pytest.importorskip("peerwatch._exitstatus")
+    job = make_hang_job(hang_timeout=0, gil_timeout=GIL_S, steps=400, step_s=0.02)
+    job.wait_ready(timeout=START_S)
+    job.wait_for("every rank stepped (its watchdog armed)",
+                 lambda: all((job.published_step(r) or 0) > 1 for r in range(WORLD)), within=START_S)
+    stopped = time.monotonic()
+    for rank in range(WORLD):
+        job.kill(rank, signal.SIGSTOP)
+    heartbeats = [job.run_dir / "heartbeats" / f"rank-{r:05d}.json" for r in range(WORLD)]
+    job.wait_for(f"{2 * GIL_S:g}s stopped, every heartbeat as old",
+                 lambda: time.monotonic() - stopped >= 2 * GIL_S
+                 and all(time.time() - p.stat().st_mtime >= 2 * GIL_S for p in heartbeats), within=2 * GIL_S + 10)
+    for rank in range(WORLD):
+        job.kill(rank, signal.SIGCONT)
+    job.wait_gone(within=START_S + 400 * 0.02 + TEARDOWN_S)
+
+    _assert_exit_codes(job, {r: 0 for r in range(WORLD)})
+
+
 def test_gil_timeout_hang_verdict_is_a_hang_verdict(make_hang_job) -> None:
     """The same job as above: its verdict must read like any hang verdict (docs/hangs.md,
     docs/report.md)."""
