@@ -117,7 +117,8 @@ def test_every_option_is_in_the_configuration_reference() -> None:
 
 RULES_PAGE = DOCS / "how-it-works.md"
 _NUMBERED = re.compile(r"\brules?\s+\d+", re.I)  # a rule cited by its number in some list
-_OUTSIDE = re.compile(r"\b(?:DESIGN|STYLE)\.md\b")  # guides kept outside the repository
+# the team's guides, kept outside the repository, and their numbered invariants
+_OUTSIDE = re.compile(r"\b(?:DESIGN|STYLE)\.md\b|\b(?i:invariants?)\s+\d+")
 # (rule: NAME), "# rule: NAME", """Rule: NAME. ...""", (...; rule: NAME), (rules: A, B): a name is lowercase
 _CITED = re.compile(r"""(?:^|[(;#"]|-- )\s*(?i:(rules?)): ([a-z][a-z' -]*(?:, [a-z][a-z' -]*)*)""", re.M)
 _QUOTED = re.compile(r'\b(?i:rules?) ((?:"[a-z][^"\n]*"(?:,? and |, )?)+)')  # the rule "NAME"
@@ -173,6 +174,7 @@ def test_the_citation_reader_reads_what_the_code_writes() -> None:
                                  "naming a straggler", "clearing a straggler"]
     assert _NUMBERED.search("see rule" + "s 3 and 4") and _NUMBERED.search("Rule" + " 10 of the plan")
     assert not _NUMBERED.search("the rule table") and not _NUMBERED.search("rule: who stays")
+    assert _OUTSIDE.search("Invariant" + " 6: a teardown ends") and not _OUTSIDE.search("an invariant of the run")
 
 
 # -- (b) the quickstart is true ----------------------------------------------------------
