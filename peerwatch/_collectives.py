@@ -28,7 +28,8 @@ that fails with the timeout reads as completed too.
 It is also the one home of what "inside torch.distributed" means (:func:`in_torch_distributed`,
 :func:`raised_by_torch_distributed`): for a main thread waiting there (the heartbeat's
 ``in_collective``) and for an exception raised there (a failure record's ``collective``,
-the echo of another rank's failure that rule 5 of :mod:`peerwatch._decide` holds back).
+the echo of another rank's failure that :mod:`peerwatch._decide` holds back;
+rule: echo waits for the leaving).
 """
 
 from __future__ import annotations

@@ -1,80 +1,89 @@
 """The decision: observed state -> verdict, or nothing yet. Pure: no I/O, no clock.
 
-Rules, in order:
+Its rules, named as in docs/how-it-works.md ("The decision"), where the code cites them:
 
-1. A verdict already written is the verdict (one per run; everyone follows it).
-2. A success marker is final: that rank never causes a teardown, whatever comes after.
-3. A failure record, an exit status seen by the parent, or a local peer seen gone (its
-   pidfd fired, or it no longer is the registered process) without a success marker is
-   a failure. Exited is not succeeded: exit code 0 without a marker is a failure too.
-4. A peer seen gone whose parent is a live peer is held back for ``parent_wait``: only
-   the parent can read the exit status, and it usually writes it within a millisecond.
-   A peer seen gone is held back too while the last look at the run directory could not
-   read everything (``unread``: out of descriptors...): its success marker may be there.
-5. Of several failures, the earliest (then the lowest rank) is the root cause; we wait
-   while a held-back failure might still turn out to be the earliest. But an exception
-   never outranks a death without a record (signal, vanished, an exit status) seen
-   within ``CONSEQUENCE_WINDOW_NS`` (1 s) of it: such deaths are never consequences,
-   while the collectives of the dead rank's peers fail with exceptions within
-   milliseconds, possibly stamped before the death is seen. And an exception raised by
-   ``torch.distributed`` (``collective``) is judged only ``COLLECTIVE_SETTLE_NS`` after it
-   was raised (``REMOTE_SETTLE_NS`` where the job spans hosts), unless something else is found first: the socket of a rank that dies
-   closes a moment before its pidfd fires (a SIGKILLed rank's memory is still being torn
-   down), and a rank leaving with ``raise SystemExit(3)`` closes its sockets while Python
-   finalizes, before its exit status is written (at ``exit(3)``). Only a collective
-   exception with no other failure in sight pays this wait.
-   A rank that began to leave (``leaving``: its program ended and its interpreter is
-   finalizing, with no outcome recorded yet; or its process is seen in ``exit()``, its
-   sockets closed while its memory is torn down, its pidfd still to fire) up to ``LEAVING_WAIT_NS`` before a collective
-   exception, or within ``COLLECTIVE_SETTLE_NS`` after it, is what that exception may
-   echo: the exception waits until that rank has ended, at most ``LEAVING_WAIT_NS`` from
-   when it began to leave, and if it ended in a failure (an exit status or record, a
-   death) that failure is the cause, however long its finalization took. Finalizing
-   takes as long as it takes (a loaded machine, an atexit handler that destroys the
-   process group and then uploads logs), and the exit status is written only at its end,
-   while the sockets close at its start.
-   A rank killed by a signal its own parent sent (``signalled_by`` is its registered
-   ``ppid``: torchrun's agent, mp.spawn's main process) never outranks another failure:
-   a launcher stops its workers because it saw another one end, and on a loaded host it
-   can do so before a watcher has seen that end (its "seen" time then comes later); so
-   such a rank waits for every death held back for its parent, however late it was seen.
-6. Hang (only with ``hang_timeout``): when no live rank has made progress (``beat()``) for
-   ``hang_timeout``, and none is in a ``paused()`` phase, the job is hung. The laggard is,
-   in this order of preference: a frozen rank (state T or D); a rank whose watcher has
-   gone silent (the GIL held in C code); a rank whose main thread is *not* waiting inside
-   torch.distributed while others are (they wait for it); the rank with the lowest step;
-   the one silent longest.
-   With ``hang_timeout=auto``, a diagnosis (peerwatch._diagnose, made by a judge at the
-   learnt threshold) of a stall still going on is the verdict: its first laggard, cause hang,
-   from the diagnosis' ``end_at_ns`` on (at once for a hang or a mismatch; for laggards
-   that are busy, not stuck, near the collective timeout).
-   A silence counts only from the judge's last resume (``awake_since_ns``,
-   peerwatch._awake): a judge stopped with the ranks reads their stale heartbeats first.
-7. Lost (shared-filesystem mode): a rank on another host whose heartbeat has not changed
-   for ``peer_timeout``, by this host's monotonic clock (from the judge's last resume),
-   and that has no success marker nor any other record of how it ended, is lost (its host
-   died, is cut off, or is frozen). The watcher writes a failure record (cause ``lost``) on its behalf, naming the
-   host and its silent ranks, so that every host and the report see the same cause.
+- **A verdict stands.** A verdict already written is the verdict (one per run; everyone
+  follows it).
+- **Success is final.** A success marker is final: that rank never causes a teardown,
+  whatever comes after.
+- **Exited is not succeeded.** A failure record, an exit status seen by the parent, or a
+  local peer seen gone (its pidfd fired, or it no longer is the registered process)
+  without a success marker is a failure: exit code 0 without a marker is a failure too.
+- **Held back for the parent.** A peer seen gone whose parent is a live peer is held back
+  for ``parent_wait``: only the parent can read the exit status, and it usually writes it
+  within a millisecond.
+- **Held back while unread.** A peer seen gone is held back too while the last look at the
+  run directory could not read everything (``unread``: out of descriptors...): its success
+  marker may be there.
+- **The earliest failure is the cause.** Of several failures, the earliest (then the lowest
+  rank) is the root cause; we wait while a held-back failure might still turn out to be
+  the earliest.
+- **A death outranks an exception.** An exception never outranks a death without a record
+  (signal, vanished, an exit status) seen within ``CONSEQUENCE_WINDOW_NS`` (1 s) of it:
+  such deaths are never consequences, while the collectives of the dead rank's peers fail
+  with exceptions within milliseconds, possibly stamped before the death is seen.
+- **A collective exception settles.** An exception raised by ``torch.distributed``
+  (``collective``) is judged only ``COLLECTIVE_SETTLE_NS`` after it was raised
+  (``REMOTE_SETTLE_NS`` where the job spans hosts), unless something else is found first:
+  the socket of a rank that dies closes a moment before its pidfd fires (a SIGKILLed
+  rank's memory is still being torn down), and a rank leaving with ``raise SystemExit(3)``
+  closes its sockets while Python finalizes, before its exit status is written (at
+  ``exit(3)``). Only a collective exception with no other failure in sight pays this wait.
+- **Echo waits for the leaving.** A rank that began to leave (``leaving``: its program
+  ended and its interpreter is finalizing, with no outcome recorded yet; or its process is
+  seen in ``exit()``, its sockets closed while its memory is torn down, its pidfd still to
+  fire) up to ``LEAVING_WAIT_NS`` before a collective exception, or within
+  ``COLLECTIVE_SETTLE_NS`` after it, is what that exception may echo: the exception waits
+  until that rank has ended, at most ``LEAVING_WAIT_NS`` from when it began to leave, and
+  if it ended in a failure (an exit status or record, a death) that failure is the cause,
+  however long its finalization took. Finalizing takes as long as it takes (a loaded
+  machine, an atexit handler that destroys the process group and then uploads logs), and
+  the exit status is written only at its end, while the sockets close at its start.
+- **A launcher's signal never outranks.** A rank killed by a signal its own parent sent
+  (``signalled_by`` is its registered ``ppid``: torchrun's agent, mp.spawn's main process)
+  never outranks another failure: a launcher stops its workers because it saw another one
+  end, and on a loaded host it can do so before a watcher has seen that end (its "seen"
+  time then comes later); so such a rank waits for every death held back for its parent,
+  however late it was seen.
+- **Interrupts are not failures.** When every failure found is the same signal from
+  outside the job, a SIGINT (a KeyboardInterrupt: peerwatch never sends SIGINT) or a
+  SIGTERM from one sender that is no rank of the job (a teardown's SIGTERMs are sent by
+  ranks), and every rank of this host that has not finished got it (its failure, its exit
+  record, or, for one whose main thread waits in C, its watcher's ``interrupt`` record),
+  the job was interrupted: the verdict (cause ``interrupted``) names no failing rank, and
+  its exit code is the signal's (130, 143). Until they all show it, the decision waits, at
+  most ``INTERRUPT_WINDOW_NS`` from the first: a signal to the process group (Ctrl-C, a
+  scheduler) reaches every rank at once. One rank signalled alone failed, and is blamed.
+- **A rank that never registered.** With ``startup_timeout`` and no failure found, the
+  ranks that did not register in time are the failure (cause ``missing``).
+- **No rank moved.** Hang (only with ``hang_timeout``): when no live rank has made
+  progress (``beat()``) for ``hang_timeout``, and none is in a ``paused()`` phase, the job
+  is hung. The laggard is, in this order of preference: a frozen rank (state T or D); a
+  rank whose watcher has gone silent (the GIL held in C code); a rank whose main thread is
+  *not* waiting inside torch.distributed while others are (they wait for it); the rank
+  with the lowest step; the one silent longest. A silence counts only from the judge's
+  last resume (``awake_since_ns``, peerwatch._awake): a judge stopped with the ranks reads
+  their stale heartbeats first.
+- **The diagnosis is the verdict.** With ``hang_timeout=auto``, a diagnosis
+  (peerwatch._diagnose, made by a judge at the learnt threshold) of a stall still going on
+  is the verdict: its first laggard, cause hang, from the diagnosis' ``end_at_ns`` on (at
+  once for a hang or a mismatch; for laggards that are busy, not stuck, near the
+  collective timeout).
+- **A silent host is lost.** Shared-filesystem mode: a rank on another host whose
+  heartbeat has not changed for ``peer_timeout``, by this host's monotonic clock (from the
+  judge's last resume), and that has no success marker nor any other record of how it
+  ended, is lost (its host died, is cut off, or is frozen). The watcher writes a failure
+  record (cause ``lost``) on its behalf, naming the host and its silent ranks, so that
+  every host and the report see the same cause.
+- **Victims are not blamed.** When the root cause found by the rules above is a rank that
+  died of the collective timeout (an exception raised by torch.distributed, a SIGABRT or
+  exit code 134 from NCCL's watchdog) after a diagnosis of the stall still going on named
+  other ranks, the verdict names the diagnosed laggard, cause hang.
 
-8. Victims are not blamed: when the root cause found by rules 3-5 is a rank that died of
-   the collective timeout (an exception raised by torch.distributed, a SIGABRT or exit
-   code 134 from NCCL's watchdog) after a diagnosis of the stall still going on named
-   other ranks, the verdict names the diagnosed laggard, cause hang.
-
-9. Interrupts are not failures: when every failure found is the same signal from outside
-   the job, a SIGINT (a KeyboardInterrupt: peerwatch never sends SIGINT) or a SIGTERM from
-   one sender that is no rank of the job (a teardown's SIGTERMs are sent by ranks), and
-   every rank of this host that has not finished got it (its failure, its exit record, or,
-   for one whose main thread waits in C, its watcher's ``interrupt`` record), the job was
-   interrupted: the verdict (cause ``interrupted``) names no failing rank, and its exit
-   code is the signal's (130, 143). Until they all show it, the decision waits, at most
-   ``INTERRUPT_WINDOW_NS`` from the first: a signal to the process group (Ctrl-C, a
-   scheduler) reaches every rank at once. One rank signalled alone failed, and is blamed.
-
-Why rule 6 does not fire on a slow rank: in a synchronous job every rank waits for the
-slowest in each collective, so the job as a whole moves exactly as fast as its slowest
-rank. Judging "no rank moved" rather than "this rank is behind" means a rank that is
-slow but moving, or ranks that wait for it, never trip it; only a job in which nothing
+Why "no rank moved" does not fire on a slow rank: in a synchronous job every rank waits
+for the slowest in each collective, so the job as a whole moves exactly as fast as its
+slowest rank. Judging "no rank moved" rather than "this rank is behind" means a rank that
+is slow but moving, or ranks that wait for it, never trip it; only a job in which nothing
 has moved for the whole timeout does. A rank in ``paused()`` (checkpointing, evaluation
 on one rank) suspends the rule for everyone, since the others are expected to wait.
 Entering and leaving ``paused()`` count as progress, so a pause cannot age into a hang.
@@ -118,26 +127,29 @@ if TYPE_CHECKING:
 # see both in one wake-up. Within this window the death is the root cause.
 CONSEQUENCE_WINDOW_NS = 1_000_000_000
 # How long an exception raised by torch.distributed waits for the failure it may echo
-# (rule 5). Within a failing rank's own wait at exit (_plan.verdict_wait_s: 0.85 s by default).
+# (rule: a collective exception settles). Within a failing rank's own wait at exit
+# (_plan.verdict_wait_s: 0.85 s by default).
 COLLECTIVE_SETTLE_NS = 500_000_000
 # The same where the job spans hosts: a rank that died on another host is known here only
 # once its host's verdict comes through the store (tens of milliseconds idle; over a
 # second measured with 2 cores at load 10, where 0.5 s let a victim here be blamed).
 REMOTE_SETTLE_NS = 2_000_000_000
 # How long, from when a rank began to leave, an exception raised by torch.distributed waits
-# for that rank to end (rule 5): its interpreter's finalization, 0.1-0.2 s on an idle
-# machine, measured up to 5 s (2 cores at load 11). It is waited for only while that rank
-# is still finalizing: its end (exit status, pidfd) is an event. A rank whose own failure
-# is such an exception waits this much longer at exit (_plan.verdict_wait_s).
+# for that rank to end (rule: echo waits for the leaving): its interpreter's finalization,
+# 0.1-0.2 s on an idle machine, measured up to 5 s (2 cores at load 11). It is waited for
+# only while that rank is still finalizing: its end (exit status, pidfd) is an event. A rank
+# whose own failure is such an exception waits this much longer at exit
+# (_plan.verdict_wait_s).
 LEAVING_WAIT_NS = 15_000_000_000
 _DEATHS = (SIGNAL, VANISHED, EXIT)
-# A peer seen gone while records could not be read (rule 4): decide again this soon.
+# A peer seen gone while records could not be read (rule: held back while unread): decide again this soon.
 UNREAD_RECHECK_NS = 100_000_000
 # How long, from the first rank seen to get a SIGINT or SIGTERM from outside the job, the
-# decision waits for the other ranks of this host to show the same one (rule 9): a signal
-# to the process group reaches them all at once, and each says so within milliseconds (a
-# SIGTERM's record is written by its handler, a KeyboardInterrupt's as it reaches the top);
-# 2 s leaves room for a loaded host. Waited only while every failure found is such a signal.
+# decision waits for the other ranks of this host to show the same one
+# (rule: interrupts are not failures): a signal to the process group reaches them all at
+# once, and each says so within milliseconds (a SIGTERM's record is written by its handler,
+# a KeyboardInterrupt's as it reaches the top); 2 s leaves room for a loaded host. Waited
+# only while every failure found is such a signal.
 INTERRUPT_WINDOW_NS = 2_000_000_000
 _INTERRUPTS = ("SIGINT", "SIGTERM")
 
@@ -166,16 +178,17 @@ class Observed:
     # rank -> when it began to leave (time_ns; its heartbeat's leaving_ns): its program
     # ended with no outcome recorded, its interpreter finalizes, its exit status is to come;
     # or when its process was first seen in exit() (PF_EXITING: _exit, a signal).
-    # This host's ranks, read only while a collective exception is to be judged (rule 5).
+    # This host's ranks, read only while a collective exception is to be judged
+    # (rule: echo waits for the leaving).
     leaving: Mapping[int, int] = dataclasses.field(default_factory=dict)
     # When this judge last resumed after it was not running (CLOCK_MONOTONIC, as now_mono_ns;
     # peerwatch._awake): no silence counts from before then.
     awake_since_ns: int = 0
     # The last look at the run directory could not list a folder or read a record (EMFILE...):
-    # a success marker may be among what was missed (rule 4).
+    # a success marker may be among what was missed (rule: held back while unread).
     unread: bool = False
-    # rank -> the SIGINT it got, as its watcher saw it arrive (rule 9): not a failure, the
-    # evidence that a rank whose main thread waits in C (a collective) got it too.
+    # rank -> the SIGINT it got, as its watcher saw it arrive (rule: interrupts are not failures):
+    # not a failure, the evidence that a rank whose main thread waits in C (a collective) got it too.
     interrupts: Mapping[int, Interrupt] = dataclasses.field(default_factory=dict)
     now_boot_ns: Optional[int] = None  # CLOCK_BOOTTIME now: a verdict's stamp (Verdict.made_before)
 
@@ -191,7 +204,8 @@ class Policy:
     hang_timeout_ns: int = 0  # 0: no hang detection
     peer_timeout_ns: int = 0  # 0: remote ranks are never judged lost
     hang_auto: bool = False  # hang_timeout=auto: a diagnosis (made at the learnt threshold) ends the job
-    collective_settle_ns: int = COLLECTIVE_SETTLE_NS  # rule 5's wait (REMOTE_SETTLE_NS across hosts)
+    # How long a collective exception waits (rule: a collective exception settles; REMOTE_SETTLE_NS across hosts).
+    collective_settle_ns: int = COLLECTIVE_SETTLE_NS
 
     @classmethod
     def from_config(cls, config: Config, shared_fs: bool = False, other_hosts: bool = False) -> Policy:
@@ -309,7 +323,8 @@ def _order(obs: Observed, v: Verdict, found: List[Verdict]) -> Tuple[bool, int, 
     """Earliest first, except that an exception never outranks a death seen within
     CONSEQUENCE_WINDOW_NS of it, and a collective exception never outranks the failed end
     of a rank that was leaving as it was raised, however late, and a rank its own launcher
-    signalled never outranks another failure (rule 5 in the module docstring)."""
+    signalled never outranks another failure
+    (rules: a death outranks an exception, echo waits for the leaving, a launcher's signal never outranks)."""
     if _signalled_by_its_launcher(obs, v):
         return (any(d.rank != v.rank for d in found), v.failed_at_ns, v.rank)
     if v.cause != EXCEPTION:
@@ -329,7 +344,7 @@ def _signalled_by_its_launcher(obs: Observed, v: Verdict) -> bool:
 
 
 def _stopped_by_its_launcher(obs: Observed, rank: int) -> bool:
-    """The rank's exit status says its own parent signalled it (rule 5)."""
+    """The rank's exit status says its own parent signalled it (rule: a launcher's signal never outranks)."""
     status, reg = obs.exit_statuses.get(rank), obs.registrations.get(rank)
     return status is not None and reg is not None and status.signalled_by is not None and status.signalled_by == reg.ppid
 
@@ -348,8 +363,9 @@ def _leavers_echoed(obs: Observed, v: Verdict) -> Tuple[int, ...]:
 
 def _collective_settled_ns(obs: Observed, first: Optional[Verdict], settle_ns: int) -> Optional[int]:
     """When the root cause ``first`` may be acted on, if it is an exception raised by
-    torch.distributed (rule 5): the failure it may echo gets COLLECTIVE_SETTLE_NS to show,
-    and a rank leaving around it LEAVING_WAIT_NS from when it began to leave to end."""
+    torch.distributed (rules: a collective exception settles, echo waits for the leaving): the
+    failure it may echo gets COLLECTIVE_SETTLE_NS to show, and a rank leaving around it
+    LEAVING_WAIT_NS from when it began to leave to end."""
     if first is None or first.cause != EXCEPTION:
         return None
     failure = obs.failures.get(first.rank)
@@ -364,9 +380,10 @@ def _collective_settled_ns(obs: Observed, first: Optional[Verdict], settle_ns: i
 
 
 def _lost(obs: Observed, policy: Policy) -> Tuple[Failure, ...]:
-    """Failure records for the remote ranks silent for peer_timeout (rule 7). The message
-    names the host and each of its ranks silent for half of peer_timeout or more (a frozen
-    host's last heartbeats land at slightly different times)."""
+    """Failure records for the remote ranks silent for peer_timeout
+    (rule: a silent host is lost). The message names the host and each of its ranks silent
+    for half of peer_timeout or more (a frozen host's last heartbeats land at slightly
+    different times)."""
     if not policy.peer_timeout_ns:
         return ()
     ended = set(obs.successes) | set(obs.failures) | set(obs.exit_statuses) | set(obs.gone)
@@ -452,9 +469,10 @@ def _current(d: Optional[Diagnosis]) -> bool:
 
 
 def _diagnosed_hang(obs: Observed, policy: Policy) -> Decision:
-    """Rule 6, hang_timeout=auto: a diagnosis of the stall still going on is the verdict,
-    from its ``end_at_ns`` on (at once for a hang; near the collective timeout for busy
-    laggards, so a checkpoint or an evaluation is never ended early)."""
+    """Rule: the diagnosis is the verdict. With hang_timeout=auto, a diagnosis of the stall
+    still going on is the verdict, from its ``end_at_ns`` on (at once for a hang; near the
+    collective timeout for busy laggards, so a checkpoint or an evaluation is never ended
+    early)."""
     d = obs.diagnosis
     if not policy.hang_auto or d is None or not _current(d):
         return Decision(None)
@@ -473,9 +491,9 @@ def _diagnosed_hang(obs: Observed, policy: Policy) -> Decision:
 
 
 def _victim_of_hang(obs: Observed, first: Verdict) -> Verdict:
-    """Rule 8: a rank that dies of the collective timeout (gloo's exception, NCCL's abort)
-    after a diagnosis named another rank is its victim: the verdict names the laggard,
-    cause hang, and the dead rank is a consequence."""
+    """Rule: victims are not blamed. A rank that dies of the collective timeout (gloo's
+    exception, NCCL's abort) after a diagnosis named another rank is its victim: the verdict
+    names the laggard, cause hang, and the dead rank is a consequence."""
     d = obs.diagnosis
     if d is None or not _current(d) or first.rank in d.laggards or first.failed_at_ns < d.time_ns:
         return first
@@ -498,8 +516,8 @@ def _victim_of_hang(obs: Observed, first: Verdict) -> Verdict:
 
 def _interrupt_of(obs: Observed, rank: int) -> Optional[Tuple[str, Optional[int], int]]:
     """(signal, sender, when) if the rank's record says it got a SIGINT or SIGTERM from
-    outside the job (rule 9); None for any other end. A SIGTERM sent by a rank of the job
-    (a teardown's) is not one."""
+    outside the job (rule: interrupts are not failures); None for any other end. A SIGTERM
+    sent by a rank of the job (a teardown's) is not one."""
     failure = obs.failures.get(rank)
     if failure is not None:
         if failure.signal not in _INTERRUPTS:
@@ -531,8 +549,8 @@ def _local(obs: Observed) -> Dict[int, Registration]:
 
 
 def _interrupted(obs: Observed, found: List[Verdict]) -> Optional[Decision]:
-    """Rule 9: the verdict that the job was interrupted, a wait for the other ranks of this
-    host to show the same signal, or None (the other rules judge)."""
+    """Rule: interrupts are not failures. The verdict that the job was interrupted, a wait
+    for the other ranks of this host to show the same signal, or None (the other rules judge)."""
     got: Dict[int, Tuple[str, Optional[int], int]] = {}
     for v in found:
         seen = _interrupt_of(obs, v.rank)

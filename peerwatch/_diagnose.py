@@ -1,46 +1,49 @@
 """The diagnosis of a job that stopped moving: pure (no I/O, no clock; times are passed in).
 
 Every rank's watcher publishes torch's collective counters with its heartbeat (per process
-group, the sequence number of the last collective it entered), and, once they stop
-moving, the op and sizes of its last collectives. From those the judges say, when nothing
-has moved for the warning threshold:
+group, the sequence number of the last collective it entered), and, once they stop moving,
+the op and sizes of its last collectives. From those the judges say, when nothing has moved
+for the warning threshold (its rules, named as in docs/how-it-works.md, "The hang
+diagnosis"):
 
-1. No diagnosis while any rank is inside ``paused()``, or when no rank publishes counters
-   (the ranks never imported torch.distributed: ``beat()`` and ``hang_timeout`` remain).
-2. A frozen rank (state T, or D with no bytes moving) or one whose watcher went silent is
-   a laggard first.
-3. In a process group where the ranks' last sequence numbers differ, the ranks at the
-   highest one *entered* it and wait; the others never reached it: they are the
-   laggards (``hang``, with the group, seq and op).
-4. Ranks that entered the same sequence number with another op, other sizes or dtypes:
-   ``mismatch``; the laggards are the smaller side (a tie: the side without the lowest rank).
-5. Everyone at the same sequence number, agreeing, nobody frozen: nothing to name (all
-   ranks are outside collectives: evaluation, checkpointing, data loading on every
-   rank), no diagnosis.
-6. Busy or stuck (:func:`busy_evidence`): a hang's laggard that shows signs of work over
-   its last samples (its main thread on a CPU, at any number of places: nobody can tell
-   a long computation in one torch op from an endless loop; bytes read or written by its
-   main thread, however few; its other threads on a CPU or moving many bytes;
-   descendants on a CPU; "on a CPU" counts the time ready for one too, on a crowded
-   host) is ``busy``: a checkpoint, an evaluation, a slow loader or read. The finding
-   says so, with the evidence, and ``hang_timeout=auto`` ends such a job only at
-   ``BUSY_END_FRACTION`` of the collective timeout (it still ends before the watchdog,
-   with the right blame). A laggard with no sign of work (blocked on a lock, asleep,
-   frozen, its watcher silent, or in another collective) is stuck: ``hang``, ended at
-   once under ``auto``. A laggard that has published too few samples to tell yet is
-   waited for (unknown, not stuck); and a busy laggard turns stuck only once it has shown
-   nothing for a whole window (peerwatch._diagnoser): one window with a dip does not.
-7. Plainly stuck, named early: rules 2-6 are applied from the stuck threshold
-   (``Threshold.stuck_ns``: ``STUCK_S`` of the judge's awake time since the job last
-   moved, 10 s at 1 s heartbeats), not only from the learnt one, but a finding made
-   before the learnt threshold is kept only if it is a ``hang`` or ``mismatch`` whose every
-   laggard is plainly stuck (:func:`plainly_stuck`): stopped, or a whole window of
-   ``STUCK_SAMPLES`` samples with no sign of work at all (a silent watcher alone is not:
-   a long garbage collection holds the GIL too). A laggard that
-   itself waits in another collective is named early only if no rank of the job shows a
-   sign of work (it may wait for a pipeline stage that computes). Anything with a sign
-   of work, or too few samples, waits for the learnt threshold as before: rule 7 names
-   nothing ``busy``, and a busy finding turns into a hang only by rule 6's window.
+- **Paused or uncounted.** No diagnosis while any rank is inside ``paused()``, or when no
+  rank publishes counters (the ranks never imported torch.distributed: ``beat()`` and
+  ``hang_timeout`` remain).
+- **Frozen first.** A frozen rank (state T, or D with no bytes moving) or one whose watcher
+  went silent is a laggard first.
+- **The ranks behind.** In a process group where the ranks' last sequence numbers differ,
+  the ranks at the highest one *entered* it and wait; the others never reached it: they are
+  the laggards (``hang``, with the group, seq and op).
+- **Mismatched collectives.** Ranks that entered the same sequence number with another op,
+  other sizes or dtypes: ``mismatch``; the laggards are the smaller side (a tie: the side
+  without the lowest rank).
+- **Agreement names nobody.** Everyone at the same sequence number, agreeing, nobody frozen:
+  nothing to name (all ranks are outside collectives: evaluation, checkpointing, data
+  loading on every rank), no diagnosis.
+- **Busy or stuck** (:func:`busy_evidence`). A hang's laggard that shows signs of work over
+  its last samples (its main thread on a CPU, at any number of places: nobody can tell a
+  long computation in one torch op from an endless loop; bytes read or written by its main
+  thread, however few; its other threads on a CPU or moving many bytes; descendants on a
+  CPU; "on a CPU" counts the time ready for one too, on a crowded host) is ``busy``: a
+  checkpoint, an evaluation, a slow loader or read. The finding says so, with the evidence,
+  and ``hang_timeout=auto`` ends such a job only at ``BUSY_END_FRACTION`` of the collective
+  timeout (it still ends before the watchdog, with the right blame). A laggard with no sign
+  of work (blocked on a lock, asleep, frozen, its watcher silent, or in another collective)
+  is stuck: ``hang``, ended at once under ``auto``. A laggard that has published too few
+  samples to tell yet is waited for (unknown, not stuck); and a busy laggard turns stuck
+  only once it has shown nothing for a whole window (peerwatch._diagnoser): one window with
+  a dip does not.
+- **Plainly stuck** (:func:`plainly_stuck`), named early. The rules above are applied from
+  the stuck threshold (``Threshold.stuck_ns``: ``STUCK_S`` of the judge's awake time since
+  the job last moved, 10 s at 1 s heartbeats), not only from the learnt one, but a finding
+  made before the learnt threshold is kept only if it is a ``hang`` or ``mismatch`` whose
+  every laggard is plainly stuck (:func:`plainly_stuck`): stopped, or a whole window of
+  ``STUCK_SAMPLES`` samples with no sign of work at all (a silent watcher alone is not: a
+  long garbage collection holds the GIL too). A laggard that itself waits in another
+  collective is named early only if no rank of the job shows a sign of work (it may wait for
+  a pipeline stage that computes). Anything with a sign of work, or too few samples, waits
+  for the learnt threshold as before: this rule names nothing ``busy``, and a busy finding
+  turns into a hang only by the window of the busy-or-stuck rule.
 
 Ranks of other hosts come in as the ranks of this one (peerwatch._summary turns each
 host's summary from the store into them, its host named): the rules are the same, and a
@@ -50,17 +53,18 @@ The threshold (:class:`Threshold`) is learnt from the job's own intervals betwee
 movements (any rank's counters or ``beat()``): after ``WARMUP_GAPS`` of them, it is
 ``FACTOR`` times the longest seen, at least ``FLOOR_S``, and at most ``CAP_FRACTION`` of the
 process group's collective timeout (so it comes well before the timeout kills the job).
-Before the warm-up it is ``FLOOR_S`` (at most the cap), and rule 6 keeps a busy laggard
-from being ended that early. That threshold governs anything with a sign of work; a
-plainly stuck laggard is named at the stuck threshold (rule 7), about 10 s, whatever the
-job's steps: a long step is work, and shows. Why it does not fire on slow steps, evaluation or
-checkpointing: a step is one interval, so slow steps raise the threshold as they come
-(a step would have to get five times longer than the longest so far, and over a
-minute, at once); a phase without collectives on every rank is rule 5 (nothing to
-name); a phase on one rank while the others wait (rank 0 saving a checkpoint at a
-barrier) is judged like a hang only if it lasts longer than the threshold, and once it
-ends its interval is learnt, so a recurring one fires at most once. ``paused()`` is rule 1.
-And a diagnosis only warns, unless ``hang_timeout=auto``.
+Before the warm-up it is ``FLOOR_S`` (at most the cap), and the busy-or-stuck rule keeps a
+busy laggard from being ended that early. That threshold governs anything with a sign of
+work; a plainly stuck laggard is named at the stuck threshold (rule: plainly stuck), about
+10 s, whatever the job's steps: a long step is work, and shows. Why it does not fire on slow
+steps, evaluation or checkpointing: a step is one interval, so slow steps raise the
+threshold as they come (a step would have to get five times longer than the longest so far,
+and over a minute, at once); a phase without collectives on every rank names nobody
+(rule: agreement names nobody); a phase on one rank while the others wait (rank 0 saving a
+checkpoint at a barrier) is judged like a hang only if it lasts longer than the threshold,
+and once it ends its interval is learnt, so a recurring one fires at most once. ``paused()``
+stops it (rule: paused or uncounted). And a diagnosis only warns, unless
+``hang_timeout=auto``.
 """
 
 from __future__ import annotations
@@ -77,15 +81,15 @@ DEFAULT_CAP_S = 300.0  # when the timeout is not known
 WARMUP_GAPS = 10  # intervals seen before the learnt value is trusted
 ASSUMED_TIMEOUT_S = 2 * DEFAULT_CAP_S  # the collective timeout, when no rank has said it
 BUSY_END_FRACTION = 0.9  # hang_timeout=auto ends busy laggards at this share of the collective timeout
-# Signs of work (rule 6), over a laggard's last samples (peerwatch._activity.WINDOW):
+# Signs of work (rule: busy or stuck), over a laggard's last samples (peerwatch._activity.WINDOW):
 BUSY_SAMPLES = 3  # fewer samples than this: too early to tell (the judge waits)
 BUSY_CPU_SHARE = 0.05  # the main thread on the CPU this share of the time (at any number of places)
 BUSY_MAIN_IO_BYTES = 1  # or bytes read or written by its main thread (a slow read: a few a second)
 BUSY_OTHER_SHARE = 0.10  # or its other threads (torch's intra-op pool...) on the CPU this share of a core
 BUSY_IO_BYTES = 256 * 1024  # or bytes read or written by all its threads (more than a monitor's polls)
 BUSY_CHILDREN_SHARE = 0.10  # or its descendants (data loader workers...) on the CPU this share of a core
-# The stuck threshold (rule 7): a laggard with no sign of work at all is named this soon,
-# whatever the learnt threshold, once its samples cover a whole window.
+# The stuck threshold (rule: plainly stuck): a laggard with no sign of work at all is named
+# this soon, whatever the learnt threshold, once its samples cover a whole window.
 STUCK_S = 10.0  # of the judge's awake time since the job last moved
 STUCK_SAMPLES = 8  # samples with no sign of work, a whole window (peerwatch._activity.WINDOW)
 STUCK_MARGIN_BEATS = 2  # beats over the window: its first sample, and the judge's look
@@ -153,11 +157,12 @@ def diagnose(
     stuck_ns: int = 0,
 ) -> Optional[Found]:
     """The diagnosis if nothing has moved for ``threshold_ns``; None otherwise.
-    ``timeout_ms``: the shortest collective timeout (0: unknown), for rule 6's end.
+    ``timeout_ms``: the shortest collective timeout (0: unknown), for the end of a busy
+    laggard (rule: busy or stuck).
     ``awake_since_ns``: when the judge last resumed (peerwatch._awake): only the time since
     counts (a judge that was stopped with the ranks sees their stale heartbeats first).
-    ``stuck_ns``: rule 7's shorter threshold (0: none): from then on, a ``hang`` or
-    ``mismatch`` whose every laggard is plainly stuck (:func:`plainly_stuck`) is named."""
+    ``stuck_ns``: the shorter threshold (rule: plainly stuck; 0: none): from then on, a
+    ``hang`` or ``mismatch`` whose every laggard is plainly stuck (:func:`plainly_stuck`) is named."""
     if threshold_ns <= 0 or not ranks or any(s.paused for s in ranks.values()):
         return None
     counted = {r: s for r, s in ranks.items() if s.collectives}
@@ -165,7 +170,7 @@ def diagnose(
     if not counted or last is None:
         return None
     since = now_mono_ns - max(last, awake_since_ns)
-    early = 0 < stuck_ns <= since < threshold_ns  # rule 7: only a plainly stuck laggard is named
+    early = 0 < stuck_ns <= since < threshold_ns  # only a plainly stuck laggard is named (rule: plainly stuck)
     if since < threshold_ns and not early:
         return None
     found = _found(ranks, counted, since, timeout_ms)
@@ -175,10 +180,11 @@ def diagnose(
 
 
 def plainly_stuck(s: RankState) -> bool:
-    """Rule 7: the rank cannot be working: stopped, or a whole window of samples
-    (``STUCK_SAMPLES``) with no sign of work at all (in D state too). Not a silent watcher
-    alone: the GIL held for long is as often a garbage collection or a C call that
-    computes as a deadlock, and nobody sampled it meanwhile (the learnt threshold judges it)."""
+    """Rule: plainly stuck. The rank cannot be working: stopped, or a whole window of
+    samples (``STUCK_SAMPLES``) with no sign of work at all (in D state too). Not a silent
+    watcher alone: the GIL held for long is as often a garbage collection or a C call that
+    computes as a deadlock, and nobody sampled it meanwhile (the learnt threshold judges
+    it)."""
     if s.state in STOPPED_STATES:
         return True
     if s.watcher_silent:
@@ -188,10 +194,10 @@ def plainly_stuck(s: RankState) -> bool:
 
 
 def _named_early(found: Found, ranks: Mapping[int, RankState]) -> bool:
-    """Rule 7: a hang or mismatch whose every laggard is plainly stuck. A hang's laggard
-    that waits in another collective (not stopped) waits for someone else, who may be
-    working (a pipeline stage computing): named early only if no rank of the job shows a
-    sign of work either."""
+    """Rule: plainly stuck. A hang or mismatch whose every laggard is plainly stuck. A
+    hang's laggard that waits in another collective (not stopped) waits for someone else,
+    who may be working (a pipeline stage computing): named early only if no rank of the job
+    shows a sign of work either."""
     if found.kind not in (HANG, MISMATCH) or not all(plainly_stuck(ranks[r]) for r in found.laggards):
         return False
     waiting = [r for r in found.laggards if ranks[r].in_collective and ranks[r].state not in STOPPED_STATES]
@@ -199,7 +205,10 @@ def _named_early(found: Found, ranks: Mapping[int, RankState]) -> bool:
 
 
 def _found(ranks: Mapping[int, RankState], counted: Mapping[int, RankState], since: int, timeout_ms: int) -> Optional[Found]:
-    """Rules 2 to 6, once nothing has moved for ``since``."""
+    """The finding, once nothing has moved for ``since``.
+
+    Rules: frozen first, the ranks behind, mismatched collectives, agreement names nobody, busy or stuck.
+    """
     evidence = {r: busy_evidence(s) for r, s in ranks.items()}
     frozen = sorted(r for r, s in ranks.items() if _frozen(s, evidence[r]))
     mismatch = _mismatch(counted, ranks)
@@ -227,8 +236,8 @@ def _found(ranks: Mapping[int, RankState], counted: Mapping[int, RankState], sin
 
 
 def busy_evidence(s: RankState) -> Optional[str]:
-    """Rule 6: what shows that a rank works while its counters stand still ("" if nothing
-    does: it is stuck); None if it has published too few samples to tell yet."""
+    """Rule: busy or stuck. What shows that a rank works while its counters stand still (""
+    if nothing does: it is stuck); None if it has published too few samples to tell yet."""
     a = s.activity
     if s.state in STOPPED_STATES or s.watcher_silent or a is None:
         return ""  # frozen, unseen, or a rank that publishes no samples (not judged by them)
@@ -255,7 +264,7 @@ def busy_evidence(s: RankState) -> Optional[str]:
 
 
 def _frozen(s: RankState, evidence: Optional[str]) -> bool:
-    """Rule 2: stopped, or in uninterruptible sleep with nothing moving, or unseen."""
+    """Rule: frozen first. Stopped, or in uninterruptible sleep with nothing moving, or unseen."""
     return s.state in STOPPED_STATES or s.watcher_silent or (s.state == "D" and not evidence)
 
 
@@ -283,7 +292,7 @@ def _seqs(counted: Mapping[int, RankState]) -> Dict[str, Dict[int, int]]:
 
 
 def _stuck(counted: Mapping[int, RankState]) -> Optional[Tuple[str, int, Tuple[int, ...], Tuple[int, ...]]]:
-    """The group whose ranks' sequence numbers differ: (group, highest seq, ranks at it,
+    """Rule: the ranks behind. The group whose ranks' sequence numbers differ: (group, highest seq, ranks at it,
     ranks behind, most behind first). Of several groups, the one with the most ranks behind."""
     best = None
     for group, by_rank in sorted(_seqs(counted).items()):
@@ -310,8 +319,8 @@ def _op_at(counted: Mapping[int, RankState], ranks: Sequence[int], group: Option
 
 
 def _mismatch(counted: Mapping[int, RankState], ranks: Mapping[int, RankState]) -> Optional[Found]:
-    """Rule 4: at some (group, seq) that every rank of the group has published, two sides
-    disagree on op, sizes or dtypes."""
+    """Rule: mismatched collectives. At some (group, seq) that every rank of the group has
+    published, two sides disagree on op, sizes or dtypes."""
     for group, by_rank in sorted(_seqs(counted).items()):
         # The seq the job is stuck at in this group: the lowest last enqueued seq (a rank
         # that went past with a mismatched op has it among its last entries).
@@ -429,9 +438,10 @@ class Threshold:
             self._last = last_move_ns
 
     def stuck_ns(self, timeout_ms: int, interval_s: float = 1.0) -> int:
-        """Rule 7's threshold: ``STUCK_S``, or long enough for a whole window of samples at
-        heartbeats of ``interval_s``; never over :meth:`value_ns`. 0 (none) under a fixed
-        threshold: hang_warn set in seconds is the one threshold."""
+        """The stuck threshold (rule: plainly stuck): ``STUCK_S``, or long enough for a
+        whole window of samples at heartbeats of ``interval_s``; never over
+        :meth:`value_ns`. 0 (none) under a fixed threshold: hang_warn set in seconds is the
+        one threshold."""
         if self.fixed_s is not None:
             return 0
         window_ns = int((STUCK_SAMPLES + STUCK_MARGIN_BEATS) * interval_s * 1e9)

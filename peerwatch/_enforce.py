@@ -52,8 +52,8 @@ def tear_down_peers(
     obs: Seen, verdict: Verdict, ack_window_s: float, grace_s: float, trusted: AbstractSet[int] = frozenset(),
 ) -> None:
     """Give live peers the ack window to say they are leaving; signal those that do not.
-    ``trusted``: peers never signalled here (rule 9 of the plan: a blind enforcer's fellow
-    enforcers); ``ack_window_s`` is the plan's (longer for a blind enforcer)."""
+    ``trusted``: peers never signalled here (a blind enforcer's fellow enforcers;
+    rule: the blind enforcer); ``ack_window_s`` is the plan's (longer for a blind enforcer)."""
     pending = _await_acks(obs, ack_window_s, trusted)
     peer_pids = obs.local_pids()
     targets: List[_teardown.Target] = []
@@ -73,8 +73,8 @@ def tear_down_peers(
 
 
 def _await_acks(obs: Seen, ack_window_s: float, trusted: AbstractSet[int]) -> List[int]:
-    """Rules 5 and 9 of the plan: wait for acknowledgements (or, blind, for the peers'
-    processes to end: their pidfds wake us); the ranks that gave none."""
+    """Wait for acknowledgements (or, blind, for the peers' processes to end: their pidfds
+    wake us); the ranks that gave none (rules: the ack window, the blind enforcer)."""
     window = _plan.AckWindow.opened(time.monotonic(), ack_window_s)
     while True:
         obs.scan()

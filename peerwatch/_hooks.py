@@ -90,7 +90,7 @@ def consequence_of_peer_failure(w: Watcher, exc: Optional[BaseException] = None)
     dead peer has fired before the exception was raised, so one look by the watcher
     settles which came first. A KeyboardInterrupt is no consequence (peerwatch never sends
     SIGINT): it is recorded at once, so that where every rank got the same SIGINT (Ctrl-C)
-    each says so before the verdict, which then blames none (rule 9 of _decide).
+    each says so before the verdict, which then blames none (rule: interrupts are not failures).
     """
     v = w.verdict
     if v is not None:
@@ -412,8 +412,8 @@ def _record_exit_call(registry: Registry, status: Any, call: str, caller: Option
     raised = spawn_wrapped(caller)
     if raised is not None:
         # The exception is the cause (its type, message and traceback), judged as if it had
-        # reached the excepthook: one raised by torch.distributed is an echo (rule 5 of
-        # _decide). The exit code is the one the process exits with.
+        # reached the excepthook: one raised by torch.distributed is an echo
+        # (rule: echo waits for the leaving). The exit code is the one the process exits with.
         w.record_failure(exception_failure(w, raised, raised.__traceback__, code, seen_ns))
         return
     stack = "".join(traceback.format_stack(caller))
@@ -473,7 +473,7 @@ def _leaving(registry: Registry) -> None:
     """The main thread has ended and nothing is recorded of how this rank ends: when the
     exit status will tell (a ``raise SystemExit(3)`` that reached the top, or success),
     say that the rank is leaving, before its sockets close while Python finalizes (its
-    peers' collectives then fail: echoes of how it ends, rule 5 of _decide)."""
+    peers' collectives then fail: echoes of how it ends; rule: echo waits for the leaving)."""
     try:
         w = registry.active()
         if w is not None and w.verdict is None and w.failed_code is None and _exitwatch.armed():

@@ -259,8 +259,8 @@ def _launcher_gone(w: RankLink, launcher: Launcher, exit_code: int) -> None:
     )
     rank = w.me.rank
     logger.error("peerwatch: %s: %s. Failing this rank.", _terminal.who(rank, os.getpid(), w.me.host), message)
-    # The verdict on this failure ends the rank at once (rule 2 of the plan: its main
-    # thread is not leaving by itself).
+    # The verdict on this failure ends the rank at once (its main thread is not leaving by
+    # itself; rule: who stays).
     w.record_failure(Failure(
         rank=rank, pid=os.getpid(), time_ns=time.time_ns(), cause=LOST, exit_code=exit_code,
         exception=LAUNCHER_GONE, message=message,

@@ -458,8 +458,8 @@ class Observer:
         """This host's ranks (ours too) whose heartbeat says they began to leave, and when,
         and the peers seen in ``exit()`` (since then: a process ended by ``_exit`` or a signal
         closes its sockets at once, while its pidfd fires only once its memory is torn down).
-        Read only while an exception raised by torch.distributed is to be judged (rule 5
-        of _decide): one heartbeat and one /proc look per rank not known to be leaving yet."""
+        Read only while an exception raised by torch.distributed is to be judged
+        (rule: echo waits for the leaving): one heartbeat and one /proc look per rank not known to be leaving yet."""
         for rank in (self.me.rank, *self.peers):
             if rank in self._leaving:
                 continue
@@ -525,7 +525,7 @@ def _rank_list(ranks: List[int], shown: int = 8) -> str:
 
 def _judging_an_echo(failures: Dict[int, object]) -> bool:
     """A failure record is an exception raised by torch.distributed: the echo, perhaps, of
-    a rank that is leaving (rule 5 of _decide)."""
+    a rank that is leaving (rule: echo waits for the leaving)."""
     return any(isinstance(f, Failure) and f.collective for f in failures.values())
 
 

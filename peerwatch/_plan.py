@@ -2,78 +2,79 @@
 how long this rank may stay, and the code it exits with.
 
 Nothing here touches the OS or a clock; :mod:`peerwatch._verdict` carries out a plan's
-steps (rule 10), an enforcer's share through :mod:`peerwatch._enforce`, with the OS through
-:mod:`peerwatch._teardown`. Rules (numbered as in the tests):
+steps (rule: the step order), an enforcer's share through :mod:`peerwatch._enforce`, with the
+OS through :mod:`peerwatch._teardown`. Its rules, named as in docs/how-it-works.md ("The
+teardown's rules") and in the tests:
 
-1. **Exit code.** A torn-down rank exits with the verdict's code. The failed rank itself
-   exits with the code it recorded for its own failure, if it recorded one (a Python
-   exception: 1, ``sys.exit(n)``: n), else with the verdict's.
-2. **Who stays.** The main thread leaves by itself when the failure is its own exception
-   or exit (it is on its way out), or when it runs inside ``watch()`` and is told to
-   raise :class:`PeerFailure`; then it is given ``grace`` seconds. Everyone else (a
-   crashed peer's survivors outside ``watch()``, a rank blamed for a hang, a rank whose
-   launcher is gone) leaves at once.
-3. **Who enforces.** The lowest :data:`ENFORCERS` live local ranks other than the failed
-   one; the failed rank only when too few others are left (it may be stuck, or about to
-   go). Enforcers wait for acknowledgements, signal the peers that gave none, and rewrite
-   the report. Every rank doing it made teardown O(N^2) (N=128: 11-14 s of CPU on
-   2 cores); three keep it O(N) with spares for a frozen enforcer.
-4. **The report.** One rank per host writes the report as the teardown begins, the
-   first enforcer, and it alone logs the records of the run's last moments to the event
-   log before it leaves (each report and sweep costs a few ms of CPU that the peers,
-   leaving at the same moment, wait for); and one rank per job prints the summary, after
-   the cause, writing the report to build it: a failing rank that is leaving by itself
-   (it recorded its own exception or exit, and is alive on this host) prints it once its
-   main thread has left, below its own traceback; otherwise the writer of the verdict
-   prints it, at once (before its teardown: a launcher that ends its workers as soon as
-   it sees the failed one, torchrun's agent, must not cut it off), or, where the failed
-   rank has not ended (a hang, a lost host, a rank that never started: no launcher acts
-   on it), once its own stacks and flight recorder are dumped, to name them. Every other rank says
-   its one line (:func:`peerwatch._terminal.stop_line`) after the summary, once it is out
-   (:data:`peerwatch._rundir.SUMMARY_FILE`), waiting for it at most
-   :data:`SUMMARY_WAIT_S` from the verdict, then says it all the same (the rank that was
-   to print the summary may never get to: it may be SIGKILLed too). So a person reads the cause, the summary, then
-   the other ranks, in that order however the processes are scheduled. The waiting ranks
-   look for it every :data:`SUMMARY_POLL_S` for each :data:`SUMMARY_POLL_RANKS` local
-   ranks (:func:`summary_poll_s`): 127 ranks looking every 10 ms took a quarter of 2 cores
-   from the one rank writing the summary, and held a 128-rank teardown up by half.
-5. **The ack window.** Peers get ``ack_window`` to acknowledge. While acknowledgements
-   keep arriving the machine is busy rather than the peers stuck (128 ranks on 2 cores
-   take a while to be scheduled): the window stretches to ``ack_window / 4`` after the
-   latest one, never beyond ``4 x ack_window``.
-6. **Whom to signal.** Live local peers that neither acknowledged nor are gone; a peer
-   that finished (wrote its success marker) is leaving: it is not asked for a stack dump.
-7. **The last resort.** Once teardown begins the process ends within
-   ``ack_window + 3 x grace + 2 s`` even if the watcher thread never runs again.
-8. **Leaving at exit.** A rank that failed waits at exit for the verdict on its failure
-   (its peers may be unable to leave by themselves, and its watcher the only one left to
-   end them): ``parent_wait + ack_window + SETTLE_S``, plus the multi-host hold of an
-   exception, plus ``LEAVING_WAIT_NS`` for an exception raised by torch.distributed
-   (rule 5 of ``_decide``: it waits for a peer that is leaving to end; the verdict comes
-   as soon as that peer has ended). During a teardown the exiting main thread gives the
-   watcher ``grace + ack_window + 2 s`` to finish its share before leaving itself.
-9. **A blind enforcer.** An enforcer that could not write its own acknowledgement (a full
-   disk, a run directory gone) cannot tell a peer that acknowledged only in memory from
-   one that is not leaving: a missing ack file is no evidence then. It waits for its
-   peers' processes to end (pidfds) for ``ack_window + 2 x grace`` (a peer that acted on
-   the verdict leaves within ``grace``, and ends its own children within another), and
-   never signals the other enforcers of the verdict: they leave once their own share is
-   done, and two blind enforcers would otherwise end each other. Its last resort moves
-   out by the same ``2 x grace``. Limit: an enforcer whose watcher never runs (the GIL
-   held in C) is then not ended by the other enforcers.
-10. **The order.** What a rank does once it acts on a verdict, step by step
-    (:class:`Step`; :mod:`peerwatch._verdict` carries them out, one call each), is the
-    plan's ``until_ack`` then ``after_ack``: the second part is planned again with the
-    acknowledgement's result (rule 9). The order that matters: the summary of a rank that
-    ended comes first, before the acknowledgement (torchrun's agent SIGTERMs the workers
-    0-100 ms after it sees the dead one); the peers wait for the acknowledgement, so the
-    rest (the last heartbeat, other hosts, launchers) follows it; where the launcher ends
-    this rank early, the report is written and the hook started before the dumps; the
-    stacks and the flight recorder are dumped before the main thread is interrupted (the
-    collective it waits in is recorded as it stands), and before the summary of a rank that
-    has not ended (it names them); the report is written before the hook starts; a rank
-    that does not stay starts its hook last, right before it stops its training for it (a
-    main thread not leaving by itself is held off Python while the hook runs); it exits last.
+- **The verdict's exit code.** A torn-down rank exits with the verdict's code. The failed
+  rank itself exits with the code it recorded for its own failure, if it recorded one (a
+  Python exception: 1, ``sys.exit(n)``: n), else with the verdict's.
+- **Who stays.** The main thread leaves by itself when the failure is its own exception
+  or exit (it is on its way out), or when it runs inside ``watch()`` and is told to
+  raise :class:`PeerFailure`; then it is given ``grace`` seconds. Everyone else (a
+  crashed peer's survivors outside ``watch()``, a rank blamed for a hang, a rank whose
+  launcher is gone) leaves at once.
+- **Who enforces.** The lowest :data:`ENFORCERS` live local ranks other than the failed
+  one; the failed rank only when too few others are left (it may be stuck, or about to
+  go). Enforcers wait for acknowledgements, signal the peers that gave none, and rewrite
+  the report. Every rank doing it made teardown O(N^2) (N=128: 11-14 s of CPU on
+  2 cores); three keep it O(N) with spares for a frozen enforcer.
+- **Who reports.** One rank per host writes the report as the teardown begins, the first
+  enforcer, and it alone logs the records of the run's last moments to the event log before
+  it leaves (each report and sweep costs a few ms of CPU that the peers, leaving at the same
+  moment, wait for); and one rank per job prints the summary, after the cause, writing the
+  report to build it: a failing rank that is leaving by itself (it recorded its own
+  exception or exit, and is alive on this host) prints it once its main thread has left,
+  below its own traceback; otherwise the writer of the verdict prints it, at once (before
+  its teardown: a launcher that ends its workers as soon as it sees the failed one,
+  torchrun's agent, must not cut it off), or, where the failed rank has not ended (a hang, a
+  lost host, a rank that never started: no launcher acts on it), once its own stacks and
+  flight recorder are dumped, to name them. Every other rank says its one line
+  (:func:`peerwatch._terminal.stop_line`) after the summary, once it is out
+  (:data:`peerwatch._rundir.SUMMARY_FILE`), waiting for it at most :data:`SUMMARY_WAIT_S`
+  from the verdict, then says it all the same (the rank that was to print the summary may
+  never get to: it may be SIGKILLed too). So a person reads the cause, the summary, then the
+  other ranks, in that order however the processes are scheduled. The waiting ranks look for
+  it every :data:`SUMMARY_POLL_S` for each :data:`SUMMARY_POLL_RANKS` local ranks
+  (:func:`summary_poll_s`): 127 ranks looking every 10 ms took a quarter of 2 cores from the
+  one rank writing the summary, and held a 128-rank teardown up by half.
+- **The ack window.** Peers get ``ack_window`` to acknowledge. While acknowledgements
+  keep arriving the machine is busy rather than the peers stuck (128 ranks on 2 cores
+  take a while to be scheduled): the window stretches to ``ack_window / 4`` after the
+  latest one, never beyond ``4 x ack_window``.
+- **Whom to signal.** Live local peers that neither acknowledged nor are gone; a peer
+  that finished (wrote its success marker) is leaving: it is not asked for a stack dump.
+- **The last resort.** Once teardown begins the process ends within
+  ``ack_window + 3 x grace + 2 s`` even if the watcher thread never runs again.
+- **Leaving at exit.** A rank that failed waits at exit for the verdict on its failure (its
+  peers may be unable to leave by themselves, and its watcher the only one left to end
+  them): ``parent_wait + ack_window + SETTLE_S``, plus the multi-host hold of an exception,
+  plus ``LEAVING_WAIT_NS`` for an exception raised by torch.distributed
+  (rule: echo waits for the leaving; the verdict comes as soon as that peer has ended).
+  During a teardown the exiting main thread gives the watcher ``grace + ack_window + 2 s``
+  to finish its share before leaving itself.
+- **The blind enforcer.** An enforcer that could not write its own acknowledgement (a full
+  disk, a run directory gone) cannot tell a peer that acknowledged only in memory from
+  one that is not leaving: a missing ack file is no evidence then. It waits for its
+  peers' processes to end (pidfds) for ``ack_window + 2 x grace`` (a peer that acted on
+  the verdict leaves within ``grace``, and ends its own children within another), and
+  never signals the other enforcers of the verdict: they leave once their own share is
+  done, and two blind enforcers would otherwise end each other. Its last resort moves
+  out by the same ``2 x grace``. Limit: an enforcer whose watcher never runs (the GIL
+  held in C) is then not ended by the other enforcers.
+- **The step order.** What a rank does once it acts on a verdict, step by step
+  (:class:`Step`; :mod:`peerwatch._verdict` carries them out, one call each), is the plan's
+  ``until_ack`` then ``after_ack``: the second part is planned again with the
+  acknowledgement's result (rule: the blind enforcer). The order that matters: the summary
+  of a rank that ended comes first, before the acknowledgement (torchrun's agent SIGTERMs
+  the workers 0-100 ms after it sees the dead one); the peers wait for the acknowledgement,
+  so the rest (the last heartbeat, other hosts, launchers) follows it; where the launcher
+  ends this rank early, the report is written and the hook started before the dumps; the
+  stacks and the flight recorder are dumped before the main thread is interrupted (the
+  collective it waits in is recorded as it stands), and before the summary of a rank that
+  has not ended (it names them); the report is written before the hook starts; a rank that
+  does not stay starts its hook last, right before it stops its training for it (a main
+  thread not leaving by itself is held off Python while the hook runs); it exits last.
 """
 
 from __future__ import annotations
@@ -85,27 +86,28 @@ from typing import AbstractSet, Iterable, Optional, Sequence, Tuple
 from ._decide import LEAVING_WAIT_NS
 from ._records import EXCEPTION, EXIT, HANG, INTERRUPTED, LOST, MISSING
 
-ENFORCERS = 3  # rule 3
-ACK_STRETCH_FRACTION = 4  # rule 5: the window stretches to ack_window / 4 after the latest ack
-ACK_STRETCH_MAX = 4  # rule 5: ... never beyond 4 x ack_window
-LAST_RESORT_GRACES = 3  # rule 7
-LAST_RESORT_EXTRA_S = 2.0  # rule 7
-SETTLE_S = 0.25  # how long a failing rank waits for its watcher's look at the peers (rule 8)
-LEAVE_EXTRA_S = 2.0  # rule 8
-BLIND_GRACES = 2  # rule 9: a blind enforcer's window is ack_window + 2 x grace
-# Rule 4: how long after the verdict a rank that does not print the summary waits for it
-# before it leaves (it waits meanwhile only once its own share of the teardown is done).
+ENFORCERS = 3  # rule: who enforces
+ACK_STRETCH_FRACTION = 4  # rule: the ack window; it stretches to ack_window / 4 after the latest ack
+ACK_STRETCH_MAX = 4  # rule: the ack window; ... never beyond 4 x ack_window
+LAST_RESORT_GRACES = 3  # rule: the last resort
+LAST_RESORT_EXTRA_S = 2.0  # rule: the last resort
+SETTLE_S = 0.25  # how long a failing rank waits for its watcher's look at the peers (rule: leaving at exit)
+LEAVE_EXTRA_S = 2.0  # rule: leaving at exit
+BLIND_GRACES = 2  # rule: the blind enforcer; a blind enforcer's window is ack_window + 2 x grace
+# Rule: who reports. How long after the verdict a rank that does not print the summary waits
+# for it before it leaves (it waits meanwhile only once its own share of the teardown is
+# done).
 SUMMARY_WAIT_S = 1.0
-# Rule 10: a rank whose launcher ends the workers early holds its launcher's SIGTERM back
-# for at most this long, so that it says what happened first (torchrun's agent sends it
-# about 0.1 s after it reaped the failed worker; it waits 30 s before a SIGKILL).
+# Rule: the step order. A rank whose launcher ends the workers early holds its launcher's
+# SIGTERM back for at most this long, so that it says what happened first (torchrun's agent
+# sends it about 0.1 s after it reaped the failed worker; it waits 30 s before a SIGKILL).
 HOLD_SIGTERM_S = 3.0
 SUMMARY_POLL_S = 0.01  # how often a waiting rank looks for the summary, for up to SUMMARY_POLL_RANKS local ranks
 SUMMARY_POLL_RANKS = 8  # more local ranks than this look for it proportionally less often
-_LEAVES_BY_ITSELF = (EXCEPTION, EXIT)  # rule 2: causes whose rank's main thread is already leaving
-# Rule 4: causes whose rank has not ended (stuck, on another host, never there): no launcher
-# ends the workers on its account, so the summary waits for this rank's evidence (its
-# stacks, the flight recorder's dump) rather than come at the verdict.
+_LEAVES_BY_ITSELF = (EXCEPTION, EXIT)  # rule: who stays; causes whose rank's main thread is already leaving
+# Rule: who reports. Causes whose rank has not ended (stuck, on another host, never there):
+# no launcher ends the workers on its account, so the summary waits for this rank's evidence
+# (its stacks, the flight recorder's dump) rather than come at the verdict.
 _STILL_THERE = (HANG, LOST, MISSING)
 
 
@@ -123,9 +125,9 @@ class Situation:
     wrote_verdict: bool  # this rank's watcher wrote verdict.json (first writer)
     grace_s: float
     ack_window_s: float
-    ack_written: bool = True  # this rank's own acknowledgement reached the run directory (rule 9)
+    ack_written: bool = True  # this rank's own acknowledgement reached the run directory (rule: the blind enforcer)
     # The failed rank, another one, recorded its own failure and is alive on this host:
-    # it prints the summary itself (rule 4).
+    # it prints the summary itself (rule: who reports).
     failed_rank_speaks: bool = False
     # This rank's launcher ends it as soon as it has seen the failed rank, another one
     # (torchrun's agent, mp.spawn's parent: :func:`peerwatch._launchers.ends_workers_early`).
@@ -135,15 +137,15 @@ class Situation:
 
 
 class Step(enum.Enum):
-    """One step of a rank's teardown (rule 10), carried out by :mod:`peerwatch._verdict`."""
+    """One step of a rank's teardown (rule: the step order), carried out by :mod:`peerwatch._verdict`."""
 
     HOLD_SIGTERM = "hold the launcher's SIGTERM back until this rank leaves (HOLD_SIGTERM_S at most)"
     ARM_EXIT_WATCH = "from now on this rank's end is recorded as it happens"
     WRITE_SUMMARY = "write the report and print the summary"
     ACK = "write this rank's acknowledgement"
-    SAY_BLIND = "say that this enforcer is blind (rule 9)"
+    SAY_BLIND = "say that this enforcer is blind (rule: the blind enforcer)"
     STOP_WATCHING_FOLDERS = "look at the run directory no more"
-    ARM_LAST_RESORT = "arm faulthandler's last resort (rule 7)"
+    ARM_LAST_RESORT = "arm faulthandler's last resort (rule: the last resort)"
     TELL_HOSTS = "tell the other hosts, through the bridge"
     FINAL_HEARTBEAT = "write the step this rank is at, for the report"
     TELL_LAUNCHERS = "quiet Lightning's observer, call the verdict listeners"
@@ -171,17 +173,20 @@ class Plan:
     enforcer: bool
     write_report: bool  # now, as the teardown begins (a summary after the main thread left is written then)
     print_summary: bool
-    summary_now: bool  # print it at the verdict, before the teardown (rule 4: not a failing rank that stays)
-    summary_after_dumps: bool  # print it once this rank's stacks and flight recorder are dumped (rule 4: a hang)
-    stop_line: bool  # say this rank's one line, once the summary is out (rule 4)
-    sweep_records: bool  # log the records not logged yet to the event log before leaving (rule 4)
+    summary_now: bool  # print it at the verdict, before the teardown (rule: who reports; not a failing rank that stays)
+    # print it once this rank's stacks and flight recorder are dumped (rule: who reports; a hang)
+    summary_after_dumps: bool
+    stop_line: bool  # say this rank's one line, once the summary is out (rule: who reports)
+    sweep_records: bool  # log the records not logged yet to the event log before leaving (rule: who reports)
     last_resort_s: float  # faulthandler ends the process after this, whatever happens
-    ack_window_s: float = 0.0  # how long an enforcer waits for its peers (rule 5; rule 9 when blind)
-    blind: bool = False  # rule 9: an enforcer that cannot trust a missing ack file
-    trusted: Tuple[int, ...] = ()  # rule 9: peers a blind enforcer never signals (the other enforcers)
-    summary_poll_s: float = SUMMARY_POLL_S  # rule 4: how often this rank looks for the summary before its line
-    until_ack: Tuple[Step, ...] = ()  # rule 10: the steps up to the acknowledgement, included
-    after_ack: Tuple[Step, ...] = ()  # rule 10: the rest, as planned with the acknowledgement's result
+    ack_window_s: float = 0.0  # how long an enforcer waits for its peers (rules: the ack window, the blind enforcer)
+    blind: bool = False  # rule: the blind enforcer; an enforcer that cannot trust a missing ack file
+    # peers a blind enforcer never signals: the other enforcers (rule: the blind enforcer)
+    trusted: Tuple[int, ...] = ()
+    # how often this rank looks for the summary before its line (rule: who reports)
+    summary_poll_s: float = SUMMARY_POLL_S
+    until_ack: Tuple[Step, ...] = ()  # rule: the step order; the steps up to the acknowledgement, included
+    after_ack: Tuple[Step, ...] = ()  # rule: the step order; the rest, as planned with the acknowledgement's result
 
     @property
     def stay(self) -> bool:
@@ -189,21 +194,21 @@ class Plan:
 
 
 def exit_code(self_rank: int, failed_rank: int, verdict_exit_code: int, own_exit_code: Optional[int]) -> int:
-    """Rule 1: the code this rank exits with once the verdict is known."""
+    """Rule: the verdict's exit code. The code this rank exits with once the verdict is known."""
     if failed_rank == self_rank and own_exit_code:
         return own_exit_code
     return verdict_exit_code
 
 
 def enforcers(live_local_ranks: Sequence[int], failed_rank: int) -> Tuple[int, ...]:
-    """Rule 3: the ranks of this host that enforce the verdict, in order."""
+    """Rule: who enforces. The ranks of this host that enforce the verdict, in order."""
     live = sorted(live_local_ranks)
     ordered = [r for r in live if r != failed_rank] + [r for r in live if r == failed_rank]
     return tuple(ordered[:ENFORCERS])
 
 
 def plan(s: Situation) -> Plan:
-    """Rules 1-4, 7, 9 and 10 for one rank."""
+    """The plan of one rank: the rules of this module, applied to ``s``."""
     # An interrupted job (every rank got the same SIGINT or SIGTERM from outside) has no
     # failed rank: the verdict names the first to get it, and it is one rank among others.
     mine = s.failed_rank == s.self_rank and s.cause != INTERRUPTED
@@ -241,21 +246,22 @@ def plan(s: Situation) -> Plan:
 
 
 def summary_poll_s(local_ranks: int) -> float:
-    """Rule 4: how often a rank waiting for the summary looks for it, with ``local_ranks``
-    live on its host (all of them look at once): every 10 ms up to 8 ranks, then less often
-    in proportion, so that their looks together cost the host the same."""
+    """Rule: who reports. How often a rank waiting for the summary looks for it, with
+    ``local_ranks`` live on its host (all of them look at once): every 10 ms up to 8 ranks,
+    then less often in proportion, so that their looks together cost the host the same."""
     return SUMMARY_POLL_S * max(1.0, local_ranks / SUMMARY_POLL_RANKS)
 
 
 def _until_ack(s: Situation, p: Plan) -> Tuple[Step, ...]:
-    """Rule 10, up to the acknowledgement: the launcher's SIGTERM held back (where it comes
-    early), the summary of a rank that ended, then the ack."""
+    """Rule: the step order, up to the acknowledgement: the launcher's SIGTERM held back
+    (where it comes early), the summary of a rank that ended, then the ack."""
     hold = (Step.HOLD_SIGTERM,) if s.ends_workers_early else ()
     return hold + (Step.ARM_EXIT_WATCH,) + ((Step.WRITE_SUMMARY,) if p.summary_now else ()) + (Step.ACK,)
 
 
 def _after_ack(s: Situation, p: Plan) -> Tuple[Step, ...]:
-    """Rule 10, from the acknowledgement on (planned with its result: rule 9)."""
+    """Rule: the step order, from the acknowledgement on, planned with its result
+    (rule: the blind enforcer)."""
     early = p.write_report and s.ends_workers_early  # the launcher may end this rank any moment now
     hook = p.write_report and s.on_verdict  # a writer of the report starts the hook, after it
     steps = [Step.SAY_BLIND] if p.blind else []
@@ -284,14 +290,14 @@ def _after_ack(s: Situation, p: Plan) -> Tuple[Step, ...]:
     steps += [Step.SAY_STOP_LINE] if p.stop_line else []
     steps += [Step.LET_LAUNCHER_SEE] if s.ends_workers_early else []
     steps += [Step.SWEEP_RECORDS] if p.sweep_records else []
-    steps += [Step.START_HOOK] if hook and not p.stay and not early else []  # last: see rule 10
+    steps += [Step.START_HOOK] if hook and not p.stay and not early else []  # last (rule: the step order)
     steps += [Step.FINISH_HOOK] if hook else []
     return tuple(steps) + (Step.EXIT,)
 
 
 @dataclasses.dataclass(frozen=True)
 class AckWindow:
-    """Rule 5, as a value: when the enforcer stops waiting for acknowledgements.
+    """Rule: the ack window, as a value. When the enforcer stops waiting for acknowledgements.
 
     Times are seconds of one monotonic clock; ``acks`` is how many acknowledgements were
     seen at the last look (None before the first).
@@ -321,19 +327,19 @@ def pending(
     peers: Iterable[int], self_rank: int, gone: AbstractSet[int], acked: AbstractSet[int],
     trusted: AbstractSet[int] = frozenset(),
 ) -> Tuple[int, ...]:
-    """Rules 6 and 9: the local peers still to hear from, lowest first (``trusted``: the
-    ones a blind enforcer leaves to leave by themselves)."""
+    """Rules: whom to signal, the blind enforcer. The local peers still to hear from, lowest
+    first (``trusted``: the ones a blind enforcer leaves to leave by themselves)."""
     return tuple(sorted(r for r in peers if r != self_rank and r not in gone and r not in acked and r not in trusted))
 
 
 def verdict_wait_s(parent_wait_s: float, ack_window_s: float, hold_s: float, echo: bool = False) -> float:
-    """Rule 8: how long a failed rank waits at exit for the verdict on its failure
-    (``echo``: the failure is an exception raised by torch.distributed)."""
+    """Rule: leaving at exit. How long a failed rank waits at exit for the verdict on its
+    failure (``echo``: the failure is an exception raised by torch.distributed)."""
     return parent_wait_s + ack_window_s + SETTLE_S + hold_s + (LEAVING_WAIT_NS / 1e9 if echo else 0.0)
 
 
 def leave_join_s(grace_s: float, ack_window_s: float) -> float:
-    """Rule 8: how long the exiting main thread waits for the watcher's share of a teardown."""
+    """Rule: leaving at exit. How long the exiting main thread waits for the watcher's share of a teardown."""
     return grace_s + ack_window_s + LEAVE_EXTRA_S
 
 
@@ -356,7 +362,7 @@ def missing_ranks(
 
 
 def ask_for_stacks(rank: int, finished: AbstractSet[int]) -> bool:
-    """Rule 6: a peer that wrote its success marker is leaving: no dump to ask of it."""
+    """Rule: whom to signal. A peer that wrote its success marker is leaving: no dump to ask of it."""
     return rank not in finished
 
 

@@ -190,7 +190,7 @@ class Heartbeat:
     collectives_error: str = ""
     # When the rank's program ended (time_ns) with no outcome recorded: its interpreter is
     # finalizing, its exit status will tell. Its sockets close from then on, and its peers'
-    # collectives fail: echoes of how it ends (rule 5 of _decide).
+    # collectives fail: echoes of how it ends (rule: echo waits for the leaving).
     leaving_ns: Optional[int] = None
     # The straggler's measure (peerwatch._waits): the last slots, each (ms, samples of the
     # main thread, those inside a collective, collectives entered, the slot's number);

@@ -130,11 +130,13 @@ def verdict_from_records(
     """Where no verdict was written and no rank is left alive to write one: the verdict the
     ranks' records tell, by the watchers' own rules (peerwatch._decide). A SIGTERM to the
     whole process group ends every rank at once, each writing its exit record as it goes
-    (the job was interrupted, rule 9); mp.spawn's main process SIGTERMs the other workers as
-    soon as it sees one end, maybe before their watchers made a verdict (the one that ended
-    first is the cause: rule 5). None where the records do not tell: a rank that ended
-    without a record is taken for the cause only where it is the one such rank (when
-    several vanished, which went first is not known)."""
+    (the job was interrupted; rule: interrupts are not failures); mp.spawn's main process
+    SIGTERMs the other workers as soon as it sees one end, maybe before their watchers made
+    a verdict (the one that ended first is the cause;
+    rules: the earliest failure is the cause, a launcher's signal never outranks). None
+    where the records do not tell: a rank that ended without a record is taken for the cause
+    only where it is the one such rank (when several vanished, which went first is not
+    known)."""
     if not regs or any(_identity.seems_alive(reg) for reg in regs.values()):
         return None  # a watcher may still judge
     recorded = set(events["success"]) | set(events["failure"]) | set(events["exit"])
@@ -189,7 +191,7 @@ def echoed_verdict(rank: int, events: Dict[str, Dict[int, Any]], verdict: Option
     """The rank's own failure is an exception torch.distributed raised (a collective's
     timeout or "Connection closed by peer") and it acknowledged the verdict on another
     rank: the echo of that failure (a hang's victims, whose collectives timed out). It is
-    torn down, and exits with the verdict's code (rule 1 of the plan), not its own."""
+    torn down, and exits with the verdict's code (rule: the verdict's exit code), not its own."""
     failure = events["failure"].get(rank)
     return (
         verdict is not None and verdict.rank != rank and failure is not None and failure.collective

@@ -59,7 +59,7 @@ FLIGHT_RECORDER = "flight_recorder"
 _FR_PREFIX = "rank_"
 REPORT_FILE = "report.json"
 # RUN/claims/summary: created by the rank that printed the summary, once it is out (the other
-# ranks say their one line after it: rule 4 of peerwatch._plan).
+# ranks say their one line after it; rule: who reports).
 SUMMARY_FILE = "summary"
 # The run of the multiprocessing children (mp.spawn's workers) of a process that installed
 # peerwatch: <that process's run directory>/spawn.

@@ -20,7 +20,7 @@ What changes in the watcher in shared mode (see ``Watcher._run``):
 - the judges look at the heartbeats of the remote ranks every :func:`remote_read_interval`
   (one listing of ``heartbeats/``; a file is read only when its inode did not change)
   and feed their silence to :func:`peerwatch._decide.decide`, which declares a rank
-  whose heartbeat has not moved for ``peer_timeout`` lost (its rule 7);
+  whose heartbeat has not moved for ``peer_timeout`` lost (rule: a silent host is lost);
 - heartbeats are always written to a temp file, closed, then renamed into place: NFS
   gives close-to-open consistency, so a reader on another host that opens the file after
   the rename sees the whole new record, never a torn in-place write;

@@ -5,27 +5,27 @@ The measure needs no clock shared between hosts. In a synchronous job every rank
 takes the same time; the straggler computes longest, so it waits least inside the
 collectives, and its peers wait about (its compute - theirs) more. Each rank measures, on
 its own clock, the share of its time its main thread waits inside torch.distributed
-(sampled, :mod:`peerwatch._waits`), slot by slot (``SLOT_BEATS`` heartbeats each), with
-the collectives it entered in the slot. From the last ``SLOTS`` slots of every rank:
+(sampled, :mod:`peerwatch._waits`), slot by slot (``SLOT_BEATS`` heartbeats each), with the
+collectives it entered in the slot. From the last ``SLOTS`` slots of every rank (the rules,
+named as in docs/how-it-works.md, "The straggler"):
 
-1. A rank's **gap** in a slot is the median wait share of its peers in the same slot minus
-   its own (slots are numbered by the wall clock, so they line up on hosts whose clocks
-   are about right; where they are not, the i-th last of each rank is taken, aligned
-   within a slot or two, which the median below absorbs),
-   and at most twice the job's median minus its own (a rank is late only if it is below
-   most ranks: the two ranks one fast rank waits for are not stragglers).
-   Its gap is the median of its slots' gaps: a one-off phase (a checkpoint on rank 0, an
-   evaluation) fills a slot or two and does not move a median.
-2. A rank is **named** when its gap is at least ``APPEAR_SHARE`` and at least ``MOST`` of
-   its slots have a gap of ``CLEAR_SHARE`` or more, over at least ``MIN_SLOTS`` slots of
-   every rank (30 s at the default heartbeat): the job runs at least 10 % slower than it
-   would without it, for most of the last minute, not in one phase.
-3. A named rank **clears** when its gap falls under ``CLEAR_SHARE`` (hysteresis: a gap
-   near the threshold does not make the finding flicker).
-4. ``share`` is the gap (the share of every step its peers spend waiting for it);
-   ``late_ms`` is the gap times the job's period (the median, over the ranks, of the time
-   per collective entered, or per step when there is one collective a step): how much
-   later than its peers it typically enters a collective.
+- **A rank's gap.** A rank's gap in a slot is the median wait share of its peers in the same
+  slot minus its own (slots are numbered by the wall clock, so they line up on hosts whose
+  clocks are about right; where they are not, the i-th last of each rank is taken, aligned
+  within a slot or two, which the median below absorbs), and at most twice the job's median
+  minus its own (a rank is late only if it is below most ranks: the two ranks one fast rank
+  waits for are not stragglers). Its gap is the median of its slots' gaps: a one-off phase
+  (a checkpoint on rank 0, an evaluation) fills a slot or two and does not move a median.
+- **Naming a straggler.** A rank is **named** when its gap is at least ``APPEAR_SHARE`` and
+  at least ``MOST`` of its slots have a gap of ``CLEAR_SHARE`` or more, over at least
+  ``MIN_SLOTS`` slots of every rank (30 s at the default heartbeat): the job runs at least
+  10 % slower than it would without it, for most of the last minute, not in one phase.
+- **Clearing a straggler.** A named rank **clears** when its gap falls under ``CLEAR_SHARE``
+  (hysteresis: a gap near the threshold does not make the finding flicker).
+- **The straggler's figures.** ``share`` is the gap (the share of every step its peers spend
+  waiting for it); ``late_ms`` is the gap times the job's period (the median, over the
+  ranks, of the time per collective entered, or per step when there is one collective a
+  step): how much later than its peers it typically enters a collective.
 
 The sampling noise of a slot (100 samples at 20 Hz in 5 s) is about 0.05 of a share; a
 median over 6 to 12 slots brings it to ~0.02, so 0.10 is five of those: balanced ranks are
@@ -107,7 +107,7 @@ def aligned(profiles: Mapping[int, Profile]) -> Dict[int, Tuple[int, ...]]:
 
 
 def gaps(shares: Mapping[int, Sequence[int]]) -> Dict[int, List[float]]:
-    """Each rank's gap (share) in each slot, from its shares of the same slots (rule 1)."""
+    """Each rank's gap (share) in each slot, from its shares of the same slots (rule: a rank's gap)."""
     last = {r: [v / 1000 for v in s] for r, s in shares.items()}
     k = min(len(s) for s in last.values())
     everyone = [statistics.median([s[i] for s in last.values()]) for i in range(k)]
@@ -125,14 +125,17 @@ def gaps(shares: Mapping[int, Sequence[int]]) -> Dict[int, List[float]]:
 
 def find(profiles: Mapping[int, Profile], named: Mapping[int, int], now_ns: int) -> Tuple[Straggler, ...]:
     """The stragglers among ``profiles`` (every rank of the job that has one), ranks first
-    to last. ``named``: the ranks named at the last look, and since when (rule 3).
+    to last. ``named``: the ranks named at the last look, and since when
+    (rule: clearing a straggler).
 
-    Two measures, each judged by rules 2 and 3: the waits' gaps (rule 1, the ranks that have
-    shares) and the enqueue gaps (:func:`lateness`, the ranks that have them). A rank is
-    named when either names it, and stays named while either keeps it above ``CLEAR_SHARE``;
-    its ``late_ms`` and ``share`` are the enqueue measure's where that one names it (it
-    measures the lateness itself), else the waits' (its ``late_ms`` the enqueue measure's
-    where that one sees it late on fewer slots than it names on: :func:`_measured`)."""
+    Two measures, each judged by the same rules
+    (rules: naming a straggler, clearing a straggler): the waits' gaps (rule: a rank's gap;
+    the ranks that have shares) and the enqueue gaps (:func:`lateness`, the ranks that have
+    them). A rank is named when either names it, and stays named while either keeps it above
+    ``CLEAR_SHARE``; its ``late_ms`` and ``share`` are the enqueue measure's where that one
+    names it (it measures the lateness itself), else the waits' (its ``late_ms`` the enqueue
+    measure's where that one sees it late on fewer slots than it names on:
+    :func:`_measured`)."""
     found = []
     by_waits = _by_waits({r: p for r, p in profiles.items() if p.shares}, named)
     by_late = _by_lateness(profiles, named)
@@ -143,7 +146,10 @@ def find(profiles: Mapping[int, Profile], named: Mapping[int, int], now_ns: int)
 
 
 def _by_waits(profiles: Mapping[int, Profile], named: Mapping[int, int]) -> Dict[int, Tuple[int, float]]:
-    """Rules 1 to 4 over the waits: rank -> (late_ms, share)."""
+    """The waits' measure: rank -> (late_ms, share).
+
+    Rules: a rank's gap, naming a straggler, clearing a straggler, the straggler's figures.
+    """
     if len(profiles) < 2:
         return {}
     shares = aligned(profiles)
@@ -173,7 +179,7 @@ def _measured(p: Profile, waits: Tuple[int, float], before: bool) -> Tuple[int, 
 
 
 def _named(g: Sequence[float], before: bool) -> bool:
-    """Rules 2 and 3 over one rank's gaps."""
+    """Named or not, from one rank's gaps (rules: naming a straggler, clearing a straggler)."""
     gap = statistics.median(g)
     most = sum(1 for x in g if x >= CLEAR_SHARE) >= MOST * len(g)
     return (before and gap >= CLEAR_SHARE) or (gap >= APPEAR_SHARE and most)
@@ -256,7 +262,7 @@ def slot_lateness(times: Mapping[int, Sequence[int]]) -> Optional[Dict[int, Tupl
 
     1. A rank's **lateness** in a collective is its enqueue time minus its peers' median
        (at most twice its time minus everyone's median: of three ranks, the two that one
-       fast rank waits for are not late; as rule 1).
+       fast rank waits for are not late; as in the rule "a rank's gap").
     2. The collectives, in the order of everyone's median time, fall into **bursts** (a
        step's): a gap of at least half the largest ends one (a slot with one outlier, a
        checkpoint, has one burst before it and one after: it says nothing). A burst is waited for as long as its largest lateness: DDP's
@@ -330,7 +336,7 @@ def lateness(rows: Mapping[int, Sequence[Enqueued]]) -> Dict[int, Tuple[Tuple[in
 
 
 def _by_lateness(profiles: Mapping[int, Profile], named: Mapping[int, int]) -> Dict[int, Tuple[int, float]]:
-    """Rules 2 and 3 over the enqueue gaps: rank -> (late_ms, share)."""
+    """The enqueue measure: rank -> (late_ms, share) (rules: naming a straggler, clearing a straggler)."""
     out = {}
     for r, p in sorted(profiles.items()):
         g = [v / 1000 for v in p.late[-SLOTS:]]

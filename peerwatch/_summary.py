@@ -16,7 +16,7 @@ and not per rank:
 - every other rank in full (its counters, last collectives, state, where it is, its signs
   of work: :class:`peerwatch._activity.Activity`): the laggard candidates, at most
   ``MAX_DETAILED``;
-- whether a rank is inside ``paused()`` (rule 1 holds across hosts too).
+- whether a rank is inside ``paused()`` (rule: paused or uncounted, across hosts too).
 
 A summary is a few hundred bytes for a host whose ranks wait, plus ~250 bytes per rank
 that does not. The judges of the reading host feed the ranks of :func:`remote_ranks` into

@@ -6,14 +6,14 @@ report is), and from each other rank at most one short line. So:
 
 - every message names a rank the same way, ``rank 2 (pid 22122 on vm)`` (:func:`who`);
 - a surviving rank says one line (:func:`stop_line`), written by its watcher once the
-  summary is out (rule 4 of :func:`peerwatch._plan.plan`);
+  summary is out (:func:`peerwatch._plan.plan`; rule: who reports);
 - the exception a surviving rank raises because a peer failed (gloo's "Connection reset
   by peer", ...) is not printed: its traceback goes to the rank's stack file, which the
   report names (:func:`keep_consequence`); ``verbose`` (``PEERWATCH_VERBOSE=1``) prints
   it too, followed by a line that says what it followed (:func:`consequence_line`);
 - the summary block is printed once per host, after the failing rank's own traceback,
   or at the verdict by its writer when the failing rank has nothing to say (it died)
-  (:func:`peerwatch._plan.plan`, rule 4).
+  (:func:`peerwatch._plan.plan`; rule: who reports).
 
 Pure but for :func:`keep_consequence`, which writes to a file it is given.
 """

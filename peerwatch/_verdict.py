@@ -1,11 +1,11 @@
-"""Carrying out the verdict: the steps :func:`peerwatch._plan.plan` orders (rule 10), one call
-each, in the watcher thread.
+"""Carrying out the verdict: the steps :func:`peerwatch._plan.plan` orders (rule: the step order),
+one call each, in the watcher thread.
 
 Nothing is decided here: which steps, in which order, and with which values (the ack window,
 the last resort, the exit code) is the plan's answer, pure and unit-tested; a step only reads
 what an earlier one left (the acknowledgement's result, the hook it started). The plan is made
-in two parts: the steps after the acknowledgement are planned again with its result (rule 9:
-an enforcer that could not write its own is blind).
+in two parts: the steps after the acknowledgement are planned again with its result (an
+enforcer that could not write its own is blind; rule: the blind enforcer).
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ class Teardown:
 
     @property
     def leave_by(self) -> float:
-        """When the main thread must have left (rule 2), as ``time.monotonic()``."""
+        """When the main thread must have left (rule: who stays), as ``time.monotonic()``."""
         return self.acted + self.plan.stay_s
 
 
@@ -73,7 +73,7 @@ def carry_out(t: Teardown) -> None:
     t.acted = time.monotonic()
     for step in t.plan.until_ack:
         _STEPS[step](t)
-    # Rule 9: the acknowledgement's result is an input of the rest of the plan.
+    # The acknowledgement's result is an input of the rest of the plan (rule: the blind enforcer).
     t.plan = _plan.plan(dataclasses.replace(t.situation, ack_written=t.ack_written))
     for step in t.plan.after_ack:
         _STEPS[step](t)
@@ -81,7 +81,7 @@ def carry_out(t: Teardown) -> None:
 
 def failed_rank_speaks(observer: Observer, self_rank: int, verdict: Verdict) -> bool:
     """The failed rank (another one) recorded its own failure and is alive on this host:
-    it prints the summary below its own traceback (rule 4 of the plan)."""
+    it prints the summary below its own traceback (rule: who reports)."""
     own = observer.events.get(rank_file("failure", verdict.rank))
     reg = observer.registrations.get(verdict.rank)
     return (
@@ -228,8 +228,8 @@ def _wait_main(t: Teardown) -> None:
 
 @_carries_out(Step.SAY_STOP_LINE)
 def _say_stop_line(t: Teardown) -> None:
-    """The one line this rank says when a peer failed, below the summary (rule 4 of the
-    plan). Waits for the summary at most SUMMARY_WAIT_S from the verdict; past it, says its
+    """The one line this rank says when a peer failed, below the summary (rule: who reports).
+    Waits for the summary at most SUMMARY_WAIT_S from the verdict; past it, says its
     line all the same (the rank that was to print the summary may never get to)."""
     deadline = t.acted + _plan.SUMMARY_WAIT_S
     while not t.run_dir.exists(CLAIMS, SUMMARY_FILE):
@@ -276,7 +276,7 @@ def _exit(t: Teardown) -> None:
 
 def _report_now(t: Teardown, print_summary: bool, traceback: bool = True) -> None:
     """Write report.json; with ``print_summary``, print the summary and mark it out (the
-    other ranks of this host say their lines then: rule 4 of the plan). Never raises."""
+    other ranks of this host say their lines then; rule: who reports). Never raises."""
     run_dir, rank = t.run_dir, t.rank
     try:
         report = _report.write(run_dir)

@@ -180,7 +180,7 @@ class Watcher:
         return self.verdict_seen.is_set() or self.done.is_set() or self._outcome.succeeded
 
     def exit_code(self) -> int:
-        """The code this rank exits with under the verdict (rule 1 of the plan)."""
+        """The code this rank exits with under the verdict (rule: the verdict's exit code)."""
         v = self._verdict
         assert v is not None
         return _plan.exit_code(self.rank, v.rank, v.exit_code, self._outcome.failed_code)
@@ -241,7 +241,7 @@ class Watcher:
         return self.bridge is not None and bool(self.bridge.left_in_store)
 
     def await_own_verdict(self) -> None:
-        """This rank failed and is exiting: wait for the verdict (rule 8 of the plan)."""
+        """This rank failed and is exiting: wait for the verdict (rule: leaving at exit)."""
         if not self.thread.is_alive():
             return  # nobody left to judge it (the run directory was removed, or the watcher died)
         hold_s = self.bridge.hold_s if self.bridge is not None else 0.0  # multi-host: an exception is held back
@@ -250,7 +250,7 @@ class Watcher:
 
     def leave(self) -> None:
         """The training thread is leaving during a teardown: the watcher ends the process
-        once its share of the teardown is done (rule 8 of the plan)."""
+        once its share of the teardown is done (rule: leaving at exit)."""
         self.main_left.set()
         self.wake()
         if threading.current_thread() is not self.thread:
@@ -325,7 +325,7 @@ class Watcher:
 
     def _note_interrupt(self) -> None:
         """A SIGINT came since the last look (the C extension notes it as it arrives): say so
-        in ``events/interrupt-<rank>.json``, for rule 9 of _decide. Not a failure (the
+        in ``events/interrupt-<rank>.json`` (rule: interrupts are not failures). Not a failure (the
         application may catch the KeyboardInterrupt): the evidence that this rank got the
         job's Ctrl-C too, where its main thread cannot raise yet (it waits in a collective
         for a peer that did). Seen within a heartbeat at most: the watcher wakes that often."""

@@ -490,8 +490,8 @@ def test_disk_full_teardown_signals_no_rank_that_acted_on_the_verdict(make_job, 
     """Issue 14: the disk is full when rank 2 fails. Neither its failure record nor the
     verdict nor any acknowledgement can be written. Before, the enforcers (ranks 0 and 1)
     saw no ack file from each other and SIGTERMed each other (exit 143). Now an enforcer
-    that could not write its own ack does not take a missing one for "not leaving" (rule 9
-    of the plan): ranks 0 and 1 both leave by themselves with the verdict's exit code, and
+    that could not write its own ack does not take a missing one for "not leaving"
+    (rule: the blind enforcer): ranks 0 and 1 both leave by themselves with the verdict's exit code, and
     each says once that protection is degraded."""
     run_dir = tiny_tmpfs / "run"
     job = make_job(world=WORLD, behave=["0=sleep", "1=sleep", "2=raise@1.0"], grace=GRACE_S,

@@ -103,7 +103,7 @@ def test_what_a_watcher_was_not_told_is_empty_or_zero():
     assert decide(o, POLICY) == Decision(None)
 
 
-# -- rule 1: an existing verdict is followed -------------------------------------------
+# -- rule: a verdict stands ------------------------------------------------------------
 
 
 def test_nothing_observed_means_no_verdict_and_no_recheck():
@@ -123,7 +123,7 @@ def test_an_existing_verdict_is_followed_even_if_its_rank_has_a_success_marker()
     assert decide(observed(verdict=written, successes={0, 1, 2, 3}), POLICY).verdict is written
 
 
-# -- rule 2: success is final ------------------------------------------------------------
+# -- rule: success is final --------------------------------------------------------------
 
 
 def test_success_then_failure_exit_and_gone_gives_no_verdict():
@@ -141,7 +141,7 @@ def test_success_of_one_rank_does_not_hide_the_failure_of_another():
     assert decide(obs, POLICY).verdict.rank == 2
 
 
-# -- rule 3: failure record ----------------------------------------------------------------
+# -- rule: exited is not succeeded; a failure record ---------------------------------------
 
 
 def test_failure_record_becomes_the_verdict_with_its_details():
@@ -192,7 +192,7 @@ def test_failure_record_wins_over_an_exit_status_of_the_same_rank():
     assert (v.cause, v.failed_at_ns) == (EXCEPTION, 20)
 
 
-# -- rule 3: exit status seen by the parent -------------------------------------------------
+# -- rule: exited is not succeeded; an exit status seen by the parent -----------------------
 
 
 @pytest.mark.parametrize(("returncode", "code", "name"), [(-9, 137, "SIGKILL"), (-15, 143, "SIGTERM"),
@@ -230,7 +230,7 @@ def test_exit_status_wins_over_gone_even_while_the_parent_is_alive():
     assert (d.verdict.cause, d.verdict.failed_at_ns) == (SIGNAL, 50)
 
 
-# -- rule 4: gone, held back while a live parent may report the status ----------------------
+# -- rules: held back for the parent, held back while unread --------------------------------
 
 
 def test_gone_with_live_parent_is_held_back_until_parent_wait():
@@ -276,7 +276,8 @@ def test_gone_while_records_could_not_be_read_is_held_back_until_they_are():
 def test_a_failure_read_before_an_end_not_known_yet_is_acted_on():
     """What could not be read holds back only the ends it may explain: a failure record read,
     earlier than the death seen, is the root cause whatever that death turns out to be."""
-    seen = 500 + 2 * CONSEQUENCE_WINDOW_NS  # not the death an exception may echo (rule 5)
+    # not the death an exception may echo (rule: a death outranks an exception)
+    seen = 500 + 2 * CONSEQUENCE_WINDOW_NS
     obs = observed(failures=[failure(1, 500)], gone={2: seen}, now=seen + 1, unread=True)
     assert decide(obs, POLICY).verdict.rank == 1
 
@@ -297,7 +298,7 @@ def test_parent_pid_in_another_boot_or_namespace_is_not_the_parent(field):
     assert decide(obs, POLICY).verdict.cause == VANISHED
 
 
-# -- rule 5: earliest failure wins, ties to the lowest rank ------------------------------
+# -- rules: the earliest failure is the cause, a launcher's signal never outranks --------
 
 
 def test_earliest_failure_wins():
@@ -612,7 +613,7 @@ def test_gone_children_of_a_live_watching_parent_are_held_exactly_parent_wait(da
         assert d.verdict is not None and d.verdict.cause == VANISHED and d.verdict.rank == child
 
 
-# -- rule 5, the consequence window at its edges ------------------------------------------------
+# -- rules: a death outranks an exception, a collective exception settles, echo waits for the leaving ---
 # The window is documented as 1 s; these tests spell it out rather than import it, so that they
 # notice if it changes.
 
@@ -841,7 +842,7 @@ def test_a_death_that_says_how_it_ended_is_not_blamed_on_the_oom_killer(obs):
     assert not v.oom_suspected and "OOM killer (" not in v.detail
 
 
-# -- ranks missing at startup -------------------------------------------------------------------
+# -- rule: a rank that never registered ---------------------------------------------------------
 
 
 def test_ranks_that_never_registered_give_a_missing_verdict():
@@ -862,7 +863,7 @@ def test_a_missing_rank_waits_for_a_held_back_death():
     assert decide(obs, POLICY) == Decision(None, recheck_at_ns=1000 + WAIT_NS)
 
 
-# -- rule 6: hang --------------------------------------------------------------------------------
+# -- rule: no rank moved -------------------------------------------------------------------------
 
 HANG_S = 10 * ONE_S
 HANG_POLICY = Policy(parent_wait_ns=WAIT_NS, default_exit_code=7, hang_timeout_ns=HANG_S)
@@ -990,7 +991,7 @@ def test_a_hang_is_not_judged_while_a_death_is_held_back_and_a_death_beats_it():
     assert (v.rank, v.cause) == (2, VANISHED)
 
 
-# -- rule 7: lost (shared-filesystem mode) ------------------------------------------------------
+# -- rule: a silent host is lost (shared-filesystem mode) ---------------------------------------
 
 PEER_S = 30 * ONE_S
 LOST_POLICY = Policy(parent_wait_ns=WAIT_NS, default_exit_code=7, peer_timeout_ns=PEER_S)
@@ -1093,7 +1094,7 @@ def test_an_earlier_failure_is_the_cause_and_nothing_is_written_for_a_lost_rank(
     assert (d.verdict.rank, d.verdict.cause, d.lost) == (1, EXCEPTION, ())
 
 
-# -- hang_timeout=auto: a diagnosis is the verdict; the collective timeout's victims are not blamed
+# -- rules: the diagnosis is the verdict, victims are not blamed ----------------------------------
 
 AUTO = dataclasses.replace(POLICY, hang_auto=True)
 STALLED_AT = 5_000_000_000
@@ -1234,7 +1235,8 @@ def test_policy_from_config_sets_every_field():
                                            peer_timeout_ns=0, hang_auto=False, collective_settle_ns=COLLECTIVE_SETTLE_NS)
     # Only a run directory shared by the hosts judges their ranks lost here (else the bridge does).
     assert Policy.from_config(c, shared_fs=True).peer_timeout_ns == 45 * 10**9
-    # A job that spans hosts gives a collective exception longer to turn out an echo (rule 5).
+    # A job that spans hosts gives a collective exception longer to turn out an echo
+    # (rule: a collective exception settles).
     assert Policy.from_config(c, shared_fs=True).collective_settle_ns == REMOTE_SETTLE_NS == 2 * 10**9
     assert Policy.from_config(c, other_hosts=True).collective_settle_ns == REMOTE_SETTLE_NS
 
@@ -1267,7 +1269,7 @@ def test_hang_judging_from_config(hang_timeout: Any, hang_warn: Any, expected: T
     assert (h.timeout, h.diagnose, h.warn_fixed_s, h.auto, h.read_collectives) == expected
 
 
-# -- rule 9: interrupts are not failures ---------------------------------------------------
+# -- rule: interrupts are not failures -----------------------------------------------------
 
 
 def interrupt(rank: int, t: int, sender: Optional[int] = None) -> Failure:

@@ -1,5 +1,5 @@
 """The diagnosis of a stuck job (peerwatch._diagnose) and the verdict rules that use it
-(peerwatch._decide rules 6 with hang_timeout=auto, and 8): pure, no process."""
+(peerwatch._decide; rules: the diagnosis is the verdict, victims are not blamed): pure, no process."""
 
 from __future__ import annotations
 
@@ -125,7 +125,7 @@ def test_laggards_are_exactly_the_ranks_behind(seqs: Dict[int, int], since_s: in
 
 def test_threshold_is_the_floor_before_the_warmup_then_five_times_the_longest_interval():
     """Before the job's rhythm is learnt, a minute (an early hang is diagnosed in about a
-    minute, not at half the collective timeout); rule 6 keeps busy laggards from being ended."""
+    minute, not at half the collective timeout); busy laggards are not ended then (rule: busy or stuck)."""
     t = Threshold()
     timeout_ms = 1_800_000  # gloo's default: 30 min
     t.observe(0)
@@ -252,7 +252,7 @@ def test_a_bad_hang_warn_names_its_source(raw: str):
         Config.resolve({}, env={"PEERWATCH_HANG_WARN": raw})
 
 
-# -- rule 6: busy or stuck ------------------------------------------------------------
+# -- rule: busy or stuck --------------------------------------------------------------
 
 SPAN_MS = 7_000
 
@@ -426,7 +426,7 @@ def test_of_several_process_groups_the_one_with_the_most_ranks_behind_is_named()
 
 
 def test_no_counters_no_diagnosis_even_with_a_frozen_rank():
-    """Rule 1: ranks that never imported torch.distributed are judged by beat() and hang_timeout only."""
+    """Rule: paused or uncounted. Ranks that never imported torch.distributed are judged by beat() and hang_timeout only."""
     ranks = {0: RankState(beat_mono_ns=NOW - 50 * S), 1: RankState(beat_mono_ns=NOW - 50 * S, state="T")}
     assert diagnose(ranks, NOW, 5 * S) is None
     ranks = {0: RankState(beat_mono_ns=NOW - 50 * S), 1: RankState(watcher_silent=True)}
@@ -652,7 +652,7 @@ def test_the_hang_verdict_and_the_diagnosis_explain_a_laggard_in_the_same_words(
     assert f"({said}, it never reported progress, at train.py:3 in f)" in verdict.detail, verdict.detail
 
 
-# -- rule 7: a plainly stuck laggard is named at STUCK_S, not at the learnt threshold (issue 34) --
+# -- rule: plainly stuck; named at STUCK_S, not at the learnt threshold (issue 34) ----------------
 
 LEARNT = int(FLOOR_S * S)  # the learnt threshold with no configuration, before its warm-up
 STUCK = int(STUCK_S * S)
@@ -742,7 +742,7 @@ def test_the_stuck_threshold_counts_awake_time_only():
        children=st.integers(0, 20_000), other=st.integers(0, 20_000), since_s=st.integers(0, 59))
 @settings(max_examples=300, deadline=None)
 def test_before_the_learnt_threshold_nothing_busy_is_ever_named(samples, cpu_ms, io, children, other, since_s):
-    """Rule 7 never names a laggard with a sign of work, nor one with too few samples."""
+    """The rule "plainly stuck" never names a laggard with a sign of work, nor one with too few samples."""
     a = Activity(span_ms=SPAN_MS, cpu_ms=cpu_ms, places=1, other_cpu_ms=other, io_bytes=io, children_cpu_ms=children,
                  samples=samples, main_io_bytes=io)
     ranks = {0: rank(21, moved=NOW - since_s * S), 1: rank(20, moved=NOW - 100 * S, activity=a)}

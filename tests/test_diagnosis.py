@@ -216,7 +216,7 @@ def test_a_stall_that_ends_is_resolved_and_the_job_goes_on(make_job) -> None:
     assert report["diagnosis"]["resolved_at"] is not None and report["verdict"] is None, report
 
 
-# -- busy or stuck (rule 6 of peerwatch._diagnose) ----------------------------------------
+# -- rule: busy or stuck ------------------------------------------------------------------
 
 AUTO = {"PEERWATCH_HANG_TIMEOUT": "auto"}
 
@@ -292,7 +292,7 @@ def test_a_busy_laggard_is_ended_by_auto_before_the_collective_timeout(make_job)
     assert d["end_at_ns"] - d["stalled_at_ns"] == pytest.approx(0.9 * timeout_s * 1e9, rel=0.01), d
 
 
-# -- a stuck laggard is named in seconds with no configuration (rule 7, issue 34) --------------
+# -- a stuck laggard is named in seconds with no configuration (rule: plainly stuck; issue 34) ---
 
 NO_CONFIG = {"PEERWATCH_HANG_WARN": "auto"}  # the default: the fixture's 3 s taken back
 
@@ -300,7 +300,7 @@ NO_CONFIG = {"PEERWATCH_HANG_WARN": "auto"}  # the default: the fixture's 3 s ta
 def _named_before_the_floor(job: DiagJob) -> dict:
     """The diagnosis, arrived before the learnt threshold's floor could have fired: its own
     ``since`` (the judge's awake time since the job last moved, under a minute) and the
-    wall clock from the laggard's ``doing`` marker. Before rule 7, ``since`` was at least
+    wall clock from the laggard's ``doing`` marker. Before the rule "plainly stuck", ``since`` was at least
     FLOOR_S whatever the load."""
     d = job.wait_diagnosis(within=FLOOR_S + DIAGNOSED_S + 10.0)
     onset = (job.ready_dir / "doing-1").stat().st_mtime  # written right before it blocks

@@ -7,6 +7,8 @@
   skipped); the quickstart's shell commands, run as written, print the log the page
   shows (numbers, paths and host names aside), and the CLI it names finds the run;
 - every option of ``peerwatch.Config`` is in the configuration reference;
+- a rule is cited by its name, never by its number, and every name cited is defined in
+  docs/how-it-works.md; nothing cites the team's guides outside the repository;
 - every example in examples/ runs as its header says, kept short through its
   environment knobs. tests/test_launchers.py runs the launchers with its own program
   (launcher_program.py), not these files, so they run here.
@@ -109,6 +111,70 @@ def test_every_option_is_in_the_configuration_reference() -> None:
     page = (DOCS / "configuration.md").read_text()
     for name, (env_var, _parse) in peerwatch._config._OPTIONS.items():
         assert f"| `{name}` | `{env_var}` |" in page, f"docs/configuration.md: no table row for {name} ({env_var})"
+
+
+# -- rules are cited by name, and each name is defined in docs/how-it-works.md ---------------
+
+RULES_PAGE = DOCS / "how-it-works.md"
+_NUMBERED = re.compile(r"\brules?\s+\d+", re.I)  # a rule cited by its number in some list
+# the team's guides, kept outside the repository, and their numbered invariants
+_OUTSIDE = re.compile(r"\b(?:DESIGN|STYLE)\.md\b|\b(?i:invariants?)\s+\d+")
+# (rule: NAME), "# rule: NAME", """Rule: NAME. ...""", (...; rule: NAME), (rules: A, B): a name is lowercase
+_CITED = re.compile(r"""(?:^|[(;#"]|-- )\s*(?i:(rules?)): ([a-z][a-z' -]*(?:, [a-z][a-z' -]*)*)""", re.M)
+_QUOTED = re.compile(r'\b(?i:rules?) ((?:"[a-z][^"\n]*"(?:,? and |, )?)+)')  # the rule "NAME"
+_DEFINED = re.compile(r"^- \*\*([a-z][^*]*)\*\*", re.M)  # - **NAME**: what it says (lowercase first)
+
+
+def _cited_in() -> List[Path]:
+    """The files where rules are cited: the package, its tests, its docs."""
+    return sorted([*(ROOT / "peerwatch").rglob("*.py"), *(ROOT / "peerwatch").rglob("*.c"),
+                   *(ROOT / "tests").rglob("*.py"), *DOCS.rglob("*.md")])
+
+
+def rule_names() -> List[str]:
+    """The names of the rules docs/how-it-works.md defines, in order."""
+    return [m.group(1).strip().lower() for m in _DEFINED.finditer(RULES_PAGE.read_text())]
+
+
+def cited_rules(text: str) -> List[str]:
+    """The rule names ``text`` cites (see ``_CITED``; and ``the rule "NAME"``). After ``rule:``
+    one name, ended by any mark but a space, an apostrophe or a hyphen; after ``rules:``, names
+    separated by commas."""
+    names = [n.strip(" -") for m in _CITED.finditer(text)
+             for n in (m.group(2).split(", ") if m.group(1).lower() == "rules" else m.group(2).split(", ")[:1])]
+    names += [n for m in _QUOTED.finditer(text) for n in re.findall(r'"([^"]+)"', m.group(1))]
+    return [n.lower() for n in names if n.strip()]
+
+
+def test_rules_are_cited_by_name_never_by_number() -> None:
+    """A rule is cited by its name; several lists of rules number theirs from 1, so a number
+    alone says neither which list nor what the rule says. Nor does anything cite the team's
+    guides, which are not in the repository."""
+    found = [f"{path.relative_to(ROOT)}:{n}: {line.strip()}" for path in _cited_in()
+             for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1)
+             if _NUMBERED.search(line) or _OUTSIDE.search(line)]
+    assert not found, "cite the rule by its name (docs/how-it-works.md):\n" + "\n".join(found)
+
+
+def test_every_rule_cited_is_defined_in_how_it_works() -> None:
+    defined = rule_names()
+    assert len(defined) == len(set(defined)) >= 30, f"rule names defined twice, or too few: {defined}"
+    missing = sorted({f"{path.relative_to(ROOT)}: {name!r}" for path in _cited_in()
+                      for name in cited_rules(path.read_text(errors="replace")) if name not in defined})
+    assert not missing, "cited, but not defined in docs/how-it-works.md (as '- **NAME**'):\n" + "\n".join(missing)
+
+
+def test_the_citation_reader_reads_what_the_code_writes() -> None:
+    text = ('x  # rule: who enforces\n"""Rule: busy or stuck. What"""\n(rules: the ack window, the blind enforcer)\n'
+            '# -- rule: who reports ------\n(rule: a silent host is lost (shared-filesystem mode)\n'
+            '(x; rule: the step order, below)\n    Rule: who stays, as a value.\n'
+            'the rules "naming a straggler" and "clearing a straggler" below\nThe one rule: not a citation')
+    assert cited_rules(text) == ["who enforces", "busy or stuck", "the ack window", "the blind enforcer",
+                                 "who reports", "a silent host is lost", "the step order", "who stays",
+                                 "naming a straggler", "clearing a straggler"]
+    assert _NUMBERED.search("see rule" + "s 3 and 4") and _NUMBERED.search("Rule" + " 10 of the plan")
+    assert not _NUMBERED.search("the rule table") and not _NUMBERED.search("rule: who stays")
+    assert _OUTSIDE.search("Invariant" + " 6: a teardown ends") and not _OUTSIDE.search("an invariant of the run")
 
 
 # -- (b) the quickstart is true ----------------------------------------------------------

@@ -1,6 +1,6 @@
 """Interrupts are not failures: a SIGINT (Ctrl-C) or a SIGTERM sent to the whole job from
 outside (its process group) ends every rank with the signal's exit code, and the report and
-the terminal say the job was interrupted, blaming no rank (rule 9 of _decide). A signal to
+the terminal say the job was interrupted, blaming no rank (rule: interrupts are not failures). A signal to
 one rank alone is still that rank's failure.
 
 Real sibling ranks in a process group of their own, as a terminal's foreground job.

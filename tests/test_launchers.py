@@ -389,8 +389,8 @@ def test_spawn_worker_that_raises_is_reported_with_its_exception(job_dir: Path) 
 def test_spawn_victims_of_a_diagnosed_hang_are_not_blamed(job_dir: Path) -> None:
     """Worker 1 loops in Python; the others wait for it in all_reduce, and a diagnosis
     names it. Their 10 s gloo timeout then fires, and mp.spawn's wrapper turns it into
-    sys.exit(1): that is a collective's exception, so a victim of the hang (rule 8 of
-    _decide). Before, the verdict named the first victim, "exited with code 1"."""
+    sys.exit(1): that is a collective's exception, so a victim of the hang
+    (rule: victims are not blamed). Before, the verdict named the first victim, "exited with code 1"."""
     env = {"LP_FAIL_RANK": "1", "LP_FAIL_HOW": "loop", "LP_TIMEOUT_S": "10", "PEERWATCH_HEARTBEAT": "1",
            "PEERWATCH_HANG_WARN": "3"}
     with spawn_job(job_dir, env=env) as job:

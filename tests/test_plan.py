@@ -23,7 +23,7 @@ def situation(**changes: object) -> Situation:
     return dataclasses.replace(BASE, **changes)  # type: ignore[arg-type]
 
 
-# -- rule 1: the exit code ------------------------------------------------------------
+# -- rule: the verdict's exit code ----------------------------------------------------
 
 
 def test_a_torn_down_rank_exits_with_the_verdicts_code_whatever_it_recorded() -> None:
@@ -40,7 +40,7 @@ def test_the_failed_rank_without_a_record_of_its_own_exits_with_the_verdicts_cod
     assert _plan.exit_code(2, 2, 124, 0) == 124  # 0 is no failure code
 
 
-# -- rule 2: who stays ------------------------------------------------------------------
+# -- rule: who stays --------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("cause", [EXCEPTION, EXIT])
@@ -84,7 +84,7 @@ def test_the_failed_rank_inside_watch_is_not_interrupted() -> None:
     assert not p.interrupt_main and not p.stay
 
 
-# -- rule 3: who enforces ---------------------------------------------------------------
+# -- rule: who enforces -----------------------------------------------------------------
 
 
 def test_the_three_lowest_live_ranks_other_than_the_failed_one_enforce() -> None:
@@ -104,7 +104,7 @@ def test_a_rank_that_is_not_live_does_not_enforce() -> None:
     assert not plan(situation(self_rank=9, live_local_ranks=(0, 1, 3))).enforcer
 
 
-# -- rule 4: the report -----------------------------------------------------------------
+# -- rule: who reports ------------------------------------------------------------------
 
 
 def test_the_first_enforcer_writes_the_report_and_sweeps_the_log_the_verdicts_writer_prints_it() -> None:
@@ -160,9 +160,9 @@ def test_the_writer_prints_the_summary_of_an_exit_seen_by_the_parent() -> None:
 
 @pytest.mark.parametrize("cause", [EXCEPTION, EXIT, SIGNAL, VANISHED])
 def test_the_summary_first_then_every_other_rank_says_its_line(cause: str) -> None:
-    """Rule 4, the order: a failing rank that speaks prints the summary once it has left
-    (not at the verdict); a writer that prints it for a rank that cannot, at once (before
-    a launcher's SIGTERM); every rank but the failing one says its line after it."""
+    """Rule: who reports, the order. A failing rank that speaks prints the summary once it
+    has left (not at the verdict); a writer that prints it for a rank that cannot, at once
+    (before a launcher's SIGTERM); every rank but the failing one says its line after it."""
     failing = plan(situation(self_rank=2, failed_rank=2, cause=cause, own_exit_code=1))
     assert not failing.stop_line and not failing.summary_now
     speaks = cause in (EXCEPTION, EXIT)
@@ -175,16 +175,17 @@ def test_the_summary_first_then_every_other_rank_says_its_line(cause: str) -> No
 
 @pytest.mark.parametrize("cause", [HANG, LOST, MISSING])
 def test_the_summary_of_a_rank_that_has_not_ended_waits_for_the_writers_dumps(cause: str) -> None:
-    """Rule 4: nothing ends the workers on account of a hung rank, a lost host or a rank
-    that never started: the writer prints the summary once its stacks and flight recorder
-    are dumped (the summary names them), not at the verdict; it writes the report."""
+    """Rule: who reports. Nothing ends the workers on account of a hung rank, a lost host or
+    a rank that never started: the writer prints the summary once its stacks and flight
+    recorder are dumped (the summary names them), not at the verdict; it writes the
+    report."""
     writer = plan(situation(cause=cause, wrote_verdict=True, failed_rank_speaks=False))
     assert writer.print_summary and writer.summary_after_dumps and not writer.summary_now and writer.write_report
     other = plan(situation(cause=cause, wrote_verdict=False, failed_rank_speaks=False))
     assert not other.summary_after_dumps and other.stop_line
 
 
-# -- rule 5: the ack window ----------------------------------------------------------------
+# -- rule: the ack window ------------------------------------------------------------------
 
 
 def test_the_ack_window_closes_after_ack_window_when_no_ack_comes() -> None:
@@ -219,7 +220,7 @@ def test_the_window_never_stretches_beyond_four_windows() -> None:
     assert w.latest == 108.0
 
 
-# -- rule 6: whom to signal ---------------------------------------------------------------
+# -- rule: whom to signal -----------------------------------------------------------------
 
 
 def test_pending_peers_are_the_live_ones_that_gave_no_ack_lowest_first() -> None:
@@ -232,7 +233,7 @@ def test_a_finished_peer_is_not_asked_for_stacks() -> None:
     assert not _plan.ask_for_stacks(2, finished={1, 2})
 
 
-# -- rule 7: the last resort ------------------------------------------------------------------
+# -- rule: the last resort --------------------------------------------------------------------
 
 
 def test_the_last_resort_fires_after_the_ack_window_three_graces_and_two_seconds() -> None:
@@ -265,7 +266,7 @@ def test_no_expected_count_is_said_not_guessed() -> None:
     assert _plan.missing_ranks(0, 0, local={0}, registered={0})[0] == ()
 
 
-# -- rule 8: leaving at exit ------------------------------------------------------------------
+# -- rule: leaving at exit --------------------------------------------------------------------
 
 
 def test_a_failed_rank_waits_at_exit_for_parent_wait_ack_window_a_settle_and_the_hold() -> None:
@@ -273,7 +274,7 @@ def test_a_failed_rank_waits_at_exit_for_parent_wait_ack_window_a_settle_and_the
     assert _plan.verdict_wait_s(parent_wait_s=0.5, ack_window_s=1.0, hold_s=0.0) == 1.75
     assert _plan.verdict_wait_s(parent_wait_s=0.5, ack_window_s=1.0, hold_s=1.0) == 2.75
     # An exception raised by torch.distributed may wait for a peer that is leaving to end
-    # (rule 5 of _decide): its rank waits that much longer for the verdict.
+    # (rule: echo waits for the leaving): its rank waits that much longer for the verdict.
     assert _plan.verdict_wait_s(parent_wait_s=0.5, ack_window_s=1.0, hold_s=0.0, echo=True) == 1.75 + 15.0
 
 
@@ -282,7 +283,7 @@ def test_the_exiting_main_thread_gives_the_watcher_grace_the_ack_window_and_two_
     assert _plan.leave_join_s(grace_s=0.5, ack_window_s=2.0) == 4.5
 
 
-# -- rule 9: a blind enforcer (its own acknowledgement could not be written) -------------
+# -- rule: the blind enforcer (its own acknowledgement could not be written) -------------
 
 
 def test_an_enforcer_whose_ack_was_written_waits_the_ack_window_and_trusts_no_one() -> None:
@@ -313,7 +314,7 @@ def test_the_documented_constants_have_the_documented_values() -> None:
     assert (_plan.BLIND_GRACES, _plan.SETTLE_S, _plan.ENFORCERS) == (2, 0.25, 3)
 
 
-# -- rule 10: the order of the steps ----------------------------------------------------------
+# -- rule: the step order ---------------------------------------------------------------------
 
 S = _plan.Step
 # The actions that write the report (WRITE_SUMMARY* print the summary too).
@@ -402,7 +403,8 @@ def test_a_survivor_inside_watch_is_interrupted_after_its_dumps_and_tears_down_i
 
 
 def test_a_blind_enforcer_says_so_first_and_its_ack_changes_only_the_steps_after_it() -> None:
-    """Rule 9: the second part is planned with the ack's result; the first cannot depend on it."""
+    """Rule: the blind enforcer. The second part is planned with the ack's result; the first
+    cannot depend on it."""
     for changes in ({}, {"wrote_verdict": True}, {"self_rank": 2, "failed_rank": 2, "live_local_ranks": (2,)}):
         seen, blind = plan(situation(**changes)), plan(situation(ack_written=False, **changes))
         assert seen.until_ack == blind.until_ack and blind.until_ack[-1] == S.ACK
@@ -507,9 +509,9 @@ def test_under_torchrun_the_writer_of_a_hang_writes_the_report_before_the_early_
 
 
 def test_ranks_waiting_for_the_summary_look_for_it_less_often_the_more_they_are():
-    """Rule 4: up to 8 local ranks look every 10 ms; 128 look every 160 ms (their looks
-    together cost the host what 8 ranks' do: 127 ranks looking every 10 ms starved the rank
-    writing the summary and held a 128-rank teardown up by half)."""
+    """Rule: who reports. Up to 8 local ranks look every 10 ms; 128 look every 160 ms (their
+    looks together cost the host what 8 ranks' do: 127 ranks looking every 10 ms starved the
+    rank writing the summary and held a 128-rank teardown up by half)."""
     from peerwatch._plan import summary_poll_s
 
     assert (SUMMARY_POLL_S, SUMMARY_POLL_RANKS) == (0.01, 8)  # docs/performance.md

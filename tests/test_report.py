@@ -223,7 +223,7 @@ def test_cli_status_watch_refreshes_until_ctrl_c_and_ls_reads_well(make_job) -> 
 def test_a_hangs_victims_whose_collectives_timed_out_are_torn_down_with_the_verdicts_code(tmp_path: Path) -> None:
     """Issue 22.15: after a collective-timeout end the summary listed the victims (their
     collectives' timeouts recorded as failures, exit code 1) as `failed`, "1 (expected)",
-    under "ranks exit with code 124"; they exit with 124 (rule 1 of the plan), as a later
+    under "ranks exit with code 124"; they exit with 124 (rule: the verdict's exit code), as a later
     `peerwatch report` showed. One truth: torn down, 124 (expected), until seen."""
 
     from peerwatch import _identity, _report

@@ -46,7 +46,7 @@ def test_no_gil_watchdog_is_armed_after_the_stop(tmp_path: Path) -> None:
 
 
 def test_a_teardown_after_the_stop_still_has_its_last_resort(tmp_path: Path) -> None:
-    """Invariant 6: once a teardown has begun, the rank exits, stopped or not."""
+    """Once a teardown has begun, the rank exits, stopped or not (rule: the last resort)."""
     code, out, _ = _run(tmp_path, f"stacks.cancel_timer(); stacks.arm_last_resort({TIMER_S})")
     assert (code, out) == (1, "")
 

@@ -1,5 +1,5 @@
 """The verdict's executor (peerwatch._verdict): it carries out the plan's steps in order, and
-plans the steps after the acknowledgement again with its result (rule 9 of the plan). The
+plans the steps after the acknowledgement again with its result (rule: the blind enforcer). The
 steps themselves (each one call) are run for real by the end-to-end tests."""
 
 from __future__ import annotations
