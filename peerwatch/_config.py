@@ -19,11 +19,6 @@ ACK_WINDOW_S = 0.5  # how long a peer has to acknowledge a verdict before we sig
 HEARTBEAT_INTERVAL_S = 1.0  # liveness/progress record; the slow path, not the detector
 PARENT_WAIT_S = 0.1  # a dead rank's parent may know its exit status: let it speak first
 DEFAULT_EXIT_CODE = 1  # exit code of torn-down ranks when the failing rank's code is unknown
-STARTUP_TIMEOUT_S = 0.0  # 0: off
-HANG_TIMEOUT_S = 0.0  # 0: off. No rank made progress (beat()) for this long: the job is hung
-HANG_AUTO = -1.0  # hang_timeout / hang_warn "auto": the threshold learnt from the job (peerwatch._diagnose)
-HANG_WARN_S = HANG_AUTO  # a diagnosis is logged when nothing moved for this long; 0: off
-GIL_TIMEOUT_S = 0.0  # 0: off. The watcher could not run for this long: faulthandler ends the rank
 PEER_TIMEOUT_S = 30.0  # another host (or the store) silent for this long: it is lost
 ON_VERDICT_TIMEOUT_S = 10.0  # the on_verdict hook's bound, from its start (whatever grace is)
 
@@ -49,32 +44,15 @@ MAX_SECONDS = {
 
 @dataclasses.dataclass(frozen=True)
 class HangSetting:
-    """``hang_timeout`` or ``hang_warn``, decoded: off, auto (the threshold learnt from the
-    job, peerwatch._diagnose), or a number of seconds. :class:`Config` keeps the number
-    users gave (0: off, ``HANG_AUTO``: auto); this is the one place that reads it."""
+    """``hang_timeout`` or ``hang_warn``: off, auto (the threshold learnt from the job,
+    peerwatch._diagnose), or a fixed number of seconds. Parsed once, by :meth:`Config.resolve`."""
 
     auto: bool = False
-    seconds: float = 0.0  # a fixed threshold; 0 (and not auto): off
-
-    @classmethod
-    def of(cls, value: float) -> HangSetting:
-        """The setting a Config value stands for."""
-        if value == HANG_AUTO:
-            return cls(auto=True)
-        return cls(seconds=value) if value > 0 else cls()
+    seconds: Optional[float] = None  # the fixed threshold; None: off, or auto
 
     @property
-    def off(self) -> bool:
-        return not self.auto and self.seconds <= 0
-
-    @property
-    def enabled(self) -> bool:
-        return not self.off
-
-    @property
-    def fixed_s(self) -> Optional[float]:
-        """The seconds set; None when off or auto."""
-        return self.seconds if self.seconds > 0 else None
+    def on(self) -> bool:
+        return self.auto or self.seconds is not None
 
 
 # Environment variables that carry the rank, in order of preference.
@@ -104,12 +82,12 @@ class Config:
     heartbeat_interval: float = HEARTBEAT_INTERVAL_S
     parent_wait: float = PARENT_WAIT_S
     exit_code: int = DEFAULT_EXIT_CODE
-    startup_timeout: float = STARTUP_TIMEOUT_S
+    startup_timeout: Optional[float] = None  # None: off
     startup_action: str = "warn"  # or "fail": what to do about ranks missing at startup_timeout
     thread_exceptions: str = "record"  # or "fail": an uncaught exception in another thread fails the rank
-    hang_timeout: float = HANG_TIMEOUT_S  # HANG_AUTO: the learnt threshold
-    hang_warn: float = HANG_WARN_S  # HANG_AUTO: learnt; 0: off
-    gil_timeout: float = GIL_TIMEOUT_S
+    hang_timeout: HangSetting = HangSetting()  # no rank made progress (beat(), collectives) for this long: hung
+    hang_warn: HangSetting = HangSetting(auto=True)  # nothing moved for this long: a diagnosis is logged
+    gil_timeout: Optional[float] = None  # the watcher could not run for this long: faulthandler ends the rank
     stragglers: bool = True  # name a rank its peers keep waiting for (docs/stragglers.md); needs hang_warn or hang_timeout
     strict: bool = False
     use_pidfd: bool = True
@@ -137,12 +115,14 @@ class Config:
         return dict(self.sources).get(option, "default")
 
     @property
-    def hang_timeout_setting(self) -> HangSetting:
-        return HangSetting.of(self.hang_timeout)
+    def diagnoses_hangs(self) -> bool:
+        """A diagnosis when nothing moves: hang_warn is on, or hang_timeout=auto ends the job at one."""
+        return self.hang_warn.on or self.hang_timeout.auto
 
     @property
-    def hang_warn_setting(self) -> HangSetting:
-        return HangSetting.of(self.hang_warn)
+    def reads_collectives(self) -> bool:
+        """torch's collective counters are read: for the diagnosis, or as progress for hang_timeout."""
+        return self.hang_timeout.on or self.diagnoses_hangs
 
     @classmethod
     def resolve(cls, options: Mapping[str, Any], env: Mapping[str, str] | None = None) -> Config:
@@ -178,17 +158,12 @@ class Config:
             raise ConfigError(
                 "heartbeat_interval", self.heartbeat_interval, self.source_of("heartbeat_interval"), "must be above 0"
             )
-        fixed_s = self.hang_timeout_setting.fixed_s
-        if fixed_s is not None and fixed_s < 2 * self.heartbeat_interval:
-            raise ConfigError(
-                "hang_timeout", self.hang_timeout, self.source_of("hang_timeout"),
-                f"must be 0 (off) or at least twice heartbeat_interval ({self.heartbeat_interval:g}s)",
-            )
-        if self.gil_timeout and self.gil_timeout < 2 * self.heartbeat_interval:
-            raise ConfigError(
-                "gil_timeout", self.gil_timeout, self.source_of("gil_timeout"),
-                f"must be 0 (off) or at least twice heartbeat_interval ({self.heartbeat_interval:g}s)",
-            )
+        for option, seconds in (("hang_timeout", self.hang_timeout.seconds), ("gil_timeout", self.gil_timeout)):
+            if seconds is not None and seconds < 2 * self.heartbeat_interval:
+                raise ConfigError(
+                    option, seconds, self.source_of(option),
+                    f"must be 0 (off) or at least twice heartbeat_interval ({self.heartbeat_interval:g}s)",
+                )
         if self.world_size is not None and self.rank is not None and self.rank >= self.world_size:
             raise ConfigError(
                 "rank", self.rank, self.source_of("rank"),
@@ -246,14 +221,21 @@ def _duration(option: str) -> Callable[[Any], float]:
     return parse
 
 
-def _hang_duration(option: str, off: str) -> Callable[[Any], float]:
-    """Seconds, ``auto`` (the threshold learnt from the job: HANG_AUTO) or ``off`` (0)."""
+def _off_or_duration(option: str) -> Callable[[Any], Optional[float]]:
+    """Seconds, 0 to ``MAX_SECONDS[option]``; 0 is off (None)."""
     seconds = _duration(option)
+    return lambda raw: seconds(raw) or None
 
-    def parse(raw: Any) -> float:
-        if isinstance(raw, str) and raw.strip().lower() in ("auto", off):
-            return HANG_AUTO if raw.strip().lower() == "auto" else 0.0
-        return seconds(raw)
+
+def _hang(option: str, off: str) -> Callable[[Any], HangSetting]:
+    """Seconds, ``auto`` (the threshold learnt from the job) or ``off`` (also 0)."""
+    seconds = _off_or_duration(option)
+
+    def parse(raw: Any) -> HangSetting:
+        word = raw.strip().lower() if isinstance(raw, str) else None
+        if word in ("auto", off):
+            return HangSetting(auto=word == "auto")
+        return HangSetting(seconds=seconds(raw))
 
     return parse
 
@@ -387,12 +369,12 @@ _OPTIONS: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "heartbeat_interval": ("PEERWATCH_HEARTBEAT", _duration("heartbeat_interval")),
     "parent_wait": ("PEERWATCH_PARENT_WAIT", _duration("parent_wait")),
     "exit_code": ("PEERWATCH_EXIT_CODE", _exit_code),
-    "startup_timeout": ("PEERWATCH_STARTUP_TIMEOUT", _duration("startup_timeout")),
+    "startup_timeout": ("PEERWATCH_STARTUP_TIMEOUT", _off_or_duration("startup_timeout")),
     "startup_action": ("PEERWATCH_STARTUP_ACTION", _startup_action),
     "thread_exceptions": ("PEERWATCH_THREAD_EXCEPTIONS", _thread_exceptions),
-    "hang_timeout": ("PEERWATCH_HANG_TIMEOUT", _hang_duration("hang_timeout", "0")),
-    "hang_warn": ("PEERWATCH_HANG_WARN", _hang_duration("hang_warn", "off")),
-    "gil_timeout": ("PEERWATCH_GIL_TIMEOUT", _duration("gil_timeout")),
+    "hang_timeout": ("PEERWATCH_HANG_TIMEOUT", _hang("hang_timeout", "0")),
+    "hang_warn": ("PEERWATCH_HANG_WARN", _hang("hang_warn", "off")),
+    "gil_timeout": ("PEERWATCH_GIL_TIMEOUT", _off_or_duration("gil_timeout")),
     "stragglers": ("PEERWATCH_STRAGGLERS", _flag),
     "strict": ("PEERWATCH_STRICT", _flag),
     "use_pidfd": ("PEERWATCH_PIDFD", _flag),
@@ -602,6 +584,6 @@ def key_prefix(run_id: str) -> str:
     return f"{KEY_ROOT}/{run_id}/"
 
 __all__ = [
-    "GRACE_S", "HANG_AUTO", "KNOWN_VARS", "MAX_SECONDS", "Config", "HangSetting", "LauncherFacts", "expected_hosts", "key_prefix", "resolve_run_id", "resolve_store",
+    "GRACE_S", "KNOWN_VARS", "MAX_SECONDS", "Config", "HangSetting", "LauncherFacts", "expected_hosts", "key_prefix", "resolve_run_id", "resolve_store",
     "spans_hosts", "unknown_variables",
 ]

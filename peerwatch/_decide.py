@@ -93,8 +93,9 @@ from __future__ import annotations
 
 import dataclasses
 import signal as _signal
-from typing import TYPE_CHECKING, AbstractSet, Dict, List, Mapping, Optional, Tuple
+from typing import AbstractSet, Dict, List, Mapping, Optional, Tuple
 
+from ._config import Config, HangSetting
 from ._diagnose import FROZEN_STATES, RankState, explain
 from ._records import (
     BUSY,
@@ -116,9 +117,6 @@ from ._records import (
     returncode_exit_code,
     signal_name,
 )
-
-if TYPE_CHECKING:
-    from ._config import Config
 
 # A rank that dies without a word (SIGKILL, segfault, OOM, os._exit) is never the
 # consequence of another rank's exception, but the exceptions of its peers' collectives
@@ -201,9 +199,9 @@ class Observed:
 class Policy:
     parent_wait_ns: int
     default_exit_code: int
-    hang_timeout_ns: int = 0  # 0: no hang detection
+    # Seconds: a hang when nothing moved that long (rule: no rank moved); auto: (rule: the diagnosis is the verdict).
+    hang_timeout: HangSetting = HangSetting()
     peer_timeout_ns: int = 0  # 0: remote ranks are never judged lost
-    hang_auto: bool = False  # hang_timeout=auto: a diagnosis (made at the learnt threshold) ends the job
     # How long a collective exception waits (rule: a collective exception settles; REMOTE_SETTLE_NS across hosts).
     collective_settle_ns: int = COLLECTIVE_SETTLE_NS
 
@@ -213,35 +211,11 @@ class Policy:
         by the hosts (peerwatch._sharedfs), the only place a rank of another host is judged
         lost here (through the store, the bridge judges it). ``other_hosts``: the job spans
         hosts (a store bridge, or a shared run directory)."""
-        hang = config.hang_timeout_setting
         return cls(
             parent_wait_ns=_ns(config.parent_wait), default_exit_code=config.exit_code,
-            hang_timeout_ns=_ns(hang.seconds), hang_auto=hang.auto,
-            peer_timeout_ns=_ns(config.peer_timeout) if shared_fs else 0,
+            hang_timeout=config.hang_timeout, peer_timeout_ns=_ns(config.peer_timeout) if shared_fs else 0,
             collective_settle_ns=REMOTE_SETTLE_NS if other_hosts or shared_fs else COLLECTIVE_SETTLE_NS,
         )
-
-
-@dataclasses.dataclass(frozen=True)
-class HangJudging:
-    """``hang_timeout`` and ``hang_warn``, decoded once for the watcher: what its heartbeat
-    reads, whether a Diagnoser (peerwatch._diagnoser) runs, and with which settings."""
-
-    timeout: bool  # hang_timeout is on (seconds or auto): hangs are judged from beat() too
-    diagnose: bool  # a diagnosis when nothing moves: hang_warn is on, or hang_timeout=auto
-    warn_fixed_s: Optional[float]  # the diagnosis's threshold as hang_warn set it; None: learnt
-    auto: bool  # hang_timeout=auto: a diagnosis ends the job
-
-    @property
-    def read_collectives(self) -> bool:
-        """The heartbeat reads torch's collective counters: the diagnosis, or progress for hang_timeout."""
-        return self.timeout or self.diagnose
-
-    @classmethod
-    def from_config(cls, config: Config) -> HangJudging:
-        timeout, warn = config.hang_timeout_setting, config.hang_warn_setting
-        return cls(timeout=timeout.enabled, diagnose=warn.enabled or timeout.auto, warn_fixed_s=warn.fixed_s,
-                   auto=timeout.auto)
 
 
 def _ns(seconds: float) -> int:
@@ -419,7 +393,8 @@ def _missing(obs: Observed, policy: Policy) -> Verdict:
 
 
 def _hang(obs: Observed, policy: Policy) -> Optional[Verdict]:
-    if policy.hang_timeout_ns <= 0:
+    timeout_s = policy.hang_timeout.seconds
+    if timeout_s is None:
         return None
     live = obs.live_progress()
     if not live or any(p.paused for p in live.values()):
@@ -429,7 +404,7 @@ def _hang(obs: Observed, policy: Policy) -> Optional[Verdict]:
     if not beats:
         return None  # nobody reports progress (no beat() nor collective yet): nothing to judge by
     silent_ns = obs.now_mono_ns - max(max(beats), obs.awake_since_ns)  # only time this judge saw pass
-    if silent_ns < policy.hang_timeout_ns:
+    if silent_ns < _ns(timeout_s):
         return None
 
     def lag(rank: int) -> Tuple[bool, bool, bool, int, int, int]:
@@ -474,7 +449,7 @@ def _diagnosed_hang(obs: Observed, policy: Policy) -> Decision:
     collective timeout for busy laggards, so a checkpoint or an evaluation is never ended
     early)."""
     d = obs.diagnosis
-    if not policy.hang_auto or d is None or not _current(d):
+    if not policy.hang_timeout.auto or d is None or not _current(d):
         return Decision(None)
     rank = d.laggards[0]
     if rank in obs.successes or rank in obs.gone:
@@ -688,5 +663,5 @@ def _vanished(obs: Observed, rank: int, seen_ns: int, policy: Policy) -> Verdict
 
 __all__ = [
     "COLLECTIVE_SETTLE_NS", "CONSEQUENCE_WINDOW_NS", "INTERRUPT_WINDOW_NS", "REMOTE_SETTLE_NS", "LEAVING_WAIT_NS",
-    "UNREAD_RECHECK_NS", "Decision", "HangJudging", "Observed", "Policy", "decide", "exit_code_for",
+    "UNREAD_RECHECK_NS", "Decision", "Observed", "Policy", "decide", "exit_code_for",
 ]

@@ -145,12 +145,11 @@ class Watcher:
         self.own_records = OwnRecords(run_dir, me)
         self._interrupt_noted: Optional[int] = None  # the last SIGINT said (its monotonic time): _note_interrupt
         self.observer = Observer(run_dir, me, use_pidfd, remote, self.own_records, config.heartbeat_interval)
-        self._hangs = hangs = _decide.HangJudging.from_config(config)
-        self.heartbeat = HeartbeatWriter(run_dir, me, self.progress, with_position=hangs.timeout,
-                                         read_collectives=hangs.read_collectives,
+        self.heartbeat = HeartbeatWriter(run_dir, me, self.progress, with_position=config.hang_timeout.on,
+                                         read_collectives=config.reads_collectives,
                                          measure_waits=config.stragglers, interval_s=config.heartbeat_interval)
-        self._diagnoser = (Diagnoser(self.rank, hangs.warn_fixed_s, self.observer, hangs.auto, config.heartbeat_interval)
-                           if hangs.diagnose else None)
+        self._diagnoser = (Diagnoser(self.rank, config.hang_warn.seconds, self.observer, config.hang_timeout.auto,
+                                     config.heartbeat_interval) if config.diagnoses_hangs else None)
         self._flight_recorder = FlightRecorderDump(run_dir, self.rank)  # evidence torch's analyzer reads
         self.thread = threading.Thread(target=self._main, name=f"peerwatch-rank{self.rank}", daemon=True)
         self._launcher_watch: Optional[_launchers.LauncherWatch] = None  # set by start()
@@ -224,7 +223,7 @@ class Watcher:
             self._final_heartbeat()  # the step it finished at
         self.done.set()
         self.wake()
-        if self.config.gil_timeout and not self.verdict_seen.is_set():
+        if self.config.gil_timeout is not None and not self.verdict_seen.is_set():
             self.stacks.cancel_timer()
         if self.bridge is not None:
             self.bridge.stop()
@@ -342,7 +341,7 @@ class Watcher:
         can be written or read any more, so a peer's end proves nothing. Judging on would
         tear down a healthy job (a rank that finished cleanly could not say so); stop, and
         say loudly that this rank is unprotected."""
-        if self.config.gil_timeout:
+        if self.config.gil_timeout is not None:
             self.stacks.cancel_timer()
         logger.error(
             "peerwatch: rank %d is NOT protected any more: its run directory %s %s while the job runs (a /tmp "
@@ -361,7 +360,7 @@ class Watcher:
         fallback = not use_pidfd or (not inotify and not shared)
         return Schedule(
             time.monotonic(), self.config.heartbeat_interval, fallback_s=POLL_FALLBACK_S if fallback else None,
-            remote_s=_sharedfs.POLL_S if shared else None, startup_s=self.config.startup_timeout or None,
+            remote_s=_sharedfs.POLL_S if shared else None, startup_s=self.config.startup_timeout,
         )
 
     def _arm_gil_watchdog(self) -> None:
@@ -369,7 +368,7 @@ class Watcher:
         and at its first ``beat()`` by the training thread itself (its next step may hold
         the GIL before the watcher runs again). Not before: a rank that imports and loads
         holds the GIL in one call for seconds on a loaded machine (``import torch``)."""
-        if self.config.gil_timeout and not self.verdict_seen.is_set():
+        if self.config.gil_timeout is not None and not self.verdict_seen.is_set():
             self.stacks.arm_gil_watchdog(self.config.gil_timeout)
 
     def _on_beat(self) -> Tuple[bool, bool]:
@@ -384,7 +383,7 @@ class Watcher:
         self._judge_stragglers()
         # Diagnosis: judged only once this rank's collectives count (torch.distributed in use).
         diagnosing = self._diagnoser is not None and self.heartbeat.counts_collectives()
-        hang, remote = self._hangs.timeout or diagnosing, self.observer.remote is not None
+        hang, remote = self.config.hang_timeout.on or diagnosing, self.observer.remote is not None
         if not (hang or remote):
             return False, False  # nothing to judge: no need to know who the judges are
         judge = self.rank in self.observer.live_local_ranks()[:HANG_JUDGES]

@@ -9,6 +9,7 @@ import dataclasses
 import pytest
 
 from peerwatch._awake import CAP_INTERVALS, AwakeClock
+from peerwatch._config import HangSetting
 from peerwatch._decide import Observed, Policy, decide
 from peerwatch._diagnose import RankState, Threshold, diagnose
 from peerwatch._summary import summarize
@@ -61,7 +62,7 @@ def test_no_diagnosis_from_heartbeats_gone_stale_while_the_judge_was_stopped_too
 
 
 def test_no_hang_timeout_verdict_from_a_silence_the_judge_did_not_see() -> None:
-    policy = Policy(parent_wait_ns=0, default_exit_code=1, hang_timeout_ns=5 * S)
+    policy = Policy(parent_wait_ns=0, default_exit_code=1, hang_timeout=HangSetting(seconds=5.0))
     obs = Observed(self_rank=0, now_ns=1_000 * S, registrations={}, successes=frozenset(), failures={},
                    exit_statuses={}, gone={}, progress={0: RankState(step=3, beat_mono_ns=99 * S)},
                    now_mono_ns=RESUMED_AT + S, awake_since_ns=RESUMED_AT)

@@ -16,9 +16,22 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from peerwatch import Config, ConfigError
-from peerwatch._config import ACK_WINDOW_S, DEFAULT_EXIT_CODE, GRACE_S, HEARTBEAT_INTERVAL_S, MAX_SECONDS, PARENT_WAIT_S
+from peerwatch._config import (
+    ACK_WINDOW_S,
+    DEFAULT_EXIT_CODE,
+    GRACE_S,
+    HEARTBEAT_INTERVAL_S,
+    MAX_SECONDS,
+    PARENT_WAIT_S,
+    HangSetting,
+)
 
 KW = "keyword argument"
+
+
+def seconds_of(value: object) -> object:
+    """A duration's seconds, whether Config keeps them as a number or in a HangSetting."""
+    return value.seconds if isinstance(value, HangSetting) else value
 
 
 pytestmark = pytest.mark.pure  # no process, no thread, no file: conftest skips its scan for leaks
@@ -75,7 +88,7 @@ OPTIONS = [
     ("use_pidfd", "PEERWATCH_PIDFD", "off", False),
     ("startup_action", "PEERWATCH_STARTUP_ACTION", " Fail ", "fail"),
     ("thread_exceptions", "PEERWATCH_THREAD_EXCEPTIONS", "FAIL", "fail"),
-    ("hang_timeout", "PEERWATCH_HANG_TIMEOUT", "600", 600.0),
+    ("hang_timeout", "PEERWATCH_HANG_TIMEOUT", "600", HangSetting(seconds=600.0)),
     ("gil_timeout", "PEERWATCH_GIL_TIMEOUT", "2", 2.0),
     ("store", "PEERWATCH_STORE", " node0:29500 ", "node0:29500"),
     ("run_id", "PEERWATCH_RUN_ID", " job-42 ", "job-42"),
@@ -86,6 +99,7 @@ OPTIONS = [
 KW_VALUES = {"run_dir": "/kw", "strict": False, "use_pidfd": True, "startup_action": "warn",
              "thread_exceptions": "record", "hang_timeout": 5.0, "gil_timeout": 5.0, "store": "off",
              "run_id": "kw-job", "peer_timeout": 45.0, "shared_fs": "off"}
+KW_PARSED = {"hang_timeout": HangSetting(seconds=5.0)}  # where the value parsed is not the one given
 
 
 @pytest.mark.parametrize(("option", "var", "raw", "value"), OPTIONS, ids=[o[0] for o in OPTIONS])
@@ -99,7 +113,7 @@ def test_each_option_from_its_environment_variable(option, var, raw, value):
 def test_keyword_beats_environment(option, var, raw, value):
     kw_value = KW_VALUES.get(option, 1)
     c = resolve(env={var: raw}, **{option: kw_value})
-    assert getattr(c, option) == kw_value
+    assert getattr(c, option) == KW_PARSED.get(option, kw_value)
     assert c.source_of(option) == KW
 
 
@@ -315,8 +329,8 @@ def test_defaults_are_the_documented_ones():
     # docs/configuration.md, "every option": the values users are told they get.
     c = resolve()
     assert (c.grace, c.ack_window, c.heartbeat_interval, c.parent_wait, c.exit_code) == (5.0, 0.5, 1.0, 0.1, 1)
-    assert (c.startup_timeout, c.startup_action, c.thread_exceptions) == (0.0, "warn", "record")
-    assert (c.hang_timeout, c.gil_timeout, c.peer_timeout) == (0.0, 0.0, 30.0)
+    assert (c.startup_timeout, c.startup_action, c.thread_exceptions) == (None, "warn", "record")  # None: off
+    assert (c.hang_timeout, c.gil_timeout, c.peer_timeout) == (HangSetting(), None, 30.0)
     assert (c.strict, c.use_pidfd, c.store, c.run_id, c.shared_fs) == (False, True, None, None, "auto")
 
 
@@ -423,9 +437,9 @@ def test_heartbeat_interval_must_be_above_zero():
 @pytest.mark.parametrize("option", ["hang_timeout", "gil_timeout"])
 def test_a_timeout_judged_by_heartbeats_is_off_or_at_least_two_of_them(option):
     var = {"hang_timeout": "PEERWATCH_HANG_TIMEOUT", "gil_timeout": "PEERWATCH_GIL_TIMEOUT"}[option]
-    assert getattr(resolve(env={var: "0"}), option) == 0.0  # off
-    assert getattr(resolve(env={var: "2", "PEERWATCH_HEARTBEAT": "1"}), option) == 2.0
-    assert getattr(resolve(env={var: "1"}, heartbeat_interval=0.5), option) == 1.0
+    assert seconds_of(getattr(resolve(env={var: "0"}), option)) is None  # off
+    assert seconds_of(getattr(resolve(env={var: "2", "PEERWATCH_HEARTBEAT": "1"}), option)) == 2.0
+    assert seconds_of(getattr(resolve(env={var: "1"}, heartbeat_interval=0.5), option)) == 1.0
     with pytest.raises(ConfigError) as info:
         resolve(env={var: "1.9"})
     e = info.value
@@ -509,7 +523,7 @@ def test_absurd_finite_durations_are_refused_saying_the_maximum(var, raw):
 def test_each_duration_is_accepted_up_to_its_maximum_and_refused_above(option):
     limit = MAX_SECONDS[option]
     others = {"peer_timeout": MAX_SECONDS["peer_timeout"]} if option == "heartbeat_interval" else {}
-    assert getattr(Config.resolve({option: limit, **others}, env={}), option) == limit
+    assert seconds_of(getattr(Config.resolve({option: limit, **others}, env={}), option)) == limit
     with pytest.raises(ConfigError) as info:
         Config.resolve({option: math.nextafter(limit, math.inf) if hasattr(math, "nextafter") else limit * 1.000001},
                        env={})
@@ -540,31 +554,30 @@ def test_the_longest_heartbeat_is_accepted_with_the_default_peer_timeout():
 
 
 def test_hang_setting_is_off_auto_or_seconds():
-    from peerwatch._config import HANG_AUTO, HangSetting
-
-    off, auto, secs = HangSetting.of(0.0), HangSetting.of(HANG_AUTO), HangSetting.of(12.5)
-    assert (off.off, off.auto, off.enabled, off.fixed_s, off.seconds) == (True, False, False, None, 0.0)
-    assert (auto.off, auto.auto, auto.enabled, auto.fixed_s, auto.seconds) == (False, True, True, None, 0.0)
-    assert (secs.off, secs.auto, secs.enabled, secs.fixed_s, secs.seconds) == (False, False, True, 12.5, 12.5)
-    assert HangSetting() == off and HangSetting(auto=True) == auto
+    off, auto, secs = HangSetting(), HangSetting(auto=True), HangSetting(seconds=12.5)
+    assert (off.on, off.auto, off.seconds) == (False, False, None)
+    assert (auto.on, auto.auto, auto.seconds) == (True, True, None)
+    assert (secs.on, secs.auto, secs.seconds) == (True, False, 12.5)
 
 
-@pytest.mark.parametrize(("raw", "auto", "fixed_s"), [("auto", True, None), ("off", False, None), ("0", False, None),
+@pytest.mark.parametrize(("raw", "auto", "seconds"), [("auto", True, None), ("off", False, None), ("0", False, None),
                                                       ("12", False, 12.0)])
-def test_config_gives_its_hang_numbers_as_settings_and_keeps_the_numbers(raw: str, auto: bool, fixed_s: object):
-    from peerwatch._config import HANG_AUTO
-
+def test_config_parses_its_hang_settings_once(raw: str, auto: bool, seconds: object):
     timeout_raw = "0" if raw == "off" else raw  # hang_timeout's word for off is 0 (docs/configuration.md)
     c = Config.resolve({}, env={"PEERWATCH_HANG_TIMEOUT": timeout_raw, "PEERWATCH_HANG_WARN": raw})
-    for number, setting in ((c.hang_timeout, c.hang_timeout_setting), (c.hang_warn, c.hang_warn_setting)):
-        assert (setting.auto, setting.fixed_s) == (auto, fixed_s)
-        assert number == (HANG_AUTO if auto else fixed_s or 0.0)  # the public value is the number, as before
+    assert c.hang_timeout == c.hang_warn == HangSetting(auto=auto, seconds=seconds)
     d = Config.resolve({}, env={})
-    assert d.hang_warn_setting.auto and d.hang_timeout_setting.off
+    assert d.hang_warn == HangSetting(auto=True) and not d.hang_timeout.on
+
+
+@pytest.mark.parametrize("option", ["startup_timeout", "gil_timeout"])
+@pytest.mark.parametrize(("raw", "seconds"), [(0, None), ("0", None), (" 0.0 ", None), ("60", 60.0), (90, 90.0)])
+def test_a_timeout_of_0_is_off(option: str, raw: object, seconds: object):
+    assert getattr(Config.resolve({option: raw}, env={}), option) == seconds
 
 
 def test_hang_timeout_auto_is_not_checked_against_the_heartbeat():
-    assert Config.resolve({"hang_timeout": "auto", "heartbeat_interval": 30}, env={}).hang_timeout_setting.auto
+    assert Config.resolve({"hang_timeout": "auto", "heartbeat_interval": 30}, env={}).hang_timeout.auto
     with pytest.raises(ConfigError, match="hang_timeout"):
         Config.resolve({"hang_timeout": 10, "heartbeat_interval": 30}, env={})
 
@@ -573,18 +586,16 @@ def test_hang_timeout_auto_is_not_checked_against_the_heartbeat():
 
 
 def test_a_hang_setting_below_one_second_is_a_setting_not_off():
-    from peerwatch._config import HangSetting
-
-    half = HangSetting.of(0.5)
-    assert (half.off, half.enabled, half.auto, half.fixed_s, half.seconds) == (False, True, False, 0.5, 0.5)
-    assert HangSetting.of(0.0) == HangSetting() and HangSetting.of(-3.0) == HangSetting()
+    half = resolve(hang_warn=0.5).hang_warn
+    assert (half.on, half.auto, half.seconds) == (True, False, 0.5)
+    assert resolve(hang_warn=0.0).hang_warn == resolve(hang_warn="0").hang_warn == HangSetting()
 
 
 def test_the_other_documented_defaults():
-    # docs/configuration.md: on_verdict_timeout 10 s, hang_warn auto; "auto" is the number -1.
+    # docs/configuration.md: on_verdict_timeout 10 s, hang_warn auto.
     c = resolve()
-    assert (c.on_verdict_timeout, c.hang_warn, c.hang_warn_setting.auto) == (10.0, -1.0, True)
-    assert resolve(hang_timeout="auto").hang_timeout == -1.0
+    assert (c.on_verdict_timeout, c.hang_warn) == (10.0, HangSetting(auto=True))
+    assert resolve(hang_timeout="auto").hang_timeout == HangSetting(auto=True)
 
 
 def test_the_maxima_are_the_documented_ones():

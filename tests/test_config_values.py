@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from peerwatch import Config, ConfigError
-from peerwatch._config import MAX_SECONDS, SECRET_MIN_BYTES, SECRET_SHOWN
+from peerwatch._config import MAX_SECONDS, SECRET_MIN_BYTES, SECRET_SHOWN, HangSetting
 
 SECRET = "s" * SECRET_MIN_BYTES
 
@@ -134,6 +134,6 @@ def test_a_duration_over_its_maximum_says_the_maximum_in_words(option, spoken):
 
 
 def test_hang_timeout_takes_auto_and_its_off_word():
-    assert resolve(hang_timeout="0").hang_timeout == 0.0
-    assert resolve(hang_warn=" OFF ").hang_warn == 0.0
-    assert resolve(hang_timeout="12").hang_timeout == 12.0
+    assert resolve(hang_timeout="0").hang_timeout == HangSetting()
+    assert resolve(hang_warn=" OFF ").hang_warn == HangSetting()
+    assert resolve(hang_timeout="12").hang_timeout == HangSetting(seconds=12.0)

@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from peerwatch._config import HangSetting
 from peerwatch._decide import (
     COLLECTIVE_SETTLE_NS,
     CONSEQUENCE_WINDOW_NS,
@@ -866,7 +867,7 @@ def test_a_missing_rank_waits_for_a_held_back_death():
 # -- rule: no rank moved -------------------------------------------------------------------------
 
 HANG_S = 10 * ONE_S
-HANG_POLICY = Policy(parent_wait_ns=WAIT_NS, default_exit_code=7, hang_timeout_ns=HANG_S)
+HANG_POLICY = Policy(parent_wait_ns=WAIT_NS, default_exit_code=7, hang_timeout=HangSetting(seconds=HANG_S / ONE_S))
 MONO = 500 * ONE_S  # this host's monotonic clock when decide runs
 WALL = 2_000 * ONE_S  # ... and its wall clock
 
@@ -898,8 +899,9 @@ def test_the_hang_text_reads_the_silence_in_tenths_of_a_second_rounded():
 
 def test_hang_timeout_is_a_boundary_not_a_suggestion():
     assert hang({0: prog(silent_s=10.0), 1: prog(silent_s=11.0)}).cause == HANG
-    # 0 is off; the shortest timeout there is, 1 ns, is on.
-    assert hang({0: prog(silent_s=1.0)}, policy=dataclasses.replace(HANG_POLICY, hang_timeout_ns=1)).cause == HANG
+    # Off is no seconds at all; the shortest timeout there is, 1 ns, is on.
+    assert hang({0: prog(silent_s=1.0)}, policy=dataclasses.replace(HANG_POLICY, hang_timeout=HangSetting(seconds=1e-9))).cause == HANG
+    assert hang({0: prog(silent_s=1.0)}, policy=dataclasses.replace(HANG_POLICY, hang_timeout=HangSetting())) is None
     assert hang({0: prog(silent_s=10.0 - 1e-9), 1: prog(silent_s=11.0)}) is None
 
 
@@ -1096,7 +1098,7 @@ def test_an_earlier_failure_is_the_cause_and_nothing_is_written_for_a_lost_rank(
 
 # -- rules: the diagnosis is the verdict, victims are not blamed ----------------------------------
 
-AUTO = dataclasses.replace(POLICY, hang_auto=True)
+AUTO = dataclasses.replace(POLICY, hang_timeout=HangSetting(auto=True))
 STALLED_AT = 5_000_000_000
 DIAGNOSED_AT = 8_000_000_000
 
@@ -1217,22 +1219,23 @@ def _config(**options: Any) -> Any:
     return Config.resolve(options, env={})
 
 
-@pytest.mark.parametrize(("hang_timeout", "hang_timeout_ns", "hang_auto"), [
-    (None, 0, False), (0, 0, False), ("0", 0, False),  # off (hang_timeout's word for it is 0)
-    ("auto", 0, True), (" AUTO ", 0, True),  # the diagnosis's learnt threshold
-    (12.5, 12_500_000_000, False), ("7", 7_000_000_000, False),  # seconds
+@pytest.mark.parametrize(("hang_timeout", "seconds", "auto"), [
+    (None, None, False), (0, None, False), ("0", None, False),  # off (hang_timeout's word for it is 0)
+    ("auto", None, True), (" AUTO ", None, True),  # the diagnosis's learnt threshold
+    (12.5, 12.5, False), ("7", 7.0, False),  # seconds
 ])
-def test_policy_from_config_decodes_hang_timeout(hang_timeout: Any, hang_timeout_ns: int, hang_auto: bool):
+def test_policy_from_config_takes_hang_timeout_as_parsed(hang_timeout: Any, seconds: Optional[float], auto: bool):
     p = Policy.from_config(_config(hang_timeout=hang_timeout))
-    assert (p.hang_timeout_ns, p.hang_auto) == (hang_timeout_ns, hang_auto)
+    assert p.hang_timeout == HangSetting(auto=auto, seconds=seconds)
 
 
 def test_policy_from_config_sets_every_field():
     assert {f.name for f in dataclasses.fields(Policy)} == {  # a new field: set it in from_config, test it here
-        "parent_wait_ns", "default_exit_code", "hang_timeout_ns", "peer_timeout_ns", "hang_auto", "collective_settle_ns"}
+        "parent_wait_ns", "default_exit_code", "hang_timeout", "peer_timeout_ns", "collective_settle_ns"}
     c = _config(parent_wait=0.25, exit_code=7, hang_timeout=30, peer_timeout=45)
-    assert Policy.from_config(c) == Policy(parent_wait_ns=250_000_000, default_exit_code=7, hang_timeout_ns=30 * 10**9,
-                                           peer_timeout_ns=0, hang_auto=False, collective_settle_ns=COLLECTIVE_SETTLE_NS)
+    assert Policy.from_config(c) == Policy(parent_wait_ns=250_000_000, default_exit_code=7,
+                                           hang_timeout=HangSetting(seconds=30.0), peer_timeout_ns=0,
+                                           collective_settle_ns=COLLECTIVE_SETTLE_NS)
     # Only a run directory shared by the hosts judges their ranks lost here (else the bridge does).
     assert Policy.from_config(c, shared_fs=True).peer_timeout_ns == 45 * 10**9
     # A job that spans hosts gives a collective exception longer to turn out an echo
@@ -1249,12 +1252,12 @@ def test_a_collective_exception_waits_longer_for_an_echo_where_the_job_spans_hos
     remote = dataclasses.replace(POLICY, collective_settle_ns=REMOTE_SETTLE_NS)
     d = decide(obs, remote)
     assert d.verdict is None and d.recheck_at_ns == 10**9 + REMOTE_SETTLE_NS, d
-    assert Policy.from_config(_config()) == Policy(parent_wait_ns=100_000_000, default_exit_code=1, hang_timeout_ns=0,
-                                                   peer_timeout_ns=0, hang_auto=False)
+    assert Policy.from_config(_config()) == Policy(parent_wait_ns=100_000_000, default_exit_code=1,
+                                                   hang_timeout=HangSetting(), peer_timeout_ns=0)
 
 
 @pytest.mark.parametrize(("hang_timeout", "hang_warn", "expected"), [
-    # (timeout, diagnose, warn_fixed_s, auto, read_collectives)
+    # (hang_timeout on, diagnoses_hangs, hang_warn seconds, hang_timeout auto, reads_collectives)
     (None, None, (False, True, None, False, True)),  # the defaults: a learnt diagnosis that only warns
     ("0", "off", (False, False, None, False, False)),  # nothing about hangs: torch's counters unread
     ("auto", "off", (True, True, None, True, True)),  # auto needs the diagnosis, whatever hang_warn says
@@ -1262,11 +1265,9 @@ def test_a_collective_exception_waits_longer_for_an_echo_where_the_job_spans_hos
     ("30", "off", (True, False, None, False, True)),  # beat() and the counters as progress, no diagnosis
     (0, "12", (False, True, 12.0, False, True)),
 ])
-def test_hang_judging_from_config(hang_timeout: Any, hang_warn: Any, expected: Tuple[Any, ...]):
-    from peerwatch._decide import HangJudging
-
-    h = HangJudging.from_config(_config(hang_timeout=hang_timeout, hang_warn=hang_warn))
-    assert (h.timeout, h.diagnose, h.warn_fixed_s, h.auto, h.read_collectives) == expected
+def test_what_the_hang_settings_judge_by(hang_timeout: Any, hang_warn: Any, expected: Tuple[Any, ...]):
+    c = _config(hang_timeout=hang_timeout, hang_warn=hang_warn)
+    assert (c.hang_timeout.on, c.diagnoses_hangs, c.hang_warn.seconds, c.hang_timeout.auto, c.reads_collectives) == expected
 
 
 # -- rule: interrupts are not failures -----------------------------------------------------

@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from peerwatch._activity import Activity
+from peerwatch._config import HangSetting
 from peerwatch._decide import Observed, Policy, decide
 from peerwatch._diagnose import (
     BUSY_END_FRACTION,
@@ -221,26 +222,30 @@ def test_an_nccl_watchdog_abort_after_a_diagnosis_is_a_victim_too():
 
 def test_hang_timeout_auto_makes_the_diagnosis_the_verdict():
     assert decide(obs(), POLICY).verdict is None  # by default a diagnosis only warns
-    v = decide(obs(), dataclasses.replace(POLICY, hang_auto=True)).verdict
+    v = decide(obs(), dataclasses.replace(POLICY, hang_timeout=HangSetting(auto=True))).verdict
     assert v is not None and (v.rank, v.cause, v.failed_at_ns, v.laggards) == (1, HANG, 40 * S, (1,))
 
 
 # -- configuration -------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("raw", "value"), [("auto", -1.0), ("AUTO", -1.0), ("off", 0.0), ("0", 0.0), ("12.5", 12.5)])
-def test_hang_warn_takes_seconds_auto_or_off(raw: str, value: float):
+AUTO, OFF = HangSetting(auto=True), HangSetting()
+
+
+@pytest.mark.parametrize(("raw", "value"), [("auto", AUTO), ("AUTO", AUTO), ("off", OFF), ("0", OFF),
+                                            ("12.5", HangSetting(seconds=12.5))])
+def test_hang_warn_takes_seconds_auto_or_off(raw: str, value: HangSetting):
     from peerwatch._config import Config
 
     assert Config.resolve({}, env={"PEERWATCH_HANG_WARN": raw}).hang_warn == value
 
 
 def test_hang_warn_is_learnt_by_default_and_hang_timeout_takes_auto():
-    from peerwatch._config import HANG_AUTO, Config
+    from peerwatch._config import Config
 
-    assert Config.resolve({}, env={}).hang_warn == HANG_AUTO
-    assert Config.resolve({"hang_timeout": "auto"}, env={}).hang_timeout == HANG_AUTO
-    assert Config.resolve({}, env={}).hang_timeout == 0.0
+    assert Config.resolve({}, env={}).hang_warn == AUTO
+    assert Config.resolve({"hang_timeout": "auto"}, env={}).hang_timeout == AUTO
+    assert Config.resolve({}, env={}).hang_timeout == OFF
 
 
 @pytest.mark.parametrize("raw", ["sometimes", "-3", "inf"])
@@ -343,7 +348,7 @@ def _busy_diagnosis(end_at_ns: Optional[int]) -> Diagnosis:
 def test_auto_ends_a_busy_laggard_only_at_its_end():
     regs = {r: Registration(rank=r, pid=100 + r, ppid=1, start_ticks=1, uid=0, host="h", boot_id="b", pidns="p",
                             time_ns=0) for r in (0, 1)}
-    policy = Policy(parent_wait_ns=S, default_exit_code=1, hang_auto=True)
+    policy = Policy(parent_wait_ns=S, default_exit_code=1, hang_timeout=HangSetting(auto=True))
 
     def at(now: int, end: Optional[int]):
         obs = Observed(self_rank=1, now_ns=now, registrations=regs, successes=set(), failures={}, exit_statuses={},
@@ -646,7 +651,7 @@ def test_the_hang_verdict_and_the_diagnosis_explain_a_laggard_in_the_same_words(
     found = diagnose(ranks, NOW, 5 * S)
     assert found is not None and found.laggards == (1,), found
     o = dataclasses.replace(obs(diagnosis=None, now=60 * S), progress=ranks, now_mono_ns=NOW)
-    verdict = decide(o, Policy(parent_wait_ns=S // 10, default_exit_code=1, hang_timeout_ns=5 * S)).verdict
+    verdict = decide(o, Policy(parent_wait_ns=S // 10, default_exit_code=1, hang_timeout=HangSetting(seconds=5.0))).verdict
     assert verdict is not None and verdict.rank == 1, verdict
     assert f"({said}, at train.py:3 in f)" in found.detail, found.detail
     assert f"({said}, it never reported progress, at train.py:3 in f)" in verdict.detail, verdict.detail

@@ -60,10 +60,10 @@ def test_install_warns_once_of_a_misspelt_variable_and_goes_on(tmp_path: Path, n
     code = ("import peerwatch\n"
             "h = peerwatch.install()\n"
             "assert h is not None and peerwatch.install().run_dir == h.run_dir\n"
-            "print('protected, hang_timeout', h._w.config.hang_timeout)\n")
+            "print('protected, hang_timeout on:', h._w.config.hang_timeout.on)\n")
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
-    assert done.stdout == "protected, hang_timeout 0.0\n"  # the typo set nothing
+    assert done.stdout == "protected, hang_timeout on: False\n"  # the typo set nothing
     said = [line for line in done.stderr.splitlines() if "PEERWATCH_" in line]
     assert said == ["peerwatch: the environment variable PEERWATCH_HANG_TIMOUT is not one of peerwatch's and is "
                     "ignored; did you mean PEERWATCH_HANG_TIMEOUT? (the variables: docs/configuration.md)"], done.stderr
