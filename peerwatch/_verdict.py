@@ -15,11 +15,10 @@ import logging
 import os
 import threading
 import time
-from typing import Callable, Dict, Optional
+from typing import Any, Callable, Dict, Optional
 
 from . import _enforce, _exitwatch, _launchers, _leave, _plan, _report, _teardown, _terminal
 from ._bridge import Bridge
-from ._config import Config
 from ._errors import PeerFailure
 from ._eventlog import log as log_event
 from ._eventlog import sweep as sweep_events
@@ -41,7 +40,8 @@ class Teardown:
     """What the steps act with (the watcher's collaborators, passed in: this module does not
     import the watcher), and what a step leaves for the later ones. Owned by the watcher thread."""
 
-    config: Config
+    on_verdict: Any  # the hook (a shell command or a callable), or None
+    on_verdict_timeout_s: float  # its bound
     run_dir: RunDir
     me: Registration
     observer: Observer
@@ -184,10 +184,9 @@ def _write_summary_below_traceback(t: Teardown) -> None:
 def _start_hook(t: Teardown) -> None:
     """Someone is told, once per host, for at most on_verdict_timeout (not grace), which
     this rank then waits for."""
-    c = t.config
-    t.hook = start_hook(c.on_verdict, t.run_dir, t.verdict, t.rank, c.on_verdict_timeout)
+    t.hook = start_hook(t.on_verdict, t.run_dir, t.verdict, t.rank, t.on_verdict_timeout_s)
     if t.hook is not None:
-        t.stacks.arm_last_resort(t.plan.last_resort_s + c.on_verdict_timeout)  # the rank waits for it
+        t.stacks.arm_last_resort(t.plan.last_resort_s + t.on_verdict_timeout_s)  # the rank waits for it
 
 
 @_carries_out(Step.DUMP_STACKS)
@@ -207,14 +206,14 @@ def _interrupt_main(t: Teardown) -> None:
 
 @_carries_out(Step.TEAR_DOWN_PEERS)
 def _tear_down_peers(t: Teardown) -> None:
-    _enforce.tear_down_peers(t.observer, t.verdict, t.plan.ack_window_s, t.config.grace, set(t.plan.trusted))
+    _enforce.tear_down_peers(t.observer, t.verdict, t.plan.ack_window_s, t.situation.grace_s, set(t.plan.trusted))
 
 
 @_carries_out(Step.TEAR_DOWN_CHILDREN)
 def _tear_down_children(t: Teardown) -> None:
     # The hook's command is spared: its own bound (Hook.finish) ends it.
     spare = {t.hook.pid} if t.hook is not None and t.hook.pid is not None else set()
-    _enforce.tear_down_own_children(t.rank, t.observer.local_pids(), t.config.grace, spare)
+    _enforce.tear_down_own_children(t.rank, t.observer.local_pids(), t.situation.grace_s, spare)
 
 
 @_carries_out(Step.WAIT_MAIN)
@@ -223,7 +222,7 @@ def _wait_main(t: Teardown) -> None:
     # sets `main_left` and waits for us. If it is stuck, we end it.
     if not t.main_left.wait(max(0.0, t.leave_by - time.monotonic())):
         logger.error("peerwatch: %s did not leave within %gs of the verdict; exiting with code %d",
-                     _terminal.who(t.rank, t.me.pid, t.me.host), t.config.grace, t.plan.exit_code)
+                     _terminal.who(t.rank, t.me.pid, t.me.host), t.situation.grace_s, t.plan.exit_code)
 
 
 @_carries_out(Step.SAY_STOP_LINE)

@@ -455,8 +455,8 @@ class Watcher:
             other_hosts=self.bridge is not None, on_verdict=c.on_verdict is not None,
         )
         _verdict.carry_out(_verdict.Teardown(
-            config=c, run_dir=self.run_dir, me=self.me, observer=self.observer, stacks=self.stacks,
-            flight_recorder=self._flight_recorder, bridge=self.bridge, main_left=self.main_left,
+            on_verdict=c.on_verdict, on_verdict_timeout_s=c.on_verdict_timeout, run_dir=self.run_dir, me=self.me,
+            observer=self.observer, stacks=self.stacks, flight_recorder=self._flight_recorder, bridge=self.bridge, main_left=self.main_left,
             interrupt_installed=self.interrupt_installed, heartbeat=self.heartbeat,
             verdict=verdict, situation=situation, plan=_plan.plan(situation),
         ))

@@ -35,7 +35,7 @@ def _run(monkeypatch: pytest.MonkeyPatch, s: Situation, ack_written: bool) -> tu
     monkeypatch.setattr(_verdict, "_STEPS", {step: recorder(step) for step in Step})
     none: Any = None
     t = _verdict.Teardown(
-        config=none, run_dir=none, me=none, observer=none, stacks=none, flight_recorder=none, bridge=none,
+        on_verdict=None, on_verdict_timeout_s=0.0, run_dir=none, me=none, observer=none, stacks=none, flight_recorder=none, bridge=none,
         main_left=none, interrupt_installed=False, heartbeat=none, verdict=none, situation=s,
         plan=plan(s),
     )

@@ -72,7 +72,7 @@ def main() -> None:
     plan = _plan.plan(situation)
     print(json.dumps([s.name for s in plan.until_ack + plan.after_ack]), flush=True)  # for the test's messages
     _verdict.carry_out(_verdict.Teardown(
-        config=config, run_dir=rd, me=me, observer=observer, stacks=stacks,
+        on_verdict=config.on_verdict, on_verdict_timeout_s=config.on_verdict_timeout, run_dir=rd, me=me, observer=observer, stacks=stacks,
         flight_recorder=FlightRecorderDump(rd, rank), bridge=None, main_left=threading.Event(),
         interrupt_installed=False,
         heartbeat=HeartbeatWriter(rd, me, OwnProgress(), with_position=False, read_collectives=False),
