@@ -69,6 +69,8 @@ class Config:
     ``rank`` is ``None`` only when nothing says which rank this is; peerwatch then
     assumes rank 0 (a launcher's first process, e.g. Lightning's rank 0 before it
     spawns the others). ``sources`` maps each option to where its value came from.
+    ``startup_timeout`` and ``gil_timeout`` are ``None`` when off (0); ``hang_timeout`` and ``hang_warn`` are
+    a :class:`HangSetting` (off, auto or seconds).
     """
 
     enabled: bool = True
