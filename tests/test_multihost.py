@@ -129,7 +129,8 @@ def test_bridges_through_a_store_object(tmp_path: Path, clone: bool) -> None:
     b = _in_process_host(tmp_path, "hostb", [2, 3], store)
     c = _in_process_host(tmp_path, "hostc", [4, 5], store)
     try:
-        _wait_for(lambda: all(len(x.hosts) == 3 for x in (a, b, c)), 10.0, "every host seen")
+        # One host aggregates (the first to register); the others read its digest, which says 3 joined.
+        _wait_for(lambda: all(x.joined == 3 for x in (a, b, c)), 10.0, "every host seen")
         # b goes quiet without a word: lost after peer_timeout, named by its lowest rank.
         b.stop()
         failure_b = a.run_dir.join("events", "failure-00002.json")
@@ -139,7 +140,7 @@ def test_bridges_through_a_store_object(tmp_path: Path, clone: bool) -> None:
         # c finishes cleanly: its beat says done, and the job is ending for everyone.
         c.on_success()
         c.stop()
-        _wait_for(lambda: a.job_ending and c.index in a.liveness.done, 5.0, "host c seen done by host a")
+        _wait_for(lambda: a.job_ending, 5.0, "host c seen done by host a (itself, or through the digest)")
         assert c.index not in a.liveness.lost(time.monotonic_ns() + 10**12)  # never lost, however long
         # A verdict published by a reaches the waiters of the others' store (first writer wins).
         from peerwatch._records import Verdict
@@ -212,7 +213,7 @@ def test_bridges_with_a_store_secret_sign_what_they_write_and_replace_a_forged_v
     a = _in_process_host(tmp_path, "hosta", [0, 1], hash_store, store_secret=secret)
     b = _in_process_host(tmp_path, "hostb", [2, 3], hash_store, store_secret=secret)
     try:
-        _wait_for(lambda: all(len(x.hosts) == 2 for x in (a, b)), 10.0, "every host seen")
+        _wait_for(lambda: all(x.joined == 2 for x in (a, b)), 10.0, "every host seen")
         assert hash_store.get("peerwatch/inproc/beat/0").startswith(SIGNED)
         # One nonce for the run, kept in each host's run directory for a successor bridge there.
         from peerwatch._bridge import NONCE_FILE, _Kept
@@ -433,7 +434,7 @@ class Cluster:
             s = h.bridge_state()
             return (
                 all((h.ready / f"rank-{r}").exists() for r in h.ranks)
-                and s.get("connected") is True and len(s.get("hosts", {})) == n and s.get("ranks") == h.ranks
+                and s.get("connected") is True and s.get("joined") == n and s.get("ranks") == h.ranks
             )
 
         def state() -> str:
@@ -639,6 +640,31 @@ def test_a_frozen_host_is_lost_after_peer_timeout(cluster) -> None:  # type: ign
     hc.signal("ranks", signal.SIGCONT)  # back to life, it learns the job is over and ends too
     c.wait_gone(["c"], within=LOST_S)
     assert hc.verdict() is not None
+
+
+@multihost
+@pytest.mark.timeout(60)
+def test_the_aggregator_frozen_is_lost_on_every_other_host(cluster) -> None:  # type: ignore[no-untyped-def]
+    """The host that reads every beat and publishes the digest freezes: the others, which read
+    only its digest, judge it by that digest (it carries its beat), as they would any host."""
+    c = cluster().start()
+    c.wait_connected()
+    states = {name: h.bridge_state() for name, h in c.hosts.items()}
+    (name,) = [n for n, s in states.items() if s.get("index") is not None and s.get("aggregator") == s.get("index")]
+    agg = c.hosts[name]
+    others = [n for n in c.hosts if n != name]
+    agg.signal("ranks", signal.SIGSTOP)
+    stopped_ns = time.time_ns()
+    c.wait_gone(others, within=LOST_S)
+    first = min(agg.ranks)
+    for n in others:
+        h = c.hosts[n]
+        assert f"host {agg.name} (ranks {first}-{max(agg.ranks)}) lost" in _lost_detail(h)
+        assert (h.verdict()["rank"], h.verdict()["host"]) == (first, agg.name)  # type: ignore[index]
+        assert (h.verdict_written_ns() - stopped_ns) / 1e9 >= PEER_TIMEOUT_S - HEARTBEAT_S
+    agg.signal("ranks", signal.SIGCONT)  # back to life, it learns the job is over and ends too
+    c.wait_gone([name], within=LOST_S)
+    assert agg.verdict() is not None
 
 
 @multihost
