@@ -236,7 +236,7 @@ class _BeatLoop:
     aggregator, every host's beat (one bounded :func:`._store_protocol.exchange`) and the
     digest published; the judgement of hosts that fell silent, and of the store itself.
     Every field is the beat thread's (others only read ``index``, ``hosts``, ``term``, ``last_digest``,
-    ``liveness``, ``job_ending``, ``connected`` and ``requests``)."""
+    ``liveness``, ``job_ending``, ``connected``, ``counted`` and ``requests``)."""
 
     def __init__(self, link: _Link, me: Registration, ident: str, seq: Callable[[], int], succeeded: threading.Event,
                  verdict_known: Callable[[], bool], gate: _TorchGate) -> None:
@@ -280,9 +280,19 @@ class _BeatLoop:
         self._watch = DigestWatch(int(link.config.peer_timeout * 1e9))
         self._takeover_ns = takeover_ns(link.config.peer_timeout, link.config.heartbeat_interval)
         self._writer: Optional[int] = None  # the digest's writer, judged here by its digest while we read
-        self.joined = 1  # hosts known to have joined (their beat read, here or by the aggregator), us included
+        self.joined = 1  # hosts whose beat was read (here, or by the aggregator: the digest), us included
+        self._registered = 0  # the hosts counter, as read while not aggregating and hosts were missing
         self._count = 0  # the hosts counter, as last read here or in the digest
         self._stalled: Tuple[int, ...] = ()  # the other hosts that stand still, as last read
+
+    @property
+    def counted(self) -> int:
+        """Hosts known to have joined, us included. The aggregator counts those whose beat it
+        read (a host that took an index and never beat is still missing there, and judged);
+        every other host also those that took an index (the ``hosts`` counter): who joined is
+        never left to the aggregator's pace (starved, or reading new hosts ``READ_BATCH`` at a
+        time), so no host counts another missing because the aggregator is slow."""
+        return self.joined if self.term is not None else max(self.joined, self._registered)
 
     def run(self) -> None:
         """The beat thread's body."""
@@ -332,7 +342,8 @@ class _BeatLoop:
                         beat_value(self._seq(), self.job_ending, stalled=stall is not None and self.index is not None),
                         me, dict(self.hosts), link.facts.expected_hosts, link.seal,
                         stall=stall.to_json() if stall is not None and publish else None, read_stalls=read,
-                        verdict_from=link.verdict_from, aggregate=aggregating, digest_known=self._digest_known)
+                        verdict_from=link.verdict_from, aggregate=aggregating, digest_known=self._digest_known,
+                        count_hosts=not aggregating and hosts_missing(link.facts.expected_hosts, self.counted - 1) > 0)
         peer_timeout = link.config.peer_timeout
         seen = link.client.call(functools.partial(exchange, x=plan), interval_deadline_s(peer_timeout),
                                 connect_allowance_s(peer_timeout))
@@ -340,6 +351,8 @@ class _BeatLoop:
         self._digest_known = self._digest_known or seen.digest_there
         self._stalled = seen.stalled
         self._count = min(max(self._count, seen.count, seen.digest.count if seen.digest else 0), MAX_HOSTS)
+        if not aggregating:  # a host that took an index has joined, read by the aggregator yet or not
+            self._registered = max(self._registered, min(seen.count, MAX_HOSTS))
         seen_ns = time.monotonic_ns()
         self._watch.observe(seen_ns, seen.digest)
         if aggregating:
@@ -526,11 +539,11 @@ class _BeatLoop:
         if self.index is None or expected is None or self._missing_settled:
             return
         now_ns = time.monotonic_ns()
-        self.absence.observe(now_ns, hosts_missing(expected, self.joined - 1))
+        self.absence.observe(now_ns, hosts_missing(expected, self.counted - 1))
         waited_s, peer_timeout = self.absence.waited_s(now_ns), self.link.config.peer_timeout
         if waited_s < peer_timeout or self.job_ending or self._verdict_known():
             return
-        missing = hosts_missing(expected, self.joined - 1)
+        missing = hosts_missing(expected, self.counted - 1)
         if waited_s < JOIN_TIMEOUTS * peer_timeout:
             if not self._missing_said:
                 self._missing_said = True
@@ -606,7 +619,7 @@ class _BeatLoop:
             "rank": self.me.rank, "pid": os.getpid(), "store": link.address, "run_id": link.facts.run_id,
             "connected": connected, "index": self.index, "ranks": list(self._ranks),
             "hosts": {str(j): h.hostname for j, h in sorted(self.hosts.items())},
-            "lost": sorted(self._lost_reported), "job_ending": self.job_ending, "joined": self.joined,
+            "lost": sorted(self._lost_reported), "job_ending": self.job_ending, "joined": self.counted,
             "aggregator": self.index if self.term is not None else (self.digest.by if self.digest else None),
         }
         if state == self._state:
@@ -796,8 +809,8 @@ class Bridge:
 
     @property
     def joined(self) -> int:
-        """Hosts known to have joined, this one included (by the digest, or read here)."""
-        return self._beat.joined if self._beat else 0
+        """Hosts known to have joined, this one included (:attr:`_BeatLoop.counted`)."""
+        return self._beat.counted if self._beat else 0
 
     @property
     def aggregating(self) -> bool:

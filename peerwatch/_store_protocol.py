@@ -305,6 +305,11 @@ class Exchange:
     # hosts it names (its writer, rank 0's host) once.
     aggregate: bool = True
     digest_known: bool = False  # the digest key is there (seen once): no check before the get
+    # Not the aggregator, and hosts the launcher announced are not counted yet: read the
+    # ``hosts`` counter too (with the digest, in the same request). A host that took an index
+    # has joined, whether or not the aggregator has read its beat yet: no host waits for the
+    # aggregator (starved, or reading new hosts READ_BATCH at a time) to know who registered.
+    count_hosts: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -342,7 +347,12 @@ def read_count(c: Any, key: str, seal: Seal = NO_SEAL) -> int:
     to ``MAX_HOSTS`` (unsigned: anyone may set it; one warning each)."""
     if not c.check([key]):
         return 0
-    count = parse_count(bytes(c.get(key)))
+    return believed_count(key, bytes(c.get(key)), seal)
+
+
+def believed_count(key: str, value: bytes, seal: Seal = NO_SEAL) -> int:
+    """The ``hosts`` counter's value as read: 0 if it is not a count (one warning)."""
+    count = parse_count(value)
     if count is None:
         seal.warn(key, "is not a host count; ignored")
         return 0
@@ -428,9 +438,16 @@ def exchange(c: Any, x: Exchange) -> Seen:
             beats = {j: seal.open(key, v) for j, key, v in zip(others, keys, values)}
             raw = values[-1] if there else None
             requests += 1
+    elif there and x.count_hosts:  # the counter is there: we took our index with add
+        raw, counted = c.multi_get([dkey, x.prefix + HOSTS])
+        count = believed_count(x.prefix + HOSTS, bytes(counted), seal)
+        requests += 1
     elif there:
         raw = c.get(dkey)
         requests += 1
+    elif x.count_hosts:
+        count = read_count(c, x.prefix + HOSTS, seal)
+        requests += 2
     digest = Digest.from_json(seal.open(dkey, bytes(raw))) if raw is not None else None
     if not x.aggregate and digest is not None:
         # The aggregator's record (named if it is lost) and rank 0's host's (a lost store is
@@ -563,7 +580,7 @@ def poll_verdict(c: Any, prefix: str, seal: Seal = NO_SEAL, verdict_from: Option
 
 __all__ = [
     "DIGEST", "HOSTS", "NONCE", "NO_SEAL", "SIGNED", "STRAG_FOUND", "VERDICT", "VERDICT_TRIES", "Exchange",
-    "NonceMemo", "Seal", "Seen", "StraggleExchange", "acceptable_verdict", "beat_key", "diag_key", "establish_nonce",
+    "NonceMemo", "Seal", "Seen", "StraggleExchange", "acceptable_verdict", "beat_key", "believed_count", "diag_key", "establish_nonce",
     "exchange", "host_key", "publish_digest", "index_key", "poll_verdict", "publish_verdict", "read_count", "read_host", "read_hosts",
     "register", "send_beat",
     "strag_key", "straggle_exchange", "VerdictFrom", "verdict_key",

@@ -108,7 +108,7 @@ def store() -> Iterator[Callable[[], Any]]:
     del server
 
 
-def _host(tmp: Path, n: int, store: Any, run_id: str) -> Bridge:
+def _host(tmp: Path, n: int, store: Any, run_id: str, **options: Any) -> Bridge:
     """Host ``n`` (ranks 2n and 2n+1 registered in its own run directory), its bridge started."""
     rd = RunDir(str(tmp / f"host{n}"))
     os.makedirs(rd.path)
@@ -121,7 +121,7 @@ def _host(tmp: Path, n: int, store: Any, run_id: str) -> Bridge:
     for reg in regs:
         rd.write(RANKS, rank_file("rank", reg.rank), encode(reg), replace=True)
     config = Config.resolve({"store": store, "run_id": run_id, "heartbeat_interval": HEARTBEAT_S,
-                             "peer_timeout": PEER_TIMEOUT_S, "stragglers": False}, env={})
+                             "peer_timeout": PEER_TIMEOUT_S, "stragglers": False, **options}, env={})
     bridge = Bridge.for_config(config, rd, regs[0], env={})
     assert bridge is not None
     bridge.tick()
@@ -235,3 +235,46 @@ def test_an_aggregator_that_ends_well_first_is_not_lost(store, tmp_path: Path) -
     finally:
         for b in bridges:
             b.stop()
+
+
+def test_a_host_that_registers_is_counted_everywhere_whatever_the_aggregators_pace(store, tmp_path: Path) -> None:
+    """Who joined is not left to the aggregator. Host 0 here aggregates at the pace of a
+    starved one: its digest advances every heartbeat (it is alive: nobody takes over, nobody
+    judges it lost) but never counts another host. The three real hosts that register
+    meanwhile are counted joined by each of them all the same (they took an index), and none
+    says that hosts the launcher announced have not joined."""
+    from peerwatch._hosts import Digest, HostInfo, beat_value
+    from peerwatch._store_protocol import HOSTS, beat_key, host_key, publish_digest
+
+    prefix = "peerwatch/digest-pace/"
+    slow = store()
+    assert int(slow.add(prefix + HOSTS, 1)) == 1  # host 0: the aggregator, first to register
+    slow.set(prefix + host_key(0), HostInfo(0, "host0", ranks=(0, 1)).to_json())
+    stop = threading.Event()
+
+    def aggregate() -> None:
+        seq = 0
+        while True:
+            seq += 1
+            slow.set(prefix + beat_key(0), beat_value(seq, False))
+            publish_digest(slow, prefix, Digest(0, 0, beat_value(seq, False), count=1, joined=1))
+            if stop.wait(HEARTBEAT_S):
+                return
+
+    pacer = threading.Thread(target=aggregate, name="test-slow-aggregator")
+    pacer.start()
+    bridges: List[Bridge] = []
+    try:
+        # Eight ranks, two a host: the launcher announces four hosts.
+        bridges = [_host(tmp_path, n, f"127.0.0.1:{int(store().port)}", "digest-pace", world_size=8,
+                         local_world_size=2) for n in (1, 2, 3)]
+        _until("every host counted joined by every other", lambda: all(b.joined == 4 and b.connected for b in bridges),
+               START_S, lambda: _state(bridges))
+        assert not any(b.aggregating for b in bridges), _state(bridges)  # the premise: host 0 still aggregates
+        for b in bridges:
+            assert not [n for n in b.run_dir.names(EVENTS) if n.startswith("failure-")], b.index
+    finally:
+        for b in bridges:
+            b.stop()
+        stop.set()
+        pacer.join(10.0)
