@@ -77,6 +77,7 @@ from ._hosts import (
     beat_value,
     bounded,
     connect_allowance_s,
+    first_spread_s,
     host_ident,
     hosts_missing,
     hosts_to_declare_lost,
@@ -311,8 +312,8 @@ class _BeatLoop:
         backoff = interval
         last_ok: Optional[float] = None
         # Many hosts start at once (a job of a thousand hosts registers in the same second):
-        # each one's first request comes at a random point of its first interval.
-        if stopped.wait(random.uniform(0.0, interval)):
+        # each one's first request comes at a random point of a spread that grows with them.
+        if stopped.wait(random.uniform(0.0, first_spread_s(interval, self.link.facts.expected_hosts))):
             return
         while not stopped.is_set():
             started = time.monotonic()

@@ -426,15 +426,26 @@ def test_without_rank_0_the_lowest_remote_rank_is_blamed_never_ours() -> None:
 # -- the digest: one aggregator, its successor ------------------------------------------------
 
 from peerwatch._hosts import (  # noqa: E402
+    FIRST_SPREAD_PER_HOST_S,
     MAX_DIGEST_BYTES,
     MAX_DIGEST_LIST,
     Digest,
     DigestWatch,
     aggregate_term,
     bounded,
+    first_spread_s,
     successor_distance,
     takeover_ns,
 )
+
+
+def test_first_requests_spread_with_the_hosts_announced_at_most_a_heartbeat() -> None:
+    """Three hosts start together, not up to a heartbeat late; a thousand spread over a
+    heartbeat; a job whose size is unknown spreads over a heartbeat."""
+    assert first_spread_s(1.0, 3) == pytest.approx(3 * FIRST_SPREAD_PER_HOST_S) and first_spread_s(1.0, 3) < 0.01
+    assert first_spread_s(1.0, 1024) == 1.0 and first_spread_s(0.5, 10_000) == 0.5
+    assert first_spread_s(1.0, None) == 1.0
+    assert first_spread_s(1.0, 0) == FIRST_SPREAD_PER_HOST_S
 
 
 def test_a_digest_round_trips_and_garbage_is_unknown() -> None:
