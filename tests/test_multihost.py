@@ -40,7 +40,14 @@ PROGRAM = Path(__file__).with_name("multihost_program.py")
 HEARTBEAT_S = 0.5
 PEER_TIMEOUT_S = 2.5
 GRACE_S = 1.0
-START_S = 30.0  # python + peerwatch on every rank, torch in each host's bridge and the store, on 2 cores
+START_S = 30.0  # a later step of the ranks once connected (torch imported, a process group joined), on 2 cores
+# Every host's first rank through its import of torch.distributed: the machine's pace, not
+# peerwatch's (the host that serves the store imports torch twice in series, its agent's
+# and its rank's: 22 s at load 20 on these 2 cores, past 30 s beside a full suite).
+IMPORT_S = 45.0
+# From then, every bridge connected and counting every host: peerwatch's part (a watcher's
+# tick, the first requests' spread, a connection, a heartbeat or two: 0.2-1.5 s at load 20).
+CONNECT_S = 10.0
 # A failure on one host -> every process of the other hosts gone: the verdict crosses in
 # one store round trip, then the usual local teardown (ack window, grace for a stuck rank).
 CROSS_S = 4.0
@@ -427,7 +434,10 @@ class Cluster:
         return self
 
     def wait_connected(self) -> None:
-        """Every rank registered and every host's bridge sees every host with all its ranks."""
+        """Every rank registered and every host's bridge sees every host with all its ranks:
+        first a rank of every host through its import of torch.distributed (``IMPORT_S``:
+        the machine's pace), then every bridge connected and counting every host within
+        ``CONNECT_S`` (peerwatch's part, bounded on its own)."""
         n = len(self.hosts)
 
         def ready(h: Host) -> bool:
@@ -440,18 +450,23 @@ class Cluster:
         def state() -> str:
             return "\n".join(
                 f"{h.name}: ready {[r for r in h.ranks if (h.ready / f'rank-{r}').exists()]} of {list(h.ranks)}; "
+                f"torch.distributed imported by {[r for r in h.ranks if (h.ready / f'imported-{r}').exists()]}; "
                 f"bridge.json {h.bridge_state()}" for h in self.hosts.values()
             )
 
-        self._wait(lambda: all(ready(h) for h in self.hosts.values()), START_S, "every host connected", state)
+        self._wait(lambda: all(any(h.ready.glob("imported-*")) for h in self.hosts.values()), IMPORT_S,
+                   "torch.distributed imported on every host (the machine's pace, before any bridge)", state,
+                   alive=True)
+        self._wait(lambda: all(ready(h) for h in self.hosts.values()), CONNECT_S,
+                   "every host connected once torch.distributed was imported on every host", state, alive=True)
         for h in self.hosts.values():
             h.hold()
 
-    def _wait(self, cond, timeout: float, what: str, state=None) -> None:  # type: ignore[no-untyped-def]
+    def _wait(self, cond, timeout: float, what: str, state=None, alive: bool = False) -> None:  # type: ignore[no-untyped-def]
         deadline = time.monotonic() + timeout
         while not cond():
             for h in self.hosts.values():
-                if h.popen is not None and h.popen.poll() is not None and what == "every host connected":
+                if alive and h.popen is not None and h.popen.poll() is not None:
                     raise AssertionError(f"{h.name} ended before {what}\n{self.logs()}")
             if time.monotonic() >= deadline:
                 seen = f"{state()}\n" if state is not None else ""
@@ -518,7 +533,7 @@ def _lost_detail(h: Host) -> str:
 
 
 @multihost
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(90)
 def test_a_rank_killed_on_host_b_tears_down_hosts_a_and_c(cluster) -> None:  # type: ignore[no-untyped-def]
     c = cluster().start()
     c.wait_connected()
@@ -550,7 +565,7 @@ def _ack_times(h: Host) -> List[int]:
 
 
 @multihost
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(90)
 def test_an_exception_on_host_b_tears_down_every_host(cluster) -> None:  # type: ignore[no-untyped-def]
     """A genuine exception: held back 1 s (it might have been an echo), then every host's
     verdict names it, and every rank exits with code 1."""
@@ -567,7 +582,7 @@ def test_an_exception_on_host_b_tears_down_every_host(cluster) -> None:  # type:
 
 
 @multihost
-@pytest.mark.timeout(90)  # six ranks importing torch and joining a group: slow on 2 loaded cores
+@pytest.mark.timeout(120)  # six ranks importing torch and joining a group: slow on 2 loaded cores
 def test_a_gloo_job_names_the_dead_rank_not_the_collectives_that_lost_it(cluster) -> None:  # type: ignore[no-untyped-def]
     """A real gloo process group across the hosts, its store served by rank 0 (the default
     store of the bridges). A rank SIGKILLed on host B makes the all_reduce of every other
@@ -588,7 +603,7 @@ def test_a_gloo_job_names_the_dead_rank_not_the_collectives_that_lost_it(cluster
 
 
 @multihost
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(90)
 def test_the_bridge_rank_itself_killed_still_ends_every_host(cluster) -> None:  # type: ignore[no-untyped-def]
     """The holder dies with its store connection. Its host's survivor, torch loaded as in a
     training script, takes the lock over and publishes its verdict. (Without torch in the
@@ -607,7 +622,7 @@ def test_the_bridge_rank_itself_killed_still_ends_every_host(cluster) -> None:  
 
 
 @multihost
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(90)
 def test_the_store_host_dies(cluster) -> None:  # type: ignore[no-untyped-def]
     c = cluster().start()
     c.wait_connected()
@@ -623,7 +638,7 @@ def test_the_store_host_dies(cluster) -> None:  # type: ignore[no-untyped-def]
 
 
 @multihost
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(90)
 def test_a_frozen_host_is_lost_after_peer_timeout(cluster) -> None:  # type: ignore[no-untyped-def]
     c = cluster().start()
     c.wait_connected()
@@ -643,7 +658,7 @@ def test_a_frozen_host_is_lost_after_peer_timeout(cluster) -> None:  # type: ign
 
 
 @multihost
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(90)
 def test_the_aggregator_frozen_is_lost_on_every_other_host(cluster) -> None:  # type: ignore[no-untyped-def]
     """The host that reads every beat and publishes the digest freezes: the others, which read
     only its digest, judge it by that digest (it carries its beat), as they would any host."""
@@ -668,7 +683,7 @@ def test_the_aggregator_frozen_is_lost_on_every_other_host(cluster) -> None:  # 
 
 
 @multihost
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(90)
 def test_a_partitioned_host_ends_in_a_verdict_everywhere(cluster) -> None:  # type: ignore[no-untyped-def]
     c = cluster(isolated="c").start()
     c.wait_connected()
@@ -684,7 +699,7 @@ def test_a_partitioned_host_ends_in_a_verdict_everywhere(cluster) -> None:  # ty
 
 
 @multihost
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(90)
 def test_a_clean_end_gives_no_verdict_even_when_the_store_host_ends_first(cluster) -> None:  # type: ignore[no-untyped-def]
     c = cluster().start(behave=[f"{r}=succeed_on:go" for r in range(6)])
     c.wait_connected()
