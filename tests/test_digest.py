@@ -265,9 +265,11 @@ def test_a_host_that_registers_is_counted_everywhere_whatever_the_aggregators_pa
     pacer.start()
     bridges: List[Bridge] = []
     try:
-        # Eight ranks, two a host: the launcher announces four hosts.
+        # Eight ranks, two a host: the launcher announces four hosts. A peer_timeout of 10 s: a
+        # loaded machine that starves this test's thread for a second or two (half of it is a
+        # takeover) does not change who aggregates.
         bridges = [_host(tmp_path, n, f"127.0.0.1:{int(store().port)}", "digest-pace", world_size=8,
-                         local_world_size=2) for n in (1, 2, 3)]
+                         local_world_size=2, peer_timeout=10.0) for n in (1, 2, 3)]
         _until("every host counted joined by every other", lambda: all(b.joined == 4 and b.connected for b in bridges),
                START_S, lambda: _state(bridges))
         assert not any(b.aggregating for b in bridges), _state(bridges)  # the premise: host 0 still aggregates
