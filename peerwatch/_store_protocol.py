@@ -3,7 +3,8 @@
 Every key lives under ``peerwatch/<run_id>/``::
 
     nonce        the run's nonce (with a store secret): the first host's, taken with compare_set
-    hosts        a counter: each host takes its index with add(hosts, 1)
+    hosts        a counter: each host takes its index with add(hosts, 1); while hosts are
+                 missing, every host reads it (who registered, whatever the aggregator read)
     index/<id>   the index of a host (by boot id, PID namespace and run directory): a
                  successor bridge on that host takes the same one
     host/<i>     JSON: hostname, boot id, PID namespace, ranks of host i
