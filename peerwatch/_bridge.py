@@ -622,6 +622,8 @@ class _BeatLoop:
             "hosts": {str(j): h.hostname for j, h in sorted(self.hosts.items())},
             "lost": sorted(self._lost_reported), "job_ending": self.job_ending, "joined": self.counted,
             "aggregator": self.index if self.term is not None else (self.digest.by if self.digest else None),
+            # rank 0's host, once known here (a lost store is blamed on it; the digest names it)
+            "rank0": next((h.hostname for h in self.hosts.values() if 0 in h.ranks), None),
         }
         if state == self._state:
             return

@@ -489,10 +489,16 @@ def missing_hosts_failure(missing: int, expected: int, waited_s: float, hosts: M
 
 def store_holder(hosts: Mapping[int, HostInfo], me: HostInfo) -> Optional[HostInfo]:
     """The host a lost store is blamed on: rank 0's (whose node serves ``MASTER_ADDR``'s
-    store under init_process_group and torchrun), or the lowest remote rank known; never
-    ours, since the local ranks are alive and only being cut off."""
+    store under init_process_group and torchrun), or, where rank 0 is ours, the lowest remote
+    rank known; never ours, since the local ranks are alive and only being cut off. None
+    where rank 0 is on a host not known here (a host that reads the digest knows few hosts'
+    records, rank 0's once the digest names it): rank 0 is blamed, its host unnamed, rather
+    than whichever host happens to be known."""
     remote = [h for h in hosts.values() if h.index != me.index and h.ranks]
-    return next((h for h in remote if 0 in h.ranks), None) or min(remote, key=lambda h: h.ranks[0], default=None)
+    holder = next((h for h in remote if 0 in h.ranks), None)
+    if holder is not None or 0 not in me.ranks:
+        return holder
+    return min(remote, key=lambda h: h.ranks[0], default=None)
 
 
 def lost_store_failure(

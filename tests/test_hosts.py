@@ -417,6 +417,11 @@ def test_without_rank_0_the_lowest_remote_rank_is_blamed_never_ours() -> None:
     assert (f.rank, f.host) == (4, "node2") and "served from" not in (f.message or "")
     one = {1: me, 2: HostInfo(2, "node2", ranks=(1, 4))}  # rank 1 is no store's host
     assert "served from" not in (lost_store_failure("x:1", one, me, 30.0, config, 1).message or "")
+    # Rank 0 on a host not known here (a host that reads the digest knows few records):
+    # rank 0 is blamed, its host unnamed, not the lowest rank that happens to be known.
+    other = HostInfo(1, "node1", ranks=(2, 3))
+    f = lost_store_failure("x:1", {1: other, 3: HostInfo(3, "node3", ranks=(4, 5))}, other, 30.0, config, 1)
+    assert (f.rank, f.host) == (0, None) and "served from" not in (f.message or "")
     # Nothing known of the others: rank 0, no host.
     f = lost_store_failure("x:1", {1: me}, me, 30.0, config, 1)
     assert (f.rank, f.host) == (0, None) and store_holder({1: me}, me) is None

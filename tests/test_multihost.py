@@ -445,6 +445,7 @@ class Cluster:
             return (
                 all((h.ready / f"rank-{r}").exists() for r in h.ranks)
                 and s.get("connected") is True and s.get("joined") == n and s.get("ranks") == h.ranks
+                and s.get("rank0") is not None  # whom a lost store is blamed on (through the digest)
             )
 
         def state() -> str:
