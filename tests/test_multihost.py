@@ -51,9 +51,10 @@ CONNECT_S = 10.0
 # A failure on one host -> every process of the other hosts gone: the verdict crosses in
 # one store round trip, then the usual local teardown (ack window, grace for a stuck rank).
 CROSS_S = 4.0
-# A host (or the store) silent -> the others gone: peer_timeout, a heartbeat to notice,
-# the teardown.
-LOST_S = PEER_TIMEOUT_S + 2 * HEARTBEAT_S + CROSS_S
+# A host (or the store) silent -> the others gone: peer_timeout, a heartbeat for the
+# aggregator to notice, one for the others to read its digest (docs/multi-node.md's bound),
+# one for loaded intervals (before the digest, the second heartbeat was that margin), the teardown.
+LOST_S = PEER_TIMEOUT_S + 3 * HEARTBEAT_S + CROSS_S
 # How a torn-down rank ends: with the verdict's exit code, or, if its own watcher was too
 # slow to acknowledge the verdict (2 loaded cores), SIGTERMed by a peer after the ack window.
 TORN_DOWN = {1, -signal.SIGTERM}
