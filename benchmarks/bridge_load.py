@@ -41,7 +41,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 # The budget, per host: the steady state makes 2 requests per heartbeat interval (one set,
-# one multi_get), plus one long-lived blocking wait per host; bridge CPU stays under
+# one get of the digest; the aggregator's multi_get of every beat and set of the digest are
+# one more per interval for the whole job), plus one long-lived blocking wait per host; bridge CPU stays under
 # 2 ms per host per interval (7.2 s per host per hour at 1 s); a verdict reaches every
 # other host's run directory within 100 ms (p90) on loopback.
 BUDGET_REQUESTS_PER_HOST_INTERVAL = 2.0
@@ -65,6 +66,8 @@ def _cpu_s() -> float:
 def worker(first: int, count: int, args: Dict[str, Any], port: int, base: str, conn: Any) -> None:
     """Run ``count`` simulated hosts (indices first..first+count-1) in this process."""
     import logging
+
+    import torch.distributed  # noqa: F401 - as the application does: the bridges start only once it is imported
 
     import peerwatch._bridge as bridge_mod
     from peerwatch import _identity
@@ -108,9 +111,9 @@ def worker(first: int, count: int, args: Dict[str, Any], port: int, base: str, c
         # client drops connections in a burst of hundreds (see docs/multi-node.md).
         time.sleep(args["stagger"])
     deadline = time.monotonic() + SETUP_TIMEOUT_S
-    while any(len(b.hosts) < hosts for b in bridges):
+    while any(b.joined < hosts for b in bridges):  # counted by the digest (or read, on the aggregator)
         if time.monotonic() > deadline:
-            conn.send({"error": f"hosts seen: {sorted(len(b.hosts) for b in bridges)[:5]}"})
+            conn.send({"error": f"hosts counted: {sorted(b.joined for b in bridges)[:5]}"})
             return
         time.sleep(0.05)
     conn.send({"ready": True})

@@ -3,8 +3,11 @@
 One rank per host (the winner of :mod:`._election`) runs it: it is a client of a
 ``torch.distributed`` store (by default the job's own TCPStore at ``MASTER_ADDR:MASTER_PORT``,
 as :class:`._config.LauncherFacts` says) and speaks :mod:`._store_protocol` there. Per
-heartbeat interval it makes one ``set`` (its beat) and one ``multi_get`` (every host's
-beat): the store sees O(hosts) requests per interval, not O(ranks^2). A second thread,
+heartbeat interval it makes one ``set`` (its beat) and one ``get`` (the ``digest``): one
+host, the aggregator (elected through the digest itself, :func:`._hosts.aggregate_term`),
+reads every host's beat instead (one ``multi_get``) and publishes their liveness in the
+digest (one ``set``); its successor takes over when the digest stops advancing. The store
+sees O(hosts) requests and bytes per interval in all, O(1) per host. A second thread,
 with its own connection, blocks in ``wait`` on the verdict key, so a verdict made on any
 host reaches this one in one round trip; it is written into the local
 ``events/verdict.json`` and the local watchers act on it as on a local one.
@@ -12,8 +15,8 @@ host reaches this one in one round trip; it is written into the local
 While this host's ranks stand still (its hang judges say so in ``RUN/stall.json``, see
 :mod:`._summary`), the beat says so too (``<seq>s``), the interval also sets this host's
 summary in ``diag/<i>`` (when it is new, then at most every ``refresh_ns``), and reads, as
-often, the summaries of the other hosts whose beat says they stand still (one
-``multi_get``); it writes them, each host's last move turned into this host's clock once
+often, the summaries of the other hosts whose beat (or the digest) says they stand still
+(one ``multi_get``, at most ``MAX_DIGEST_LIST`` through the digest); it writes them, each host's last move turned into this host's clock once
 per stall, into ``RUN/stalls-remote.json`` for the judges. A job that moves costs nothing more.
 
 What the bridge writes locally is only ever a record (a verdict from the store, or a
@@ -51,6 +54,7 @@ import functools
 import json
 import logging
 import os
+import random
 import threading
 import time
 from typing import Any, Callable, Dict, List, Mapping, Optional, Set, Tuple
@@ -62,12 +66,18 @@ from ._election import Election, UpFlag, connected_elsewhere
 from ._hosts import (
     CONNECT_BACKOFF_MAX_S,
     JOIN_TIMEOUTS,
+    MAX_HOSTS,
     REMOTE_SETTLE_S,
     Absence,
+    Digest,
+    DigestWatch,
     HostInfo,
     Liveness,
+    aggregate_term,
     beat_value,
+    bounded,
     connect_allowance_s,
+    first_spread_s,
     host_ident,
     hosts_missing,
     hosts_to_declare_lost,
@@ -80,8 +90,9 @@ from ._hosts import (
     op_timeout_s,
     report_store_lost,
     settle_deadline,
-    stalled_hosts,
+    stalled_for_digest,
     store_silent_for,
+    takeover_ns,
     unannounced_ranks,
 )
 from ._records import Failure, Registration, Verdict, decode, encode
@@ -98,6 +109,7 @@ from ._store_protocol import (
     establish_nonce,
     exchange,
     poll_verdict,
+    publish_digest,
     publish_verdict,
     read_host,
     read_hosts,
@@ -221,10 +233,11 @@ class _TorchGate:
 
 
 class _BeatLoop:
-    """The beat thread: once per heartbeat, this host's beat and every host's (one bounded
-    :func:`._store_protocol.exchange`), the judgement of hosts that fell silent, and of the
-    store itself. Every field is the beat thread's (others only read ``index``, ``hosts``,
-    ``liveness``, ``job_ending``, ``connected`` and ``requests``)."""
+    """The beat thread: once per heartbeat, this host's beat and the digest, or, on the
+    aggregator, every host's beat (one bounded :func:`._store_protocol.exchange`) and the
+    digest published; the judgement of hosts that fell silent, and of the store itself.
+    Every field is the beat thread's (others only read ``index``, ``hosts``, ``term``, ``last_digest``,
+    ``liveness``, ``job_ending``, ``connected``, ``counted`` and ``requests``)."""
 
     def __init__(self, link: _Link, me: Registration, ident: str, seq: Callable[[], int], succeeded: threading.Event,
                  verdict_known: Callable[[], bool], gate: _TorchGate) -> None:
@@ -256,8 +269,31 @@ class _BeatLoop:
         self._stall_published_ns = 0
         self._stalls_read_ns = 0
         self._remote: Dict[int, Tuple[str, int, bytes]] = {}  # host -> (its stall, its last move on our clock, summary)
+        self._laggards: Set[int] = set()  # hosts whose summary has ranks not waiting in a collective (ours too)
         self._remote_file = False  # RUN/stalls-remote.json names hosts
         self._relay = StraggleRelay(link.run_dir, link.config.heartbeat_interval) if link.config.stragglers else None
+        # The digest (docs/multi-node.md): one host, the aggregator, reads every beat and
+        # publishes one key; every other host reads that key alone.
+        self.term: Optional[int] = None  # we aggregate under this term (None: we read the digest)
+        self.digest: Optional[Digest] = None  # the digest as last read
+        self.last_digest: Optional[Digest] = None  # the digest we last published (for on_success's done)
+        self._digest_known = False  # the key is there: read without a check first
+        self._watch = DigestWatch(int(link.config.peer_timeout * 1e9))
+        self._takeover_ns = takeover_ns(link.config.peer_timeout, link.config.heartbeat_interval)
+        self._writer: Optional[int] = None  # the digest's writer, judged here by its digest while we read
+        self.joined = 1  # hosts whose beat was read (here, or by the aggregator: the digest), us included
+        self._registered = 0  # the hosts counter, as read while not aggregating and hosts were missing
+        self._count = 0  # the hosts counter, as last read here or in the digest
+        self._stalled: Tuple[int, ...] = ()  # the other hosts that stand still, as last read
+
+    @property
+    def counted(self) -> int:
+        """Hosts known to have joined, us included. The aggregator counts those whose beat it
+        read (a host that took an index and never beat is still missing there, and judged);
+        every other host also those that took an index (the ``hosts`` counter): who joined is
+        never left to the aggregator's pace (starved, or reading new hosts ``READ_BATCH`` at a
+        time), so no host counts another missing because the aggregator is slow."""
+        return self.joined if self.term is not None else max(self.joined, self._registered)
 
     def run(self) -> None:
         """The beat thread's body."""
@@ -275,6 +311,10 @@ class _BeatLoop:
         stopped = self.link.stopped
         backoff = interval
         last_ok: Optional[float] = None
+        # Many hosts start at once (a job of a thousand hosts registers in the same second):
+        # each one's first request comes at a random point of a spread that grows with them.
+        if stopped.wait(random.uniform(0.0, first_spread_s(interval, self.link.facts.expected_hosts))):
+            return
         while not stopped.is_set():
             started = time.monotonic()
             try:
@@ -283,7 +323,7 @@ class _BeatLoop:
                 if stopped.is_set():
                     break
                 self._unreachable(e, last_ok)
-                if stopped.wait(backoff):
+                if stopped.wait(backoff * random.uniform(0.75, 1.0)):  # retries spread too
                     break
                 backoff = next_backoff_s(backoff, interval, peer_timeout)
                 continue
@@ -298,16 +338,29 @@ class _BeatLoop:
         stall = self._local_stall()
         now_ns = time.monotonic_ns()
         publish, read = self._stall_plan(stall, now_ns)
+        aggregating = self.term is not None
         plan = Exchange(link.prefix, self.index, self.ident,
                         beat_value(self._seq(), self.job_ending, stalled=stall is not None and self.index is not None),
                         me, dict(self.hosts), link.facts.expected_hosts, link.seal,
                         stall=stall.to_json() if stall is not None and publish else None, read_stalls=read,
-                        verdict_from=link.verdict_from)
+                        verdict_from=link.verdict_from, aggregate=aggregating, digest_known=self._digest_known,
+                        count_hosts=not aggregating and hosts_missing(link.facts.expected_hosts, self.counted - 1) > 0)
         peer_timeout = link.config.peer_timeout
         seen = link.client.call(functools.partial(exchange, x=plan), interval_deadline_s(peer_timeout),
                                 connect_allowance_s(peer_timeout))
         self._learn(seen, me)
-        self._judge(seen.beats)
+        self._digest_known = self._digest_known or seen.digest_there
+        self._stalled = seen.stalled
+        self._count = min(max(self._count, seen.count, seen.digest.count if seen.digest else 0), MAX_HOSTS)
+        if not aggregating:  # a host that took an index has joined, read by the aggregator yet or not
+            self._registered = max(self._registered, min(seen.count, MAX_HOSTS))
+        seen_ns = time.monotonic_ns()
+        self._watch.observe(seen_ns, seen.digest)
+        if aggregating:
+            self._judge(seen.beats)
+        else:
+            self._judge_digest(seen.digest, seen_ns)
+        self._role(seen, plan.beat, stall, seen_ns)
         self._judge_missing()
         if plan.stall is not None and stall is not None:
             self._stall_token, self._stall_published_ns = stall.stall, now_ns
@@ -320,7 +373,8 @@ class _BeatLoop:
     def _stragglers(self) -> None:
         """Once a slot: this host's waits out, the others' in (host 0), the finding across."""
         link = self.link
-        plan = self._relay.plan(link.prefix, self.index, self.hosts, link.seal) if self._relay is not None else None
+        hosts = set(self.hosts) | set(range(self._count))  # a host that reads the digest knows the count only
+        plan = self._relay.plan(link.prefix, self.index, hosts, link.seal) if self._relay is not None else None
         if plan is None or self._relay is None:
             return
         peer_timeout = link.config.peer_timeout
@@ -350,19 +404,24 @@ class _BeatLoop:
             return False, False
         every = _summary.refresh_ns(stall.threshold_ms, int(self.link.config.heartbeat_interval * 1e9))
         publish = stall.stall != self._stall_token or now_ns - self._stall_published_ns >= every
-        new = set(stalled_hosts(self.liveness.values)) - set(self._remote)
+        new = set(self._stalled) - set(self._remote)
         return publish, now_ns - self._stalls_read_ns >= every or bool(new)
 
     def _take_stalls(self, stalled: bool, seen: Seen, read: bool, now_ns: int) -> None:
         """Keep the other hosts' stalls (each one's last move on our clock, fixed per stall)
         and hand them to the judges in RUN/stalls-remote.json."""
         before = dict(self._remote)
-        still = set(stalled_hosts(seen.beats)) if stalled else set()
+        still = set(seen.stalled) if stalled else set()
         self._remote = {j: v for j, v in self._remote.items() if j in still}
+        self._laggards &= still
         for j, data in seen.stalls.items() if read else ():
             summary = _summary.Summary.from_json(data) if data is not None else None
             if summary is None or j not in still:
                 continue
+            if summary.detailed:
+                self._laggards.add(j)
+            else:
+                self._laggards.discard(j)
             old = self._remote.get(j)
             moved = old[1] if old is not None and old[0] == summary.stall else now_ns - summary.age_ms * 1_000_000
             self._remote[j] = (summary.stall, moved, bytes(data))  # type: ignore[arg-type]
@@ -394,6 +453,8 @@ class _BeatLoop:
 
     def _learn(self, seen: Seen, me: Optional[HostInfo]) -> None:
         self.requests += seen.requests
+        if seen.digest is not None:
+            self.digest = seen.digest
         if seen.registered:
             self.index = seen.index
             logger.info("peerwatch: rank %d bridges host %s (index %s) to the store at %s (run %s)",
@@ -404,15 +465,71 @@ class _BeatLoop:
         self.hosts.update(seen.new_hosts)
 
     def _judge(self, beats: Mapping[int, Optional[bytes]]) -> None:
+        """The aggregator's: every host's beat, judged here."""
         if not beats:
             return
         now_ns = time.monotonic_ns()
         self.liveness.observe(now_ns, beats)
+        self.joined = max(self.joined, len(self.liveness.changed_ns) + 1)
         if self.liveness.done:
             self.job_ending = True
         for j in hosts_to_declare_lost(self.liveness, now_ns, self._lost_reported, self.job_ending,
                                        self._verdict_known()):
             self._host_lost(j, self.liveness.silent_s(j, now_ns))
+
+    def _judge_digest(self, digest: Optional[Digest], now_ns: int) -> None:
+        """Any other host's: the aggregator's judgement of every host, and our own of the
+        aggregator (its digest is its beat: a silent one is a lost host like any other)."""
+        if digest is None or digest.by == self.index:
+            self.liveness.observe(now_ns, {})  # a look all the same (our own gaps are not counted)
+            return
+        if self._writer is not None and self._writer != digest.by:
+            self.liveness.forget(self._writer)  # its successor judges it now, by its beat
+        self._writer = digest.by
+        self.liveness.observe(now_ns, {digest.by: digest.beat})
+        if digest.ending or self.liveness.done:
+            self.job_ending = True
+        self.joined = max(self.joined, digest.joined)
+        if self.job_ending or self._verdict_known():
+            return
+        writer = [j for j in self.liveness.lost(now_ns, exclude=self._lost_reported) if j == digest.by]
+        for j in writer:
+            self._host_lost(j, self.liveness.silent_s(j, now_ns))
+        for j in digest.lost:
+            if j != self.index and j not in self._lost_reported:
+                self._host_lost(j, self.link.config.peer_timeout)
+
+    def _role(self, seen: Seen, beat: bytes, stall: Optional[_summary.Summary], now_ns: int) -> None:
+        """Aggregate or read, from the next heartbeat on (:func:`._hosts.aggregate_term`);
+        the aggregator publishes its digest now."""
+        term = aggregate_term(seen.index, seen.digest, self.term, self._watch.silent_ns(now_ns), self._takeover_ns)
+        if term is not None and self.term is None:
+            logger.info("peerwatch: host %s (index %d) aggregates the beats of every host (term %d)%s",
+                        _identity.hostname(), seen.index, term,
+                        "" if seen.digest is None else f", after host {seen.digest.by}")
+        elif term is None and self.term is not None:
+            by = seen.digest.by if seen.digest is not None else None
+            logger.info("peerwatch: host %s (index %d) no longer aggregates: host %s does", _identity.hostname(),
+                        seen.index, by)
+            for j in list(self.liveness.changed_ns):  # the aggregator judges them now
+                if j != by:
+                    self.liveness.forget(j)
+            self._writer = by
+        was, self.term = self.term, term
+        if was is None or term is None:
+            return
+        lost, more = bounded(self.liveness.lost(now_ns))
+        # Past MAX_DIGEST_LIST hosts standing still, the others read the laggard candidates first.
+        mine = [seen.index] if stall is not None else []
+        stalls = stalled_for_digest(list(seen.stalled) + mine,
+                                    self._laggards | (set(mine) if stall is not None and stall.detailed else set()))
+        rank0 = next((j for j, h in self.hosts.items() if 0 in h.ranks), None)
+        digest = Digest(seen.index, term, beat, self._count, self.joined, lost, stalls, self.job_ending, rank0, more)
+        link = self.link
+        link.client.call(functools.partial(publish_digest, prefix=link.prefix, digest=digest, seal=link.seal),
+                         interval_deadline_s(link.config.peer_timeout))
+        self.last_digest = digest
+        self.requests += 1
 
     def _judge_missing(self) -> None:
         """Hosts the launcher announced that never joined (no beat of theirs read): not
@@ -423,11 +540,11 @@ class _BeatLoop:
         if self.index is None or expected is None or self._missing_settled:
             return
         now_ns = time.monotonic_ns()
-        self.absence.observe(now_ns, hosts_missing(expected, len(self.liveness.changed_ns)))
+        self.absence.observe(now_ns, hosts_missing(expected, self.counted - 1))
         waited_s, peer_timeout = self.absence.waited_s(now_ns), self.link.config.peer_timeout
         if waited_s < peer_timeout or self.job_ending or self._verdict_known():
             return
-        missing = hosts_missing(expected, len(self.liveness.changed_ns))
+        missing = hosts_missing(expected, self.counted - 1)
         if waited_s < JOIN_TIMEOUTS * peer_timeout:
             if not self._missing_said:
                 self._missing_said = True
@@ -447,7 +564,7 @@ class _BeatLoop:
         """Read the joined hosts' ``host/<j>`` again (their ranks may have grown since): does
         every rank of the job belong to one?"""
         link = self.link
-        joined = sorted(self.liveness.changed_ns)
+        joined = sorted(self.liveness.changed_ns) if self.term is not None else list(range(self._count))
         try:
             fresh, _ = link.client.call(functools.partial(read_hosts, prefix=link.prefix, indices=joined,
                                                           seal=link.seal), link.op_timeout_s)
@@ -478,7 +595,7 @@ class _BeatLoop:
 
     def _host_lost(self, j: int, silent_s: float) -> None:
         self._lost_reported.add(j)
-        info = self.hosts[j]
+        info = self.hosts.get(j) or HostInfo(j, f"host {j}")
         link = self.link
         try:  # its ranks may have registered after we first read host/<j>
             info = link.client.call(functools.partial(read_host, prefix=link.prefix, index=j, seal=link.seal),
@@ -503,7 +620,10 @@ class _BeatLoop:
             "rank": self.me.rank, "pid": os.getpid(), "store": link.address, "run_id": link.facts.run_id,
             "connected": connected, "index": self.index, "ranks": list(self._ranks),
             "hosts": {str(j): h.hostname for j, h in sorted(self.hosts.items())},
-            "lost": sorted(self._lost_reported), "job_ending": self.job_ending,
+            "lost": sorted(self._lost_reported), "job_ending": self.job_ending, "joined": self.counted,
+            "aggregator": self.index if self.term is not None else (self.digest.by if self.digest else None),
+            # rank 0's host, once known here (a lost store is blamed on it; the digest names it)
+            "rank0": next((h.hostname for h in self.hosts.values() if 0 in h.ranks), None),
         }
         if state == self._state:
             return
@@ -691,6 +811,16 @@ class Bridge:
         return self._beat.hosts if self._beat else {}
 
     @property
+    def joined(self) -> int:
+        """Hosts known to have joined, this one included (:attr:`_BeatLoop.counted`)."""
+        return self._beat.counted if self._beat else 0
+
+    @property
+    def aggregating(self) -> bool:
+        """Does this host read every host's beat and publish the digest?"""
+        return self._beat is not None and self._beat.term is not None
+
+    @property
     def liveness(self) -> Optional[Liveness]:
         return self._beat.liveness if self._beat else None
 
@@ -824,8 +954,11 @@ class Bridge:
                 self.running and self.connected and index is not None and client is not None):
             return  # the beat thread says it at its next interval, if it can
         self._done_sent = True
-        done = functools.partial(send_beat, prefix=self.prefix, index=index, beat=beat_value(self._seq(), True),
-                                 seal=self._seal)
+        # The aggregator says it in its digest too (the other hosts read nothing else): a job
+        # whose aggregator ended first is ending, not missing its aggregator.
+        last = self._beat.last_digest if self._beat is not None and self._beat.term is not None else None
+        done = functools.partial(_send_done, prefix=self.prefix, index=index, beat=beat_value(self._seq(), True),
+                                 seal=self._seal, digest=last)
         try:
             client.call(done, PUBLISH_BUDGET_S)
         except Exception as e:  # noqa: BLE001
@@ -866,6 +999,13 @@ class Bridge:
         """Where the waiter thread hands what the store held (a seam: the load benchmark times it)."""
         assert self._waiter is not None
         self._waiter.take(data)
+
+
+def _send_done(c: Any, prefix: str, index: int, beat: bytes, seal: Seal, digest: Optional[Digest]) -> None:
+    """The done beat, and on the aggregator its last digest again with it (saying the job is ending)."""
+    send_beat(c, prefix, index, beat, seal)
+    if digest is not None and digest.by == index:
+        publish_digest(c, prefix, dataclasses.replace(digest, beat=beat, ending=True), seal)
 
 
 def _write_failure(run_dir: RunDir, failure: Failure) -> None:

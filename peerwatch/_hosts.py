@@ -137,6 +137,12 @@ class Liveness:
             self.values[host] = value
             self.changed_ns[host] = now_ns
 
+    def forget(self, host: int) -> None:
+        """No longer judge ``host`` here (another host judges it); its sequence number is
+        kept: an old beat of it written back is still no news."""
+        self.changed_ns.pop(host, None)
+        self.values.pop(host, None)
+
     def lost(self, now_ns: int, exclude: AbstractSet[int] = frozenset()) -> List[int]:
         return sorted(
             h for h, t in self.changed_ns.items()
@@ -145,6 +151,180 @@ class Liveness:
 
     def silent_s(self, host: int, now_ns: int) -> float:
         return self._awake.counted_ns(self.changed_ns.get(host, now_ns), now_ns) / 1e9
+
+
+# -- the digest: one host reads every beat, every other host reads one key ---------------
+
+MAX_DIGEST_LIST = 64  # hosts named in a digest's lists (lost, stalled), at most: the rest are counted
+MAX_DIGEST_BYTES = 4096  # a digest longer than this is garbage (unknown: no news)
+DIGEST_BEAT_BYTES = 40  # the writer's own beat in the digest, at most
+
+
+@dataclasses.dataclass(frozen=True)
+class Digest:
+    """What the aggregator (one host, elected through the store: :func:`aggregate_term`)
+    publishes each heartbeat in ``digest``, for every other host to read with one ``get``:
+    its own beat (the other hosts judge the aggregator itself by it), and its judgement of
+    every other host (which are lost, which stand still, whether one is done). Bounded:
+    at most ``MAX_DIGEST_LIST`` hosts per list, whatever the number of hosts."""
+
+    by: int  # the writer's index
+    term: int  # grows by one at each takeover: a writer that finds a higher term (or its
+    # own term with a lower writer) yields
+    beat: bytes  # the writer's beat this heartbeat (:func:`beat_value`): its liveness, done, stall
+    count: int = 0  # the ``hosts`` counter as the writer read it (MAX_HOSTS at most)
+    joined: int = 0  # hosts whose beat the writer has read, itself included
+    lost: Tuple[int, ...] = ()  # hosts silent for peer_timeout of the writer's looks
+    stalled: Tuple[int, ...] = ()  # hosts whose beat says they stand still (diag/<j> is there)
+    ending: bool = False  # a host's beat said done: the job is ending
+    rank0: Optional[int] = None  # the host that announced rank 0 (a lost store is blamed on it)
+    more_lost: int = 0  # lost hosts beyond the list
+
+    def to_json(self) -> bytes:
+        body = {"by": self.by, "t": self.term, "b": self.beat.decode("ascii", "replace"), "n": self.count,
+                "j": self.joined, "l": list(self.lost[:MAX_DIGEST_LIST]), "s": list(self.stalled[:MAX_DIGEST_LIST]),
+                "e": int(self.ending), "r0": self.rank0, "ml": self.more_lost}
+        return json.dumps(body, separators=(",", ":")).encode()
+
+    @classmethod
+    def from_json(cls, data: Optional[bytes]) -> Optional[Digest]:
+        """The digest, or None: not there, too long, not a digest (unknown, never news)."""
+        if data is None or len(data) > MAX_DIGEST_BYTES:
+            return None
+        try:
+            body = json.loads(data.decode("utf-8"))
+            beat = str(body["b"]).encode("ascii")
+
+            def index(v: object) -> int:
+                if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < MAX_HOSTS:
+                    raise ValueError(v)
+                return v
+
+            def indices(v: object) -> Tuple[int, ...]:
+                if not isinstance(v, list) or len(v) > MAX_DIGEST_LIST:
+                    raise ValueError(v)
+                return tuple(sorted({index(j) for j in v}))
+
+            r0 = body.get("r0")
+            digest = cls(index(body["by"]), index(body["t"]), beat, index(body.get("n", 0)),
+                         min(int(body.get("j", 0)), MAX_HOSTS), indices(body.get("l", [])),
+                         indices(body.get("s", [])), bool(body.get("e", 0)), None if r0 is None else index(r0),
+                         min(max(int(body.get("ml", 0)), 0), MAX_HOSTS))
+        except (UnicodeError, ValueError, TypeError, KeyError, AttributeError):
+            return None
+        if len(beat) > DIGEST_BEAT_BYTES or beat_seq(beat) is None:
+            return None
+        return digest
+
+    @property
+    def seq(self) -> int:
+        seq = beat_seq(self.beat)
+        assert seq is not None  # from_json refuses a digest without one
+        return seq
+
+
+def bounded(hosts: List[int]) -> Tuple[Tuple[int, ...], int]:
+    """A list for a digest: the lowest ``MAX_DIGEST_LIST`` hosts, and how many more."""
+    hosts = sorted(hosts)
+    return tuple(hosts[:MAX_DIGEST_LIST]), max(0, len(hosts) - MAX_DIGEST_LIST)
+
+
+def stalled_for_digest(stalled: List[int], first: AbstractSet[int]) -> Tuple[int, ...]:
+    """The hosts standing still that a digest names (every other host reads their
+    summaries): at most ``MAX_DIGEST_LIST``, those in ``first`` first (the hosts whose
+    summary holds ranks that do not wait inside a collective: the laggard candidates),
+    then the lowest indices."""
+    return tuple(sorted(set(stalled), key=lambda j: (j not in first, j))[:MAX_DIGEST_LIST])
+
+
+class DigestWatch:
+    """How long the digest has not advanced (a new writer or term, or a higher sequence
+    number of the same writer), on this host's monotonic clock, counted only while we
+    look (:class:`peerwatch._awake.AwakeClock`: a gap of our own restarts it). No digest
+    at all counts from our first look. Owned by the beat thread."""
+
+    def __init__(self, timeout_ns: int) -> None:
+        self._awake = AwakeClock(timeout_ns // 2)
+        self._key: Optional[Tuple[int, int]] = None  # (term, writer) of the last digest seen
+        self._seq = -1
+        self.since_ns: Optional[int] = None  # the digest last advanced then (or our first look)
+
+    def observe(self, now_ns: int, digest: Optional[Digest]) -> None:
+        self._awake.tick(now_ns)
+        if self.since_ns is None:
+            self.since_ns = now_ns
+        if digest is None:
+            return
+        key = (digest.term, digest.by)
+        if key != self._key or digest.seq > self._seq:
+            self._key, self._seq, self.since_ns = key, digest.seq, now_ns
+
+    def silent_ns(self, now_ns: int) -> int:
+        return 0 if self.since_ns is None else self._awake.counted_ns(self.since_ns, now_ns)
+
+
+# A host's first requests (its registration: about eight) come at a random point of this
+# many seconds per host the launcher announces, at most a heartbeat: at ~50 us of the store's
+# CPU a request, a thousand hosts registering then take under a quarter of its one event
+# loop, while three hosts start at once rather than up to a heartbeat late.
+FIRST_SPREAD_PER_HOST_S = 0.002
+
+
+def first_spread_s(interval: float, expected: Optional[int]) -> float:
+    """Over how long the first requests of the hosts are spread: ``FIRST_SPREAD_PER_HOST_S``
+    per host the launcher announces, a heartbeat at most (and when it does not say)."""
+    if expected is None:
+        return interval
+    return min(interval, max(expected, 1) * FIRST_SPREAD_PER_HOST_S)
+
+
+def takeover_ns(peer_timeout: float, interval: float) -> int:
+    """How long the digest may stand still before the aggregator's successor takes over:
+    half of peer_timeout (at least two heartbeats, at most peer_timeout), so that it has
+    judged the other hosts for a while when the aggregator itself is judged lost."""
+    return int(min(peer_timeout, max(peer_timeout / 2, 2 * interval)) * 1e9)
+
+
+def successor_distance(writer: int, me: int, count: int, lost: AbstractSet[int]) -> int:
+    """How many hosts after ``writer`` (cyclically, over the ``count`` indices, skipping the
+    lost ones) ``me`` comes: 1 for the writer's successor."""
+    count = max(count, writer + 1, me + 1)
+    k = 0
+    for step in range(1, min(count, MAX_HOSTS) + 1):
+        j = (writer + step) % count
+        if j == writer:
+            break
+        if j in lost:
+            continue
+        k += 1
+        if j == me:
+            return k
+    return max(k, 1)
+
+
+def aggregate_term(me: int, digest: Optional[Digest], mine: Optional[int], silent_ns: int, takeover: int) -> Optional[int]:
+    """Should this host (index ``me``) aggregate this heartbeat, and under which term?
+    ``mine``: the term it aggregates under now (None: it does not); ``silent_ns``: how
+    long the digest has not advanced (:class:`DigestWatch`). None: read the digest only.
+
+    - no digest yet: host 0 at once, host ``k`` after ``k`` takeovers of silence (host 0
+      may be gone before it wrote one);
+    - the digest is ours (a successor bridge on this host takes it over): go on;
+    - we aggregate and find another writer's digest: the higher term wins, then the lower
+      index; the loser yields (a writer frozen for a while, whose successor took over,
+      finds the successor's term when it resumes);
+    - the writer's digest stands still for ``k`` takeovers, ``k`` our distance after it
+      (1: its successor): take over with the next term."""
+    if digest is None:
+        if mine is not None:
+            return mine
+        return 0 if silent_ns >= me * takeover else None
+    if digest.by == me:
+        return max(digest.term, mine if mine is not None else digest.term)
+    if mine is not None:
+        return None if (digest.term, -digest.by) > (mine, -me) else mine
+    k = successor_distance(digest.by, me, digest.count, set(digest.lost))
+    return digest.term + 1 if silent_ns >= k * takeover else None
 
 
 # -- which hosts to look at -------------------------------------------------------------
@@ -309,10 +489,16 @@ def missing_hosts_failure(missing: int, expected: int, waited_s: float, hosts: M
 
 def store_holder(hosts: Mapping[int, HostInfo], me: HostInfo) -> Optional[HostInfo]:
     """The host a lost store is blamed on: rank 0's (whose node serves ``MASTER_ADDR``'s
-    store under init_process_group and torchrun), or the lowest remote rank known; never
-    ours, since the local ranks are alive and only being cut off."""
+    store under init_process_group and torchrun), or, where rank 0 is ours, the lowest remote
+    rank known; never ours, since the local ranks are alive and only being cut off. None
+    where rank 0 is on a host not known here (a host that reads the digest knows few hosts'
+    records, rank 0's once the digest names it): rank 0 is blamed, its host unnamed, rather
+    than whichever host happens to be known."""
     remote = [h for h in hosts.values() if h.index != me.index and h.ranks]
-    return next((h for h in remote if 0 in h.ranks), None) or min(remote, key=lambda h: h.ranks[0], default=None)
+    holder = next((h for h in remote if 0 in h.ranks), None)
+    if holder is not None or 0 not in me.ranks:
+        return holder
+    return min(remote, key=lambda h: h.ranks[0], default=None)
 
 
 def lost_store_failure(
@@ -332,7 +518,8 @@ def lost_store_failure(
 
 __all__ = [
     "CONNECT_BACKOFF_MAX_S", "DONE", "JOIN_TIMEOUTS", "MAX_HOSTS", "MAX_HOST_BYTES", "READ_BATCH", "REMOTE_SETTLE_S",
-    "STALLED", "Absence", "beat_seq", "stalled_hosts", "HostInfo", "Liveness", "beat_value", "connect_allowance_s",
+    "STALLED", "MAX_DIGEST_LIST", "MAX_DIGEST_BYTES", "Absence", "Digest", "DigestWatch", "FIRST_SPREAD_PER_HOST_S", "aggregate_term", "bounded", "first_spread_s", "stalled_for_digest",
+    "successor_distance", "takeover_ns", "beat_seq", "stalled_hosts", "HostInfo", "Liveness", "beat_value", "connect_allowance_s",
     "host_ident", "hosts_missing", "missing_hosts_failure", "parse_count", "unannounced_ranks",
     "hosts_to_declare_lost", "hosts_to_read", "interval_deadline_s", "lost_host_failure", "lost_store_failure",
     "may_be_echo", "next_backoff_s", "op_timeout_s", "peers_to_watch", "ranks_text", "report_store_lost",

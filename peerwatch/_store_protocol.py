@@ -3,13 +3,17 @@
 Every key lives under ``peerwatch/<run_id>/``::
 
     nonce        the run's nonce (with a store secret): the first host's, taken with compare_set
-    hosts        a counter: each host takes its index with add(hosts, 1)
+    hosts        a counter: each host takes its index with add(hosts, 1); while hosts are
+                 missing, every host reads it (who registered, whatever the aggregator read)
     index/<id>   the index of a host (by boot id, PID namespace and run directory): a
                  successor bridge on that host takes the same one
     host/<i>     JSON: hostname, boot id, PID namespace, ranks of host i
     beat/<i>     host i's heartbeat: "<seq>", or "done:<seq>" once a rank there succeeded;
                  "<seq>s" while its ranks stand still (its summary is in diag/<i>)
     diag/<i>     host i's stall summary (peerwatch._summary), while its ranks stand still
+    digest       the aggregator's (one host, elected through this key: _hosts.aggregate_term):
+                 its own beat, the hosts it judged lost, those that stand still, whether one
+                 is done (JSON, bounded: _hosts.Digest); every other host reads it alone
     strag/<i>    host i's ranks' waits in collectives (peerwatch._straggler), once a slot
     strag/found  the stragglers host 0 found in the whole job (peerwatch._stragglerwatch)
     verdict      the first verdict of the job (compare_set: the first writer wins); a value
@@ -18,7 +22,7 @@ Every key lives under ``peerwatch/<run_id>/``::
                  (:func:`verdict_key`; with a secret, names derived from it and the nonce)
 
 With a store secret (``store_secret``, docs/security.md), ``host/<i>``, ``beat/<i>``,
-``diag/<i>`` and the verdict hold ``pw-hmac2:<nonce>:<HMAC-SHA256 of nonce, key and value,
+``diag/<i>``, ``digest`` and the verdict hold ``pw-hmac2:<nonce>:<HMAC-SHA256 of nonce, key and value,
 hex>:<value>`` (:class:`Seal`); ``nonce`` is signed the same way with an empty nonce. A
 value that is not signed so, or signed for another run's nonce, is read as "not there",
 with one warning per kind of key and reason.
@@ -42,12 +46,22 @@ import secrets
 import threading
 from typing import Any, Dict, List, Mapping, Optional, Protocol, Set, Tuple
 
-from ._hosts import MAX_HOSTS, HostInfo, hosts_to_read, parse_count, peers_to_watch, roster_incomplete, stalled_hosts
+from ._hosts import (
+    MAX_DIGEST_LIST,
+    MAX_HOSTS,
+    Digest,
+    HostInfo,
+    hosts_to_read,
+    parse_count,
+    peers_to_watch,
+    roster_incomplete,
+    stalled_hosts,
+)
 from ._records import Verdict, decode
 
 logger = logging.getLogger("peerwatch")
 
-HOSTS, VERDICT, NONCE = "hosts", "verdict", "nonce"
+HOSTS, VERDICT, NONCE, DIGEST = "hosts", "verdict", "nonce", "digest"
 SIGNED = b"pw-hmac2:"  # a signed value: SIGNED + the run's nonce (hex) + b":" + hex digest + b":" + value
 NONCE_BYTES = 16  # the run's nonce: this many random bytes, in hex
 VERDICT_TRIES = 8  # verdict keys in turn: a refused value in one (forged, replayed) moves everyone to the next
@@ -287,6 +301,16 @@ class Exchange:
     stall: Optional[bytes] = None  # our stall summary to publish in diag/<i> (peerwatch._summary), or None
     read_stalls: bool = False  # read the summaries of the hosts whose beat says they stand still
     verdict_from: Optional[VerdictFrom] = None  # settled at registration: the host's first look
+    # The aggregator (True) reads every host's beat (and the digest, to find another
+    # writer); every other host (False) reads the digest alone, and the records of the two
+    # hosts it names (its writer, rank 0's host) once.
+    aggregate: bool = True
+    digest_known: bool = False  # the digest key is there (seen once): no check before the get
+    # Not the aggregator, and hosts the launcher announced are not counted yet: read the
+    # ``hosts`` counter too (with the digest, in the same request). A host that took an index
+    # has joined, whether or not the aggregator has read its beat yet: no host waits for the
+    # aggregator (starved, or reading new hosts READ_BATCH at a time) to know who registered.
+    count_hosts: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -299,6 +323,10 @@ class Seen:
     beats: Dict[int, Optional[bytes]]  # every watched host's beat (None: not there)
     requests: int
     stalls: Dict[int, Optional[bytes]] = dataclasses.field(default_factory=dict)  # diag/<j> of stalled hosts, if read
+    digest: Optional[Digest] = None  # the digest as read (None: not there, or not one this run may obey)
+    digest_there: bool = False  # the digest key exists
+    count: int = 0  # the hosts counter, if read
+    stalled: Tuple[int, ...] = ()  # the other hosts that stand still: by their beats, or by the digest
 
 
 def register(c: Any, prefix: str, ident: str, seal: Seal = NO_SEAL) -> int:
@@ -320,7 +348,12 @@ def read_count(c: Any, key: str, seal: Seal = NO_SEAL) -> int:
     to ``MAX_HOSTS`` (unsigned: anyone may set it; one warning each)."""
     if not c.check([key]):
         return 0
-    count = parse_count(bytes(c.get(key)))
+    return believed_count(key, bytes(c.get(key)), seal)
+
+
+def believed_count(key: str, value: bytes, seal: Seal = NO_SEAL) -> int:
+    """The ``hosts`` counter's value as read: 0 if it is not a count (one warning)."""
+    count = parse_count(value)
     if count is None:
         seal.warn(key, "is not a host count; ignored")
         return 0
@@ -358,8 +391,10 @@ def read_hosts(c: Any, prefix: str, indices: List[int], seal: Seal = NO_SEAL) ->
 
 
 def exchange(c: Any, x: Exchange) -> Seen:
-    """Register if need be, beat, publish our host/<i> if it changed, learn new hosts,
-    read every other host's beat."""
+    """Register if need be, beat, publish our host/<i> if it changed; then, as the
+    aggregator, learn new hosts and read every other host's beat (and the digest); as any
+    other host, read the digest alone (docs/multi-node.md). A host that stands still reads
+    the summaries of the others that do (at most ``MAX_DIGEST_LIST`` where the digest names them)."""
     requests = 0
     index = x.index
     seal = x.seal
@@ -383,26 +418,63 @@ def exchange(c: Any, x: Exchange) -> Seen:
         key = x.prefix + host_key(index)
         c.set(key, seal.sign(key, dataclasses.replace(x.me, index=index).to_json()))
         requests += 1
-    new_hosts: Dict[int, HostInfo] = {}
-    if roster_incomplete(x.expected, len(set(x.hosts) | {index})):
-        count = read_count(c, x.prefix + HOSTS, seal)
-        new_hosts, n = read_hosts(c, x.prefix, hosts_to_read(count, set(x.hosts), index), seal)
-        requests += 2 + n
-    others = peers_to_watch({**x.hosts, **new_hosts}, index, x.ident)
-    beats: Dict[int, Optional[bytes]] = {}
-    if others:
-        keys = [x.prefix + beat_key(j) for j in others]
-        values: List[Optional[bytes]] = c.multi_get(keys)
-        beats = {j: seal.open(key, v) for j, key, v in zip(others, keys, values)}
+    dkey = x.prefix + DIGEST
+    there = x.digest_known
+    if not there:  # a get (and a multi_get) waits for a missing key
+        there = bool(c.check([dkey]))
         requests += 1
+    new_hosts: Dict[int, HostInfo] = {}
+    beats: Dict[int, Optional[bytes]] = {}
+    count = 0
+    raw: Optional[bytes] = None
+    if x.aggregate:
+        if roster_incomplete(x.expected, len(set(x.hosts) | {index})):
+            count = read_count(c, x.prefix + HOSTS, seal)
+            new_hosts, n = read_hosts(c, x.prefix, hosts_to_read(count, set(x.hosts), index), seal)
+            requests += 2 + n
+        others = peers_to_watch({**x.hosts, **new_hosts}, index, x.ident)
+        keys = [x.prefix + beat_key(j) for j in others] + ([dkey] if there else [])
+        if keys:
+            values: List[Optional[bytes]] = c.multi_get(keys)
+            beats = {j: seal.open(key, v) for j, key, v in zip(others, keys, values)}
+            raw = values[-1] if there else None
+            requests += 1
+    elif there and x.count_hosts:  # the counter is there: we took our index with add
+        raw, counted = c.multi_get([dkey, x.prefix + HOSTS])
+        count = believed_count(x.prefix + HOSTS, bytes(counted), seal)
+        requests += 1
+    elif there:
+        raw = c.get(dkey)
+        requests += 1
+    elif x.count_hosts:
+        count = read_count(c, x.prefix + HOSTS, seal)
+        requests += 2
+    digest = Digest.from_json(seal.open(dkey, bytes(raw))) if raw is not None else None
+    if not x.aggregate and digest is not None:
+        # The aggregator's record (named if it is lost) and rank 0's host's (a lost store is
+        # blamed on it): read once each, as soon as the digest names them.
+        wanted = sorted({j for j in (digest.by, digest.rank0) if j is not None and j not in x.hosts and j != index})
+        if wanted:
+            found, n = read_hosts(c, x.prefix, wanted, seal)
+            new_hosts.update(found)
+            requests += n
+    if x.aggregate:
+        stalled = tuple(stalled_hosts(beats))
+    else:
+        stalled = tuple(j for j in (digest.stalled if digest is not None else ()) if j != index)[:MAX_DIGEST_LIST]
     stalls: Dict[int, Optional[bytes]] = {}
-    stalled = stalled_hosts(beats) if x.read_stalls else []
-    if stalled:  # a hang's diagnosis on this host needs what the others' ranks do (docs/multi-node.md)
+    if stalled and x.read_stalls:  # a hang's diagnosis on this host needs what the others' ranks do (docs/multi-node.md)
         keys = [x.prefix + diag_key(j) for j in stalled]
         values = c.multi_get(keys)
         stalls = {j: seal.open(key, v) for j, key, v in zip(stalled, keys, values)}
         requests += 1
-    return Seen(index, x.index is None, new_hosts, beats, requests, stalls)
+    return Seen(index, x.index is None, new_hosts, beats, requests, stalls, digest, there, count, stalled)
+
+
+def publish_digest(c: Any, prefix: str, digest: Digest, seal: Seal = NO_SEAL) -> None:
+    """The aggregator's one write for every other host."""
+    key = prefix + DIGEST
+    c.set(key, seal.sign(key, digest.to_json()))
 
 
 def strag_key(index: int) -> str:
@@ -508,9 +580,9 @@ def poll_verdict(c: Any, prefix: str, seal: Seal = NO_SEAL, verdict_from: Option
 
 
 __all__ = [
-    "HOSTS", "NONCE", "NO_SEAL", "SIGNED", "STRAG_FOUND", "VERDICT", "VERDICT_TRIES", "Exchange",
-    "NonceMemo", "Seal", "Seen", "StraggleExchange", "acceptable_verdict", "beat_key", "diag_key", "establish_nonce",
-    "exchange", "host_key", "index_key", "poll_verdict", "publish_verdict", "read_count", "read_host", "read_hosts",
+    "DIGEST", "HOSTS", "NONCE", "NO_SEAL", "SIGNED", "STRAG_FOUND", "VERDICT", "VERDICT_TRIES", "Exchange",
+    "NonceMemo", "Seal", "Seen", "StraggleExchange", "acceptable_verdict", "beat_key", "believed_count", "diag_key", "establish_nonce",
+    "exchange", "host_key", "publish_digest", "index_key", "poll_verdict", "publish_verdict", "read_count", "read_host", "read_hosts",
     "register", "send_beat",
     "strag_key", "straggle_exchange", "VerdictFrom", "verdict_key",
 ]

@@ -13,8 +13,8 @@ they are all gone. Killing it kills the whole simulated host.
 
 ``rank`` installs peerwatch, notes ``READY/rank-<rank>`` (JSON: pid in its namespace,
 host), imports torch.distributed (as a training script does; on a host's first rank,
-and where the behaviour uses torch: the store bridge runs in a rank that did), then
-behaves: ``sleep`` (the default: beat until torn down), ``succeed_on:NAME`` (finish
+and where the behaviour uses torch: the store bridge runs in a rank that did; it notes
+``READY/imported-<rank>`` then), then behaves: ``sleep`` (the default: beat until torn down), ``succeed_on:NAME`` (finish
 cleanly once ``READY/NAME`` exists; ``torch_succeed_on:NAME`` imports torch.distributed
 first), ``raise_on:NAME`` (raise RuntimeError once it
 exists), ``torch`` (note ``READY/torch-<rank>``, then sleep), ``gloo`` (join a gloo
@@ -124,6 +124,8 @@ def rank_main(args: argparse.Namespace) -> None:
         # has it (it is the host's bridge), the others only where they use torch: each
         # import costs about a second of CPU on a 2-core machine.
         import torch.distributed  # noqa: F401
+
+        note(args.ready, f"imported-{rank}", "")  # the bridge may start from here on
     if name == "gloo":
         # A real process group across the hosts: rank 0 serves the job's TCPStore at
         # MASTER_ADDR:MASTER_PORT (the store the bridges use by default).

@@ -417,7 +417,101 @@ def test_without_rank_0_the_lowest_remote_rank_is_blamed_never_ours() -> None:
     assert (f.rank, f.host) == (4, "node2") and "served from" not in (f.message or "")
     one = {1: me, 2: HostInfo(2, "node2", ranks=(1, 4))}  # rank 1 is no store's host
     assert "served from" not in (lost_store_failure("x:1", one, me, 30.0, config, 1).message or "")
+    # Rank 0 on a host not known here (a host that reads the digest knows few records):
+    # rank 0 is blamed, its host unnamed, not the lowest rank that happens to be known.
+    other = HostInfo(1, "node1", ranks=(2, 3))
+    f = lost_store_failure("x:1", {1: other, 3: HostInfo(3, "node3", ranks=(4, 5))}, other, 30.0, config, 1)
+    assert (f.rank, f.host) == (0, None) and "served from" not in (f.message or "")
     # Nothing known of the others: rank 0, no host.
     f = lost_store_failure("x:1", {1: me}, me, 30.0, config, 1)
     assert (f.rank, f.host) == (0, None) and store_holder({1: me}, me) is None
     assert store_holder({4: HostInfo(4, "node4")}, me) is None  # a host without ranks names none
+
+
+# -- the digest: one aggregator, its successor ------------------------------------------------
+
+from peerwatch._hosts import (  # noqa: E402
+    FIRST_SPREAD_PER_HOST_S,
+    MAX_DIGEST_BYTES,
+    MAX_DIGEST_LIST,
+    Digest,
+    DigestWatch,
+    aggregate_term,
+    bounded,
+    first_spread_s,
+    successor_distance,
+    takeover_ns,
+)
+
+
+def test_first_requests_spread_with_the_hosts_announced_at_most_a_heartbeat() -> None:
+    """Three hosts start together, not up to a heartbeat late; a thousand spread over a
+    heartbeat; a job whose size is unknown spreads over a heartbeat."""
+    assert first_spread_s(1.0, 3) == pytest.approx(3 * FIRST_SPREAD_PER_HOST_S) and first_spread_s(1.0, 3) < 0.01
+    assert first_spread_s(1.0, 1024) == 1.0 and first_spread_s(0.5, 10_000) == 0.5
+    assert first_spread_s(1.0, None) == 1.0
+    assert first_spread_s(1.0, 0) == FIRST_SPREAD_PER_HOST_S
+
+
+def test_a_digest_round_trips_and_garbage_is_unknown() -> None:
+    d = Digest(2, 3, b"done:123s", count=9, joined=8, lost=(4, 7), stalled=(1,), ending=True, rank0=0, more_lost=1)
+    assert Digest.from_json(d.to_json()) == d and d.seq == 123
+    for bad in (None, b"", b"[]", b"{}", b"\xff", b'{"by":-1,"t":0,"b":"1"}', b'{"by":0,"t":0,"b":"x"}',
+                b'{"by":true,"t":0,"b":"1"}', b'{"by":0,"t":0,"b":"1","l":"1"}', b" " * (MAX_DIGEST_BYTES + 1),
+                json.dumps({"by": 0, "t": 0, "b": "1", "l": list(range(MAX_DIGEST_LIST + 1))}).encode()):
+        assert Digest.from_json(bad) is None, bad
+
+
+def test_a_digest_names_a_bounded_number_of_hosts_whatever_the_job() -> None:
+    lost, more = bounded(list(range(10_000, 0, -1)))
+    assert lost == tuple(range(1, MAX_DIGEST_LIST + 1)) and more == 10_000 - MAX_DIGEST_LIST
+    d = Digest(0, 0, b"1", count=10_000, joined=10_000, lost=lost, stalled=lost, more_lost=more)
+    assert len(d.to_json()) <= MAX_DIGEST_BYTES and Digest.from_json(d.to_json()) == d
+
+
+def test_the_successor_is_the_next_host_not_lost_cyclically() -> None:
+    assert successor_distance(0, 1, 4, set()) == 1
+    assert successor_distance(0, 2, 4, {1}) == 1
+    assert successor_distance(0, 3, 4, set()) == 3
+    assert successor_distance(3, 0, 4, set()) == 1  # after the last, the first
+    assert successor_distance(2, 1, 4, {3}) == 2
+
+
+def test_who_aggregates() -> None:
+    t = takeover_ns(2.0, 0.2)
+    assert t == 1_000_000_000 and takeover_ns(1.0, 0.5) == 1_000_000_000
+    assert aggregate_term(0, None, None, 0, t) == 0  # no digest: host 0 at once
+    assert aggregate_term(2, None, None, 2 * t - 1, t) is None and aggregate_term(2, None, None, 2 * t, t) == 0
+    d = Digest(0, 0, b"5")
+    assert aggregate_term(0, d, None, 0, t) == 0  # ours: a successor bridge on our host goes on
+    assert aggregate_term(1, d, None, t - 1, t) is None  # the writer's successor waits for silence
+    assert aggregate_term(1, d, None, t, t) == 1  # ...then takes over, with the next term
+    assert aggregate_term(2, d, None, t, t) is None and aggregate_term(2, d, None, 2 * t, t) == 1
+    taken = Digest(1, 1, b"9")
+    assert aggregate_term(0, taken, 0, 0, t) is None  # the old writer, resumed, yields to the higher term
+    assert aggregate_term(1, Digest(0, 1, b"9"), 1, 0, t) is None  # same term: the lower index wins
+    assert aggregate_term(0, Digest(1, 1, b"9"), 1, 0, t) == 1
+
+
+def test_the_digest_watch_counts_only_while_we_look() -> None:
+    w = DigestWatch(timeout_ns=1000)
+    w.observe(0, None)
+    w.observe(400, None)
+    assert w.silent_ns(400) == 400  # no digest: from our first look
+    w.observe(500, Digest(0, 0, b"7"))
+    assert w.silent_ns(900) == 400
+    w.observe(900, Digest(0, 0, b"7"))  # the same: no news
+    assert w.silent_ns(900) == 400
+    w.observe(2000, Digest(0, 0, b"7"))  # we were not looking for 1100 ns: that gap is nobody's
+    assert w.silent_ns(2000) == 0
+    w.observe(2100, Digest(1, 1, b"3"))  # a new writer (lower sequence: another host's clock) is news
+    assert w.silent_ns(2100) == 0
+
+
+def test_past_the_bound_a_digest_names_the_laggard_candidates_first() -> None:
+    from peerwatch._hosts import stalled_for_digest
+
+    many = list(range(1000))
+    named = stalled_for_digest(many, {900, 5})
+    assert len(named) == MAX_DIGEST_LIST and named[:2] == (5, 900) and named[2:5] == (0, 1, 2)
+    assert stalled_for_digest([3, 1, 2], set()) == (1, 2, 3)

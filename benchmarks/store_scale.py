@@ -1,0 +1,401 @@
+"""Store traffic at scale: N simulated hosts speaking the real bridge protocol to one TCPStore.
+
+    sudo PYTHONPATH=. python benchmarks/store_scale.py [--hosts 64,256,1024] [--before fb1c56d]
+        [--before-hosts 64,256] [--procs 4] [--interval 1] [--peer-timeout 5] [--seconds 15]
+
+One TCPStore server on 127.0.0.1 in a process of its own. Each simulated host is the
+bridge's real beat loop (``peerwatch._bridge._BeatLoop``: its exchange with the store, its
+judgement of the other hosts, its records in a run directory of its own) with a real
+TCPStore connection of its own, and a real verdict waiter (``_VerdictWaiter``, a second
+connection blocked in ``wait``). To be light, the hosts of a process share one loop thread
+(each host's interval at its own phase, as its own beat thread would run it; the store
+client is called in that thread, not through an owner thread per host); the waiters are
+one thread each, blocked in C. Hosts are spread over ``--procs`` processes.
+
+Measured per protocol and number of hosts, the steady state for ``--seconds``: the store
+requests the hosts made (counted by each beat loop), the bytes the store server read and
+wrote (its /proc io counters: every byte of every request and answer), the server's CPU;
+the startup (every host counted: the time from the first registration, and the hosts
+judged lost meanwhile, which must be none); then one host stops beating (its loop is no
+longer called) and the time until every other host has recorded it ``lost``; then a
+verdict is published (as a host's bridge does) and the time until every host's waiter has
+taken it. "before" is the protocol at ``--before`` (a git revision: its ``peerwatch/``,
+extracted to a temporary directory, with this tree's built C extension), "after" this
+tree's. Prints one markdown table.
+
+As root, runs itself in a network namespace of its own with only loopback (see
+benchmarks/bridge_load.py: torch's client asks DNS about every address it connects to).
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import heapq
+import json
+import multiprocessing as mp
+import os
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Any, Dict, List, Optional, Tuple
+
+import psutil
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SETUP_TIMEOUT_S = 240.0
+
+SERVER = """
+import sys, datetime, torch.distributed as dist
+s = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=60))
+print(s.port, flush=True)
+sys.stdin.read()  # until the benchmark closes our stdin
+"""
+
+
+class _Direct:
+    """The store client as the beat loop sees it, called in the caller's thread (one loop
+    thread serves the hosts of a process; the bridge gives each its own owner thread)."""
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+
+    def call(self, fn: Any, timeout: float, connect_s: float = 0.0) -> Any:
+        return fn(self.store)
+
+
+def worker(first: int, count: int, args: Dict[str, Any], port: int, base: str, conn: Any) -> None:
+    """Hosts first..first+count-1 in this process, driven by one loop thread."""
+    import datetime
+    import logging
+
+    sys.path.insert(0, args["root"])  # the protocol measured (spawn hands the child our sys.path)
+    import torch.distributed as dist
+
+    import peerwatch._bridge as bridge_mod
+    from peerwatch import _identity
+    from peerwatch._config import Config, LauncherFacts
+    from peerwatch._records import Registration, Verdict, encode
+    from peerwatch._rundir import _SUBDIRS, RANKS, RunDir, rank_file
+    from peerwatch._store_protocol import NO_SEAL, VerdictFrom, publish_verdict
+
+    logging.getLogger("peerwatch").setLevel(logging.CRITICAL)
+    lost_at: Dict[Tuple[int, int], float] = {}  # (host, failed rank) -> monotonic time recorded
+    verdict_at: Dict[int, float] = {}
+    original_write = bridge_mod._write_failure
+
+    def write_failure(run_dir: Any, failure: Any) -> None:
+        host = int(os.path.basename(run_dir.path)[4:])
+        lost_at.setdefault((host, failure.rank), time.monotonic())
+        original_write(run_dir, failure)
+
+    bridge_mod._write_failure = write_failure
+    ranks, hosts, interval = args["ranks"], args["hosts"], args["interval"]
+    config = Config.resolve({
+        "world_size": ranks * hosts, "local_world_size": ranks, "heartbeat_interval": interval,
+        "peer_timeout": args["peer_timeout"], "store": f"127.0.0.1:{port}", "run_id": args["run_id"],
+        "stragglers": False,
+    }, env={})
+    facts = LauncherFacts.resolve(config, {})
+    me = _identity.self_info()
+    stopped = threading.Event()
+    loops: Dict[int, Any] = {}
+    waiters: List[threading.Thread] = []
+    for h in range(first, first + count):
+        rd = RunDir(os.path.join(base, f"host{h:05d}"))
+        os.makedirs(rd.path, 0o700)
+        for sub in _SUBDIRS:
+            os.mkdir(rd.join(sub), 0o700)
+        regs = []
+        for local in range(ranks):
+            reg = Registration(rank=h * ranks + local, pid=me.pid, ppid=me.ppid, start_ticks=me.start_ticks,
+                               uid=me.uid, host=f"sim{h:05d}", boot_id=_identity.boot_id(),
+                               pidns=_identity.pid_namespace(), time_ns=time.time_ns())
+            rd.write(RANKS, rank_file("rank", reg.rank), encode(reg), replace=True)
+            regs.append(reg)
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=30))
+        link = bridge_mod._Link(config, rd, facts, _Direct(store), stopped, NO_SEAL, VerdictFrom())
+        gate = bridge_mod._TorchGate()
+        gate.usable = True
+        gate._decided.set()
+        seq = bridge_mod._BeatSeq()
+        loop = bridge_mod._BeatLoop(link, regs[0], f"ident-{args['run_id']}-{h}", seq, threading.Event(),
+                                    lambda: False, gate)
+        loop.sim = h
+        loops[h] = loop
+
+        def deliver(data: bytes, h: int = h) -> None:
+            verdict_at.setdefault(h, time.monotonic())
+
+        waiter = bridge_mod._VerdictWaiter(link, gate, deliver)
+        t = threading.Thread(target=waiter.run, name=f"wait-{h}", daemon=True)
+        t.start()
+        waiters.append(t)
+    conn.send({"connected": True})
+    conn.recv()  # go: every host's first interval at a random point of its first heartbeat
+    frozen: set = set()
+    failures = [0]
+    go = time.monotonic()
+    due = [(go + random.uniform(0.0, interval), h) for h in loops]
+    heapq.heapify(due)
+    last_ok: Dict[int, Optional[float]] = {h: None for h in loops}
+
+    def run() -> None:
+        while not stopped.is_set():
+            at, h = heapq.heappop(due)
+            wait = at - time.monotonic()
+            if wait > 0 and stopped.wait(wait):
+                return
+            if h not in frozen:
+                loop = loops[h]
+                try:
+                    loop._interval()
+                    last_ok[h] = time.monotonic()
+                except Exception as e:  # noqa: BLE001 - as the beat thread does
+                    failures[0] += 1
+                    loop._unreachable(e, last_ok[h])
+            heapq.heappush(due, (max(at + interval, time.monotonic()), h))
+
+    runner = threading.Thread(target=run, name="sim-loop", daemon=True)
+    runner.start()
+
+    def joined(loop: Any) -> int:
+        return int(getattr(loop, "joined", None) or len(loop.hosts))  # the old protocol: every host knows all
+
+    def cpu() -> float:
+        t = psutil.Process().cpu_times()
+        return t.user + t.system
+
+    while True:
+        msg = conn.recv()
+        if msg == "status":
+            conn.send({"joined_min": min(joined(x) for x in loops.values()), "lost": len(lost_at),
+                       "requests": sum(x.requests for x in loops.values()), "cpu_s": cpu(),
+                       "code": bridge_mod.__file__, "failures": failures[0], "aggregating": [h for h, x in loops.items() if getattr(x, "term", None)
+                                                              is not None]})
+        elif msg[0] == "freeze":
+            frozen.add(msg[1])
+            conn.send({"frozen_at": time.monotonic()})
+        elif msg[0] == "lost":
+            victim_rank = msg[1] * ranks
+            conn.send({"at": {h: t for (h, r), t in lost_at.items() if r == victim_rank}})
+        elif msg[0] == "publish":
+            v = Verdict(rank=0, cause="signal", exit_code=137, failed_at_ns=time.time_ns(), detected_by=0,
+                        detected_at_ns=time.time_ns(), host="sim00000", detail="killed by SIGKILL (benchmark)")
+            store = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
+                                  timeout=datetime.timedelta(seconds=30))
+            sent = time.monotonic()
+            publish_verdict(store, facts.key_prefix, encode(v))
+            conn.send({"sent": sent})
+        elif msg == "verdicts":
+            conn.send({"at": dict(verdict_at)})
+        elif msg == "stop":
+            stopped.set()
+            runner.join(10)
+            conn.send({"stopped": True})
+            return
+
+
+def run_one(variant: str, root: str, hosts: int, a: argparse.Namespace) -> Dict[str, Any]:
+    """One protocol (the code under ``root``), ``hosts`` simulated hosts: the figures."""
+    env = dict(os.environ, PYTHONPATH=root)
+    server = subprocess.Popen([sys.executable, "-c", SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+    ctx = mp.get_context("spawn")
+    procs, conns = [], []
+    old_path = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = root  # the spawned workers import peerwatch from there
+    base = tempfile.mkdtemp(prefix="peerwatch-store-scale-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    args = {"hosts": hosts, "ranks": a.ranks, "interval": a.interval, "peer_timeout": a.peer_timeout,
+            "run_id": f"scale-{variant}-{hosts}-{os.getpid()}", "root": root}
+    fig: Dict[str, Any] = {"variant": variant, "hosts": hosts}
+    try:
+        port = int(server.stdout.readline())  # type: ignore[union-attr]
+        sproc = psutil.Process(server.pid)
+        procs_n = min(a.procs, hosts)
+        per = -(-hosts // procs_n)
+        for i in range(procs_n):
+            first, count = i * per, min(per, hosts - i * per)
+            if count <= 0:
+                break
+            parent, child = ctx.Pipe()
+            p = ctx.Process(target=worker, args=(first, count, args, port, base, child), daemon=True)
+            p.start()
+            procs.append(p)
+            conns.append(parent)
+        for c in conns:
+            if not c.poll(SETUP_TIMEOUT_S):
+                raise SystemExit("a worker did not connect its hosts in time")
+            c.recv()
+
+        def ask(msg: Any) -> List[Dict[str, Any]]:
+            for c in conns:
+                c.send(msg)
+            return [c.recv() for c in conns]
+
+        start = time.monotonic()
+        for c in conns:
+            c.send("go")
+        deadline = start + SETUP_TIMEOUT_S
+        while True:
+            st = ask("status")
+            if min(s["joined_min"] for s in st) >= hosts:
+                break
+            if time.monotonic() > deadline:
+                raise SystemExit(f"{variant} {hosts}: not every host counted in time: {st}")
+            time.sleep(0.2)  # polling the workers, deadline-bounded
+        fig["startup_s"] = time.monotonic() - start
+        fig["lost_at_startup"] = sum(s["lost"] for s in st)
+        time.sleep(2 * a.interval)  # past the first registrations and roster reads
+
+        def server_use() -> Tuple[float, int]:
+            io = sproc.io_counters()
+            t = sproc.cpu_times()
+            return t.user + t.system, io.read_chars + io.write_chars
+
+        s0, io0 = server_use()
+        st0, t0 = ask("status"), time.monotonic()
+        time.sleep(a.seconds)  # the measured window: the hosts beat on their own meanwhile
+        s1, io1 = server_use()
+        st1, t1 = ask("status"), time.monotonic()
+        secs = t1 - t0
+        requests = sum(s["requests"] for s in st1) - sum(s["requests"] for s in st0)
+        fig.update({
+            "seconds": secs,
+            "requests_per_host_s": requests / hosts / secs,
+            "bytes_per_host_s": (io1 - io0) / hosts / secs,
+            "server_cpu_pct": 100 * (s1 - s0) / secs,
+            "sim_cpu_pct": 100 * (sum(s["cpu_s"] for s in st1) - sum(s["cpu_s"] for s in st0)) / secs,
+            "failed_intervals": sum(s["failures"] for s in st1) - sum(s["failures"] for s in st0),
+            "aggregators": sorted(h for s in st1 for h in s["aggregating"]),
+            "code": st1[0]["code"],
+        })
+        # A host goes silent (not an aggregator: the aggregator's own loss is judged by its digest).
+        victim = hosts - 1
+        owner = victim // per
+        conns[owner].send(("freeze", victim))
+        frozen_at = conns[owner].recv()["frozen_at"]
+        deadline = time.monotonic() + a.peer_timeout + 10 * a.interval + 30.0
+        while True:
+            seen: Dict[int, float] = {}
+            for r in ask(("lost", victim)):
+                seen.update(r["at"])
+            if len(seen) >= hosts - 1 or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)  # polling the workers, deadline-bounded
+        delays = sorted(t - frozen_at for h, t in seen.items() if h != victim)
+        fig["lost_known_by"] = len(delays)
+        fig["lost_median_s"] = statistics.median(delays) if delays else None
+        fig["lost_all_s"] = max(delays) if len(delays) >= hosts - 1 else None
+        conns[0].send(("publish",))
+        sent = conns[0].recv()["sent"]
+        deadline = time.monotonic() + 30.0
+        while True:
+            got: Dict[int, float] = {}
+            for r in ask("verdicts"):
+                got.update(r["at"])
+            if len(got) >= hosts or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)  # polling the workers, deadline-bounded
+        vd = sorted(t - sent for t in got.values())
+        fig["verdict_known_by"] = len(vd)
+        fig["verdict_median_ms"] = 1000 * statistics.median(vd) if vd else None
+        fig["verdict_all_ms"] = 1000 * max(vd) if len(vd) >= hosts else None
+        ask("stop")
+    finally:
+        if old_path is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = old_path
+        for p in procs:
+            p.join(15)
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+        if server.stdin:
+            server.stdin.close()
+        server.wait(10)
+        shutil.rmtree(base, ignore_errors=True)
+    return fig
+
+
+def extract(rev: str) -> str:
+    """``rev``'s peerwatch/ in a temporary directory, with this tree's built C extension."""
+    where = tempfile.mkdtemp(prefix="peerwatch-before-")
+    archive = subprocess.run(["git", "-C", ROOT, "archive", rev, "peerwatch"], check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", where], input=archive, check=True)
+    for so in glob.glob(os.path.join(ROOT, "peerwatch", "*.so")):
+        shutil.copy(so, os.path.join(where, "peerwatch"))
+    return where
+
+
+def _isolate() -> None:
+    if os.environ.get("PEERWATCH_LOAD_ISOLATED") == "1" or os.geteuid() != 0 or "--no-netns" in sys.argv:
+        return
+    if shutil.which("unshare") is None or shutil.which("ip") is None:
+        return
+    os.environ["PEERWATCH_LOAD_ISOLATED"] = "1"
+    os.execvp("unshare", ["unshare", "--net", "sh", "-c", 'ip link set lo up && exec "$0" "$@"',
+                          sys.executable, *sys.argv])
+
+
+def _fmt(v: Optional[float], spec: str) -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def main() -> None:
+    _isolate()
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--hosts", default="64,256,1024", help="the numbers of hosts of the new protocol")
+    parser.add_argument("--before", default="fb1c56d", help="the git revision of the old protocol ('' for none)")
+    parser.add_argument("--before-hosts", default="64,256",
+                        help="the numbers of hosts of the old protocol (each reads every beat: 1024 does not keep up)")
+    parser.add_argument("--procs", type=int, default=4)
+    parser.add_argument("--ranks", type=int, default=8, help="ranks per host (registered in its run directory)")
+    parser.add_argument("--interval", type=float, default=1.0, help="heartbeat_interval")
+    parser.add_argument("--peer-timeout", type=float, default=5.0)
+    parser.add_argument("--seconds", type=float, default=15.0, help="steady state measured")
+    parser.add_argument("--json", default="")
+    parser.add_argument("--no-netns", action="store_true")
+    a = parser.parse_args()
+    runs: List[Tuple[str, str, int]] = []
+    if a.before:
+        old = extract(a.before)
+        runs += [(f"before ({a.before})", old, int(n)) for n in a.before_hosts.split(",") if n]
+    runs += [("after", ROOT, int(n)) for n in a.hosts.split(",") if n]
+    figs = []
+    for variant, root, n in runs:
+        print(f"... {variant}, {n} hosts", file=sys.stderr, flush=True)
+        figs.append(run_one(variant.split()[0], root, n, a))
+        print(json.dumps(figs[-1]), file=sys.stderr, flush=True)
+    print(f"\n## Store traffic: simulated hosts x {a.ranks} ranks, one TCPStore on loopback, heartbeat "
+          f"{a.interval:g}s, peer_timeout {a.peer_timeout:g}s, {a.seconds:g}s measured, {os.cpu_count()} CPUs\n")
+    print("| protocol | hosts | requests/s per host | server bytes/s per host | server CPU | startup: all counted "
+          "(lost meanwhile) | dead host known everywhere (median) | verdict at every host (median) |")
+    print("|---|---|---|---|---|---|---|---|")
+    for f, (variant, _, _) in zip(figs, runs):
+        print(f"| {variant} | {f['hosts']} | {f['requests_per_host_s']:.2f} | {f['bytes_per_host_s']:.0f} B/s | "
+              f"{f['server_cpu_pct']:.1f} % | {f['startup_s']:.1f} s ({f['lost_at_startup']}) | "
+              f"{_fmt(f['lost_all_s'], '.2f')} s ({_fmt(f['lost_median_s'], '.2f')} s) | "
+              f"{_fmt(f['verdict_all_ms'], '.0f')} ms ({_fmt(f['verdict_median_ms'], '.0f')} ms) |")
+    after = [f for f in figs if f["variant"] == "after"]
+    if len(after) >= 2:
+        lo, hi = after[0], after[-1]
+        print(f"\nper-host bytes/s, {hi['hosts']} hosts against {lo['hosts']}: "
+              f"{hi['bytes_per_host_s'] / lo['bytes_per_host_s']:.2f}x; requests/s per host: "
+              f"{hi['requests_per_host_s'] / lo['requests_per_host_s']:.2f}x")
+    cpus = ", ".join("%.0f %%" % f["sim_cpu_pct"] for f in figs)
+    failed = ", ".join(str(f["failed_intervals"]) for f in figs)
+    print(f"(simulator CPU, all hosts, per row: {cpus}; failed intervals: {failed})")
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump(figs, fh, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,282 @@
+"""The digest across hosts (docs/multi-node.md, "One aggregator"): real bridges, each with its
+own run directory and its own connections, on one real TCPStore served in this process.
+
+One host (the aggregator) reads every host's beat and publishes one ``digest`` key; every
+other host reads that key alone each heartbeat. Each host's client here is a counting
+wrapper of a real TCPStore client: what a host reads per beat is counted at the client,
+not assumed. When the aggregator goes silent, every other host judges it lost by its
+digest, and its successor takes over: a host killed after that is still seen lost by all.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Dict, Iterator, List
+
+import pytest
+
+pytest.importorskip("torch")
+
+from harness import free_port  # noqa: E402
+
+from peerwatch import _identity  # noqa: E402
+from peerwatch._bridge import Bridge  # noqa: E402
+from peerwatch._config import Config  # noqa: E402
+from peerwatch._records import LOST, Failure, Registration, encode  # noqa: E402
+from peerwatch._rundir import _SUBDIRS, EVENTS, RANKS, RunDir, rank_file  # noqa: E402
+
+pytestmark = pytest.mark.timeout(120)
+
+HEARTBEAT_S = 0.2
+PEER_TIMEOUT_S = 2.0
+START_S = 30.0  # every host connected and counted by the aggregator (2 loaded cores)
+# A silent host known to every other one: peer_timeout, a heartbeat to judge it, one to read
+# the digest; the rest is slack for a loaded machine (speed is the benchmark's business).
+LOST_S = PEER_TIMEOUT_S + 2 * HEARTBEAT_S + 15.0
+
+
+class _Counting:
+    """A client of the store (a real TCPStore client) that counts what its host asks: the
+    requests, the beats it sets, and every key it reads, by kind (``beat``, ``digest``,
+    ``host``...). ``clone()`` (the verdict waiter's connection, one open wait) is not counted."""
+
+    def __init__(self, store: Any) -> None:
+        self._store = store
+        self._lock = threading.Lock()
+        self.requests = 0
+        self.beats = 0
+        self.read: Dict[str, int] = {}
+
+    def reset(self) -> None:
+        with self._lock:
+            self.requests, self.beats, self.read = 0, 0, {}
+
+    def _count(self, reads: List[str]) -> None:
+        with self._lock:
+            self.requests += 1
+            for key in reads:
+                kind = key.split("/")[2] if key.count("/") >= 2 else key
+                self.read[kind] = self.read.get(kind, 0) + 1
+
+    def set(self, key: str, value: Any) -> None:
+        self._count([])
+        if "/beat/" in key:
+            with self._lock:
+                self.beats += 1
+        self._store.set(key, value)
+
+    def get(self, key: str) -> Any:
+        self._count([key])
+        return self._store.get(key)
+
+    def multi_get(self, keys: List[str]) -> Any:
+        self._count(list(keys))
+        return self._store.multi_get(keys)
+
+    def check(self, keys: List[str]) -> Any:
+        self._count([])  # existence only: no value comes back
+        return self._store.check(keys)
+
+    def add(self, key: str, n: int) -> Any:
+        self._count([])
+        return self._store.add(key, n)
+
+    def compare_set(self, key: str, expected: Any, desired: Any) -> Any:
+        self._count([key])
+        return self._store.compare_set(key, expected, desired)
+
+    def clone(self) -> Any:
+        return self._store.clone()
+
+
+@pytest.fixture
+def store() -> Iterator[Callable[[], Any]]:
+    import torch.distributed as dist
+
+    port = free_port()
+    server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+
+    def client() -> Any:
+        return dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
+                             timeout=datetime.timedelta(seconds=10))
+
+    yield client
+    del server
+
+
+def _host(tmp: Path, n: int, store: Any, run_id: str, **options: Any) -> Bridge:
+    """Host ``n`` (ranks 2n and 2n+1 registered in its own run directory), its bridge started."""
+    rd = RunDir(str(tmp / f"host{n}"))
+    os.makedirs(rd.path)
+    for sub in _SUBDIRS:
+        os.mkdir(rd.join(sub))
+    me = _identity.self_info()
+    regs = [Registration(rank=r, pid=me.pid, ppid=me.ppid, start_ticks=me.start_ticks, uid=me.uid, host=f"host{n}",
+                         boot_id=_identity.boot_id(), pidns=_identity.pid_namespace(), time_ns=time.time_ns())
+            for r in (2 * n, 2 * n + 1)]
+    for reg in regs:
+        rd.write(RANKS, rank_file("rank", reg.rank), encode(reg), replace=True)
+    config = Config.resolve({"store": store, "run_id": run_id, "heartbeat_interval": HEARTBEAT_S,
+                             "peer_timeout": PEER_TIMEOUT_S, "stragglers": False, **options}, env={})
+    bridge = Bridge.for_config(config, rd, regs[0], env={})
+    assert bridge is not None
+    bridge.tick()
+    return bridge
+
+
+def _until(what: str, cond: Callable[[], bool], within: float, state: Callable[[], str] = lambda: "") -> None:
+    deadline = time.monotonic() + within
+    while not cond():
+        assert time.monotonic() < deadline, f"not within {within}s: {what}\n{state()}"
+        time.sleep(0.02)  # a deadline-bounded look at the bridges' state
+
+
+def _state(bridges: List[Bridge]) -> str:
+    return "\n".join(f"index {b.index}: joined {b.joined}, aggregating {b.aggregating}, connected {b.connected}"
+                     for b in bridges)
+
+
+def _lost_here(b: Bridge, rank: int) -> bool:
+    f = b.run_dir.read(EVENTS, rank_file("failure", rank), Failure)
+    return f is not None and f.cause == LOST
+
+
+@pytest.mark.parametrize("hosts", [3, 8])
+def test_a_host_reads_one_key_per_beat_whatever_the_number_of_hosts_and_none_is_lost_at_start(store, tmp_path: Path, hosts: int) -> None:
+    """Every bridge read every host's beat every heartbeat: O(hosts) keys per host, O(hosts^2)
+    for the store. Now the aggregator alone reads the beats; every other host reads the
+    digest (one key, one request) besides its own beat (one set), with 3 hosts as with 8."""
+    counters = [_Counting(store()) for _ in range(hosts)]
+    bridges = [_host(tmp_path, n, counters[n], f"digest-count-{hosts}") for n in range(hosts)]
+    try:
+        _until("every host counted by the digest", lambda: all(b.joined == hosts and b.connected for b in bridges),
+               START_S, lambda: _state(bridges))
+        aggregators = [b for b in bridges if b.aggregating]
+        assert len(aggregators) == 1, _state(bridges)
+        for c in counters:
+            c.reset()
+        _until("20 beats of every host", lambda: all(c.beats >= 20 for c in counters), 60.0,
+               lambda: " ".join(str(c.beats) for c in counters))
+        for b, c in zip(bridges, counters):
+            with c._lock:
+                beats, requests, read = c.beats, c.requests, dict(c.read)
+            if b.aggregating:
+                assert read.get("beat", 0) >= (hosts - 1) * (beats - 2), (read, beats)
+                continue
+            # One get of the digest per beat (a host record the digest names, read once,
+            # may fall in the window); never another host's beat.
+            assert read.get("beat", 0) == 0, read
+            assert beats - 2 <= read.get("digest", 0) <= beats + 2, (read, beats)
+            assert sum(read.values()) <= beats + 4, (read, beats)
+            assert requests <= 2 * beats + 4, (requests, beats)
+        # Started together (each first request at a random point of its first heartbeat):
+        # no host was judged lost while the job started, nor since.
+        for b in bridges:
+            assert not [n for n in b.run_dir.names(EVENTS) if n.startswith("failure-")], b.index
+    finally:
+        for b in bridges:
+            b.stop()
+
+
+def test_the_aggregators_death_is_seen_and_its_successor_takes_over(store, tmp_path: Path) -> None:
+    """The aggregator goes silent: every other host judges it lost by its digest, which no
+    longer advances; the next host takes over the digest, and a host that dies after that
+    is still seen lost by every host left."""
+    bridges = [_host(tmp_path, n, f"127.0.0.1:{int(store().port)}", "digest-successor") for n in range(4)]
+    try:
+        _until("every host counted by the digest", lambda: all(b.joined == 4 and b.connected for b in bridges),
+               START_S, lambda: _state(bridges))
+        (first,) = [b for b in bridges if b.aggregating]
+        assert first.index == 0
+        rest = [b for b in bridges if b is not first]
+        first.stop()  # silent, without a word (no done beat): as a frozen or cut-off host
+        _until("the aggregator judged lost by every other host",
+               lambda: all(_lost_here(b, first.me.rank) for b in rest), LOST_S, lambda: _state(bridges))
+        (successor,) = [b for b in rest if b.index == 1]
+        _until("its successor aggregates", lambda: successor.aggregating and not any(
+            b.aggregating for b in rest if b is not successor), LOST_S, lambda: _state(bridges))
+        victim = next(b for b in rest if b is not successor)
+        left = [b for b in rest if b is not victim]
+        victim.stop()
+        _until("a host lost after the takeover judged lost by every host left",
+               lambda: all(_lost_here(b, victim.me.rank) for b in left), LOST_S, lambda: _state(bridges))
+        for b in left:  # every host left names it from its record, and the first aggregator too
+            failure = b.run_dir.read(EVENTS, rank_file("failure", victim.me.rank), Failure)
+            assert failure is not None and f"ranks {victim.me.rank}-{victim.me.rank + 1}) lost" in (failure.message or "")
+            assert _lost_here(b, first.me.rank)
+    finally:
+        for b in bridges:
+            b.stop()
+
+
+def test_an_aggregator_that_ends_well_first_is_not_lost(store, tmp_path: Path) -> None:
+    """The aggregator's rank finishes cleanly and its host goes away first: the other hosts,
+    which read nothing but its digest, learn from it that the job is ending (its done beat
+    is in the digest too), and none judges it lost when its digest stands still."""
+    bridges = [_host(tmp_path, n, f"127.0.0.1:{int(store().port)}", "digest-ends") for n in range(3)]
+    try:
+        _until("every host counted by the digest", lambda: all(b.joined == 3 and b.connected for b in bridges),
+               START_S, lambda: _state(bridges))
+        (first,) = [b for b in bridges if b.aggregating]
+        rest = [b for b in bridges if b is not first]
+        first.on_success()
+        first.stop()
+        ended = time.monotonic()
+        _until("the job ending on every other host", lambda: all(b.job_ending for b in rest), LOST_S,
+               lambda: _state(bridges))
+        # Past peer_timeout (and a takeover) since the aggregator went quiet: nobody judged it.
+        _until("peer_timeout passed", lambda: time.monotonic() > ended + PEER_TIMEOUT_S + 4 * HEARTBEAT_S, LOST_S)
+        for b in rest:
+            assert not [n for n in b.run_dir.names(EVENTS) if n.startswith("failure-")], b.index
+    finally:
+        for b in bridges:
+            b.stop()
+
+
+def test_a_host_that_registers_is_counted_everywhere_whatever_the_aggregators_pace(store, tmp_path: Path) -> None:
+    """Who joined is not left to the aggregator. Host 0 here aggregates at the pace of a
+    starved one: its digest advances every heartbeat (it is alive: nobody takes over, nobody
+    judges it lost) but never counts another host. The three real hosts that register
+    meanwhile are counted joined by each of them all the same (they took an index), and none
+    says that hosts the launcher announced have not joined."""
+    from peerwatch._hosts import Digest, HostInfo, beat_value
+    from peerwatch._store_protocol import HOSTS, beat_key, host_key, publish_digest
+
+    prefix = "peerwatch/digest-pace/"
+    slow = store()
+    assert int(slow.add(prefix + HOSTS, 1)) == 1  # host 0: the aggregator, first to register
+    slow.set(prefix + host_key(0), HostInfo(0, "host0", ranks=(0, 1)).to_json())
+    stop = threading.Event()
+
+    def aggregate() -> None:
+        seq = 0
+        while True:
+            seq += 1
+            slow.set(prefix + beat_key(0), beat_value(seq, False))
+            publish_digest(slow, prefix, Digest(0, 0, beat_value(seq, False), count=1, joined=1))
+            if stop.wait(HEARTBEAT_S):
+                return
+
+    pacer = threading.Thread(target=aggregate, name="test-slow-aggregator")
+    pacer.start()
+    bridges: List[Bridge] = []
+    try:
+        # Eight ranks, two a host: the launcher announces four hosts. A peer_timeout of 10 s: a
+        # loaded machine that starves this test's thread for a second or two (half of it is a
+        # takeover) does not change who aggregates.
+        bridges = [_host(tmp_path, n, f"127.0.0.1:{int(store().port)}", "digest-pace", world_size=8,
+                         local_world_size=2, peer_timeout=10.0) for n in (1, 2, 3)]
+        _until("every host counted joined by every other", lambda: all(b.joined == 4 and b.connected for b in bridges),
+               START_S, lambda: _state(bridges))
+        assert not any(b.aggregating for b in bridges), _state(bridges)  # the premise: host 0 still aggregates
+        for b in bridges:
+            assert not [n for n in b.run_dir.names(EVENTS) if n.startswith("failure-")], b.index
+    finally:
+        for b in bridges:
+            b.stop()
+        stop.set()
+        pacer.join(10.0)
