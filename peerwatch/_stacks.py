@@ -40,6 +40,7 @@ class StackFile:
         self._timer_lock = threading.Lock()
         self._stopped = False  # under _timer_lock: the watching stopped; no GIL watchdog from now on
         self._tearing_down = False  # under _timer_lock: the last resort is armed; never cancelled
+        self._native_failed = False  # under _timer_lock: the C watchdog could not start; faulthandler's timer instead
 
     @classmethod
     def open(cls, rd: RunDir, rank: int) -> StackFile:
@@ -86,9 +87,15 @@ class StackFile:
                 return
             native = _native()
             if native is not None:
-                native.gil_watch(self.file.fileno(), STACKS_SIGNAL, timeout_s)
-            else:
-                faulthandler.dump_traceback_later(timeout_s, exit=True, file=self.file)
+                try:
+                    native.gil_watch(self.file.fileno(), STACKS_SIGNAL, timeout_s)
+                    return
+                except OSError as e:  # no thread can be started (a limit on tasks): the timer below
+                    if not self._native_failed:
+                        self._native_failed = True
+                        logger.warning("peerwatch: gil_timeout's watchdog thread cannot start (%s); faulthandler's "
+                                       "timer stands in (it counts the time the process is stopped)", e)
+            faulthandler.dump_traceback_later(timeout_s, exit=True, file=self.file)
 
     def _disarm_native(self) -> None:
         native = _native()
