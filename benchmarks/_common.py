@@ -253,8 +253,22 @@ def load1() -> float:
     return os.getloadavg()[0]
 
 
+def end_workers(procs: Sequence, server: subprocess.Popen, join_s: float) -> None:
+    """Join the worker processes (multiprocessing), killing any still running after
+    ``join_s``; then end the store server by closing its stdin (it reads until EOF)."""
+    for p in procs:
+        p.join(join_s)
+        if p.is_alive():
+            p.kill()
+            p.join(5)
+    if server.stdin:
+        server.stdin.close()
+    server.wait(10)
+
+
 __all__ = [
     "FOREIGN_ENV", "HERE", "ROOT", "TORCHRUN", "Pidfds", "Summary", "become_subreaper", "clean_env", "cpu_model",
-    "cpu_ns", "fmt_ms", "fmt_summary", "free_port", "load1", "machine", "peerwatch_commit", "quantile", "reap", "summarize", "table",
+    "cpu_ns", "end_workers", "fmt_ms", "fmt_summary", "free_port", "load1", "machine", "peerwatch_commit", "quantile", "reap", "summarize", "table",
     "tree", "wait_files",
 ]
+

@@ -36,6 +36,7 @@ import time
 from typing import Any, Dict, List
 
 import psutil
+from _common import end_workers  # the benchmarks folder: sys.path[0] when run as a script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -271,14 +272,7 @@ def main() -> None:
             seen.update({int(k): v for k, v in msg["seen_ns"].items()})
             missing += msg["missing"]
     finally:
-        for p in procs:
-            p.join(10)
-            if p.is_alive():
-                p.kill()
-                p.join(5)
-        if server.stdin:
-            server.stdin.close()
-        server.wait(10)
+        end_workers(procs, server, 10)
     seconds = statistics.mean(r["seconds"] for r in results)
     intervals = seconds / a.interval
     requests = sum(r["requests"] for r in results)

@@ -46,6 +46,7 @@ import time
 from typing import Any, Dict, List, Optional, Tuple
 
 import psutil
+from _common import end_workers  # the benchmarks folder: sys.path[0] when run as a script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SETUP_TIMEOUT_S = 240.0
@@ -312,14 +313,7 @@ def run_one(variant: str, root: str, hosts: int, a: argparse.Namespace) -> Dict[
             os.environ.pop("PYTHONPATH", None)
         else:
             os.environ["PYTHONPATH"] = old_path
-        for p in procs:
-            p.join(15)
-            if p.is_alive():
-                p.kill()
-                p.join(5)
-        if server.stdin:
-            server.stdin.close()
-        server.wait(10)
+        end_workers(procs, server, 15)
         shutil.rmtree(base, ignore_errors=True)
     return fig
 

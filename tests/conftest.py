@@ -9,17 +9,18 @@ thread running in the test process.
 
 from __future__ import annotations
 
+import datetime
 import os
 import signal
 import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Callable, Iterator, List
+from typing import Any, Callable, Iterator, List
 
 import psutil
 import pytest
-from harness import Job, set_child_subreaper
+from harness import Job, free_port, set_child_subreaper
 from hypothesis import settings
 
 # Property tests run with hypothesis's budget (100 examples) by default. benchmarks/mutation.py
@@ -146,3 +147,21 @@ def make_job(tmp_path: Path, no_leaks: str) -> Iterator[Callable[..., Job]]:
     yield make
     for job in jobs:
         job.close()
+
+
+@pytest.fixture
+def store() -> Iterator[Callable[[], Any]]:
+    """A TCPStore server on a free port; yields a function that makes a client of it
+    (torch.distributed imported by the test that asks). Modules with a store of another
+    shape define their own fixture of this name."""
+    import torch.distributed as dist
+
+    port = free_port()
+    server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+
+    def client() -> Any:
+        return dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
+                             timeout=datetime.timedelta(seconds=10))
+
+    yield client
+    del server

@@ -10,18 +10,16 @@ digest, and its successor takes over: a host killed after that is still seen los
 
 from __future__ import annotations
 
-import datetime
 import os
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List
+from typing import Any, Callable, Dict, List
 
 import pytest
 
 pytest.importorskip("torch")
 
-from harness import free_port  # noqa: E402
 
 from peerwatch import _identity  # noqa: E402
 from peerwatch._bridge import Bridge  # noqa: E402
@@ -93,21 +91,6 @@ class _Counting:
         return self._store.clone()
 
 
-@pytest.fixture
-def store() -> Iterator[Callable[[], Any]]:
-    import torch.distributed as dist
-
-    port = free_port()
-    server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
-
-    def client() -> Any:
-        return dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
-                             timeout=datetime.timedelta(seconds=10))
-
-    yield client
-    del server
-
-
 def _host(tmp: Path, n: int, store: Any, run_id: str, **options: Any) -> Bridge:
     """Host ``n`` (ranks 2n and 2n+1 registered in its own run directory), its bridge started."""
     rd = RunDir(str(tmp / f"host{n}"))
@@ -145,6 +128,11 @@ def _lost_here(b: Bridge, rank: int) -> bool:
     return f is not None and f.cause == LOST
 
 
+def _failures(bridge: Any) -> list:
+    """The failure records (a host judged lost) in a bridge's run directory."""
+    return [n for n in bridge.run_dir.names(EVENTS) if n.startswith("failure-")]
+
+
 @pytest.mark.parametrize("hosts", [3, 8])
 def test_a_host_reads_one_key_per_beat_whatever_the_number_of_hosts_and_none_is_lost_at_start(store, tmp_path: Path, hosts: int) -> None:
     """Every bridge read every host's beat every heartbeat: O(hosts) keys per host, O(hosts^2)
@@ -176,7 +164,7 @@ def test_a_host_reads_one_key_per_beat_whatever_the_number_of_hosts_and_none_is_
         # Started together (each first request at a random point of its first heartbeat):
         # no host was judged lost while the job started, nor since.
         for b in bridges:
-            assert not [n for n in b.run_dir.names(EVENTS) if n.startswith("failure-")], b.index
+            assert not _failures(b), b.index
     finally:
         for b in bridges:
             b.stop()
@@ -231,7 +219,7 @@ def test_an_aggregator_that_ends_well_first_is_not_lost(store, tmp_path: Path) -
         # Past peer_timeout (and a takeover) since the aggregator went quiet: nobody judged it.
         _until("peer_timeout passed", lambda: time.monotonic() > ended + PEER_TIMEOUT_S + 4 * HEARTBEAT_S, LOST_S)
         for b in rest:
-            assert not [n for n in b.run_dir.names(EVENTS) if n.startswith("failure-")], b.index
+            assert not _failures(b), b.index
     finally:
         for b in bridges:
             b.stop()
@@ -274,7 +262,7 @@ def test_a_host_that_registers_is_counted_everywhere_whatever_the_aggregators_pa
                START_S, lambda: _state(bridges))
         assert not any(b.aggregating for b in bridges), _state(bridges)  # the premise: host 0 still aggregates
         for b in bridges:
-            assert not [n for n in b.run_dir.names(EVENTS) if n.startswith("failure-")], b.index
+            assert not _failures(b), b.index
     finally:
         for b in bridges:
             b.stop()

@@ -4,19 +4,17 @@ left unwatched: a real TCPStore, written by a stranger (another client of it). T
 
 from __future__ import annotations
 
-import datetime
 import logging
 import os
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator, List, Tuple
+from typing import Any, Callable, List, Tuple
 
 import pytest
 
 pytest.importorskip("torch")
 
-from harness import free_port  # noqa: E402
 
 from peerwatch import _identity  # noqa: E402
 from peerwatch._config import Config, LauncherFacts  # noqa: E402
@@ -48,21 +46,6 @@ class _Counted:
             return attr(*args, **kwargs)
 
         return call
-
-
-@pytest.fixture
-def store() -> Iterator[Callable[[], Any]]:
-    import torch.distributed as dist
-
-    port = free_port()
-    server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
-
-    def client() -> Any:
-        return dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
-                             timeout=datetime.timedelta(seconds=10))
-
-    yield client
-    del server
 
 
 def _two_hosts(client: Callable[[], Any]) -> Tuple[Any, HostInfo]:
