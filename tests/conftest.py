@@ -165,3 +165,13 @@ def store() -> Iterator[Callable[[], Any]]:
 
     yield client
     del server
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """SIGINT as at a terminal. A non-interactive shell starts a background job (``./dev test &``,
+    a CI script's ``cmd &``) with SIGINT ignored, every process it starts inherits that across
+    exec, and Python then installs no KeyboardInterrupt handler: the ranks of the interrupt
+    tests ignored the SIGINT sent to them. The ranks start with its default (handlers are
+    reset by exec; an ignored signal is not)."""
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
