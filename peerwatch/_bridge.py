@@ -257,6 +257,7 @@ class _BeatLoop:
         # or failed interval (a loaded host) is no sign that the other hosts cannot reach us,
         # so an exception here is still held back as a possible echo, and a verdict published.
         self.connected = False
+        self.answered = threading.Event()  # the store answered once: a loop that has not yet is connecting
         self.requests = 0  # store requests made so far (for the load test)
         self._lost_reported: Set[int] = set()
         self._store_lost_reported = False
@@ -366,6 +367,7 @@ class _BeatLoop:
             self._stall_token, self._stall_published_ns = stall.stall, now_ns
         self._take_stalls(stall is not None, seen, read, now_ns)
         self.connected = True
+        self.answered.set()
         self._up.set(True)
         self._write_state(connected=True)
         self._stragglers()
@@ -904,7 +906,7 @@ class Bridge:
             return
         if verdict.detected_by not in _identity.local_ranks(self.run_dir.registrations()):
             return  # made on another host: it came through the store
-        if self.running and not self.connected:
+        if self.running and not self.connected and not self._first_answer():
             logger.info("peerwatch: the store at %s is unreachable: the verdict stays on this host", self.address)
             return
         connect_s = 0.0
@@ -925,6 +927,15 @@ class Bridge:
         self.published = True
         if not kept:
             logger.info("peerwatch: the store already held another host's verdict for run %s", self.facts.run_id)
+
+    def _first_answer(self) -> bool:
+        """A bridge that started moments ago (this rank took it over at its last heartbeat,
+        from a local rank that died: the death this verdict is about) is connecting, not cut
+        off: wait for the store's first answer as a takeover would. One that was answered
+        before and is not connected now is cut off: no wait."""
+        beat = self._beat
+        return beat is not None and not beat.answered.is_set() and \
+            beat.answered.wait(TAKEOVER_CONNECT_S + PUBLISH_BUDGET_S) and beat.connected
 
     def hold_until(self, verdict: Verdict) -> Optional[float]:
         """Until when (``time.monotonic()``) the watcher should hold ``verdict`` back, deciding

@@ -271,6 +271,7 @@ class Host:
         self.popen: Optional[subprocess.Popen] = None
         self.netns: Optional[str] = None
         self.pidfds: Dict[int, int] = {}  # global pid -> pidfd of every process of this host
+        self.roles: Dict[int, str] = {}  # global pid -> 'init' / 'rank <r>'
         self.gone_ns: Optional[int] = None
 
     def start(self, argv: List[str], env: Dict[str, str]) -> None:
@@ -298,10 +299,27 @@ class Host:
         return found
 
     def hold(self) -> None:
-        for proc in [*self.processes().values()]:
+        for role, proc in self.processes().items():
             if proc.pid not in self.pidfds:
                 with contextlib.suppress(ProcessLookupError):
                     self.pidfds[proc.pid] = os.pidfd_open(proc.pid)
+                    self.roles[proc.pid] = role
+
+    def still_living(self) -> str:
+        """Which of its processes are alive, and where each thread sleeps (for a failure's message)."""
+        out = []
+        for pid, fd in self.pidfds.items():
+            if select.select([fd], [], [], 0)[0]:
+                continue
+            threads = []
+            with contextlib.suppress(OSError):
+                for task in sorted(os.listdir(f"/proc/{pid}/task"), key=int):
+                    with contextlib.suppress(OSError):
+                        state = Path(f"/proc/{pid}/task/{task}/stat").read_text().rsplit(")", 1)[1].split()[0]
+                        wchan = Path(f"/proc/{pid}/task/{task}/wchan").read_text() or "-"
+                        threads.append(f"{state}:{wchan}")
+            out.append(f"{self.name} {self.roles.get(pid, '?')} (pid {pid}): {' '.join(threads) or 'gone'}")
+        return "; ".join(out)
 
     def pid_of(self, what: str) -> int:
         return self.processes()[what].pid
@@ -487,7 +505,8 @@ class Cluster:
         while fds:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise AssertionError(f"hosts {names} still alive {within}s after the wait began\n{self.logs()}")
+                alive = "; ".join(h.still_living() for h in hosts)
+                raise AssertionError(f"hosts {names} still alive {within}s after the wait began: {alive}\n{self.logs()}")
             for fd, _ in poller.poll(int(left * 1000) + 1):
                 poller.unregister(fd)
                 fds.discard(fd)

@@ -4,6 +4,7 @@ left unwatched: a real TCPStore, written by a stranger (another client of it). T
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -15,6 +16,8 @@ import pytest
 
 pytest.importorskip("torch")
 
+
+from harness import free_port  # noqa: E402
 
 from peerwatch import _identity  # noqa: E402
 from peerwatch._config import Config, LauncherFacts  # noqa: E402
@@ -319,3 +322,35 @@ def test_a_successor_bridge_keeps_the_first_verdict_key_its_host_found(store) ->
     assert VerdictFrom(memo).settle(store(), PREFIX, Seal(None)) == 0  # the successor, same host
     assert VerdictFrom(_Memo()).settle(store(), PREFIX, Seal(None)) == 1  # a host that looks only now
     assert VerdictFrom().settle(store(), PREFIX, Seal(None)) == 1
+
+
+def test_a_bridge_still_connecting_publishes_the_verdict_it_is_told_of(tmp_path: Path) -> None:
+    """The host's bridge rank died; the survivor took the bridge over at its heartbeat and
+    learnt of the death in the same instant, before its first exchange came back. It read
+    "running, not connected" as cut off and kept the verdict on its host: the other hosts
+    learnt of it only as this host lost, after peer_timeout (seen beside 8 busy loops).
+    Here the store answers only 0.3 s after the bridge started: the verdict must still
+    reach it."""
+    import torch.distributed as dist
+
+    from peerwatch._records import Verdict, decode
+    from peerwatch._store_protocol import poll_verdict
+
+    port = free_port()
+    bridge = _bridge_host(tmp_path, port)  # its threads started: connecting to nothing yet
+    server: List[Any] = []
+    late = threading.Timer(0.3, lambda: server.append(dist.TCPStore("127.0.0.1", port, is_master=True,
+                                                                      wait_for_workers=False)))
+    late.start()
+    try:
+        assert not bridge.connected
+        made = dataclasses.replace(_skewed(rank=1, exit_code=7, skew_s=0.0), detected_by=0)  # this host's rank 0 saw it
+        bridge.on_verdict(made)
+        assert bridge.published, "the verdict stayed on this host"
+        late.join()
+        client = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False)
+        assert decode(Verdict, poll_verdict(client, PREFIX, Seal(None))) == made
+    finally:
+        late.cancel()
+        bridge.stop()
+        server.clear()
