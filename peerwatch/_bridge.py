@@ -113,6 +113,7 @@ from ._store_protocol import (
     publish_verdict,
     read_host,
     read_hosts,
+    say_ending,
     send_beat,
     straggle_exchange,
     verdict_key,
@@ -356,6 +357,7 @@ class _BeatLoop:
         if not aggregating:  # a host that took an index has joined, read by the aggregator yet or not
             self._registered = max(self._registered, min(seen.count, MAX_HOSTS))
         seen_ns = time.monotonic_ns()
+        self.job_ending = self.job_ending or seen.ending
         self._watch.observe(seen_ns, seen.digest)
         if aggregating:
             self._judge(seen.beats)
@@ -1015,6 +1017,7 @@ class Bridge:
 def _send_done(c: Any, prefix: str, index: int, beat: bytes, seal: Seal, digest: Optional[Digest]) -> None:
     """The done beat, and on the aggregator its last digest again with it (saying the job is ending)."""
     send_beat(c, prefix, index, beat, seal)
+    say_ending(c, prefix, seal)
     if digest is not None and digest.by == index:
         publish_digest(c, prefix, dataclasses.replace(digest, beat=beat, ending=True), seal)
 

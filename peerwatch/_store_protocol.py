@@ -47,6 +47,7 @@ import threading
 from typing import Any, Dict, List, Mapping, Optional, Protocol, Set, Tuple
 
 from ._hosts import (
+    DONE,
     MAX_DIGEST_LIST,
     MAX_HOSTS,
     Digest,
@@ -62,6 +63,11 @@ from ._records import Verdict, decode
 logger = logging.getLogger("peerwatch")
 
 HOSTS, VERDICT, NONCE, DIGEST = "hosts", "verdict", "nonce", "digest"
+# Said by a host whose rank finished cleanly, read by every host each interval with the
+# digest: the job is ending, so a host (or the store) going quiet is no failure. Said in one
+# hop: through the aggregator's digest it took two intervals, and a store served from the
+# host that ended first could be gone before the others read it (they called it lost).
+ENDING, ENDING_SAID = "ending", b"ending"
 SIGNED = b"pw-hmac2:"  # a signed value: SIGNED + the run's nonce (hex) + b":" + hex digest + b":" + value
 NONCE_BYTES = 16  # the run's nonce: this many random bytes, in hex
 VERDICT_TRIES = 8  # verdict keys in turn: a refused value in one (forged, replayed) moves everyone to the next
@@ -327,6 +333,7 @@ class Seen:
     digest_there: bool = False  # the digest key exists
     count: int = 0  # the hosts counter, if read
     stalled: Tuple[int, ...] = ()  # the other hosts that stand still: by their beats, or by the digest
+    ending: bool = False  # a host said the job is ending (:data:`ENDING`)
 
 
 def register(c: Any, prefix: str, ident: str, seal: Seal = NO_SEAL) -> int:
@@ -398,9 +405,11 @@ def exchange(c: Any, x: Exchange) -> Seen:
     requests = 0
     index = x.index
     seal = x.seal
+    ekey = x.prefix + ENDING
     if index is None:
-        requests = 3 + (seal.on and seal.nonce is None)
+        requests = 4 + (seal.on and seal.nonce is None)
         index = register(c, x.prefix, x.ident, seal)
+        c.compare_set(ekey, "", seal.sign(ekey, b""))  # there before this host reads it: a multi_get waits for a missing key
         if x.verdict_from is not None:  # a verdict this run publishes from now on is one to obey
             x.verdict_from.settle(c, x.prefix, seal)
             requests += 1
@@ -414,6 +423,9 @@ def exchange(c: Any, x: Exchange) -> Seen:
     key = x.prefix + beat_key(index)
     c.set(key, seal.sign(key, x.beat))
     requests += 1
+    if x.beat.startswith(DONE):
+        say_ending(c, x.prefix, seal)
+        requests += 1
     if x.me is not None:
         key = x.prefix + host_key(index)
         c.set(key, seal.sign(key, dataclasses.replace(x.me, index=index).to_json()))
@@ -427,24 +439,25 @@ def exchange(c: Any, x: Exchange) -> Seen:
     beats: Dict[int, Optional[bytes]] = {}
     count = 0
     raw: Optional[bytes] = None
+    said: Optional[bytes] = None
     if x.aggregate:
         if roster_incomplete(x.expected, len(set(x.hosts) | {index})):
             count = read_count(c, x.prefix + HOSTS, seal)
             new_hosts, n = read_hosts(c, x.prefix, hosts_to_read(count, set(x.hosts), index), seal)
             requests += 2 + n
         others = peers_to_watch({**x.hosts, **new_hosts}, index, x.ident)
-        keys = [x.prefix + beat_key(j) for j in others] + ([dkey] if there else [])
-        if keys:
-            values: List[Optional[bytes]] = c.multi_get(keys)
-            beats = {j: seal.open(key, v) for j, key, v in zip(others, keys, values)}
-            raw = values[-1] if there else None
-            requests += 1
+        keys = [x.prefix + beat_key(j) for j in others] + ([dkey] if there else []) + [ekey]
+        values: List[Optional[bytes]] = c.multi_get(keys)
+        beats = {j: seal.open(key, v) for j, key, v in zip(others, keys, values)}
+        raw = values[-2] if there else None
+        said = values[-1]
+        requests += 1
     elif there and x.count_hosts:  # the counter is there: we took our index with add
-        raw, counted = c.multi_get([dkey, x.prefix + HOSTS])
+        raw, said, counted = c.multi_get([dkey, ekey, x.prefix + HOSTS])
         count = believed_count(x.prefix + HOSTS, bytes(counted), seal)
         requests += 1
     elif there:
-        raw = c.get(dkey)
+        raw, said = c.multi_get([dkey, ekey])
         requests += 1
     elif x.count_hosts:
         count = read_count(c, x.prefix + HOSTS, seal)
@@ -468,7 +481,14 @@ def exchange(c: Any, x: Exchange) -> Seen:
         values = c.multi_get(keys)
         stalls = {j: seal.open(key, v) for j, key, v in zip(stalled, keys, values)}
         requests += 1
-    return Seen(index, x.index is None, new_hosts, beats, requests, stalls, digest, there, count, stalled)
+    ending = said is not None and seal.open(ekey, bytes(said)) == ENDING_SAID
+    return Seen(index, x.index is None, new_hosts, beats, requests, stalls, digest, there, count, stalled, ending)
+
+
+def say_ending(c: Any, prefix: str, seal: Seal = NO_SEAL) -> None:
+    """This host's rank finished cleanly: every host reads it at its next interval."""
+    key = prefix + ENDING
+    c.set(key, seal.sign(key, ENDING_SAID))
 
 
 def publish_digest(c: Any, prefix: str, digest: Digest, seal: Seal = NO_SEAL) -> None:
@@ -580,9 +600,9 @@ def poll_verdict(c: Any, prefix: str, seal: Seal = NO_SEAL, verdict_from: Option
 
 
 __all__ = [
-    "DIGEST", "HOSTS", "NONCE", "NO_SEAL", "SIGNED", "STRAG_FOUND", "VERDICT", "VERDICT_TRIES", "Exchange",
+    "DIGEST", "ENDING", "HOSTS", "NONCE", "NO_SEAL", "SIGNED", "STRAG_FOUND", "VERDICT", "VERDICT_TRIES", "Exchange",
     "NonceMemo", "Seal", "Seen", "StraggleExchange", "acceptable_verdict", "beat_key", "believed_count", "diag_key", "establish_nonce",
     "exchange", "host_key", "publish_digest", "index_key", "poll_verdict", "publish_verdict", "read_count", "read_host", "read_hosts",
-    "register", "send_beat",
+    "register", "say_ending", "send_beat",
     "strag_key", "straggle_exchange", "VerdictFrom", "verdict_key",
 ]

@@ -137,7 +137,8 @@ def _failures(bridge: Any) -> list:
 def test_a_host_reads_one_key_per_beat_whatever_the_number_of_hosts_and_none_is_lost_at_start(store, tmp_path: Path, hosts: int) -> None:
     """Every bridge read every host's beat every heartbeat: O(hosts) keys per host, O(hosts^2)
     for the store. Now the aggregator alone reads the beats; every other host reads the
-    digest (one key, one request) besides its own beat (one set), with 3 hosts as with 8."""
+    digest and the job's ``ending`` key (two keys, one request) besides its own beat (one
+    set), with 3 hosts as with 8."""
     counters = [_Counting(store()) for _ in range(hosts)]
     bridges = [_host(tmp_path, n, counters[n], f"digest-count-{hosts}") for n in range(hosts)]
     try:
@@ -155,11 +156,12 @@ def test_a_host_reads_one_key_per_beat_whatever_the_number_of_hosts_and_none_is_
             if b.aggregating:
                 assert read.get("beat", 0) >= (hosts - 1) * (beats - 2), (read, beats)
                 continue
-            # One get of the digest per beat (a host record the digest names, read once,
-            # may fall in the window); never another host's beat.
+            # One read of the digest and the ending key per beat (a host record the digest
+            # names, read once, may fall in the window); never another host's beat.
             assert read.get("beat", 0) == 0, read
             assert beats - 2 <= read.get("digest", 0) <= beats + 2, (read, beats)
-            assert sum(read.values()) <= beats + 4, (read, beats)
+            assert read.get("ending", 0) == read.get("digest", 0), (read, beats)
+            assert sum(read.values()) <= 2 * beats + 4, (read, beats)
             assert requests <= 2 * beats + 4, (requests, beats)
         # Started together (each first request at a random point of its first heartbeat):
         # no host was judged lost while the job started, nor since.
@@ -268,3 +270,25 @@ def test_a_host_that_registers_is_counted_everywhere_whatever_the_aggregators_pa
             b.stop()
         stop.set()
         pacer.join(10.0)
+
+
+def test_a_clean_end_reaches_every_host_in_one_read_without_the_aggregator(store, tmp_path: Path) -> None:
+    """A host whose rank finished cleanly said so only in its beat, which the aggregator read
+    and passed on in its next digest: two intervals, and a store served from that host could
+    be gone before the others read it (they judged the store lost: a clean job ended in a
+    verdict). The job's ``ending`` key is read by every host with the digest. Here the
+    aggregator is stopped first (its digest no longer changes; peer_timeout is long, so no
+    successor takes over): the other host learns that the job is ending all the same."""
+    bridges = [_host(tmp_path, n, store(), "digest-ending", peer_timeout=60.0) for n in range(3)]
+    try:
+        _until("every host counted", lambda: all(b.joined == 3 and b.connected for b in bridges), START_S,
+               lambda: _state(bridges))
+        (aggregator,) = [b for b in bridges if b.aggregating]
+        done, reader = [b for b in bridges if b is not aggregator]
+        aggregator.stop()
+        assert not reader.job_ending
+        done.on_success()
+        _until("the other host knows the job is ending", lambda: reader.job_ending, 20.0, lambda: _state(bridges))
+    finally:
+        for b in bridges:
+            b.stop()
