@@ -9,7 +9,8 @@ hostname), like a node's agent: it optionally serves the job's TCPStore (as torc
 agent, or rank 0 under init_process_group, does on the first node), starts its ranks as
 children with RANK/WORLD_SIZE/LOCAL_RANK/LOCAL_WORLD_SIZE, reaps them (and any orphan:
 it is init here), notes each rank's returncode in ``READY/exit-<rank>``, and exits when
-they are all gone. Killing it kills the whole simulated host.
+they are all gone (``--hold NAME``: serving the store on until ``READY/NAME`` exists).
+Killing it kills the whole simulated host.
 
 ``rank`` installs peerwatch, notes ``READY/rank-<rank>`` (JSON: pid in its namespace,
 host), imports torch.distributed (as a training script does; on a host's first rank,
@@ -81,7 +82,14 @@ def host_main(args: argparse.Namespace) -> None:
         rank = children.pop(pid, None)
         if rank is not None:
             note(args.ready, f"exit-{rank}", str(os.waitstatus_to_exitcode(status)))
-    del store
+    if store is not None and args.hold:  # serve the store on until READY/<hold> exists
+        while not os.path.exists(os.path.join(args.ready, args.hold)):
+            time.sleep(0.02)
+    # Gone with its ranks, without finalizing Python: with torch loaded and a store served
+    # that took seconds of a loaded 2-core machine, and the tests time the ranks, not this.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def laggard(what: str, path: str) -> None:
@@ -168,6 +176,7 @@ def main() -> None:
     parser.add_argument("--world", type=int, default=0)
     parser.add_argument("--ready", required=True)
     parser.add_argument("--serve", type=int, default=0)
+    parser.add_argument("--hold", default="")
     parser.add_argument("--behave", action="append", default=[])
     args = parser.parse_args()
     if args.mode == "host":

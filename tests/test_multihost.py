@@ -431,7 +431,8 @@ class Cluster:
         """Cut the isolated host off: the cluster's end of its link goes down."""
         subprocess.run(["ip", "-n", self.netns[0], "link", "set", self._veth, "down"], check=True, timeout=10)
 
-    def start(self, behave: Sequence[str] = (), serve: bool = True, env: Optional[Dict[str, str]] = None) -> Cluster:
+    def start(self, behave: Sequence[str] = (), serve: bool = True, env: Optional[Dict[str, str]] = None,
+              hold: str = "") -> Cluster:
         base = {k: v for k, v in os.environ.items() if k not in _FOREIGN_ENV}
         base.update(
             PEERWATCH_HEARTBEAT=str(HEARTBEAT_S), PEERWATCH_PEER_TIMEOUT=str(PEER_TIMEOUT_S),
@@ -448,7 +449,7 @@ class Cluster:
             for item in behave:
                 argv += ["--behave", item]
             if host is first and serve:
-                argv += ["--serve", str(self.port)]
+                argv += ["--serve", str(self.port)] + (["--hold", hold] if hold else [])
             host.start(argv, env)
         return self
 
@@ -722,9 +723,18 @@ def test_a_partitioned_host_ends_in_a_verdict_everywhere(cluster) -> None:  # ty
 @multihost
 @pytest.mark.timeout(90)
 def test_a_clean_end_gives_no_verdict_even_when_the_store_host_ends_first(cluster) -> None:  # type: ignore[no-untyped-def]
-    c = cluster().start(behave=[f"{r}=succeed_on:go" for r in range(6)])
+    """Host a's ranks (rank 0's, and the store's host) finish first; the store goes with
+    host a once the others know the job is ending (that they learn it in one read of the
+    store is tests/test_digest.py's to show; this checks the consequence). Then the
+    others, finding the store gone, finish: no verdict anywhere, every rank exits 0."""
+    c = cluster().start(behave=[f"{r}=succeed_on:go" for r in range(6)], hold="release")
     c.wait_connected()
-    (c.hosts["a"].ready / "go").write_text("")
+    a = c.hosts["a"]
+    (a.ready / "go").write_text("")
+    c._wait(lambda: all((a.ready / f"exit-{r}").exists() for r in a.ranks), 10.0, "host a's ranks ended")
+    c._wait(lambda: all(c.hosts[n].bridge_state().get("job_ending") for n in ("b", "c")), 10.0,
+            "hosts b and c know the job is ending", lambda: str({n: h.bridge_state() for n, h in c.hosts.items()}))
+    (a.ready / "release").write_text("")
     c.wait_gone(["a"], within=10.0)  # the store is gone with it
     for name in ("b", "c"):
         (c.hosts[name].ready / "go").write_text("")
