@@ -1,4 +1,4 @@
-"""How peerwatch names a signal, and which signals are its own (peerwatch._signals): pure."""
+"""How peerwatch names a signal, and which signals are its own (peerwatch.proc.signals): pure."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import signal
 
 import pytest
 
-from peerwatch._signals import INTERRUPT_SIGNAL, RTMIN, STACKS_SIGNAL, signal_label
+from peerwatch.proc.signals import INTERRUPT_SIGNAL, RTMIN, STACKS_SIGNAL, signal_label
 
 pytestmark = pytest.mark.pure  # no process, no thread, no file: conftest skips its scan for leaks
 
@@ -40,7 +40,7 @@ def test_without_sigrtmin_linux_numbering_is_assumed(monkeypatch: pytest.MonkeyP
     # A Python built without SIGRTMIN (not Linux): the module still imports, with glibc's 34.
     import importlib.util
 
-    import peerwatch._signals as real
+    import peerwatch.proc.signals as real
 
     monkeypatch.delattr(signal, "SIGRTMIN")
     spec = importlib.util.spec_from_file_location("_signals_without_rtmin", real.__file__)

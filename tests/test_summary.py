@@ -1,10 +1,9 @@
-"""A host's stall summary (peerwatch._summary): pure, no store."""
+"""A host's stall summary (peerwatch.hangs.summary): pure, no store."""
 
 from __future__ import annotations
 
-from peerwatch._activity import Activity
-from peerwatch._diagnose import RankState, diagnose
-from peerwatch._summary import (
+from peerwatch.hangs.diagnose import RankState, diagnose
+from peerwatch.hangs.summary import (
     MAX_DETAILED,
     MAX_SUMMARY_BYTES,
     PUBLISH_FRACTION,
@@ -13,6 +12,7 @@ from peerwatch._summary import (
     remote_ranks,
     summarize,
 )
+from peerwatch.proc.activity import Activity
 
 S = 1_000_000_000
 WAITING = RankState(collectives=(("0", 31, 30),), entered=(("0", 31, "allreduce", "[[1]] Float"),), in_collective=True,
