@@ -54,7 +54,6 @@ DEFAULT_TARGETS = [
     ("peerwatch/hangs/straggler.py", ["tests/test_straggler_rule.py"]),
     ("peerwatch/hangs/summary.py", ["tests/test_summary.py"]),
     ("peerwatch/core/errors.py", ["tests/test_errors.py"]),
-    ("peerwatch/proc/signals.py", ["tests/test_signals.py"]),
     ("peerwatch/core/mounts.py", ["tests/test_mounts.py"]),
     ("peerwatch/core/terminal.py", ["tests/test_terminal_text.py"]),  # test_terminal.py: end to end
 ]

@@ -18,7 +18,7 @@ its subpackages and modules are internal.
 #
 #   core/      errors records config terminal schedule awake mounts: pure values and rules
 #   proc/      identity activity sources inotify waker teardown: processes, through the OS
-#   rundir/    trust dirfd rundir basedir prepare eventlog ownrecords exitwatch stacks gc
+#   rundir/    trust dirfd rundir basedir prepare eventlog exitwatch stacks gc
 #   hangs/     collectives heartbeat waits diagnose summary straggler frdump
 #   hosts/     hosts store_protocol store_client election bridge sharedfs stragglerwatch
 #   verdict/   decide plan enforce notify keeper report leave

@@ -10,7 +10,7 @@ status where we are its parent, else faulthandler's last words in its stack file
 Threads: everything here is owned by the watcher thread, except :meth:`Observer.wake`
 and :meth:`Observer.stop`, which any thread may call (see :class:`peerwatch.proc.waker.Waker`).
 Nothing else writes its state: the rank's own records (failure, success...), written by
-other threads, go to disk through :class:`peerwatch.rundir.ownrecords.OwnRecords` and are read
+other threads, go to disk through :class:`peerwatch.rundir.eventlog.OwnRecords` and are read
 back here like any other record; the hang diagnosis is recorded through
 :meth:`Observer.record_diagnosis`.
 """
@@ -47,7 +47,7 @@ from .proc import identity
 from .proc.sources import Peer, oom_kill_count, post_mortem
 from .proc.waker import Waker
 from .rundir import eventlog, rundir
-from .rundir.ownrecords import OwnRecords
+from .rundir.eventlog import OwnRecords
 from .rundir.rundir import DIAGNOSIS_FILE, EVENTS, HEARTBEATS, RANKS, VERDICT_FILE, RunDir, rank_file
 from .verdict import decide
 

@@ -13,7 +13,7 @@ Threads and what they own:
   leaves at exit during a teardown);
 - any thread that ends the rank (training thread, a thread's excepthook, the launcher
   watch): ``_outcome``, under its lock, and the rank's own records, written through
-  ``own_records`` (:class:`peerwatch.rundir.ownrecords.OwnRecords`), never the observer;
+  ``own_records`` (:class:`peerwatch.rundir.eventlog.OwnRecords`), never the observer;
 - ``done`` (stop watching: the rank is finished) is set by :meth:`Watcher.stop`.
 Threads talk through events (``verdict_seen``, ``done``, ``main_left``), the wake pipe
 and the settle condition. :meth:`Watcher.stop` stops and joins every thread it started.
@@ -52,8 +52,8 @@ from .observer import Observer
 from .proc.identity import local_ranks
 from .proc.sources import pidfd_supported
 from .rundir import exitwatch
+from .rundir.eventlog import OwnRecords
 from .rundir.eventlog import log as log_event
-from .rundir.ownrecords import OwnRecords
 from .rundir.rundir import EVENTS, VERDICT_FILE, RunDir, rank_file
 from .rundir.stacks import StackFile
 from .verdict import decide, plan

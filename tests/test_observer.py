@@ -39,7 +39,7 @@ from peerwatch.observer import Observer
 from peerwatch.proc import identity
 from peerwatch.proc.identity import Started
 from peerwatch.rundir import prepare
-from peerwatch.rundir.ownrecords import OwnRecords
+from peerwatch.rundir.eventlog import OwnRecords
 from peerwatch.rundir.rundir import DIAGNOSIS_FILE, EVENTS, RANKS, TMP, RunDir, rank_file
 from peerwatch.verdict.decide import Observed
 from peerwatch.verdict.report import build as report_build

@@ -1,6 +1,8 @@
-"""Teardown: stack dumps, signalling verified process trees, grace, SIGKILL, leaving.
+"""Teardown: peerwatch's own signals, stack dumps, signalling verified process trees, grace,
+SIGKILL, leaving.
 
-Every signal goes through :func:`send`, which only signals a :class:`Target`: a process
+The signals' one home, for the rank that installs a handler (:mod:`peerwatch.rundir.stacks`,
+:mod:`peerwatch.hooks`) and the one that sends them. Every signal goes through :func:`send`, which only signals a :class:`Target`: a process
 verified (pid, start time, uid) when the target was made, and held by a pidfd where the
 OS has them, so a pid reused in between cannot be hit.
 """
@@ -18,9 +20,27 @@ import time
 from typing import AbstractSet, Any, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 from . import identity
-from .signals import INTERRUPT_SIGNAL, STACKS_SIGNAL, signal_label
 
 logger = logging.getLogger("peerwatch")
+
+RTMIN = int(getattr(signal, "SIGRTMIN", 34))
+# Signals of our own, from the real-time range that training code does not use.
+INTERRUPT_SIGNAL = RTMIN + 4  # raise PeerFailure in a rank's main thread
+# faulthandler dumps all stacks on it (works under a held GIL). SIGURG because its default
+# action is to do nothing: a process whose handler is gone (an interpreter shutting down
+# unregisters faulthandler) is not killed by a late dump request.
+STACKS_SIGNAL = int(signal.SIGURG)
+
+
+def signal_label(sig: int) -> str:
+    """``SIGTERM``, ``SIGRTMIN+4``, or the number for one Python does not name."""
+    if sig > RTMIN:
+        return f"SIGRTMIN+{sig - RTMIN}"
+    try:
+        return signal.Signals(sig).name
+    except ValueError:
+        return str(sig)
+
 
 # Where a teardown's signals are recorded: ``note(event, rank, **fields)`` (the caller's
 # event log; this layer knows no run directory).
@@ -380,7 +400,7 @@ def close_all(targets: Iterable[Target]) -> None:
 
 
 __all__ = [
-    "INTERRUPT_SIGNAL", "STACKS_SIGNAL", "Note", "Target", "alive", "close_all", "descendants", "process_tree", "holds_file", "inherited_run",
+    "INTERRUPT_SIGNAL", "RTMIN", "STACKS_SIGNAL", "Note", "Target", "alive", "close_all", "descendants", "process_tree", "holds_file", "inherited_run",
     "stack_file_problem",
-    "make_target", "own_interrupt_handler", "raise_in_main_thread", "send", "terminate", "wait_gone",
+    "make_target", "own_interrupt_handler", "raise_in_main_thread", "send", "signal_label", "terminate", "wait_gone",
 ]

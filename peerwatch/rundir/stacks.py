@@ -23,7 +23,7 @@ import os
 import threading
 from typing import IO, Any, Optional
 
-from ..proc.signals import STACKS_SIGNAL
+from ..proc.teardown import STACKS_SIGNAL
 from .rundir import RunDir
 from .trust import open_regular
 
