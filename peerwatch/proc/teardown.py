@@ -43,7 +43,7 @@ def signal_label(sig: int) -> str:
 
 
 # Where a teardown's signals are recorded: ``note(event, rank, **fields)`` (the caller's
-# event log; this layer knows no run directory).
+# event log; this package knows no run directory).
 Note = Callable[..., None]
 
 

@@ -2,8 +2,8 @@
 record its exit, then ``os._exit``; and how a clean exit ends before Python finalizes,
 where it must (:func:`end_like_python`).
 
-A stage above the OS layer: the steps belong to three modules (the hook runner, the event
-log, the exit watch), and the lowest layer (:mod:`peerwatch.proc.teardown`) imports none of them.
+Not in :mod:`peerwatch.proc.teardown`: the steps belong to three modules (the hook runner,
+the event log, the exit watch) of packages above it.
 """
 
 from __future__ import annotations
