@@ -50,9 +50,8 @@ DEFAULT_TARGETS = [
     ("peerwatch/verdict/plan.py", ["tests/test_plan.py"]),
     ("peerwatch/core/schedule.py", ["tests/test_schedule.py"]),
     ("peerwatch/hosts/hosts.py", ["tests/test_hosts.py"]),
-    ("peerwatch/hangs/diagnose.py", ["tests/test_diagnose.py"]),
+    ("peerwatch/hangs/diagnose.py", ["tests/test_diagnose.py", "tests/test_summary.py"]),
     ("peerwatch/hangs/straggler.py", ["tests/test_straggler_rule.py"]),
-    ("peerwatch/hangs/summary.py", ["tests/test_summary.py"]),
     ("peerwatch/core/errors.py", ["tests/test_errors.py"]),
     ("peerwatch/core/mounts.py", ["tests/test_mounts.py"]),
     ("peerwatch/core/terminal.py", ["tests/test_terminal_text.py"]),  # test_terminal.py: end to end

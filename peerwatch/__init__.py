@@ -12,20 +12,18 @@ Importing peerwatch is cheap and never imports torch. Its API is the names expor
 its subpackages and modules are internal.
 """
 
-# The packages, lowest first. Each one's __init__ says what it owns and which packages it
-# imports; tests/test_import.py checks every import (lazy and TYPE_CHECKING ones too) against
-# those lines, and that no package imports one that imports it. Within a package, any import.
-#
-#   core/      errors records config terminal schedule awake mounts: pure values and rules
-#   proc/      identity activity sources inotify waker teardown: processes, through the OS
-#   rundir/    trust dirfd rundir basedir prepare eventlog exitwatch stacks gc
-#   hangs/     collectives heartbeat waits diagnose summary straggler frdump
+# The packages, lowest first. Each one's __init__ says what it owns and, last, which packages
+# it imports: tests/test_import.py checks every import (lazy, TYPE_CHECKING) against it, and that
+# no package imports one that imports it. Within a package, any import.
+#   core/      errors records config terminal schedule awake mounts
+#   proc/      identity activity sources waker teardown
+#   rundir/    trust rundir basedir prepare eventlog exitwatch stacks gc
+#   hangs/     collectives heartbeat waits diagnose straggler frdump
 #   hosts/     hosts store_protocol store_client election bridge sharedfs stragglerwatch
 #   verdict/   decide plan enforce notify keeper report leave
 #   (here)     api hooks watcher observer diagnoser executor launchers: the wiring
 #   tools/     cli doctor timeline: the command line, above the API
-#   integrations/   torch lightning
-#
+#   integrations/ torch lightning
 # A lower package that needs something done above it is passed a callable or a value (the
 # teardown records its signals through the ``note`` its caller passes), never imports it.
 

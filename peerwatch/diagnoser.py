@@ -7,7 +7,7 @@ It writes no one else's state: the diagnosis is recorded through its observer
 knows), which says whether this judge's record was written or another judge's stands.
 
 Across hosts: while this host's ranks stand still, the judge writes their summary
-(:mod:`peerwatch.hangs.summary`) into ``RUN/stall.json`` for the store bridge to publish, and
+(:class:`peerwatch.hangs.diagnose.Summary`) into ``RUN/stall.json`` for the store bridge to publish, and
 judges the other hosts' ranks beside its own from ``RUN/stalls-remote.json``, which the
 bridge writes from the summaries it read (their last move already on this host's clock).
 """
@@ -22,7 +22,6 @@ from typing import Dict, Optional, Protocol
 
 from .core.records import BUSY, HANG, Diagnosis
 from .hangs import diagnose
-from .hangs import summary as _summary
 from .proc import activity, identity
 from .rundir.rundir import REMOTE_STALLS_FILE, STALL_FILE, RunDir
 from .verdict import decide
@@ -119,7 +118,7 @@ class Diagnoser:
         """This host's ranks, and, while they stand still, the other hosts' that do too
         (each rank with its host named). Says the former to the bridge (RUN/stall.json)."""
         host = identity.hostname()
-        summary = _summary.summarize(local, host, obs.now_mono_ns, threshold_ns, obs.awake_since_ns)
+        summary = diagnose.summarize(local, host, obs.now_mono_ns, threshold_ns, obs.awake_since_ns)
         if summary is None:
             if self._stall_written:  # it moved again: the bridge stops saying it stands still
                 self._stall_written = not self._write(STALL_FILE, b"{}")
@@ -136,7 +135,7 @@ class Diagnoser:
         none, or it is stale (the bridge stopped), or it is not ours."""
         run_dir = self._observer.run_dir
         path = run_dir.join(REMOTE_STALLS_FILE)
-        fresh_ns = int(REMOTE_FRESH_S * 1e9) + 2 * _summary.refresh_ns(threshold_ms, self._interval_ns)
+        fresh_ns = int(REMOTE_FRESH_S * 1e9) + 2 * diagnose.refresh_ns(threshold_ms, self._interval_ns)
         try:
             if time.time_ns() - run_dir.stat("", REMOTE_STALLS_FILE).st_mtime_ns > fresh_ns:
                 return {}
@@ -147,9 +146,9 @@ class Diagnoser:
         try:
             hosts = json.loads(data.decode("utf-8"))["hosts"] if data else []
             for moved_mono_ns, text in hosts:
-                summary = _summary.Summary.from_json(str(text).encode())
+                summary = diagnose.Summary.from_json(str(text).encode())
                 if summary is not None and isinstance(moved_mono_ns, int):
-                    out.update(_summary.remote_ranks(summary, moved_mono_ns))
+                    out.update(diagnose.remote_ranks(summary, moved_mono_ns))
         except (UnicodeDecodeError, ValueError, TypeError, KeyError):
             run_dir.warn_once(path, "is not a list of other hosts' stalls; ignored")
             return {}

@@ -10,8 +10,7 @@ import pytest
 
 from peerwatch.core.awake import CAP_INTERVALS, AwakeClock
 from peerwatch.core.config import HangSetting
-from peerwatch.hangs.diagnose import RankState, Threshold, diagnose
-from peerwatch.hangs.summary import summarize
+from peerwatch.hangs.diagnose import RankState, Threshold, diagnose, summarize
 from peerwatch.verdict.decide import Observed, Policy, decide
 
 pytestmark = pytest.mark.pure

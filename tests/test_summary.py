@@ -1,13 +1,14 @@
-"""A host's stall summary (peerwatch.hangs.summary): pure, no store."""
+"""A host's stall summary (peerwatch.hangs.diagnose.Summary): pure, no store."""
 
 from __future__ import annotations
 
-from peerwatch.hangs.diagnose import RankState, diagnose
-from peerwatch.hangs.summary import (
+from peerwatch.hangs.diagnose import (
     MAX_DETAILED,
     MAX_SUMMARY_BYTES,
     PUBLISH_FRACTION,
+    RankState,
     Summary,
+    diagnose,
     refresh_ns,
     remote_ranks,
     summarize,

@@ -260,7 +260,7 @@ class Diagnosis:
     # mismatch, shortly before the collective timeout for busy laggards. None: at once.
     end_at_ns: Optional[int] = None
     # (rank, host) of the laggards on other hosts, as their hosts' summaries named them
-    # (peerwatch.hangs.summary): a verdict names the host of a rank not registered here.
+    # (peerwatch.hangs.diagnose.Summary): a verdict names the host of a rank not registered here.
     hosts: Tuple[Tuple[int, str], ...] = ()
 
 

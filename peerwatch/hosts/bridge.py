@@ -1,10 +1,10 @@
 """The store bridge: a source that turns facts from other hosts into local records.
 
-One rank per host (the winner of :mod:`._election`) runs it: it is a client of a
+One rank per host (the winner of :mod:`.election`) runs it: it is a client of a
 ``torch.distributed`` store (by default the job's own TCPStore at ``MASTER_ADDR:MASTER_PORT``,
-as :class:`._config.LauncherFacts` says) and speaks :mod:`._store_protocol` there. Per
+as :class:`peerwatch.core.config.LauncherFacts` says) and speaks :mod:`.store_protocol` there. Per
 heartbeat interval it makes one ``set`` (its beat) and one ``get`` (the ``digest``): one
-host, the aggregator (elected through the digest itself, :func:`._hosts.aggregate_term`),
+host, the aggregator (elected through the digest itself, :func:`.hosts.aggregate_term`),
 reads every host's beat instead (one ``multi_get``) and publishes their liveness in the
 digest (one ``set``); its successor takes over when the digest stops advancing. The store
 sees O(hosts) requests and bytes per interval in all, O(1) per host. A second thread,
@@ -13,7 +13,7 @@ host reaches this one in one round trip; it is written into the local
 ``events/verdict.json`` and the local watchers act on it as on a local one.
 
 While this host's ranks stand still (its hang judges say so in ``RUN/stall.json``, see
-:mod:`._summary`), the beat says so too (``<seq>s``), the interval also sets this host's
+:class:`peerwatch.hangs.diagnose.Summary`), the beat says so too (``<seq>s``), the interval also sets this host's
 summary in ``diag/<i>`` (when it is new, then at most every ``refresh_ns``), and reads, as
 often, the summaries of the other hosts whose beat (or the digest) says they stand still
 (one ``multi_get``, at most ``MAX_DIGEST_LIST`` through the digest); it writes them, each host's last move turned into this host's clock once
@@ -21,7 +21,7 @@ per stall, into ``RUN/stalls-remote.json`` for the judges. A job that moves cost
 
 What the bridge writes locally is only ever a record (a verdict from the store, or a
 ``Failure`` with cause ``lost`` when a host or the store falls silent for ``peer_timeout``,
-by the rules of :mod:`._hosts`); the decision stays in :mod:`._decide`, and only local
+by the rules of :mod:`.hosts`); the decision stays in :mod:`peerwatch.verdict.decide`, and only local
 processes are ever signalled. peerwatch never imports torch: the bridge starts once the
 application has imported ``torch.distributed`` itself (a job that uses a TCPStore always
 does), since an import from a bridge thread while the main thread is inside its own
@@ -43,7 +43,7 @@ The parts, and the thread that owns each one's fields (written by it alone; othe
   connection, blocked in the store's ``wait``, and the verdict taken from the store.
 - :class:`_TorchGate`: whether torch.distributed, as the application imported it, can serve a
   store, found out by the beat thread; the waiter touches the store only after it did.
-- the client's owner thread (``peerwatch-bridge-io-rank<N>``): the store client (:mod:`._store_client`).
+- the client's owner thread (``peerwatch-bridge-io-rank<N>``): the store client (:mod:`.store_client`).
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Set, Tuple
 from ..core import terminal
 from ..core.config import Config, LauncherFacts
 from ..core.records import Failure, Registration, Verdict, decode, encode
-from ..hangs import summary as _summary
+from ..hangs import diagnose
 from ..hangs.collectives import imported, torch_loaded
 from ..proc import identity
 from ..rundir.rundir import EVENTS, RANKS, REMOTE_STALLS_FILE, STALL_FILE, VERDICT_FILE, RunDir, rank_file
@@ -236,7 +236,7 @@ class _TorchGate:
 
 class _BeatLoop:
     """The beat thread: once per heartbeat, this host's beat and the digest, or, on the
-    aggregator, every host's beat (one bounded :func:`._store_protocol.exchange`) and the
+    aggregator, every host's beat (one bounded :func:`.store_protocol.exchange`) and the
     digest published; the judgement of hosts that fell silent, and of the store itself.
     Every field is the beat thread's (others only read ``index``, ``hosts``, ``term``, ``last_digest``,
     ``liveness``, ``job_ending``, ``connected``, ``counted`` and ``requests``)."""
@@ -307,7 +307,7 @@ class _BeatLoop:
             self._up.set(False)
 
     def _loop(self) -> None:
-        """One interval's store work per heartbeat, each bounded (:mod:`._store_client`);
+        """One interval's store work per heartbeat, each bounded (:mod:`.store_client`);
         after a failure, back off, and judge the store lost after peer_timeout."""
         interval, peer_timeout = self.link.config.heartbeat_interval, self.link.config.peer_timeout
         stopped = self.link.stopped
@@ -387,7 +387,7 @@ class _BeatLoop:
 
     # -- the hang diagnosis across hosts ----------------------------------------------------
 
-    def _local_stall(self) -> Optional[_summary.Summary]:
+    def _local_stall(self) -> Optional[diagnose.Summary]:
         """This host's stall, as its hang judges last wrote it (None: its ranks move)."""
         run_dir = self.link.run_dir
         fresh_ns = int((STALL_FRESH_BEATS * self.link.config.heartbeat_interval + 1.0) * 1e9)
@@ -396,15 +396,15 @@ class _BeatLoop:
                 return None
         except OSError:
             return None
-        data = run_dir.read_bytes("", STALL_FILE, limit=_summary.MAX_SUMMARY_BYTES)
-        return _summary.Summary.from_json(data) if data else None
+        data = run_dir.read_bytes("", STALL_FILE, limit=diagnose.MAX_SUMMARY_BYTES)
+        return diagnose.Summary.from_json(data) if data else None
 
-    def _stall_plan(self, stall: Optional[_summary.Summary], now_ns: int) -> Tuple[bool, bool]:
+    def _stall_plan(self, stall: Optional[diagnose.Summary], now_ns: int) -> Tuple[bool, bool]:
         """Publish our summary, read the others'? A new stall at once, then at most every
         refresh; the others' also as soon as another host starts to stand still."""
         if stall is None:
             return False, False
-        every = _summary.refresh_ns(stall.threshold_ms, int(self.link.config.heartbeat_interval * 1e9))
+        every = diagnose.refresh_ns(stall.threshold_ms, int(self.link.config.heartbeat_interval * 1e9))
         publish = stall.stall != self._stall_token or now_ns - self._stall_published_ns >= every
         new = set(self._stalled) - set(self._remote)
         return publish, now_ns - self._stalls_read_ns >= every or bool(new)
@@ -417,7 +417,7 @@ class _BeatLoop:
         self._remote = {j: v for j, v in self._remote.items() if j in still}
         self._laggards &= still
         for j, data in seen.stalls.items() if read else ():
-            summary = _summary.Summary.from_json(data) if data is not None else None
+            summary = diagnose.Summary.from_json(data) if data is not None else None
             if summary is None or j not in still:
                 continue
             if summary.detailed:
@@ -501,8 +501,8 @@ class _BeatLoop:
             if j != self.index and j not in self._lost_reported:
                 self._host_lost(j, self.link.config.peer_timeout)
 
-    def _role(self, seen: Seen, beat: bytes, stall: Optional[_summary.Summary], now_ns: int) -> None:
-        """Aggregate or read, from the next heartbeat on (:func:`._hosts.aggregate_term`);
+    def _role(self, seen: Seen, beat: bytes, stall: Optional[diagnose.Summary], now_ns: int) -> None:
+        """Aggregate or read, from the next heartbeat on (:func:`.hosts.aggregate_term`);
         the aggregator publishes its digest now."""
         term = aggregate_term(seen.index, seen.digest, self.term, self._watch.silent_ns(now_ns), self._takeover_ns)
         if term is not None and self.term is None:

@@ -10,7 +10,7 @@ Every key lives under ``peerwatch/<run_id>/``::
     host/<i>     JSON: hostname, boot id, PID namespace, ranks of host i
     beat/<i>     host i's heartbeat: "<seq>", or "done:<seq>" once a rank there succeeded;
                  "<seq>s" while its ranks stand still (its summary is in diag/<i>)
-    diag/<i>     host i's stall summary (peerwatch.hangs.summary), while its ranks stand still
+    diag/<i>     host i's stall summary (peerwatch.hangs.diagnose.Summary), while its ranks stand still
     digest       the aggregator's (one host, elected through this key: hosts.aggregate_term):
                  its own beat, the hosts it judged lost, those that stand still, whether one
                  is done (JSON, bounded: hosts.Digest); every other host reads it alone
@@ -29,10 +29,10 @@ with one warning per kind of key and reason.
 ``hosts`` and ``index/<id>`` stay unsigned (counters: whoever forges them can only make the
 bridges disagree about who is who, which ends as a lost host, never as a chosen verdict).
 What is read is bounded: the counter is believed up to ``MAX_HOSTS`` and at most
-``READ_BATCH`` new ``host/<j>`` are looked up per interval (:mod:`._hosts`).
+``READ_BATCH`` new ``host/<j>`` are looked up per interval (:mod:`.hosts`).
 
 Each function takes a store client and immutable inputs, and returns what it read: it
-runs in the client's owner thread (:mod:`._store_client`) and keeps no state, so a call
+runs in the client's owner thread (:mod:`.store_client`) and keeps no state, so a call
 abandoned half way (the store stopped answering) changes nothing but the store.
 """
 
@@ -298,7 +298,7 @@ class Exchange:
     hosts: Mapping[int, HostInfo]  # the hosts known so far (a copy)
     expected: Optional[int]  # how many hosts the launcher says the job has
     seal: Seal = NO_SEAL
-    stall: Optional[bytes] = None  # our stall summary to publish in diag/<i> (peerwatch.hangs.summary), or None
+    stall: Optional[bytes] = None  # our stall summary to publish in diag/<i> (peerwatch.hangs.diagnose.Summary), or None
     read_stalls: bool = False  # read the summaries of the hosts whose beat says they stand still
     verdict_from: Optional[VerdictFrom] = None  # settled at registration: the host's first look
     # The aggregator (True) reads every host's beat (and the digest, to find another

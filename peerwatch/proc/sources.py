@@ -1,5 +1,5 @@
 """Where observations come from: pidfds of local peers, and the exit status of a peer
-that is our own child (inotify on the run directory's folders: :mod:`peerwatch.proc.inotify`).
+that is our own child (inotify on the run directory's folders: :mod:`peerwatch.proc.waker`).
 
 Thin OS adapters; the watcher thread owns them and polls their file descriptors.
 """

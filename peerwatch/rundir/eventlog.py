@@ -315,8 +315,6 @@ def read_run(directory: str) -> list:
     return events
 
 
-# -- this process's own records (any thread) ----------------------------------------------
-
 OUT_OF_DESCRIPTORS = (errno.EMFILE, errno.ENFILE)
 
 

@@ -31,7 +31,7 @@ def prepare(run_dir: RunDir, reg: Registration, started: identity.Started) -> No
     jobs share the directory: :class:`RunDirError`. The registration is published
     under that same lock, so the check and the claim are one step: the first process to
     claim a slot holds it. From then on the directory is held by a descriptor (see
-    :class:`peerwatch.rundir.dirfd.HeldDir`).
+    :class:`peerwatch.rundir.trust.HeldDir`).
     """
     parent = os.path.dirname(os.path.abspath(run_dir.path))
     try:

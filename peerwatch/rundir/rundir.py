@@ -1,10 +1,6 @@
 """The run directory's layout (one home for each path) and its records: written atomically,
 read tolerantly, always through the descriptors held since it was checked.
 
-Elsewhere: where it is (:mod:`peerwatch.rundir.basedir`), whether to trust it
-(:mod:`peerwatch.rundir.trust`), the held descriptors (:mod:`peerwatch.rundir.dirfd`), and making it
-ready for a run (:mod:`peerwatch.rundir.prepare`).
-
 Layout (per host)::
 
     RUN/ranks/rank-00003.json       registration (pid file)
@@ -38,13 +34,12 @@ from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
 
 from ..core.records import MAX_RECORD_BYTES, Registration, Success, decode, encode, named_ranks
 from ..proc import identity
-from .dirfd import HeldDir
-from .trust import open_regular
+from .trust import HeldDir, open_regular
 
 RANKS, EVENTS, HEARTBEATS, STACKS, TMP = "ranks", "events", "heartbeats", "stacks", "tmp"
 VERDICT_FILE = "verdict.json"
 DIAGNOSIS_FILE = "diagnosis.json"  # events/: why the job stopped moving (peerwatch.hangs.diagnose)
-# This host's stall as its hang judges see it (peerwatch.hangs.summary), for the store bridge to
+# This host's stall as its hang judges see it (peerwatch.hangs.diagnose.Summary), for the store bridge to
 # publish, and the other hosts' stalls as the bridge read them, for the judges.
 STALL_FILE = "stall.json"
 REMOTE_STALLS_FILE = "stalls-remote.json"
@@ -135,7 +130,7 @@ class RunDir(HeldDir):
     """One run directory on this host, and its records. Reads are tolerant; writes are atomic.
 
     Once :func:`peerwatch.rundir.prepare.prepare` has made and checked the directory, it is held
-    by a descriptor (and so is each of its folders, :class:`peerwatch.rundir.dirfd.HeldDir`):
+    by a descriptor (and so is each of its folders, :class:`peerwatch.rundir.trust.HeldDir`):
     every later read, write and listing goes through those descriptors, never through the
     path again. Paths that :meth:`join` and :meth:`stack_path` give are for people (logs,
     the report); code that must open something by path uses :meth:`at`, and code that needs
