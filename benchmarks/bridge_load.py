@@ -6,7 +6,7 @@
 
 One TCPStore server on 127.0.0.1 in a process of its own (as torchrun's agent or rank 0
 serves it). ``--hosts`` simulated hosts, grouped in ``--procs`` processes: each is a real
-:class:`peerwatch._bridge.Bridge` with its own run directory holding ``--ranks``
+:class:`peerwatch.hosts.bridge.Bridge` with its own run directory holding ``--ranks``
 registrations, running its real threads (beat + the store client's owner + verdict waiter, two
 connections to the store). After every host sees every other, the steady state is measured
 for ``--seconds``: store requests (counted by each bridge), bytes the store server reads
@@ -70,11 +70,11 @@ def worker(first: int, count: int, args: Dict[str, Any], port: int, base: str, c
 
     import torch.distributed  # noqa: F401 - as the application does: the bridges start only once it is imported
 
-    import peerwatch._bridge as bridge_mod
-    from peerwatch import _identity
-    from peerwatch._config import Config, LauncherFacts
-    from peerwatch._records import Registration, Verdict, encode
-    from peerwatch._rundir import _SUBDIRS, RANKS, RunDir, rank_file
+    import peerwatch.hosts.bridge as bridge_mod
+    from peerwatch.core.config import Config, LauncherFacts
+    from peerwatch.core.records import Registration, Verdict, encode
+    from peerwatch.proc import identity
+    from peerwatch.rundir.rundir import _SUBDIRS, RANKS, RunDir, rank_file
 
     logging.getLogger("peerwatch").setLevel(logging.CRITICAL)  # 127 hosts each saying it got the verdict
     seen_ns: Dict[int, int] = {}
@@ -89,7 +89,7 @@ def worker(first: int, count: int, args: Dict[str, Any], port: int, base: str, c
         "world_size": ranks * hosts, "local_world_size": ranks, "heartbeat_interval": args["interval"],
         "peer_timeout": max(30.0, 4 * args["interval"]), "store": f"127.0.0.1:{port}", "run_id": args["run_id"],
     }, env={})
-    me = _identity.self_info()
+    me = identity.self_info()
     bridges: List[Any] = []
     for h in range(first, first + count):
         rd = RunDir(os.path.join(base, f"host{h:03d}"))
@@ -100,7 +100,7 @@ def worker(first: int, count: int, args: Dict[str, Any], port: int, base: str, c
         for local in range(ranks):
             reg = Registration(
                 rank=h * ranks + local, pid=me.pid, ppid=me.ppid, start_ticks=me.start_ticks, uid=me.uid,
-                host=f"sim{h:03d}", boot_id=_identity.boot_id(), pidns=_identity.pid_namespace(), time_ns=time.time_ns(),
+                host=f"sim{h:03d}", boot_id=identity.boot_id(), pidns=identity.pid_namespace(), time_ns=time.time_ns(),
             )
             rd.write(RANKS, rank_file("rank", reg.rank), encode(reg), replace=True)
             regs.append(reg)

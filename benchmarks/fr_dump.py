@@ -1,4 +1,4 @@
-"""What a flight-recorder dump (peerwatch._frdump) costs, and how long it holds the training thread.
+"""What a flight-recorder dump (peerwatch.hangs.frdump) costs, and how long it holds the training thread.
 
     .venv/bin/python benchmarks/fr_dump.py --runs 10
 
@@ -65,8 +65,8 @@ def main() -> None:
     import torch.distributed as dist
     from torch._C._distributed_c10d import _dump_fr_trace
 
-    from peerwatch._frdump import FlightRecorderDump
-    from peerwatch._rundir import TMP, RunDir
+    from peerwatch.hangs.frdump import FlightRecorderDump
+    from peerwatch.rundir.rundir import TMP, RunDir
 
     dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{free_port()}",
                             timeout=datetime.timedelta(seconds=60))

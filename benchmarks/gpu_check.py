@@ -37,8 +37,8 @@ import json, os, sys, time
 import peerwatch
 handle = peerwatch.install()
 import torch, torch.distributed as dist
-from peerwatch._collectives import CollectiveReader
-from peerwatch._frdump import FlightRecorderDump
+from peerwatch.hangs.collectives import CollectiveReader
+from peerwatch.hangs.frdump import FlightRecorderDump
 dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
 t = torch.ones(1 << 20, device="cuda")
 for _ in range(5):

@@ -97,7 +97,7 @@ sys.path.insert(0, sys.argv[1])
 import peerwatch
 peerwatch.install()
 import torch, torch.distributed as dist
-from peerwatch._collectives import CollectiveReader
+from peerwatch.hangs.collectives import CollectiveReader
 rank = int(os.environ["RANK"])
 dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
 t = torch.ones(1000)

@@ -1,8 +1,8 @@
 """Mutation testing for peerwatch's pure modules: do their own unit tests notice a bug?
 
     .venv/bin/python benchmarks/mutation.py                      # every pure module vs its tests
-    .venv/bin/python benchmarks/mutation.py peerwatch/_decide.py tests/test_decide.py --jobs 2
-    .venv/bin/python benchmarks/mutation.py peerwatch/_config.py tests/test_config.py --list-survivors
+    .venv/bin/python benchmarks/mutation.py peerwatch/verdict/decide.py tests/test_decide.py --jobs 2
+    .venv/bin/python benchmarks/mutation.py peerwatch/core/config.py tests/test_config.py --list-survivors
     ./dev mutate [args]                                          # the same, after setting up .venv
 
 Each mutant is the module with one small change made on its syntax tree:
@@ -44,19 +44,17 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = "peerwatch"
 # The pure modules and the tests that must prove them (issue 13, point 9).
 DEFAULT_TARGETS = [
-    ("peerwatch/_decide.py", ["tests/test_decide.py"]),
-    ("peerwatch/_records.py", ["tests/test_records.py"]),
-    ("peerwatch/_config.py", ["tests/test_config.py", "tests/test_launcher_facts.py"]),
-    ("peerwatch/_plan.py", ["tests/test_plan.py"]),
-    ("peerwatch/_schedule.py", ["tests/test_schedule.py"]),
-    ("peerwatch/_hosts.py", ["tests/test_hosts.py"]),
-    ("peerwatch/_diagnose.py", ["tests/test_diagnose.py"]),
-    ("peerwatch/_straggler.py", ["tests/test_straggler_rule.py"]),
-    ("peerwatch/_summary.py", ["tests/test_summary.py"]),
-    ("peerwatch/_errors.py", ["tests/test_errors.py"]),
-    ("peerwatch/_signals.py", ["tests/test_signals.py"]),
-    ("peerwatch/_mounts.py", ["tests/test_mounts.py"]),
-    ("peerwatch/_terminal.py", ["tests/test_terminal_text.py"]),  # test_terminal.py: end to end
+    ("peerwatch/verdict/decide.py", ["tests/test_decide.py"]),
+    ("peerwatch/core/records.py", ["tests/test_records.py"]),
+    ("peerwatch/core/config.py", ["tests/test_config.py", "tests/test_launcher_facts.py"]),
+    ("peerwatch/verdict/plan.py", ["tests/test_plan.py"]),
+    ("peerwatch/core/schedule.py", ["tests/test_schedule.py"]),
+    ("peerwatch/hosts/hosts.py", ["tests/test_hosts.py"]),
+    ("peerwatch/hangs/diagnose.py", ["tests/test_diagnose.py", "tests/test_summary.py"]),
+    ("peerwatch/hangs/straggler.py", ["tests/test_straggler_rule.py"]),
+    ("peerwatch/core/errors.py", ["tests/test_errors.py"]),
+    ("peerwatch/core/mounts.py", ["tests/test_mounts.py"]),
+    ("peerwatch/core/terminal.py", ["tests/test_terminal_text.py"]),  # test_terminal.py: end to end
 ]
 COPIED = ("peerwatch", "tests", "docs", "pyproject.toml", "setup.cfg")  # what a worker's copy holds
 PYTEST_ARGS = ("-x", "-q", "-p", "no:cacheprovider")
@@ -409,7 +407,7 @@ def table(results: Sequence[Result]) -> Iterator[str]:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("module", nargs="?", help="a module to mutate, e.g. peerwatch/_decide.py "
+    parser.add_argument("module", nargs="?", help="a module to mutate, e.g. peerwatch/verdict/decide.py "
                         "(default: every pure module, each against its own tests)")
     parser.add_argument("tests", nargs="*", help="the test files that must kill its mutants")
     parser.add_argument("--jobs", "-j", type=int, default=2, help="mutants tried at once (default 2)")

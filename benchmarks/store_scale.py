@@ -4,7 +4,7 @@
         [--before-hosts 64,256] [--procs 4] [--interval 1] [--peer-timeout 5] [--seconds 15]
 
 One TCPStore server on 127.0.0.1 in a process of its own. Each simulated host is the
-bridge's real beat loop (``peerwatch._bridge._BeatLoop``: its exchange with the store, its
+bridge's real beat loop (``peerwatch.hosts.bridge._BeatLoop``: its exchange with the store, its
 judgement of the other hosts, its records in a run directory of its own) with a real
 TCPStore connection of its own, and a real verdict waiter (``_VerdictWaiter``, a second
 connection blocked in ``wait``). To be light, the hosts of a process share one loop thread
@@ -78,12 +78,12 @@ def worker(first: int, count: int, args: Dict[str, Any], port: int, base: str, c
     sys.path.insert(0, args["root"])  # the protocol measured (spawn hands the child our sys.path)
     import torch.distributed as dist
 
-    import peerwatch._bridge as bridge_mod
-    from peerwatch import _identity
-    from peerwatch._config import Config, LauncherFacts
-    from peerwatch._records import Registration, Verdict, encode
-    from peerwatch._rundir import _SUBDIRS, RANKS, RunDir, rank_file
-    from peerwatch._store_protocol import NO_SEAL, VerdictFrom, publish_verdict
+    import peerwatch.hosts.bridge as bridge_mod
+    from peerwatch.core.config import Config, LauncherFacts
+    from peerwatch.core.records import Registration, Verdict, encode
+    from peerwatch.hosts.store_protocol import NO_SEAL, VerdictFrom, publish_verdict
+    from peerwatch.proc import identity
+    from peerwatch.rundir.rundir import _SUBDIRS, RANKS, RunDir, rank_file
 
     logging.getLogger("peerwatch").setLevel(logging.CRITICAL)
     lost_at: Dict[Tuple[int, int], float] = {}  # (host, failed rank) -> monotonic time recorded
@@ -103,7 +103,7 @@ def worker(first: int, count: int, args: Dict[str, Any], port: int, base: str, c
         "stragglers": False,
     }, env={})
     facts = LauncherFacts.resolve(config, {})
-    me = _identity.self_info()
+    me = identity.self_info()
     stopped = threading.Event()
     loops: Dict[int, Any] = {}
     waiters: List[threading.Thread] = []
@@ -115,8 +115,8 @@ def worker(first: int, count: int, args: Dict[str, Any], port: int, base: str, c
         regs = []
         for local in range(ranks):
             reg = Registration(rank=h * ranks + local, pid=me.pid, ppid=me.ppid, start_ticks=me.start_ticks,
-                               uid=me.uid, host=f"sim{h:05d}", boot_id=_identity.boot_id(),
-                               pidns=_identity.pid_namespace(), time_ns=time.time_ns())
+                               uid=me.uid, host=f"sim{h:05d}", boot_id=identity.boot_id(),
+                               pidns=identity.pid_namespace(), time_ns=time.time_ns())
             rd.write(RANKS, rank_file("rank", reg.rank), encode(reg), replace=True)
             regs.append(reg)
         store = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,

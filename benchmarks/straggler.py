@@ -106,7 +106,7 @@ class Job:
     def largest_gap(self) -> Tuple[float, int]:
         """The largest median gap over the ranks' last windows (and whose), as the rule computes
         it; (0, -1) while it would not judge (fewer than MIN_SLOTS slots)."""
-        from peerwatch._straggler import MIN_SLOTS, aligned, gaps, profile_of
+        from peerwatch.hangs.straggler import MIN_SLOTS, aligned, gaps, profile_of
 
         profiles = {}
         for rank in range(WORLD):
@@ -295,7 +295,7 @@ def sampler_cost(pairs: int, block_s: float) -> List[List[str]]:
     (the job moves), and started but asleep (the job stands still: the control, which
     should cost nothing), in random order; the sampler started before and ended after each
     block (not timed). What the training thread pays for the 20 samples a second."""
-    from peerwatch._waits import WaitSampler
+    from peerwatch.hangs.waits import WaitSampler
 
     t0 = time.perf_counter()
     for _ in range(20):
@@ -331,9 +331,9 @@ def sampler_cost(pairs: int, block_s: float) -> List[List[str]]:
 def reads() -> List[List[str]]:
     import threading
 
-    from peerwatch._collectives import in_torch_distributed
-    from peerwatch._straggler import SLOTS, Profile, find
-    from peerwatch._waits import WaitWindow
+    from peerwatch.hangs.collectives import in_torch_distributed
+    from peerwatch.hangs.straggler import SLOTS, Profile, find
+    from peerwatch.hangs.waits import WaitWindow
 
     main = threading.main_thread()
     n = 20000
@@ -386,8 +386,8 @@ def enqueue_cost(pairs: int, block_s: float) -> List[List[str]]:
     import torch
     import torch.distributed as dist
 
-    from peerwatch._collectives import CollectiveReader
-    from peerwatch._waits import EnqueueWindow
+    from peerwatch.hangs.collectives import CollectiveReader
+    from peerwatch.hangs.waits import EnqueueWindow
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1)
@@ -457,9 +457,9 @@ def _enqueue_ms() -> Tuple[float, float, float]:
     import torch
     import torch.distributed as dist
 
-    from peerwatch._collectives import CollectiveReader
-    from peerwatch._straggler import lateness, row_from_text
-    from peerwatch._waits import EnqueueWindow
+    from peerwatch.hangs.collectives import CollectiveReader
+    from peerwatch.hangs.straggler import lateness, row_from_text
+    from peerwatch.hangs.waits import EnqueueWindow
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1)
@@ -490,7 +490,7 @@ def _enqueue_ms() -> Tuple[float, float, float]:
 
 def _sampler_share(seconds: float) -> float:
     """The sampler thread's CPU time over ``seconds``, as a share of one core (schedstat: ns)."""
-    from peerwatch._waits import WaitSampler
+    from peerwatch.hangs.waits import WaitSampler
 
     sampler = WaitSampler(0)
     sampler.moving(True)
@@ -509,8 +509,8 @@ def _sampler_share(seconds: float) -> float:
 
 
 def _read_heartbeats_ms(n: int) -> float:
-    from peerwatch._records import Heartbeat, encode
-    from peerwatch._rundir import HEARTBEATS, RunDir, rank_file
+    from peerwatch.core.records import Heartbeat, encode
+    from peerwatch.rundir.rundir import HEARTBEATS, RunDir, rank_file
 
     with tempfile.TemporaryDirectory() as tmp:
         rd = RunDir(os.path.join(tmp, "run"))

@@ -5,7 +5,7 @@
 Runs :func:`teardown_latency.trial` (Lightning-style ranks sleeping in Python, one SIGKILLed)
 with a ``sitecustomize`` on the ranks' path that notes each rank's CPU time (``process_time``)
 from the moment it takes a peer for gone (or its verdict, whichever is first) and from
-``Watcher._act`` to ``_leave.flush_and_exit``. On 2 cores the teardown's length is the sum
+``Watcher._act`` to ``leave.flush_and_exit``. On 2 cores the teardown's length is the sum
 of that CPU over the ranks, divided by two, plus the interpreters' exits. ``--cprofile K``
 also profiles those spans (``time.thread_time``, the watcher thread) and prints the K
 heaviest functions of rank 0 (the report's writer) and of the other ranks together; the
@@ -33,7 +33,7 @@ _SITECUSTOMIZE = '''
 import os
 if os.environ.get("PWPROF_DIR"):
     import cProfile, json, sys, time
-    import peerwatch._leave as _leave, peerwatch._observer as _observer, peerwatch._watcher as _watcher
+    import peerwatch.verdict.leave as leave, peerwatch.observer as observer, peerwatch.watcher as watcher
     _state = {}
 
     def _threads():
@@ -60,18 +60,18 @@ if os.environ.get("PWPROF_DIR"):
             _state["prof"] = cProfile.Profile(time.thread_time)
             _state["prof"].enable()
 
-    _peer_gone = _observer.Observer._peer_gone
+    _peer_gone = observer.Observer._peer_gone
     def peer_gone(self, rank):
         _begin("peer gone")
         return _peer_gone(self, rank)
 
-    _act = _watcher.Watcher._act
+    _act = watcher.Watcher._act
     def act(self, verdict):
         _state.update(rank=self.rank, a0=time.process_time_ns())
         _begin("verdict")
         return _act(self, verdict)
 
-    _flush_and_exit = _leave.flush_and_exit
+    _flush_and_exit = leave.flush_and_exit
     def flush_and_exit(code):
         prof, now = _state.get("prof"), time.process_time_ns()
         if prof is not None:
@@ -88,9 +88,9 @@ if os.environ.get("PWPROF_DIR"):
                 prof.dump_stats(out + ".prof")
         return _flush_and_exit(code)
 
-    _observer.Observer._peer_gone = peer_gone
-    _watcher.Watcher._act = act
-    _leave.flush_and_exit = flush_and_exit
+    observer.Observer._peer_gone = peer_gone
+    watcher.Watcher._act = act
+    leave.flush_and_exit = flush_and_exit
 '''
 
 

@@ -8,37 +8,33 @@ first failure and its exit code.
     with peerwatch.watch():        # or around the work that must finish on every rank
         trainer.fit(model)
 
-Importing peerwatch is cheap and never imports torch.
+Importing peerwatch is cheap and never imports torch. Its API is the names exported here;
+its subpackages and modules are internal.
 """
 
-# The layers (tests/test_import.py checks every import, lazy and TYPE_CHECKING ones too,
-# against this table: a module imports only from a lower layer, or from its own layer where
-# that test's SIDEWAYS table allows it, with the reason):
-#
-#   pure     no I/O, no clock, no threads: values and the rules over them
-#            _errors _records _signals _mounts _config _terminal _schedule _decide
-#            _diagnose _plan _hosts _summary _straggler _awake
-#   os       adapters to the OS, one concern each: processes, signals, the run directory
-#            _identity _activity _collectives _keeper _store_client _store_protocol
-#            _sources _inotify _teardown _sharedfs _exitwatch _eventlog _stacks _waits
-#            _trust _dirfd _rundir _basedir _prepare
-#   stages   one step of the data flow each, built on the adapters, called by the wiring
-#            _observer _waker _ownrecords _heartbeat _diagnoser _enforce _leave _notify
-#            _bridge _election _launchers _frdump _report _timeline _gc _stragglerwatch
-#   wiring   the watcher thread and its verdict's executor, the hooks, the API and the tools
-#            _watcher _verdict _hooks _api cli _doctor __main__ integrations
-#
-# A lower layer that needs something done above it is passed a callable or a value (the
+# The packages, lowest first. Each one's __init__ says what it owns and, last, which packages
+# it imports: tests/test_import.py checks every import (lazy, TYPE_CHECKING) against it, and that
+# no package imports one that imports it. Within a package, any import.
+#   core/      errors records config terminal schedule awake mounts
+#   proc/      identity activity sources waker teardown
+#   rundir/    trust rundir basedir prepare eventlog exitwatch stacks gc
+#   hangs/     collectives heartbeat waits diagnose straggler frdump
+#   hosts/     hosts store_protocol store_client election bridge sharedfs stragglerwatch
+#   verdict/   decide plan enforce notify keeper report leave
+#   (here)     api hooks watcher observer diagnoser executor launchers: the wiring
+#   tools/     cli doctor timeline: the command line, above the API
+#   integrations/ torch lightning
+# A lower package that needs something done above it is passed a callable or a value (the
 # teardown records its signals through the ``note`` its caller passes), never imports it.
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ._errors import ConfigError, PeerFailure, PeerwatchError, RunDirError
+from .core.errors import ConfigError, PeerFailure, PeerwatchError, RunDirError
 
 if TYPE_CHECKING:
-    from ._api import (
+    from .api import (
         Handle,
         add_verdict_listener,
         beat,
@@ -50,8 +46,8 @@ if TYPE_CHECKING:
         remove_verdict_listener,
         watch,
     )
-    from ._config import Config
-    from ._records import Verdict
+    from .core.config import Config
+    from .core.records import Verdict
 
 _API = frozenset({
     "Handle", "add_verdict_listener", "beat", "current", "install", "mark_success", "paused", "record_exception",
@@ -65,11 +61,11 @@ def __getattr__(name: str) -> Any:
     """The API is imported on first use (PEP 562): ``import peerwatch`` alone stays cheap,
     e.g. in every DataLoader worker that re-imports the training script."""
     if name in _API:
-        from . import _api as module
+        from . import api as module
     elif name == "Config":
-        from . import _config as module  # type: ignore[no-redef]
+        from .core import config as module  # type: ignore[no-redef]
     elif name == "Verdict":
-        from . import _records as module  # type: ignore[no-redef]
+        from .core import records as module  # type: ignore[no-redef]
     else:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     value = getattr(module, name)

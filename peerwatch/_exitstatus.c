@@ -4,9 +4,9 @@
  * Python cannot see every exit status: on Python <= 3.11 a SystemExit that reaches the
  * top (`raise SystemExit(main())`, the builtin exit(n)) is turned into exit(n) by
  * CPython's handle_system_exit after the interpreter is finalized. glibc's on_exit(3)
- * passes that very status to its callbacks. peerwatch (peerwatch/_exitwatch.py) prepares
+ * passes that very status to its callbacks. peerwatch (peerwatch/rundir/exitwatch.py) prepares
  * everything while Python runs: two open directory fds (events/ and tmp/ of the run
- * directory), the file names, the records encoded by peerwatch._records around the two
+ * directory), the file names, the records encoded by peerwatch.core.records around the two
  * numbers only known at exit (the time and the exit code), and the pid of the rank.
  *
  * The callback runs after Python is gone: it uses only syscalls and the buffers prepared
@@ -704,7 +704,7 @@ static PyObject *last_interrupt(PyObject *self, PyObject *unused)
  * than gil_timeout was ended on resume, before its watcher could feed the timer. This
  * watchdog counts only the time it was itself awake to see: it wakes every GW_SLICE_NS,
  * and a slice that took longer (the process stopped, or this thread starved) counts as
- * GW_SLICE_NS + GW_SLACK_NS at most, as peerwatch._awake counts a judge's gaps. When the
+ * GW_SLICE_NS + GW_SLACK_NS at most, as peerwatch.core.awake counts a judge's gaps. When the
  * watcher has not fed it for gil_timeout of such time, it writes faulthandler's "Timeout"
  * line into the stack file, has faulthandler dump every thread there (the signal it is
  * registered on, sent to this thread: the dump is done when pthread_kill returns) and
@@ -841,7 +841,7 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "peerwatch._exitstatus",
-    "The exit status, seen by glibc's on_exit(3) after Python is finalized (see _exitwatch.py).", -1, methods,
+    "The exit status, seen by glibc's on_exit(3) after Python is finalized (see rundir/exitwatch.py).", -1, methods,
     NULL, NULL, NULL, NULL,
 };
 

@@ -13,7 +13,7 @@ import os
 import sys
 import threading
 
-from peerwatch import _identity
+from peerwatch.proc import identity
 
 WINDOW = 16  # descriptor numbers the other thread keeps taking
 
@@ -22,8 +22,8 @@ def _looks_gone_or_unknown(pid: int) -> bool:
     """A probe of the live process that said "gone" (None) or "cannot tell" (Unknown): the
     descriptors taken away are no want of descriptors, and the probe reads again."""
     try:
-        return _identity.probe(pid) is None
-    except _identity.Unknown:
+        return identity.probe(pid) is None
+    except identity.Unknown:
         return True
 
 

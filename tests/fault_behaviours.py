@@ -164,7 +164,7 @@ def part(args: argparse.Namespace, rank: int, name: str, arg: str, note: Note) -
     elif name == "default_interrupt":
         import signal
 
-        signal.signal(peerwatch._teardown.INTERRUPT_SIGNAL, signal.SIG_DFL)
+        signal.signal(peerwatch.proc.teardown.INTERRUPT_SIGNAL, signal.SIG_DFL)
 
 
 def _join_process_group(args: argparse.Namespace, rank: int) -> None:
@@ -237,7 +237,7 @@ def child_scenario(args: argparse.Namespace, rank: int, mode: str, note: Note) -
         peerwatch.beat(7)
         with peerwatch.watch() as w:
             got["watch"] = None if w is None else "a watcher"
-        got["verdict"] = repr(peerwatch._api.current_verdict())
+        got["verdict"] = repr(peerwatch.api.current_verdict())
         note(args, f"child-{rank}-{mode}", json.dumps(got))
         sys.exit(3)
     raise SystemExit(f"unknown child scenario {mode!r}")

@@ -7,9 +7,9 @@
     assert job.returncodes() == {...}
     report = job.report()
 
-The straggler rule (peerwatch._straggler) judges slots of 5 heartbeats, 6 to 12 of them: at
+The straggler rule (peerwatch.hangs.straggler) judges slots of 5 heartbeats, 6 to 12 of them: at
 the tests' 0.5 s heartbeat, 15 s before a first finding and 30 s for a window. The tests
-shorten the slots with two private variables, read by peerwatch._waits and documented only
+shorten the slots with two private variables, read by peerwatch.hangs.waits and documented only
 here (as ``PEERWATCH_TEST_NO_INOTIFY``): ``PEERWATCH_TEST_STRAGGLER_SLOT_S`` (a slot's length,
 rounded to whole heartbeats) and ``PEERWATCH_TEST_STRAGGLER_SAMPLE_S`` (the wait sampler's
 interval, shortened as much, so a slot holds as many samples: the rule's noise is unchanged).
@@ -43,7 +43,7 @@ RANK_PROGRAM = Path(__file__).with_name("rank_program.py")
 READY_POLL_S = 0.015  # how often the READY folder is read while waiting for ranks
 READY_TIMEOUT_S = 20.0  # python start + import; generous for torch on 2 loaded cores
 _PR_SET_CHILD_SUBREAPER = 36
-# Not imported from peerwatch._waits: conftest imports this module, and nothing of the
+# Not imported from peerwatch.hangs.waits: conftest imports this module, and nothing of the
 # product is imported at collection (test_stragglerwatch checks the names agree).
 STRAGGLER_VARS = ("PEERWATCH_TEST_STRAGGLER_SLOT_S", "PEERWATCH_TEST_STRAGGLER_SAMPLE_S")
 STRAGGLER_SLOT_S = 1.0  # 2 heartbeats of 0.5 s: a first finding after 6 s, a window of 12 s

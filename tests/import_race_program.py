@@ -34,8 +34,8 @@ def main() -> None:
     import torch
     import torch.distributed as dist
 
-    from peerwatch._records import Heartbeat, decode
-    from peerwatch._rundir import HEARTBEATS, rank_file
+    from peerwatch.core.records import Heartbeat, decode
+    from peerwatch.rundir.rundir import HEARTBEATS, rank_file
 
     # A FileStore: many of these run at once, with no port to share.
     store = dist.FileStore(os.path.join(tempfile.mkdtemp(), "store"), 1)

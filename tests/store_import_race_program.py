@@ -31,7 +31,7 @@ POLL_S = 0.0005  # the main thread looks at sys.modules this often: the bridge's
 
 
 def _heartbeat_seq(path: str) -> int:
-    from peerwatch._records import Heartbeat, decode
+    from peerwatch.core.records import Heartbeat, decode
 
     try:
         with open(path, "rb") as f:
@@ -59,7 +59,7 @@ def main() -> None:
     args = parser.parse_args()
     handle = peerwatch.install(heartbeat_interval=args.heartbeat, rank=0, world_size=1, local_world_size=1)
     assert handle is not None
-    from peerwatch._rundir import HEARTBEATS, rank_file
+    from peerwatch.rundir.rundir import HEARTBEATS, rank_file
 
     beat_path = os.path.join(handle.run_dir, HEARTBEATS, rank_file("rank", 0))
     _until(lambda: "torch" in sys.modules or _heartbeat_seq(beat_path) >= args.ticks, args.wait)

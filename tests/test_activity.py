@@ -1,4 +1,4 @@
-"""The signs of work a rank shows (peerwatch._activity), on a host with more runnable
+"""The signs of work a rank shows (peerwatch.proc.activity), on a host with more runnable
 threads than CPUs: a thread that computes gets a small share of a CPU and waits for the
 rest, and counts as working; a thread that waits on a lock neither runs nor waits; a
 thread that only wakes often to sleep again waits at every wake, and counts as idle.
@@ -18,7 +18,7 @@ from typing import Dict, Iterator, List
 
 import pytest
 
-from peerwatch._diagnose import BUSY_OTHER_SHARE
+from peerwatch.hangs.diagnose import BUSY_OTHER_SHARE
 
 ROOT = str(Path(__file__).resolve().parent.parent)
 BUSY_LOOPS = 3  # beside the sampled process, on its one CPU: it gets about a quarter
@@ -27,7 +27,7 @@ SAMPLE_S = 0.25
 
 RANK = r"""
 import json, os, sys, threading, time
-from peerwatch._activity import ActivitySampler
+from peerwatch.proc.activity import ActivitySampler
 
 work = sys.argv[1]
 stop = threading.Event()
@@ -122,7 +122,7 @@ def test_a_thread_that_wakes_every_10_ms_on_a_crowded_cpu_shows_no_work(one_busy
     second. Counted whole, those waits made it 13-15 % of a core, over the 10 % that tells a
     laggard busy: a stuck multi-host laggard was diagnosed busy in a full run under load. Its
     waits count up to WAIT_CAP times its own CPU time, which is next to nothing."""
-    from peerwatch._diagnose import BUSY_OTHER_SHARE
+    from peerwatch.hangs.diagnose import BUSY_OTHER_SHARE
 
     assert _share(one_busy_cpu, "wakes") < BUSY_OTHER_SHARE / 2
 
@@ -131,8 +131,8 @@ def test_a_thread_that_wakes_every_10_ms_on_a_crowded_cpu_shows_no_work(one_busy
 
 MAIN = r"""
 import json, os, sys, threading, time
-from peerwatch._activity import ActivitySampler
-from peerwatch._diagnose import RankState, busy_evidence
+from peerwatch.proc.activity import ActivitySampler
+from peerwatch.hangs.diagnose import RankState, busy_evidence
 
 work = sys.argv[1]
 out, done = {}, threading.Event()

@@ -1,4 +1,4 @@
-"""Time counts only while the judge was awake (peerwatch._awake), and the judges that turn
+"""Time counts only while the judge was awake (peerwatch.core.awake), and the judges that turn
 a silence into a finding or a verdict count by it: pure, no process. The end-to-end case
 (a job suspended and resumed by its scheduler) is in tests/test_diagnosis.py."""
 
@@ -8,11 +8,10 @@ import dataclasses
 
 import pytest
 
-from peerwatch._awake import CAP_INTERVALS, AwakeClock
-from peerwatch._config import HangSetting
-from peerwatch._decide import Observed, Policy, decide
-from peerwatch._diagnose import RankState, Threshold, diagnose
-from peerwatch._summary import summarize
+from peerwatch.core.awake import CAP_INTERVALS, AwakeClock
+from peerwatch.core.config import HangSetting
+from peerwatch.hangs.diagnose import RankState, Threshold, diagnose, summarize
+from peerwatch.verdict.decide import Observed, Policy, decide
 
 pytestmark = pytest.mark.pure
 

@@ -36,8 +36,8 @@ from typing import Dict, Iterator, List, Optional
 import pytest
 from harness import Job, by_rank
 
-from peerwatch import _records
-from peerwatch._records import MAX_RECORD_BYTES, ExitStatus, Failure, Registration, Success, Verdict, encode
+from peerwatch.core import records
+from peerwatch.core.records import MAX_RECORD_BYTES, ExitStatus, Failure, Registration, Success, Verdict, encode
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -326,7 +326,7 @@ def test_a_diagnosis_naming_a_rank_outside_the_world_is_not_obeyed(make_job) -> 
     job = make_job(world=WORLD, grace=GRACE_S, env=dict(ENV, PEERWATCH_HANG_TIMEOUT="auto")).start()
     pids = job.wait_ready()
     now = time.time_ns()
-    diagnosis = _records.Diagnosis(finding=_records.HANG, laggards=(99,), entered=(0, 1, 2), since_ns=10**9, stalled_at_ns=now - 10**9,
+    diagnosis = records.Diagnosis(finding=records.HANG, laggards=(99,), entered=(0, 1, 2), since_ns=10**9, stalled_at_ns=now - 10**9,
                           time_ns=now, made_by=0, detail="planted: rank 99 never entered gloo:all_reduce")
     path = job.run_dir / "events" / "diagnosis.json"
     staged = job.run_dir / "tmp" / "planted-diagnosis"

@@ -18,12 +18,12 @@ pytest.importorskip("torch")
 
 from harness import free_port  # noqa: E402
 
-from peerwatch import _identity  # noqa: E402
-from peerwatch._bridge import _BeatLoop, _Link, _TorchGate  # noqa: E402
-from peerwatch._config import Config, LauncherFacts  # noqa: E402
-from peerwatch._records import Registration  # noqa: E402
-from peerwatch._rundir import RunDir  # noqa: E402
-from peerwatch._store_client import StoreClient  # noqa: E402
+from peerwatch.core.config import Config, LauncherFacts  # noqa: E402
+from peerwatch.core.records import Registration  # noqa: E402
+from peerwatch.hosts.bridge import _BeatLoop, _Link, _TorchGate  # noqa: E402
+from peerwatch.hosts.store_client import StoreClient  # noqa: E402
+from peerwatch.proc import identity  # noqa: E402
+from peerwatch.rundir.rundir import RunDir  # noqa: E402
 
 PEER_TIMEOUT_S = 3.0
 HEARTBEAT_S = 0.2
@@ -71,7 +71,7 @@ def test_one_failed_interval_keeps_the_host_connected_until_peer_timeout(tmp_pat
     stopped = threading.Event()
     link = _Link(config, run_dir, facts, client, stopped)
     me = Registration(rank=0, pid=os.getpid(), ppid=os.getppid(), start_ticks=0, uid=os.getuid(),
-                      host=_identity.hostname(), boot_id=_identity.boot_id(), pidns=_identity.pid_namespace(),
+                      host=identity.hostname(), boot_id=identity.boot_id(), pidns=identity.pid_namespace(),
                       time_ns=time.time_ns())
     seq = iter(range(1, 1_000_000))
     loop = _BeatLoop(link, me, "ident", lambda: next(seq), threading.Event(), lambda: False, _TorchGate())

@@ -26,7 +26,8 @@ import pytest
 from harness import Job
 from test_gc import age, dead_pid, make_run, registration
 
-from peerwatch import _basedir, _identity
+from peerwatch.proc import identity
+from peerwatch.rundir import basedir
 
 ROOT = Path(__file__).resolve().parent.parent
 CLI_TIMEOUT_S = 60.0
@@ -38,7 +39,7 @@ def base(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     runtime = tmp_path / "xdg"
     runtime.mkdir(mode=0o700)
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))
-    b = Path(_basedir.base_dir())
+    b = Path(basedir.base_dir())
     assert b == runtime / "peerwatch"
     b.mkdir(mode=0o700)
     return b
@@ -80,7 +81,7 @@ def test_status_and_report_read_the_live_run_first_and_say_which(base: Path, tmp
             # Runs whose records are all newer than the live one's heartbeats (dated a minute
             # or two ahead): by activity alone, either would be read.
             newer = str(finished(base / "run-newer", -120))
-            rank0 = _identity.probe(pids[0])
+            rank0 = identity.probe(pids[0])
             assert rank0 is not None
             impostor = str(make_run(base / "run-reused-pid", [registration(0, pids[0], rank0.start_ticks + 1)], -60))
             old = str(finished(base / "run-old", 3600))
@@ -120,7 +121,7 @@ def sleepers() -> Iterator[List[subprocess.Popen]]:
 def live_run(path: Path, proc: subprocess.Popen, started_s_ago: float, idle_s: float) -> str:
     """A run whose rank 0 is ``proc`` (alive: pid, start time and uid check out), registered
     ``started_s_ago`` seconds ago, every mtime in it ``idle_s`` in the past."""
-    me = _identity.probe(proc.pid)
+    me = identity.probe(proc.pid)
     assert me is not None
     reg = registration(0, proc.pid, me.start_ticks, time_ns=time.time_ns() - int(started_s_ago * 1e9))
     return str(make_run(path, [reg], idle_s))

@@ -1,4 +1,4 @@
-"""Reading torch's collective counters (peerwatch._collectives) with the real torch, in a
+"""Reading torch's collective counters (peerwatch.hangs.collectives) with the real torch, in a
 child process (a one-rank gloo group): what they say, that torch is never imported by
 peerwatch, and one log line where the flight recorder is missing."""
 
@@ -30,7 +30,7 @@ def run(code: str, prefix: str = "") -> dict:
 
 GROUP = """
 import datetime, json, logging, os, sys, tempfile
-import peerwatch._collectives as c
+import peerwatch.hangs.collectives as c
 lines = []
 class Keep(logging.Handler):
     def emit(self, record): lines.append(record.getMessage())
@@ -77,7 +77,7 @@ def test_a_torch_without_the_flight_recorder_is_said_once_and_read_as_nothing() 
 def test_peerwatch_never_imports_torch_to_read_counters() -> None:
     got = run("""
     import json, sys
-    import peerwatch, peerwatch._collectives as c
+    import peerwatch, peerwatch.hangs.collectives as c
     peerwatch.install(run_dir=__import__("tempfile").mkdtemp() + "/run")
     r = c.CollectiveReader(0)
     print(json.dumps({"read": r.counters(), "torch": "torch" in sys.modules}))

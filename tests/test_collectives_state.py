@@ -1,6 +1,6 @@
 """Never silently off: whether a rank's collective counters are read, and said.
 
-- the reader's states (peerwatch._collectives), with stand-in modules in ``sys.modules``
+- the reader's states (peerwatch.hangs.collectives), with stand-in modules in ``sys.modules``
   for each moment of torch's import: "waiting" while torch or torch.distributed is not
   imported or still importing (``__spec__._initializing``), "none" only once both have
   finished and there is no flight recorder, "failing" (retried) and "read";
@@ -27,11 +27,11 @@ from typing import Any, Callable, Dict, Iterator, List
 
 import pytest
 
-from peerwatch import cli
-from peerwatch._collectives import FAILING, MAX_ERROR_CHARS, NONE, OFF, READ, STATES, WAITING, CollectiveReader
-from peerwatch._heartbeat import HeartbeatWriter, OwnProgress
-from peerwatch._records import Heartbeat, Registration, encode
-from peerwatch._rundir import EVENTS, HEARTBEATS, RANKS, TMP, RunDir, rank_file
+from peerwatch.core.records import Heartbeat, Registration, encode
+from peerwatch.hangs.collectives import FAILING, MAX_ERROR_CHARS, NONE, OFF, READ, STATES, WAITING, CollectiveReader
+from peerwatch.hangs.heartbeat import HeartbeatWriter, OwnProgress
+from peerwatch.rundir.rundir import EVENTS, HEARTBEATS, RANKS, TMP, RunDir, rank_file
+from peerwatch.tools import cli
 
 C10D = "torch._C._distributed_c10d"
 PROGRAM = Path(__file__).with_name("import_race_program.py")

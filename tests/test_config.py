@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from peerwatch import Config, ConfigError
-from peerwatch._config import (
+from peerwatch.core.config import (
     ACK_WINDOW_S,
     DEFAULT_EXIT_CODE,
     GRACE_S,
@@ -582,7 +582,7 @@ def test_hang_timeout_auto_is_not_checked_against_the_heartbeat():
         Config.resolve({"hang_timeout": 10, "heartbeat_interval": 30}, env={})
 
 
-# -- exact values and edges (issue 25.6: what a mutant of _config.py changes, a test sees) --
+# -- exact values and edges (issue 25.6: what a mutant of core/config.py changes, a test sees) --
 
 
 def test_a_hang_setting_below_one_second_is_a_setting_not_off():
@@ -618,7 +618,7 @@ def test_a_duration_over_its_maximum_says_it_in_words(option, said):
 
 
 def test_a_maximum_is_spoken_in_words_where_it_is_a_round_unit():
-    from peerwatch._config import _spoken
+    from peerwatch.core.config import _spoken
 
     assert [_spoken(s) for s in (60.0, 3600.0, 86400.0, 604800.0, 90.0)] == [
         "a minute", "an hour", "a day", "a week", "90 seconds"]

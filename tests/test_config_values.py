@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from peerwatch import Config, ConfigError
-from peerwatch._config import MAX_SECONDS, SECRET_MIN_BYTES, SECRET_SHOWN, HangSetting
+from peerwatch.core.config import MAX_SECONDS, SECRET_MIN_BYTES, SECRET_SHOWN, HangSetting
 
 SECRET = "s" * SECRET_MIN_BYTES
 

@@ -9,22 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from peerwatch._config import HangSetting
-from peerwatch._decide import (
-    COLLECTIVE_SETTLE_NS,
-    CONSEQUENCE_WINDOW_NS,
-    INTERRUPT_WINDOW_NS,
-    LEAVING_WAIT_NS,
-    REMOTE_SETTLE_NS,
-    UNREAD_RECHECK_NS,
-    Decision,
-    Observed,
-    Policy,
-    decide,
-    exit_code_for,
-)
-from peerwatch._diagnose import FROZEN_STATES, RankState
-from peerwatch._records import (
+from peerwatch.core.config import HangSetting
+from peerwatch.core.records import (
     BUSY,
     EXCEPTION,
     EXIT,
@@ -41,6 +27,20 @@ from peerwatch._records import (
     Interrupt,
     Registration,
     Verdict,
+)
+from peerwatch.hangs.diagnose import FROZEN_STATES, RankState
+from peerwatch.verdict.decide import (
+    COLLECTIVE_SETTLE_NS,
+    CONSEQUENCE_WINDOW_NS,
+    INTERRUPT_WINDOW_NS,
+    LEAVING_WAIT_NS,
+    REMOTE_SETTLE_NS,
+    UNREAD_RECHECK_NS,
+    Decision,
+    Observed,
+    Policy,
+    decide,
+    exit_code_for,
 )
 
 WAIT_NS = 100_000_000
@@ -1204,7 +1204,7 @@ def test_a_resolved_diagnosis_has_no_victims():
 
 
 def test_the_documented_windows_have_their_documented_values():
-    """The windows the tests above compute from, as _decide.py's comments state them (1 s,
+    """The windows the tests above compute from, as verdict/decide.py's comments state them (1 s,
     0.5 s, 15 s), and the frozen states' words users read in a hang's detail."""
     assert (CONSEQUENCE_WINDOW_NS, COLLECTIVE_SETTLE_NS, LEAVING_WAIT_NS) == (10**9, 5 * 10**8, 15 * 10**9)
     assert FROZEN_STATES == {"T": "stopped (SIGSTOP)", "t": "stopped by a debugger", "D": "in uninterruptible sleep (I/O)"}
@@ -1214,7 +1214,7 @@ def test_the_documented_windows_have_their_documented_values():
 
 
 def _config(**options: Any) -> Any:
-    from peerwatch._config import Config
+    from peerwatch.core.config import Config
 
     return Config.resolve(options, env={})
 

@@ -149,31 +149,31 @@ def test_without_a_local_home_the_tmp_base_is_unpredictable_recorded_and_passed_
     shared by hosts): the base is a directory of an unpredictable name in tmp, recorded in
     the home per host, so every rank of the host finds the same. If another user makes it
     after it was removed (a /tmp cleaner), it is passed over for a new one."""
-    from peerwatch import _basedir, _trust
+    from peerwatch.rundir import basedir, trust
 
     tmp, home = _squatted_tmp_and_home(tmp_path)
     for var, value in (("TMPDIR", str(tmp)), ("HOME", str(home))):
         monkeypatch.setenv(var, value)
     for var in ("XDG_RUNTIME_DIR", "XDG_CACHE_HOME"):
         monkeypatch.delenv(var, raising=False)
-    monkeypatch.setattr(_basedir, "_local_fs", lambda path: False)  # as if the home were on NFS
-    base = _basedir.base_dir()
+    monkeypatch.setattr(basedir, "_local_fs", lambda path: False)  # as if the home were on NFS
+    base = basedir.base_dir()
     assert os.path.dirname(base) == str(tmp) and os.path.basename(base).startswith(f"peerwatch-{os.geteuid()}-")
     assert base not in [str(tmp / f"peerwatch-{os.geteuid()}")] + [f"{tmp}/peerwatch-{os.geteuid()}-{n}" for n in range(2, 5)]
-    assert _trust.private_dir(base)
-    assert _basedir.base_dir() == base  # what every rank of this host computes
+    assert trust.private_dir(base)
+    assert basedir.base_dir() == base  # what every rank of this host computes
     assert len(os.listdir(home / ".cache" / "peerwatch" / "bases")) == 1
     # Ranks starting at once, before anything is recorded, agree on one.
     os.unlink(home / ".cache" / "peerwatch" / "bases" / os.listdir(home / ".cache" / "peerwatch" / "bases")[0])
     os.rmdir(base)
-    code = ("from peerwatch import _basedir; _basedir._local_fs = lambda path: False; "
-            "print(_basedir.base_dir(), flush=True)")
+    code = ("from peerwatch.rundir import basedir; basedir._local_fs = lambda path: False; "
+            "print(basedir.base_dir(), flush=True)")
     procs = [subprocess.Popen([sys.executable, "-c", code], env=_env(TMPDIR=str(tmp), HOME=str(home)),
                               stdout=subprocess.PIPE, text=True) for _ in range(4)]
     outs = {p.communicate(timeout=30)[0].strip() for p in procs}
     assert len(outs) == 1 and all(p.returncode == 0 for p in procs), outs
     base = outs.pop()
-    assert os.path.dirname(base) == str(tmp) and _trust.private_dir(base)
+    assert os.path.dirname(base) == str(tmp) and trust.private_dir(base)
     fixed = {f"peerwatch-{os.geteuid()}-{n}" for n in range(2, 5)}
     assert [n for n in os.listdir(tmp) if n.startswith(f"peerwatch-{os.geteuid()}-") and n not in fixed] == \
         [os.path.basename(base)]  # the others' proposals were removed
@@ -182,9 +182,9 @@ def test_without_a_local_home_the_tmp_base_is_unpredictable_recorded_and_passed_
     os.mkdir(base, 0o777)
     os.chown(base, STRANGER_UID, STRANGER_UID)
     with caplog.at_level("WARNING", logger="peerwatch"):
-        other = _basedir.base_dir()
-    assert other != base and os.path.dirname(other) == str(tmp) and _trust.private_dir(other)
+        other = basedir.base_dir()
+    assert other != base and os.path.dirname(other) == str(tmp) and trust.private_dir(other)
     assert f"{base} is owned by uid {STRANGER_UID}" in caplog.text
     # Removed and not taken: made again under its name.
     os.rmdir(other)
-    assert _basedir.base_dir() == other and _trust.private_dir(other)
+    assert basedir.base_dir() == other and trust.private_dir(other)

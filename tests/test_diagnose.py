@@ -1,5 +1,5 @@
-"""The diagnosis of a stuck job (peerwatch._diagnose) and the verdict rules that use it
-(peerwatch._decide; rules: the diagnosis is the verdict, victims are not blamed): pure, no process."""
+"""The diagnosis of a stuck job (peerwatch.hangs.diagnose) and the verdict rules that use it
+(peerwatch.verdict.decide; rules: the diagnosis is the verdict, victims are not blamed): pure, no process."""
 
 from __future__ import annotations
 
@@ -10,10 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from peerwatch._activity import Activity
-from peerwatch._config import HangSetting
-from peerwatch._decide import Observed, Policy, decide
-from peerwatch._diagnose import (
+from peerwatch.core.config import HangSetting
+from peerwatch.core.records import BUSY, EXCEPTION, HANG, HANG_EXIT_CODE, MISMATCH, Diagnosis, Failure, Registration
+from peerwatch.hangs.diagnose import (
     BUSY_END_FRACTION,
     CAP_FRACTION,
     FACTOR,
@@ -26,7 +25,8 @@ from peerwatch._diagnose import (
     busy_evidence,
     diagnose,
 )
-from peerwatch._records import BUSY, EXCEPTION, HANG, HANG_EXIT_CODE, MISMATCH, Diagnosis, Failure, Registration
+from peerwatch.proc.activity import Activity
+from peerwatch.verdict.decide import Observed, Policy, decide
 
 pytestmark = pytest.mark.pure
 
@@ -212,7 +212,7 @@ def test_the_laggard_failing_itself_is_the_verdict():
 
 
 def test_an_nccl_watchdog_abort_after_a_diagnosis_is_a_victim_too():
-    from peerwatch._records import ExitStatus
+    from peerwatch.core.records import ExitStatus
 
     o = dataclasses.replace(obs(), exit_statuses={2: ExitStatus(rank=2, pid=1002, time_ns=55 * S, returncode=-6,
                                                                 observed_by=0)})
@@ -235,13 +235,13 @@ AUTO, OFF = HangSetting(auto=True), HangSetting()
 @pytest.mark.parametrize(("raw", "value"), [("auto", AUTO), ("AUTO", AUTO), ("off", OFF), ("0", OFF),
                                             ("12.5", HangSetting(seconds=12.5))])
 def test_hang_warn_takes_seconds_auto_or_off(raw: str, value: HangSetting):
-    from peerwatch._config import Config
+    from peerwatch.core.config import Config
 
     assert Config.resolve({}, env={"PEERWATCH_HANG_WARN": raw}).hang_warn == value
 
 
 def test_hang_warn_is_learnt_by_default_and_hang_timeout_takes_auto():
-    from peerwatch._config import Config
+    from peerwatch.core.config import Config
 
     assert Config.resolve({}, env={}).hang_warn == AUTO
     assert Config.resolve({"hang_timeout": "auto"}, env={}).hang_timeout == AUTO
@@ -250,8 +250,8 @@ def test_hang_warn_is_learnt_by_default_and_hang_timeout_takes_auto():
 
 @pytest.mark.parametrize("raw", ["sometimes", "-3", "inf"])
 def test_a_bad_hang_warn_names_its_source(raw: str):
-    from peerwatch._config import Config
-    from peerwatch._errors import ConfigError
+    from peerwatch.core.config import Config
+    from peerwatch.core.errors import ConfigError
 
     with pytest.raises(ConfigError, match="hang_warn"):
         Config.resolve({}, env={"PEERWATCH_HANG_WARN": raw})
@@ -369,7 +369,7 @@ def test_auto_ends_a_busy_laggard_only_at_its_end():
 def test_the_documented_constants_have_the_documented_values():
     """docs/hangs.md ("The threshold", "Busy or stuck") and README.md state these numbers; the
     tests above compute their expectations from the constants, so a change shows here."""
-    from peerwatch import _diagnose
+    from peerwatch.hangs import diagnose as _diagnose
 
     assert (FACTOR, WARMUP_GAPS, FLOOR_S, CAP_FRACTION, _diagnose.DEFAULT_CAP_S) == (5, 10, 60.0, 0.5, 300.0)
     assert BUSY_END_FRACTION == 0.9 and _diagnose.ASSUMED_TIMEOUT_S == 600.0
@@ -450,7 +450,7 @@ def test_a_threshold_of_zero_is_off_and_one_nanosecond_is_not():
 
 
 def test_last_move_is_the_latest_counter_move_or_beat_of_any_rank():
-    from peerwatch._diagnose import last_move
+    from peerwatch.hangs.diagnose import last_move
 
     assert last_move({0: RankState(moved_mono_ns=5, beat_mono_ns=None), 1: RankState(beat_mono_ns=7)}) == 7
     assert last_move({0: RankState(moved_mono_ns=9, beat_mono_ns=3), 1: RankState()}) == 9
@@ -523,7 +523,7 @@ def test_ranks_of_several_hosts_are_named_with_their_host():
 
 
 def test_a_long_list_of_ranks_is_cut_after_sixteen():
-    from peerwatch._diagnose import MAX_NAMED, _ranks
+    from peerwatch.hangs.diagnose import MAX_NAMED, _ranks
 
     assert MAX_NAMED == 16
     assert _ranks(range(16)) == "ranks " + ", ".join(map(str, range(16)))
@@ -532,7 +532,7 @@ def test_a_long_list_of_ranks_is_cut_after_sixteen():
 
 
 def test_sizes_read_in_kilobytes_or_megabytes():
-    from peerwatch._diagnose import _size
+    from peerwatch.hangs.diagnose import _size
 
     assert (_size(99_999), _size(100_000), _size(300_000_000)) == ("100 kB", "0.1 MB", "300.0 MB")
     # A kB is 1000 bytes and a MB 10**6, exactly: values where a divisor one off rounds otherwise.
@@ -613,7 +613,7 @@ def test_a_heartbeat_becomes_a_rank_state_in_one_place_with_every_field_it_carri
     state, the watcher's silence and the host (which the heartbeat cannot say) comes from it."""
     import dataclasses as dc
 
-    from peerwatch._records import Heartbeat
+    from peerwatch.core.records import Heartbeat
 
     activity = Activity(samples=4, span_ms=3000, cpu_ms=900, places=4, other_cpu_ms=0, io_bytes=0, children_cpu_ms=0)
     beat = Heartbeat(rank=1, pid=5, time_ns=6, seq=7, step=42, progress_ns=11, paused=True, where="train.py:9 in step",
@@ -630,7 +630,7 @@ def test_a_heartbeat_becomes_a_rank_state_in_one_place_with_every_field_it_carri
 
 def test_a_rank_state_made_from_nothing_knows_nothing():
     """The defaults are the "unknown" of each field: a collective timeout of 0 is unknown
-    (peerwatch._diagnoser skips it when it takes the shortest), no step, no move, no host."""
+    (peerwatch.diagnoser skips it when it takes the shortest), no step, no move, no host."""
     s = RankState()
     assert (s.step, s.beat_mono_ns, s.paused, s.state, s.watcher_silent, s.in_collective, s.where) == (
         None, None, False, "?", False, False, "")
@@ -643,9 +643,9 @@ def test_a_rank_state_made_from_nothing_knows_nothing():
     ("S", True, "its watcher cannot run (the GIL is held, e.g. by C code)"),
 ])
 def test_the_hang_verdict_and_the_diagnosis_explain_a_laggard_in_the_same_words(state, silent, said):
-    """The hang_timeout verdict (peerwatch._decide) and the diagnosis said why a laggard holds
+    """The hang_timeout verdict (peerwatch.verdict.decide) and the diagnosis said why a laggard holds
     the job up in two texts, already worded differently ("the GIL is held, e.g. by C code"
-    and "the GIL is held?"); one builder now (peerwatch._diagnose.explain)."""
+    and "the GIL is held?"); one builder now (peerwatch.hangs.diagnose.explain)."""
     laggard = rank(21, state=state, watcher_silent=silent, where="train.py:3 in f", beat_mono_ns=NOW - 10 * S)
     ranks = {0: rank(21, beat_mono_ns=NOW - 10 * S), 1: laggard}
     found = diagnose(ranks, NOW, 5 * S)
@@ -665,7 +665,7 @@ WINDOW = act(samples=STUCK_SAMPLES)  # a whole window with no sign of work
 
 
 def test_the_stuck_threshold_is_ten_seconds_or_a_window_of_beats_never_over_the_learnt_one():
-    from peerwatch import _activity
+    from peerwatch.proc import activity as _activity
 
     assert (STUCK_S, STUCK_SAMPLES) == (10.0, _activity.WINDOW)
     learnt = Threshold()

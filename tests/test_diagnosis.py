@@ -26,7 +26,7 @@ import pytest
 from harness import Job
 
 import peerwatch
-from peerwatch._diagnose import FLOOR_S, STUCK_S
+from peerwatch.hangs.diagnose import FLOOR_S, STUCK_S
 
 pytest.importorskip("torch.distributed")
 

@@ -21,11 +21,11 @@ import pytest
 pytest.importorskip("torch")
 
 
-from peerwatch import _identity  # noqa: E402
-from peerwatch._bridge import Bridge  # noqa: E402
-from peerwatch._config import Config  # noqa: E402
-from peerwatch._records import LOST, Failure, Registration, encode  # noqa: E402
-from peerwatch._rundir import _SUBDIRS, EVENTS, RANKS, RunDir, rank_file  # noqa: E402
+from peerwatch.core.config import Config  # noqa: E402
+from peerwatch.core.records import LOST, Failure, Registration, encode  # noqa: E402
+from peerwatch.hosts.bridge import Bridge  # noqa: E402
+from peerwatch.proc import identity  # noqa: E402
+from peerwatch.rundir.rundir import _SUBDIRS, EVENTS, RANKS, RunDir, rank_file  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -97,9 +97,9 @@ def _host(tmp: Path, n: int, store: Any, run_id: str, **options: Any) -> Bridge:
     os.makedirs(rd.path)
     for sub in _SUBDIRS:
         os.mkdir(rd.join(sub))
-    me = _identity.self_info()
+    me = identity.self_info()
     regs = [Registration(rank=r, pid=me.pid, ppid=me.ppid, start_ticks=me.start_ticks, uid=me.uid, host=f"host{n}",
-                         boot_id=_identity.boot_id(), pidns=_identity.pid_namespace(), time_ns=time.time_ns())
+                         boot_id=identity.boot_id(), pidns=identity.pid_namespace(), time_ns=time.time_ns())
             for r in (2 * n, 2 * n + 1)]
     for reg in regs:
         rd.write(RANKS, rank_file("rank", reg.rank), encode(reg), replace=True)
@@ -233,8 +233,8 @@ def test_a_host_that_registers_is_counted_everywhere_whatever_the_aggregators_pa
     judges it lost) but never counts another host. The three real hosts that register
     meanwhile are counted joined by each of them all the same (they took an index), and none
     says that hosts the launcher announced have not joined."""
-    from peerwatch._hosts import Digest, HostInfo, beat_value
-    from peerwatch._store_protocol import HOSTS, beat_key, host_key, publish_digest
+    from peerwatch.hosts.hosts import Digest, HostInfo, beat_value
+    from peerwatch.hosts.store_protocol import HOSTS, beat_key, host_key, publish_digest
 
     prefix = "peerwatch/digest-pace/"
     slow = store()

@@ -33,7 +33,7 @@ import pytest
 from harness import free_port
 from launcher_jobs import FOREIGN_ENV
 
-import peerwatch._config
+import peerwatch.core.config
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
@@ -109,7 +109,7 @@ def test_mkdocs_build_strict_has_no_warning(tmp_path: Path) -> None:
 
 def test_every_option_is_in_the_configuration_reference() -> None:
     page = (DOCS / "configuration.md").read_text()
-    for name, (env_var, _parse) in peerwatch._config._OPTIONS.items():
+    for name, (env_var, _parse) in peerwatch.core.config._OPTIONS.items():
         assert f"| `{name}` | `{env_var}` |" in page, f"docs/configuration.md: no table row for {name} ({env_var})"
 
 

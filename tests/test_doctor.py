@@ -88,7 +88,7 @@ def read_only_runtime(tmp_path: Path) -> Any:
 def test_a_read_only_base_fails_the_check(read_only_runtime: Path, monkeypatch: pytest.MonkeyPatch, base: str) -> None:
     """install() cannot write there ("Read-only file system"): the doctor must not say ok.
     It tries a real write (a file made and removed), not the mode bits nor access(2)."""
-    from peerwatch import _doctor
+    from peerwatch.tools import doctor as _doctor
 
     if base == "made":
         (read_only_runtime / "peerwatch").mkdir(mode=0o700)
@@ -106,7 +106,7 @@ def test_the_torch_line_says_the_hang_diagnosis_reads_the_flight_recorder() -> N
     """Issue 23, point 6: the line said "peerwatch does not need the flight recorder", while
     the hang diagnosis reads its counters every heartbeat (docs/hangs.md)."""
     pytest.importorskip("torch.distributed")
-    from peerwatch import _doctor
+    from peerwatch.tools import doctor as _doctor
 
     check = _doctor.check_torch()
     assert check.status == _doctor.OK, check
@@ -120,7 +120,7 @@ def test_the_checks_alone_do_not_import_torch_in_the_doctors_process() -> None:
     itself. torch is imported in a child (under a time limit), which says what the torch
     and GPU lines need; the doctor's own process never holds it."""
     code = ("import json, sys\n"
-            "from peerwatch import cli\n"
+            "from peerwatch.tools import cli\n"
             "rc = cli.main(['doctor', '--no-self-test', '--json'])\n"
             "print(json.dumps({'rc': rc, 'torch': sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.'))}))\n")
     env = dict(os.environ, PYTHONPATH=str(ROOT))

@@ -1,6 +1,6 @@
 """A collective that fails because a peer went is an echo, not a cause: the verdict names
 the peer, whichever reached the run directory first. Real gloo jobs, and the pure rule
-that tells an exception raised by torch.distributed (``_collectives.raised_by_torch_distributed``)."""
+that tells an exception raised by torch.distributed (``collectives.raised_by_torch_distributed``)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
-from peerwatch._collectives import in_torch_distributed
-from peerwatch._collectives import raised_by_torch_distributed as from_collective
-from peerwatch._hooks import spawn_wrapped
+from peerwatch.hangs.collectives import in_torch_distributed
+from peerwatch.hangs.collectives import raised_by_torch_distributed as from_collective
+from peerwatch.hooks import spawn_wrapped
 
 GRACE_S = 1.0
 GONE_S = 0.5 + GRACE_S + 5.0
@@ -82,8 +82,8 @@ def test_the_heartbeat_the_wait_sampler_and_the_hooks_agree_on_inside_torch_dist
     import threading
     import time
 
-    from peerwatch._heartbeat import main_thread_position
-    from peerwatch._waits import SAMPLE_S, WaitSampler
+    from peerwatch.hangs.heartbeat import main_thread_position
+    from peerwatch.hangs.waits import SAMPLE_S, WaitSampler
 
     code: dict = {}
     exec(compile("def wait(fd):\n    return os.read(fd, 1)\ndef fail():\n    raise RuntimeError('x')\n", path, "exec"),

@@ -24,19 +24,19 @@ STUCK_S = 20.0  # the job ends well within this (its ranks' own time, and python
 # is not there (argv[2]) while starved, then after giving the descriptors back.
 _STARVED_PROBE = r"""
 import errno, json, os, resource, sys
-from peerwatch import _identity
+from peerwatch.proc import identity
 
 live, dead = int(sys.argv[1]), int(sys.argv[2])
-info = _identity.probe(live)
+info = identity.probe(live)
 
 def look(pid):
     try:
-        got = _identity.probe(pid)
+        got = identity.probe(pid)
         probed = "none" if got is None else "info"
-    except _identity.Unknown as e:
+    except identity.Unknown as e:
         probed = "unknown:" + errno.errorcode.get(e.errno, str(e.errno))
-    return {"probe": probed, "same": _identity.same_process(pid, info.start_ticks, info.uid),
-            "is_same": _identity.is_same_process(pid, info.start_ticks, info.uid)}
+    return {"probe": probed, "same": identity.same_process(pid, info.start_ticks, info.uid),
+            "is_same": identity.is_same_process(pid, info.start_ticks, info.uid)}
 
 import psutil  # imported before the starvation: the fallback's import needs descriptors too
 soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)

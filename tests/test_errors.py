@@ -1,4 +1,4 @@
-"""The exceptions a user sees (peerwatch._errors): their fields, their texts, and that they
+"""The exceptions a user sees (peerwatch.core.errors): their fields, their texts, and that they
 pickle (a launcher sends a rank's exception to its parent that way). Pure."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 import peerwatch
-from peerwatch._errors import ConfigError, PeerFailure, PeerwatchError, RunDirError
+from peerwatch.core.errors import ConfigError, PeerFailure, PeerwatchError, RunDirError
 
 pytestmark = pytest.mark.pure  # no process, no thread, no file: conftest skips its scan for leaks
 

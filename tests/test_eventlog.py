@@ -82,13 +82,13 @@ def test_a_clean_run_logs_its_registrations_and_successes(make_job) -> None:
 
 
 def test_the_log_is_read_back_in_time_order(make_job, tmp_path: Path) -> None:
-    from peerwatch import _eventlog
+    from peerwatch.rundir import eventlog
 
     job: Job = make_job(world=3).start()
     job.wait_ready()
     job.kill(1)
     job.wait_gone(within=STUCK_S)
-    events = _eventlog.read(str(job.run_dir / "events.jsonl"))
+    events = eventlog.read(str(job.run_dir / "events.jsonl"))
     assert [e["ts"] for e in events] == sorted(e["ts"] for e in events)
     assert {e["event"] for e in events} >= {"register", "verdict", "verdict_seen", "ack", "report"}
 
@@ -143,11 +143,11 @@ def test_a_fifo_in_place_of_the_log_blocks_nothing(make_job, when: str) -> None:
 
 
 def test_reading_a_log_that_is_not_a_regular_file(tmp_path: Path) -> None:
-    """_eventlog.read never blocks on a FIFO, never follows a symlink (to /dev/zero, which
+    """eventlog.read never blocks on a FIFO, never follows a symlink (to /dev/zero, which
     would exhaust memory), and reads at most its size cap."""
     import os
 
-    from peerwatch import _eventlog
+    from peerwatch.rundir import eventlog
 
     fifo = tmp_path / "fifo.jsonl"
     os.mkfifo(fifo, 0o600)
@@ -155,37 +155,37 @@ def test_reading_a_log_that_is_not_a_regular_file(tmp_path: Path) -> None:
     os.symlink("/dev/zero", link)
     for path in (fifo, link):
         with pytest.raises(OSError):
-            _eventlog.read(str(path))
+            eventlog.read(str(path))
     big = tmp_path / "big.jsonl"
     line = b'{"v":1,"ts":1,"event":"x","rank":0}\n'
-    big.write_bytes(line * (_eventlog.MAX_LOG_BYTES // len(line) + 100))
-    assert len(_eventlog.read(str(big))) <= _eventlog.MAX_LOG_BYTES // len(line)
+    big.write_bytes(line * (eventlog.MAX_LOG_BYTES // len(line) + 100))
+    assert len(eventlog.read(str(big))) <= eventlog.MAX_LOG_BYTES // len(line)
 
 
 def test_hosts_sharing_a_run_directory_append_to_their_own_logs_merged_on_reading(tmp_path: Path) -> None:
     # Issue 22.14: O_APPEND is not atomic across NFS clients, so hosts sharing the run
     # directory must not append to one file. Each appends to events-<host>.jsonl; the
     # readers (the timeline, peerwatch report) merge them by ts.
-    from peerwatch import _eventlog
-    from peerwatch._identity import hostname
-    from peerwatch._rundir import RunDir, safe_name
+    from peerwatch.proc.identity import hostname
+    from peerwatch.rundir import eventlog
+    from peerwatch.rundir.rundir import RunDir, safe_name
 
     run = tmp_path / "run"
     run.mkdir(mode=0o700)
     shared = RunDir(str(run), shared="test: shared_fs=on")
-    _eventlog.append(shared, "ack", 1, ts=30, pid=11)
-    _eventlog.append(shared, "ack", 0, ts=10, pid=10)
+    eventlog.append(shared, "ack", 1, ts=30, pid=11)
+    eventlog.append(shared, "ack", 0, ts=10, pid=10)
     mine = f"events-{safe_name(hostname())}.jsonl"
     assert sorted(p.name for p in run.iterdir()) == [mine], "a shared run directory's host appended to another file"
     # Another host's log, and one from a host-local run: all read, in time order.
     (run / "events-otherhost.jsonl").write_text('{"v":1,"ts":20,"event":"ack","rank":2}\n')
     (run / "events.jsonl").write_text('{"v":1,"ts":5,"event":"register","rank":0}\n')
     (run / "events-notes.txt").write_text("not a log\n")
-    assert [(e["ts"], e["rank"]) for e in _eventlog.read_run(str(run))] == [(5, 0), (10, 0), (20, 2), (30, 1)]
+    assert [(e["ts"], e["rank"]) for e in eventlog.read_run(str(run))] == [(5, 0), (10, 0), (20, 2), (30, 1)]
     # A host-local run directory keeps its one events.jsonl.
     local = tmp_path / "local"
     local.mkdir(mode=0o700)
-    _eventlog.append(RunDir(str(local)), "ack", 0, ts=1, pid=10)
+    eventlog.append(RunDir(str(local)), "ack", 0, ts=1, pid=10)
     assert [p.name for p in local.iterdir()] == ["events.jsonl"]
     with pytest.raises(OSError):
-        _eventlog.read_run(str(tmp_path / "missing"))
+        eventlog.read_run(str(tmp_path / "missing"))

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from peerwatch import _exitwatch
-from peerwatch._hooks import exit_status
-from peerwatch._records import EXIT, Failure, Success, decode, encode
+from peerwatch.core.records import EXIT, Failure, Success, decode, encode
+from peerwatch.hooks import exit_status
+from peerwatch.rundir import exitwatch
 
 pytestmark = pytest.mark.pure  # no process, no thread, no file: conftest skips its scan for leaks
 
@@ -28,15 +28,15 @@ def test_exit_status_is_cpythons(status: object, expected: int) -> None:
 @pytest.mark.parametrize("time_ns, code", [(1, 1), (1_700_000_000_123_456_789, 3), (2**62, 255)])
 def test_templates_make_the_records_encode_makes(time_ns: int, code: int) -> None:
     """What the C callback writes (pieces around two decimal numbers) is byte for byte what
-    peerwatch._records encodes, and decodes as this rank's record."""
-    head, tail = _exitwatch.success_template(7, 4242)
+    peerwatch.core.records encodes, and decodes as this rank's record."""
+    head, tail = exitwatch.success_template(7, 4242)
     data = head + str(time_ns).encode() + tail
     assert data == encode(Success(rank=7, pid=4242, time_ns=time_ns))
     assert decode(Success, data) == Success(rank=7, pid=4242, time_ns=time_ns)
 
-    head, mid, tail = _exitwatch.failure_template(7, 4242)
+    head, mid, tail = exitwatch.failure_template(7, 4242)
     data = head + str(time_ns).encode() + mid + str(code).encode() + tail
-    want = Failure(rank=7, pid=4242, time_ns=time_ns, cause=EXIT, exit_code=code, message=_exitwatch.EXIT_MESSAGE,
+    want = Failure(rank=7, pid=4242, time_ns=time_ns, cause=EXIT, exit_code=code, message=exitwatch.EXIT_MESSAGE,
                    observed=True)
     assert data == encode(want)
     assert decode(Failure, data) == want

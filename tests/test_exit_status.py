@@ -22,9 +22,9 @@ import pytest
 from harness import by_rank
 from test_exit_codes import CPYTHON_STATUS
 
-from peerwatch import _exitwatch
-from peerwatch._hooks import exit_status
-from peerwatch._rundir import EVENTS
+from peerwatch.hooks import exit_status
+from peerwatch.rundir import exitwatch
+from peerwatch.rundir.rundir import EVENTS
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -39,7 +39,7 @@ GLIBC = sys.platform == "linux" and platform.libc_ver()[0] == "glibc"
 def test_the_extension_is_there_on_glibc() -> None:
     if not GLIBC:
         pytest.skip("no glibc: the extension is optional here (a SystemExit at the top reads as success)")
-    assert _exitwatch.available(), "peerwatch._exitstatus is not built: run `pip install -e .` (./dev setup)"
+    assert exitwatch.available(), "peerwatch._exitstatus is not built: run `pip install -e .` (./dev setup)"
 
 
 @pytest.mark.parametrize("status, expected", CPYTHON_STATUS, ids=[repr(s)[:20] for s, _ in CPYTHON_STATUS])
@@ -127,14 +127,15 @@ def test_a_sigterm_before_any_verdict_is_recorded_with_its_sender(make_job, styl
 HELD = r"""
 import os, sys, time
 import peerwatch
-from peerwatch import _exitwatch, _leave
+from peerwatch.rundir import exitwatch
+from peerwatch.verdict import leave
 peerwatch.install()
-print("held" if _exitwatch.hold_sigterm(float(sys.argv[1])) else "not held", flush=True)
+print("held" if exitwatch.hold_sigterm(float(sys.argv[1])) else "not held", flush=True)
 sys.stdin.readline()  # the parent's SIGTERM comes before this line does
 print("still here", flush=True)
 how = sys.argv[2]
 if how == "leave":
-    _leave.flush_and_exit(3)
+    leave.flush_and_exit(3)
 elif how == "exit":
     sys.exit(0)
 time.sleep(60)  # the hold runs out
@@ -190,11 +191,11 @@ def test_without_a_hold_a_sigterm_ends_the_rank_at_once(tmp_path) -> None:
 REARMED = """
 import os, signal, threading, time
 import peerwatch
-from peerwatch import _exitwatch
-from peerwatch._rundir import rank_file
+from peerwatch.rundir import exitwatch
+from peerwatch.rundir.rundir import rank_file
 peerwatch.install()
-native = _exitwatch._module()
-args = (rank_file("exit", 0).encode(), *_exitwatch.exit_template(0, os.getpid()))
+native = exitwatch._module()
+args = (rank_file("exit", 0).encode(), *exitwatch.exit_template(0, os.getpid()))
 def arm():
     signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGTERM])  # the handler runs in the main thread
     for _ in range(1000):  # the main thread asleep by now

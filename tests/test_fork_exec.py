@@ -26,8 +26,8 @@ from typing import Dict, List
 import pytest
 from harness import Job, by_rank
 
-from peerwatch._records import ExitStatus, Registration, Success, decode
-from peerwatch._rundir import EVENTS, RANKS
+from peerwatch.core.records import ExitStatus, Registration, Success, decode
+from peerwatch.rundir.rundir import EVENTS, RANKS
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -1,4 +1,4 @@
-"""The flight-recorder dump (peerwatch._frdump), without torch: the groups added to a
+"""The flight-recorder dump (peerwatch.hangs.frdump), without torch: the groups added to a
 pickled dump without unpickling it, what is written where, failures said once, and the
 report's ``flight_recorder`` entry. The real thing, read by torch's analyzer, is
 tests/test_fr_evidence.py."""
@@ -17,9 +17,10 @@ from typing import Any, Dict
 import jsonschema
 import pytest
 
-from peerwatch import _frdump, _report
-from peerwatch._records import Diagnosis
-from peerwatch._rundir import FLIGHT_RECORDER, TMP, RunDir, fr_dump_name, parse_fr_dump_name
+from peerwatch.core.records import Diagnosis
+from peerwatch.hangs import frdump
+from peerwatch.rundir.rundir import FLIGHT_RECORDER, TMP, RunDir, fr_dump_name, parse_fr_dump_name
+from peerwatch.verdict import report as _report
 
 SCHEMA = json.loads((Path(__file__).parents[1] / "peerwatch" / "schemas" / "report-v1.schema.json").read_text())
 UNNAMED = {"": {"name": "", "desc": "", "ranks": "[0, 1, 2]"}}  # what torch 2.13's gloo recorder says
@@ -38,7 +39,7 @@ def torch_like_dump(config: Dict[str, Any], protocol: int = 2) -> bytes:
 
 def test_the_groups_torch_did_not_name_are_added_and_marked_without_touching_the_entries() -> None:
     data = torch_like_dump(UNNAMED)
-    out = _frdump.with_groups(data, UNNAMED, WORLD)
+    out = frdump.with_groups(data, UNNAMED, WORLD)
     assert out.startswith(data[:-1]) and len(out) - len(data) < 400  # continued, not pickled again
     body, before = pickle.loads(out), pickle.loads(data)
     assert body["pg_config"] == WORLD  # the unnamed group (the last one made, under no name) goes
@@ -48,17 +49,17 @@ def test_the_groups_torch_did_not_name_are_added_and_marked_without_touching_the
 
 def test_a_stream_of_another_shape_is_unpickled_and_pickled_to_the_same_answer() -> None:
     data = torch_like_dump(UNNAMED, protocol=5)
-    body = pickle.loads(_frdump.with_groups(data, UNNAMED, WORLD))
+    body = pickle.loads(frdump.with_groups(data, UNNAMED, WORLD))
     assert body["pg_config"] == WORLD and body["entries"] == pickle.loads(data)["entries"]
 
 
 def test_a_dump_that_names_its_groups_is_written_as_torch_made_it() -> None:
     data = torch_like_dump(WORLD)
-    assert _frdump.with_groups(data, WORLD, WORLD) is data
-    assert _frdump.missing_groups(WORLD, {}) is None
+    assert frdump.with_groups(data, WORLD, WORLD) is data
+    assert frdump.missing_groups(WORLD, {}) is None
     # A group torch named is never replaced by what Python says of it.
     mine = {"0": {"name": "0", "desc": "from torch", "ranks": "[0, 1, 2]"}}
-    assert _frdump.missing_groups(mine, WORLD) == {**mine, "1": WORLD["1"]}
+    assert frdump.missing_groups(mine, WORLD) == {**mine, "1": WORLD["1"]}
 
 
 def test_dump_names_are_what_the_analyzer_takes_apart() -> None:
@@ -76,8 +77,8 @@ def run_dir(tmp_path: Path) -> RunDir:
 
 def fake_torch(monkeypatch: pytest.MonkeyPatch, **dumps: Any) -> None:
     module = types.SimpleNamespace(**dumps)
-    monkeypatch.setattr(_frdump, "c10d", lambda: module)
-    monkeypatch.setattr(_frdump, "_groups", lambda: dict(WORLD))
+    monkeypatch.setattr(frdump, "c10d", lambda: module)
+    monkeypatch.setattr(frdump, "_groups", lambda: dict(WORLD))
 
 
 def recorder(config: Dict[str, Any]):
@@ -95,7 +96,7 @@ def test_a_rank_writes_its_dump_once_per_diagnosis_and_at_its_teardown(run_dir, 
     calls = []
     dump = recorder(UNNAMED)
     fake_torch(monkeypatch, _dump_fr_trace=lambda **kw: calls.append(kw) or dump(**kw))
-    fr = _frdump.FlightRecorderDump(run_dir, 3)
+    fr = frdump.FlightRecorderDump(run_dir, 3)
     d = Diagnosis(finding="hang", laggards=(1,), entered=(0,), since_ns=1, stalled_at_ns=1, time_ns=5, made_by=0,
                   detail="")
     fr.on_diagnosis(d)
@@ -112,19 +113,19 @@ def test_a_rank_writes_its_dump_once_per_diagnosis_and_at_its_teardown(run_dir, 
 def test_nccls_recorder_is_taken_where_it_has_groups_and_gloos_where_it_has_none(run_dir, monkeypatch) -> None:
     empty = lambda **kw: pickle.dumps({"version": "2.10", "pg_config": {}, "pg_status": {}, "entries": []})  # noqa: E731
     fake_torch(monkeypatch, _dump_nccl_trace=empty, _dump_fr_trace=recorder(UNNAMED))
-    assert _frdump.FlightRecorderDump(run_dir, 0).dump("teardown")
+    assert frdump.FlightRecorderDump(run_dir, 0).dump("teardown")
     assert len(pickle.loads(Path(run_dir.path, FLIGHT_RECORDER, "rank_0").read_bytes())["entries"]) == 49
     fake_torch(monkeypatch, _dump_nccl_trace=recorder(WORLD), _dump_fr_trace=empty)
-    assert _frdump.FlightRecorderDump(run_dir, 0).dump("teardown")
+    assert frdump.FlightRecorderDump(run_dir, 0).dump("teardown")
     body = pickle.loads(Path(run_dir.path, FLIGHT_RECORDER, "rank_0").read_bytes())
     assert len(body["entries"]) == 49 and "peerwatch" not in body  # NCCL's names its groups: as torch made it
 
 
 def test_nothing_is_written_without_torch_distributed_or_a_process_group(run_dir, monkeypatch) -> None:
-    monkeypatch.setattr(_frdump, "c10d", lambda: None)
-    assert not _frdump.FlightRecorderDump(run_dir, 0).dump("teardown")
+    monkeypatch.setattr(frdump, "c10d", lambda: None)
+    assert not frdump.FlightRecorderDump(run_dir, 0).dump("teardown")
     fake_torch(monkeypatch, _dump_fr_trace=lambda **kw: pickle.dumps({"pg_config": {}, "pg_status": {}}))
-    assert not _frdump.FlightRecorderDump(run_dir, 0).dump("teardown")
+    assert not frdump.FlightRecorderDump(run_dir, 0).dump("teardown")
     assert not Path(run_dir.path, FLIGHT_RECORDER).exists()
 
 
@@ -132,7 +133,7 @@ def test_a_failing_dump_is_said_once_and_never_raised(run_dir, monkeypatch, capl
     def broken(**kw: Any) -> bytes:
         raise RuntimeError("no recorder today")
     fake_torch(monkeypatch, _dump_fr_trace=broken)
-    fr = _frdump.FlightRecorderDump(run_dir, 2)
+    fr = frdump.FlightRecorderDump(run_dir, 2)
     with caplog.at_level(logging.WARNING, logger="peerwatch"):
         assert not fr.dump("diagnosis") and not fr.dump("teardown")
     said = [r.getMessage() for r in caplog.records if "flight recorder" in r.getMessage()]
@@ -143,7 +144,7 @@ def test_the_report_names_the_folder_and_the_command(run_dir, monkeypatch) -> No
     assert _report.flight_recorder_entry(run_dir, [0, 1, 2]) is None
     fake_torch(monkeypatch, _dump_fr_trace=recorder(UNNAMED))
     for rank in (0, 2):
-        assert _frdump.FlightRecorderDump(run_dir, rank).dump("teardown")
+        assert frdump.FlightRecorderDump(run_dir, rank).dump("teardown")
     folder = os.path.join(run_dir.path, FLIGHT_RECORDER)
     entry = _report.flight_recorder_entry(run_dir, [0, 1, 2])
     # Rank 1 has none (killed, or not there yet): the analyzer must be told to make do.
@@ -162,11 +163,11 @@ def test_the_summary_printed_while_the_ranks_leave_does_not_pass_the_first_dumps
     more come; ``peerwatch report`` (after) lists them all."""
     fake_torch(monkeypatch, _dump_fr_trace=recorder(UNNAMED))
     folder = os.path.join(run_dir.path, FLIGHT_RECORDER)
-    assert _frdump.FlightRecorderDump(run_dir, 0).dump("teardown")
+    assert frdump.FlightRecorderDump(run_dir, 0).dump("teardown")
     line = _report.flight_recorder_line(_report.build(run_dir)["flight_recorder"], leaving=True)
     assert line.startswith(f"  flight recorder in {folder}: rank 0 dumped so far; every rank dumps its own as it leaves"), line
     for rank in (1, 2, 3):
-        assert _frdump.FlightRecorderDump(run_dir, rank).dump("teardown")
+        assert frdump.FlightRecorderDump(run_dir, rank).dump("teardown")
     after = _report.summary(_report.build(run_dir))
     assert f"flight recorder in {folder}: ranks 0, 1, 2, 3 dumped (torch's analyzer: torchfrtrace {folder}" in after, after
     assert "so far" not in after

@@ -3,7 +3,7 @@ symbolic link, another user's folder, another host's run; ``peerwatch gc [--dry-
 real subprocess, and the automatic pass in ``install()``.
 
 The base is the real default one, moved under tmp_path through ``XDG_RUNTIME_DIR`` (what
-``_basedir.base_dir`` reads). Live runs are registered by real sleeping processes.
+``basedir.base_dir`` reads). Live runs are registered by real sleeping processes.
 """
 
 from __future__ import annotations
@@ -18,9 +18,10 @@ from typing import Dict, Iterator, List
 import pytest
 from harness import wait_read
 
-from peerwatch import _basedir, _gc, _identity, _rundir
-from peerwatch._errors import RunDirError
-from peerwatch._records import Registration, encode
+from peerwatch.core.errors import RunDirError
+from peerwatch.core.records import Registration, encode
+from peerwatch.proc import identity
+from peerwatch.rundir import basedir, gc, rundir
 
 DAY_S = 86400.0
 ROOT = Path(__file__).resolve().parent.parent
@@ -31,9 +32,9 @@ def base(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     runtime = tmp_path / "xdg"
     runtime.mkdir(mode=0o700)
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))
-    monkeypatch.delenv(_gc.KEEP_VAR, raising=False)
-    monkeypatch.delenv(_gc.AGE_VAR, raising=False)
-    b = Path(_basedir.base_dir())
+    monkeypatch.delenv(gc.KEEP_VAR, raising=False)
+    monkeypatch.delenv(gc.AGE_VAR, raising=False)
+    b = Path(basedir.base_dir())
     assert b == runtime / "peerwatch"
     b.mkdir(mode=0o700)
     return b
@@ -59,7 +60,7 @@ def dead_pid() -> int:
 def registration(rank: int, pid: int, start_ticks: int, **kw: object) -> Registration:
     fields: Dict[str, object] = dict(
         rank=rank, pid=pid, ppid=os.getpid(), start_ticks=start_ticks, uid=os.geteuid(),
-        host=_identity.hostname(), boot_id=_identity.boot_id(), pidns=_identity.pid_namespace(), time_ns=time.time_ns(),
+        host=identity.hostname(), boot_id=identity.boot_id(), pidns=identity.pid_namespace(), time_ns=time.time_ns(),
     )
     fields.update(kw)
     return Registration(**fields)  # type: ignore[arg-type]
@@ -70,7 +71,7 @@ def make_run(path: Path, regs: List[Registration], idle_s: float) -> Path:
     for sub in ("ranks", "events", "heartbeats", "stacks", "tmp"):
         (path / sub).mkdir(parents=True, mode=0o700)
     for reg in regs:
-        (path / "ranks" / _rundir.rank_file("rank", reg.rank)).write_bytes(encode(reg))
+        (path / "ranks" / rundir.rank_file("rank", reg.rank)).write_bytes(encode(reg))
     age(path, idle_s)
     return path
 
@@ -91,9 +92,9 @@ def finished(path: Path, idle_s: float) -> Path:
 def test_only_finished_runs_of_this_user_under_the_default_base_go(
     base: Path, tmp_path: Path, sleeper: subprocess.Popen, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    info = _identity.probe(sleeper.pid)
+    info = identity.probe(sleeper.pid)
     assert info is not None
-    monkeypatch.setenv(_gc.KEEP_VAR, "2")
+    monkeypatch.setenv(gc.KEEP_VAR, "2")
     live = make_run(base / "run-live", [registration(0, dead_pid(), 1), registration(1, sleeper.pid, info.start_ticks)], 30 * DAY_S)
     live_nested = make_run(base / "spawn-nested", [], 30 * DAY_S)
     make_run(live_nested / "spawn", [registration(0, sleeper.pid, info.start_ticks)], 30 * DAY_S)
@@ -121,22 +122,22 @@ def test_only_finished_runs_of_this_user_under_the_default_base_go(
     trash = base / ".gc-trash-1"
     (trash / "ranks").mkdir(parents=True)
 
-    decisions = {Path(d.path): d for d in _gc.collect(dry_run=True)}
+    decisions = {Path(d.path): d for d in gc.collect(dry_run=True)}
     assert all(p.exists() for p in decisions), "a dry run removed something"
-    removed = {p for p, d in decisions.items() if d.action == _gc.REMOVE}
+    removed = {p for p, d in decisions.items() if d.action == gc.REMOVE}
     expected = {reused, old, stale, newest[2], newest[3], orphan_lock, trash}
     assert removed == expected, {str(p): decisions[p].reason for p in removed ^ expected}
     assert "alive" in decisions[live].reason and "alive" in decisions[live_nested].reason
     assert "cannot be seen" in decisions[other_host].reason
     assert "symbolic link" in decisions[link].reason and "owned" in decisions[foreign].reason
 
-    _gc.collect()
+    gc.collect()
     for p in expected:
         assert not os.path.lexists(p), p
     for p in (live, live_nested, other_host, newest[0], newest[1], fresh, not_a_run, link, foreign, used_lock):
         assert os.path.lexists(p), p
     assert (outside / "ranks").is_dir(), "gc followed the symbolic link"
-    assert not [n for n in os.listdir(base) if n.startswith(_gc.TRASH)]
+    assert not [n for n in os.listdir(base) if n.startswith(gc.TRASH)]
 
 
 @pytest.mark.timeout(60)
@@ -163,13 +164,13 @@ def test_the_cli_says_what_it_would_remove_and_why(base: Path, tmp_path: Path) -
 @pytest.mark.timeout(60)
 def test_the_policy_settings(base: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     runs = [finished(base / f"run-{i}", (i + 2) * DAY_S) for i in range(3)]
-    monkeypatch.setenv(_gc.AGE_VAR, "off")
-    monkeypatch.setenv(_gc.KEEP_VAR, "off")
-    assert not [d for d in _gc.collect() if d.action == _gc.REMOVE]
-    monkeypatch.setenv(_gc.AGE_VAR, str(3.5 * DAY_S))
-    assert {Path(d.path) for d in _gc.collect() if d.action == _gc.REMOVE} == {runs[2]}
-    monkeypatch.setenv(_gc.KEEP_VAR, "0")
-    assert {Path(d.path) for d in _gc.collect() if d.action == _gc.REMOVE} == {runs[0], runs[1]}
+    monkeypatch.setenv(gc.AGE_VAR, "off")
+    monkeypatch.setenv(gc.KEEP_VAR, "off")
+    assert not [d for d in gc.collect() if d.action == gc.REMOVE]
+    monkeypatch.setenv(gc.AGE_VAR, str(3.5 * DAY_S))
+    assert {Path(d.path) for d in gc.collect() if d.action == gc.REMOVE} == {runs[2]}
+    monkeypatch.setenv(gc.KEEP_VAR, "0")
+    assert {Path(d.path) for d in gc.collect() if d.action == gc.REMOVE} == {runs[0], runs[1]}
 
 
 @pytest.mark.timeout(60)
@@ -178,7 +179,7 @@ def test_an_untrusted_base_is_not_collected(base: Path) -> None:
     base.chmod(0o777)
     try:
         with pytest.raises(RunDirError):
-            _gc.collect()
+            gc.collect()
     finally:
         base.chmod(0o700)
     assert old.exists()
@@ -205,7 +206,7 @@ def test_install_collects_once_when_it_chose_the_run_directory(base: Path, tmp_p
     finally:
         assert proc.wait(timeout=30) == 0
     assert not old.exists(), names
-    assert (base / _gc.STAMP).exists()
+    assert (base / gc.STAMP).exists()
     # Within the hour, another install() does not scan again.
     again = finished(base / "run-old-2", 8 * DAY_S)
     ready.unlink()
@@ -218,7 +219,7 @@ def test_a_kept_lock_of_a_directory_is_not_a_line_of_its_own(tmp_path: Path) -> 
     run = tmp_path / "peerwatch-run"
     run.mkdir()
     (tmp_path / "peerwatch-run.lock").write_text("")
-    entries = [_gc.Entry(str(run) + ".lock", "lock", time.time(), sibling_dir=True),
-               _gc.Entry(str(tmp_path / "orphan.lock"), "lock", time.time() - 2 * _gc.LOCK_AGE_S)]
-    lines = _gc.describe(_gc.gc_plan(entries, _gc.policy_from_env({}), time.time()), dry_run=True)
+    entries = [gc.Entry(str(run) + ".lock", "lock", time.time(), sibling_dir=True),
+               gc.Entry(str(tmp_path / "orphan.lock"), "lock", time.time() - 2 * gc.LOCK_AGE_S)]
+    lines = gc.describe(gc.gc_plan(entries, gc.policy_from_env({}), time.time()), dry_run=True)
     assert len(lines) == 1 and lines[0].startswith("would remove") and "orphan.lock" in lines[0], lines

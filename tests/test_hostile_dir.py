@@ -18,24 +18,25 @@ from typing import Optional
 
 import pytest
 
-from peerwatch import RunDirError, _identity
-from peerwatch._identity import Started
-from peerwatch._prepare import prepare
-from peerwatch._records import Registration, Verdict, encode
-from peerwatch._rundir import EVENTS, HEARTBEATS, RANKS, STACKS, VERDICT_FILE, RunDir, rank_file
-from peerwatch._teardown import holds_file, stack_file_problem
-from peerwatch._trust import check_ancestors
+from peerwatch import RunDirError
+from peerwatch.core.records import Registration, Verdict, encode
+from peerwatch.proc import identity
+from peerwatch.proc.identity import Started
+from peerwatch.proc.teardown import holds_file, stack_file_problem
+from peerwatch.rundir.prepare import prepare
+from peerwatch.rundir.rundir import EVENTS, HEARTBEATS, RANKS, STACKS, VERDICT_FILE, RunDir, rank_file
+from peerwatch.rundir.trust import check_ancestors
 
 STRANGER_UID = 12345  # no such user here: "another user" owning what the test made
 GONE_S = 6.0
 
 
 def _reg(rank: int, pid: int, world_size: Optional[int] = 4) -> Registration:
-    info = _identity.probe(pid)
+    info = identity.probe(pid)
     assert info is not None
     return Registration(
         rank=rank, pid=pid, ppid=info.ppid, start_ticks=info.start_ticks, uid=info.uid,
-        host=_identity.hostname(), boot_id=_identity.boot_id(), pidns=_identity.pid_namespace(),
+        host=identity.hostname(), boot_id=identity.boot_id(), pidns=identity.pid_namespace(),
         time_ns=time.time_ns(), world_size=world_size,
     )
 

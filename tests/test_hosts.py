@@ -1,7 +1,7 @@
-"""The store bridge's rules about other hosts (``peerwatch/_hosts.py``): pure and fast.
+"""The store bridge's rules about other hosts (``peerwatch/hosts/hosts.py``): pure and fast.
 
 Every rule and every boundary has a case here (a flipped comparison, an off-by-one
-constant or a deleted statement in ``_hosts.py`` fails one of them).
+constant or a deleted statement in ``hosts/hosts.py`` fails one of them).
 """
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import json
 
 import pytest
 
-from peerwatch._config import Config
-from peerwatch._decide import Observed, Policy, decide
-from peerwatch._hosts import (
+from peerwatch.core.config import Config
+from peerwatch.core.records import EXCEPTION, EXIT, LOST, SIGNAL, VANISHED, Failure, Verdict, decode, encode
+from peerwatch.hosts.hosts import (
     CONNECT_BACKOFF_MAX_S,
     DONE,
     MAX_HOST_BYTES,
@@ -47,7 +47,7 @@ from peerwatch._hosts import (
     store_silent_for,
     unannounced_ranks,
 )
-from peerwatch._records import EXCEPTION, EXIT, LOST, SIGNAL, VANISHED, Failure, Verdict, decode, encode
+from peerwatch.verdict.decide import Observed, Policy, decide
 
 pytestmark = pytest.mark.pure  # no process, no thread, no file: conftest skips its scan for leaks
 
@@ -430,7 +430,7 @@ def test_without_rank_0_the_lowest_remote_rank_is_blamed_never_ours() -> None:
 
 # -- the digest: one aggregator, its successor ------------------------------------------------
 
-from peerwatch._hosts import (  # noqa: E402
+from peerwatch.hosts.hosts import (  # noqa: E402
     FIRST_SPREAD_PER_HOST_S,
     MAX_DIGEST_BYTES,
     MAX_DIGEST_LIST,
@@ -509,7 +509,7 @@ def test_the_digest_watch_counts_only_while_we_look() -> None:
 
 
 def test_past_the_bound_a_digest_names_the_laggard_candidates_first() -> None:
-    from peerwatch._hosts import stalled_for_digest
+    from peerwatch.hosts.hosts import stalled_for_digest
 
     many = list(range(1000))
     named = stalled_for_digest(many, {900, 5})

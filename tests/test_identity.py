@@ -12,8 +12,8 @@ from typing import Callable, Iterator
 import psutil
 import pytest
 
-from peerwatch import _identity
-from peerwatch._identity import ProcessInfo, is_same_process, probe, self_info
+from peerwatch.proc import identity
+from peerwatch.proc.identity import ProcessInfo, is_same_process, probe, self_info
 
 POLL_S = 0.005
 DEADLINE_S = 5.0
@@ -123,11 +123,11 @@ def test_a_process_in_exit_is_seen_exiting(cat):
     and kept while it is a zombie; never on a live process."""
     info = probe(cat.pid)
     assert info is not None and not info.exiting
-    assert not _identity.exiting(cat.pid, info.start_ticks)
+    assert not identity.exiting(cat.pid, info.start_ticks)
     exit_without_reaping(cat)
     assert probe(cat.pid).exiting  # type: ignore[union-attr]
-    assert _identity.exiting(cat.pid, info.start_ticks)
-    assert not _identity.exiting(cat.pid, info.start_ticks + 1)  # another process's
+    assert identity.exiting(cat.pid, info.start_ticks)
+    assert not identity.exiting(cat.pid, info.start_ticks + 1)  # another process's
     assert cat.wait(timeout=DEADLINE_S) == 0
 
 
@@ -199,39 +199,39 @@ def test_dead_states(state, dead):
 
 def test_boot_id_is_this_boot_and_cached():
     with open("/proc/sys/kernel/random/boot_id") as f:
-        assert _identity.boot_id() == f.read().strip()
-    assert _identity.boot_id() is _identity.boot_id()
+        assert identity.boot_id() == f.read().strip()
+    assert identity.boot_id() is identity.boot_id()
 
 
 def test_pid_namespace():
-    assert _identity.pid_namespace() == os.readlink("/proc/self/ns/pid")
-    assert _identity.pid_namespace().startswith("pid:[")
+    assert identity.pid_namespace() == os.readlink("/proc/self/ns/pid")
+    assert identity.pid_namespace().startswith("pid:[")
 
 
 def test_psutil_fallback_agrees_on_who_the_process_is(cat):
-    via_proc, via_psutil = probe(cat.pid), _identity._probe_psutil(cat.pid)
+    via_proc, via_psutil = probe(cat.pid), identity._probe_psutil(cat.pid)
     assert via_psutil is not None
     assert (via_psutil.pid, via_psutil.ppid, via_psutil.uid) == (via_proc.pid, via_proc.ppid, via_proc.uid)
     assert not via_psutil.dead
 
 
 def test_psutil_fallback_start_ticks_match_proc(cat):
-    assert _identity._probe_psutil(cat.pid).start_ticks == probe(cat.pid).start_ticks
+    assert identity._probe_psutil(cat.pid).start_ticks == probe(cat.pid).start_ticks
 
 
 def test_psutil_fallback_sees_a_zombie(cat):
     exit_without_reaping(cat)
-    info = _identity._probe_psutil(cat.pid)
+    info = identity._probe_psutil(cat.pid)
     assert info is not None and info.dead
     cat.wait(timeout=DEADLINE_S)
-    assert _identity._probe_psutil(cat.pid) is None
+    assert identity._probe_psutil(cat.pid) is None
 
 
 def test_this_hosts_ranks_are_told_from_the_registrations_in_one_place():
     """Issue 25.3: the watcher (ranks missing at startup) and the store bridge (three
     times) each split the registrations into this host's ranks their own way; one
     function now, by is_local: same boot id and PID namespace, whatever the host name."""
-    from peerwatch._records import Registration
+    from peerwatch.core.records import Registration
 
     me = self_info()
 
@@ -239,8 +239,8 @@ def test_this_hosts_ranks_are_told_from_the_registrations_in_one_place():
         return Registration(rank=rank, pid=me.pid, ppid=me.ppid, start_ticks=me.start_ticks, uid=me.uid, host=host,
                             boot_id=boot_id, pidns=pidns, time_ns=1)
 
-    here, ns = _identity.boot_id(), _identity.pid_namespace()
+    here, ns = identity.boot_id(), identity.pid_namespace()
     regs = {3: reg(3, here, ns), 0: reg(0, here, ns, host="renamed"), 1: reg(1, "another-boot", ns),
             2: reg(2, here, "pid:[1]" if ns != "pid:[1]" else "pid:[2]")}
-    assert _identity.local_ranks(regs) == (0, 3)
-    assert _identity.local_ranks({}) == ()
+    assert identity.local_ranks(regs) == (0, 3)
+    assert identity.local_ranks({}) == ()

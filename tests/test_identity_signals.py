@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from harness import Job, Proc, by_rank
 
-from peerwatch._identity import hostname
-from peerwatch._rundir import HEARTBEATS, rank_file
+from peerwatch.proc.identity import hostname
+from peerwatch.rundir.rundir import HEARTBEATS, rank_file
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -23,10 +23,10 @@ def _modules() -> tuple:
 def test_import_loads_only_the_package_and_its_errors() -> None:
     before, after = _modules()
     ours = [m for m in before if m.startswith("peerwatch")]
-    assert ours == ["peerwatch", "peerwatch._errors"]
+    assert ours == ["peerwatch", "peerwatch.core", "peerwatch.core.errors"]  # core/__init__.py imports nothing
     for heavy in ("torch", "lightning", "psutil", "watchdog", "filelock", "dataclasses"):
         assert heavy not in before, f"import peerwatch imported {heavy}"
-    assert "peerwatch._api" in after and "peerwatch._config" in after
+    assert "peerwatch.api" in after and "peerwatch.core.config" in after
     assert "torch" not in after, "using the API imported torch"
 
 
@@ -41,29 +41,36 @@ def test_unknown_attribute_is_an_attribute_error() -> None:
         raise AssertionError("no AttributeError")
 
 
-def _imports_of(path: "Path", package: str) -> set:
-    """Every peerwatch module that ``path`` imports anywhere: at the top, inside functions
-    (lazily) or under ``TYPE_CHECKING``."""
+def _modules_of() -> dict:
+    """{dotted name: path} of every Python module of the package (a package is its __init__)."""
+    modules = {}
+    for path in sorted((_ROOT / "peerwatch").rglob("*.py")):
+        name = ".".join(path.with_suffix("").relative_to(_ROOT).parts)
+        modules[name[: -len(".__init__")] if name.endswith(".__init__") else name] = path
+    return modules
+
+
+def _imports_of(path: "Path", modules: dict) -> set:
+    """Every module of ``modules`` that ``path`` imports anywhere: at the top, inside functions
+    (lazily) or under ``TYPE_CHECKING``. ``from P import x`` imports the module ``P.x`` where
+    there is one, else ``P``; the native module (peerwatch/_exitstatus.c) is nobody's."""
     import ast
 
-    tree = ast.parse(path.read_text())
-    here = path.with_suffix("").relative_to(path.parents[len(path.relative_to(_ROOT).parts) - 1]).parts
+    here = path.with_suffix("").relative_to(_ROOT).parts
     found = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.level > 0:
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
             # A package's __init__ is its own module: ``from . import x`` in it names the
             # package itself, as in any module beside it.
-            base = list(here[: len(here) - node.level])
-            if node.module:
-                base += node.module.split(".")
-                found.add(".".join(base))
-            else:
-                found.update(".".join(base + [alias.name]) for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == package:
-            found.add(node.module)
+            base = ".".join([*here[: len(here) - node.level], *(node.module or "").split(".")]).strip(".")
+            for alias in node.names:
+                if f"{base}.{alias.name}" in modules:
+                    found.add(f"{base}.{alias.name}")
+                elif not (_ROOT / base.replace(".", "/") / f"{alias.name}.c").exists():
+                    found.add(base)
         elif isinstance(node, ast.Import):
-            found.update(a.name for a in node.names if a.name.split(".")[0] == package)
-    return found
+            found.update(a.name for a in node.names)
+    return found & set(modules)
 
 
 from pathlib import Path  # noqa: E402
@@ -71,20 +78,16 @@ from pathlib import Path  # noqa: E402
 _ROOT = Path(__file__).resolve().parent.parent
 
 
+def _graph() -> dict:
+    """{module: the modules it imports}; ``peerwatch/__main__.py`` is a program, imported by none."""
+    modules = _modules_of()
+    return {name: _imports_of(path, modules) - {name} for name, path in modules.items() if name != "peerwatch.__main__"}
+
+
 def test_no_module_imports_a_module_that_imports_it() -> None:
-    """The stages form a layered graph: no cycle, lazy and TYPE_CHECKING imports included
-    (``peerwatch`` itself, which only re-exports, and the integrations, which use only the
-    package's public names, are left out as importers of everything)."""
-    modules = {}
-    for path in sorted((_ROOT / "peerwatch").rglob("*.py")):
-        name = ".".join(path.with_suffix("").relative_to(_ROOT).parts)
-        if name.endswith(".__init__"):
-            name = name[: -len(".__init__")]
-        modules[name] = path
-    graph = {
-        name: {m for m in _imports_of(path, "peerwatch") if m in modules and m != "peerwatch"}
-        for name, path in modules.items() if name != "peerwatch"
-    }
+    """No cycle between modules, lazy and TYPE_CHECKING imports included (``peerwatch``
+    itself, which only re-exports, is left out as an importer of the API)."""
+    graph = {name: deps - {"peerwatch"} for name, deps in _graph().items() if name != "peerwatch"}
     cycles = []
     for start in graph:
         stack = [(start, [start])]
@@ -96,119 +99,76 @@ def test_no_module_imports_a_module_that_imports_it() -> None:
                 elif nxt not in trail:
                     stack.append((nxt, trail + [nxt]))
     assert not cycles, "\n".join(sorted(set(cycles))[:10])
-    assert graph["peerwatch._errors"] == set(), "_errors imports nothing else from peerwatch"
+    assert graph["peerwatch.core.errors"] == set(), "errors imports nothing else from peerwatch"
 
 
-# -- the layers (the table is the comment at the top of peerwatch/__init__.py) --------------
+# -- the packages (the map is the comment at the top of peerwatch/__init__.py) --------------
 
-LAYERS = ("pure", "os", "stages", "wiring")
 
-# Whole layers whose modules may import each other (the cycle test above keeps them acyclic).
-SIDEWAYS_LAYERS = {
-    "pure": "values and rules only: one pure module importing another brings in no I/O",
-    "wiring": "the wiring calls itself: the API installs the hooks, which end the watcher; the CLI runs the doctor",
-}
-# Imports within the OS adapters and within the stages, each allowed for a reason.
-SIDEWAYS = {
-    ("_teardown", "_identity"): "a target is verified by its process identity right before it is signalled",
-    ("_sources", "_identity"): "a peer's pidfd is opened only for the process that registered",
-    ("_inotify", "_sources"): "inotify's descriptor is told to be ours as every other one is, by OwnedFd",
-    ("_store_client", "_collectives"): "a store client uses torch.distributed as the application imported it, never importing it",
-    ("_rundir", "_identity"): "a shared run directory names each host's own files by its host name",
-    ("_rundir", "_dirfd"): "the records are read and written through the descriptors held since the check",
-    ("_rundir", "_trust"): "a file kept open in the run directory is opened only if it is a regular file",
-    ("_dirfd", "_trust"): "a directory is held only once it is checked to be ours alone",
-    ("_basedir", "_identity"): "a run's directory is named by its launcher's process identity",
-    ("_basedir", "_rundir"): "a directory of an earlier run that ended is told by its records, and passed over",
-    ("_basedir", "_trust"): "the base is a place nobody else can write, checked as a run directory is",
-    ("_prepare", "_identity"): "a stale run is told by whether its registered processes live",
-    ("_prepare", "_rundir"): "preparing makes the run directory's folders and registers this rank in it",
-    ("_prepare", "_basedir"): "the lock of a directory in a folder others can write lives in the base",
-    ("_prepare", "_trust"): "every folder above a run directory is checked before it is made",
-    ("_eventlog", "_trust"): "the event log is appended to only if it is a regular file",
-    ("_stacks", "_trust"): "the stack file faulthandler writes is opened only if it is a regular file",
-    ("_sharedfs", "_identity"): "local ranks are watched through pidfds, remote ones through their heartbeats",
-    ("_sharedfs", "_rundir"): "remote heartbeats are listed and read through the run directory",
-    ("_exitwatch", "_rundir"): "the exit watch is armed with descriptors of the run directory's folders",
-    ("_eventlog", "_rundir"): "the event log is a file of the run directory",
-    ("_stacks", "_rundir"): "the stack file is created through the run directory",
-    ("_observer", "_heartbeat"): "this rank's own progress (OwnProgress) and position, as its heartbeat writes them",
-    ("_observer", "_waker"): "the observer sleeps on the waker's descriptors (its poll set, wake pipe and folder watch)",
-    ("_observer", "_ownrecords"): "the watcher thread's records are written by the one writer of this process's records",
-    ("_bridge", "_election"): "the election of the host's one bridge is part of the bridge, in a module for size",
-    ("_bridge", "_stragglerwatch"): "the bridge carries the stragglers' waits and finding across hosts (its relay)",
-    ("_waits", "_collectives"): "whether a frame is torch.distributed's own code has one home",
-    ("_timeline", "_report"): "the timeline draws the report's facts",
-    ("_launchers", "_leave"): "a rank whose launcher is gone leaves the way every torn-down rank does",
-    ("_leave", "_notify"): "an on_verdict command does not outlive the rank that started it",
-}
+def _package_of(module: str, modules: dict) -> str:
+    return module if modules[module].name == "__init__.py" else module.rsplit(".", 1)[0]
+
+
+def _declared() -> dict:
+    """{package: the packages its __init__'s docstring says it imports} (``Imports: a, b.``)."""
+    import ast
+    import re
+
+    declared = {}
+    for path in sorted((_ROOT / "peerwatch").glob("*/__init__.py")):
+        doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+        m = re.search(r"^Imports: (.*)\.$", doc, re.M)
+        assert m, f"{path.relative_to(_ROOT)}: its docstring has no line 'Imports: ...' naming the packages it imports"
+        names = [] if m.group(1) == "nothing else of peerwatch" else m.group(1).split(", ")
+        declared[f"peerwatch.{path.parent.name}"] = {"peerwatch" if n == "peerwatch" else f"peerwatch.{n}" for n in names}
+    return declared
+
+
+def _package_graph() -> dict:
+    """{package: the other packages its modules import}."""
+    modules = _modules_of()
+    graph: dict = {}
+    for name, deps in _graph().items():
+        mine = _package_of(name, modules)
+        graph.setdefault(mine, set()).update(_package_of(d, modules) for d in deps)
+    return {package: deps - {package} for package, deps in graph.items()}
+
+
+def test_each_package_imports_only_what_its_docstring_says() -> None:
+    """A module imports anything in its own package; across packages, only those its
+    package's __init__ declares (``peerwatch`` itself, the wiring, imports any below it)."""
+    graph, declared = _package_graph(), _declared()
+    wrong = [f"{p} imports {sorted(graph.get(p, set()))}, its docstring says {sorted(want)}"
+             for p, want in sorted(declared.items()) if graph.get(p, set()) != want]
+    assert not wrong, "\n".join(wrong)
+    listed = (_ROOT / "peerwatch" / "__init__.py").read_text()
+    unlisted = sorted(p for p in declared if f"#   {p.split('.')[1]}/ " not in listed)
+    assert not unlisted, f"not in the package map of peerwatch/__init__.py: {unlisted}"
+
+
+def test_no_package_imports_one_that_imports_it() -> None:
+    """The packages form a DAG, lowest first: core, proc, rundir, hangs, then hosts and verdict,
+    then the wiring (``peerwatch``), then tools and integrations."""
+    graph = _package_graph()
+    order: list = []
+    while len(order) < len(graph):
+        ready = sorted(p for p, deps in graph.items() if p not in order and deps <= set(order))
+        assert ready, f"a cycle among {sorted(set(graph) - set(order))}"
+        order += ready
+    assert order.index("peerwatch.core") == 0 and order.index("peerwatch") < order.index("peerwatch.tools")
+
+
+# The pure modules: no I/O, no clock, no threads; values and the rules over them.
+PURE = frozenset({
+    "core.errors", "core.records", "core.config", "core.terminal", "core.schedule", "core.awake", "core.mounts",
+    "verdict.decide", "verdict.plan", "hangs.diagnose", "hangs.straggler", "hosts.hosts",
+})
 # Modules of the standard library (and third-party ones) a pure module never imports.
 IMPURE_IMPORTS = frozenset({
     "os", "subprocess", "socket", "select", "selectors", "threading", "multiprocessing", "ctypes", "fcntl", "time",
     "tempfile", "shutil", "faulthandler", "pathlib", "io", "mmap", "psutil", "watchdog", "filelock", "torch",
 })
-PURE_BUT = {"_config": ({"os", "stat"}, "Config.resolve() reads the environment and the secret file; a Config is a frozen value")}
-
-
-def _layer_table() -> dict:
-    """{module (without ``peerwatch.``): layer}, as the comment in peerwatch/__init__.py says."""
-    table, layer = {}, None
-    for line in (_ROOT / "peerwatch" / "__init__.py").read_text().splitlines():
-        if not line.startswith("#   "):
-            continue
-        words = line[1:].split()
-        if words and words[0] in LAYERS:
-            layer = words[0]
-        elif layer is not None and words and all(w.startswith("_") or w in ("cli", "integrations") for w in words):
-            for w in words:
-                assert w not in table, f"{w} is in two layers"
-                table[w] = layer
-    return table
-
-
-def _layer_of(table: dict, module: str) -> str:
-    short = module[len("peerwatch."):] if module.startswith("peerwatch.") else ""
-    if module == "peerwatch":
-        return "wiring"  # re-exports the API
-    return table[short.split(".")[0]]
-
-
-def _package_graph() -> dict:
-    modules = {}
-    for path in sorted((_ROOT / "peerwatch").rglob("*.py")):
-        name = ".".join(path.with_suffix("").relative_to(_ROOT).parts)
-        modules[name[: -len(".__init__")] if name.endswith(".__init__") else name] = path
-    return {name: ({m for m in _imports_of(path, "peerwatch") if m in modules and m != name}, path) for name, path in modules.items()}
-
-
-def test_every_module_has_a_layer() -> None:
-    table = _layer_table()
-    assert set(LAYERS) == set(table.values()), "the layer table in peerwatch/__init__.py did not parse"
-    graph = _package_graph()
-    unplaced = sorted(m for m in graph if m != "peerwatch" and m.split(".")[1] not in table)
-    assert not unplaced, f"not in the layer table of peerwatch/__init__.py: {unplaced}"
-    stale = sorted(m for m in table if f"peerwatch.{m}" not in graph)
-    assert not stale, f"the layer table names modules that do not exist: {stale}"
-
-
-def test_imports_go_only_downward() -> None:
-    """Every import (top-level, lazy, TYPE_CHECKING) goes to a lower layer, or sideways where allowed."""
-    table = _layer_table()
-    crossings = []
-    for name, (imports, _) in _package_graph().items():
-        mine = _layer_of(table, name)
-        for dep in sorted(imports):
-            theirs = _layer_of(table, dep)
-            if LAYERS.index(theirs) < LAYERS.index(mine):
-                continue
-            pair = (name.split(".")[-1], dep.split(".")[-1])
-            if theirs == mine and (mine in SIDEWAYS_LAYERS or pair in SIDEWAYS):
-                continue
-            crossings.append(f"{name} ({mine}) imports {dep} ({theirs})")
-    assert not crossings, "\n".join(crossings)
-    used = {(a, b) for name, (imports, _) in _package_graph().items() for a, b in
-            ((name.split(".")[-1], d.split(".")[-1]) for d in imports)}
-    assert not set(SIDEWAYS) - used, f"allowed but no longer made: {sorted(set(SIDEWAYS) - used)}"
+PURE_BUT = {"core.config": ({"os", "stat"}, "Config.resolve() reads the environment and the secret file; a Config is a frozen value")}
 
 
 def _stdlib_imports_of(path: "Path") -> set:
@@ -226,13 +186,13 @@ def _stdlib_imports_of(path: "Path") -> set:
 def test_pure_modules_import_nothing_impure() -> None:
     """The most important rule: a pure module imports only pure modules of peerwatch, and no
     module of the standard library that does I/O, keeps time or starts threads."""
-    table = _layer_table()
-    pure = {m for m, layer in table.items() if layer == "pure"}
-    for name, (imports, path) in _package_graph().items():
-        short = name.split(".")[-1]
-        if short not in pure:
+    modules = _modules_of()
+    assert {f"peerwatch.{m}" for m in PURE} <= set(modules), "PURE names a module that does not exist"
+    for name, imports in _graph().items():
+        short, path = name[len("peerwatch."):], modules[name]
+        if short not in PURE:
             continue
-        impure = sorted(d for d in imports if d.split(".")[-1] not in pure)
+        impure = sorted(d for d in imports if d[len("peerwatch."):] not in PURE)
         assert not impure, f"{name} is pure but imports {impure}"
         allowed = PURE_BUT.get(short, (set(), ""))[0]
         io = sorted(_stdlib_imports_of(path) & IMPURE_IMPORTS - allowed)
@@ -291,7 +251,7 @@ def test_no_module_opens_lists_or_stats_a_path_of_run_dir_join() -> None:
 
     found = []
     for path in sorted((_ROOT / "peerwatch").rglob("*.py")):
-        if path.name == "_rundir.py":
+        if path.relative_to(_ROOT).as_posix() == "peerwatch/rundir/rundir.py":
             continue
         for func in ast.walk(ast.parse(path.read_text())):
             if not isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)):

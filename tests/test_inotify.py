@@ -1,4 +1,4 @@
-"""The folder watch (peerwatch._inotify): real inotify instances on real folders.
+"""The folder watch (peerwatch.proc.waker): real inotify instances on real folders.
 
 What wakes the watcher (a new entry, by link or rename) and what must not (a rescan's
 listing and reads, a removal); that a number taken over by the application is told apart
@@ -18,7 +18,7 @@ from typing import Iterator, List
 
 import pytest
 
-from peerwatch._inotify import FolderWatch, watched_inodes
+from peerwatch.proc.waker import FolderWatch, watched_inodes
 
 DEADLINE_MS = 5000
 QUIET_MS = 200  # a watch that must not fire is given this long to prove it
@@ -136,7 +136,7 @@ def test_out_of_descriptors_means_polling_and_says_why(folders):
     program = textwrap.dedent(f"""
         import logging, os, resource, sys
         logging.basicConfig(level=logging.WARNING, stream=sys.stdout)
-        from peerwatch._inotify import FolderWatch, _libc_calls
+        from peerwatch.proc.waker import FolderWatch, _libc_calls
         _libc_calls()  # ctypes imported and bound while a descriptor can still be opened
         resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
         held = []

@@ -13,11 +13,12 @@ from typing import Any, Dict, Tuple
 
 import pytest
 
-from peerwatch import _basedir, _launchers
+from peerwatch import launchers
+from peerwatch.rundir import basedir
 
 
 def _resolve_in_child(env: Dict[str, str], queue: Any) -> None:
-    queue.put((_basedir.resolve(env.get("PEERWATCH_DIR"), env), _basedir.process_key(os.getppid())))
+    queue.put((basedir.resolve(env.get("PEERWATCH_DIR"), env), basedir.process_key(os.getppid())))
 
 
 def resolve_in_mp_child(env: Dict[str, str]) -> Tuple[Tuple[str, str], str]:
@@ -34,14 +35,14 @@ def resolve_in_mp_child(env: Dict[str, str]) -> Tuple[Tuple[str, str], str]:
 
 def test_spawn_worker_resolves_to_its_parent() -> None:
     (path, how), parent = resolve_in_mp_child({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"})
-    assert path == os.path.join(_basedir.base_dir(), f"spawn-{parent}")
-    assert parent == _basedir.process_key(os.getpid())
+    assert path == os.path.join(basedir.base_dir(), f"spawn-{parent}")
+    assert parent == basedir.process_key(os.getpid())
     assert "spawn" in how
 
 
 def test_spawn_worker_of_a_parent_that_installed_takes_the_spawn_subfolder(tmp_path: Any) -> None:
     given = str(tmp_path / "run")
-    env = {"PEERWATCH_DIR": given, _basedir.OWNER_VAR: _basedir.process_key(os.getpid())}
+    env = {"PEERWATCH_DIR": given, basedir.OWNER_VAR: basedir.process_key(os.getpid())}
     (path, _), _ = resolve_in_mp_child(env)
     assert path == os.path.join(given, "spawn")
 
@@ -50,7 +51,7 @@ def test_spawn_worker_keeps_a_directory_it_was_given(tmp_path: Any) -> None:
     given = str(tmp_path / "run")
     (path, how), _ = resolve_in_mp_child({"PEERWATCH_DIR": given})  # set by the user: no owner mark
     assert (path, how) == (given, "PEERWATCH_DIR")
-    other = {"PEERWATCH_DIR": given, _basedir.OWNER_VAR: "1.2"}  # exported by someone else
+    other = {"PEERWATCH_DIR": given, basedir.OWNER_VAR: "1.2"}  # exported by someone else
     (path, _), _ = resolve_in_mp_child(other)
     assert path == given
 
@@ -61,21 +62,21 @@ def test_torchrun_comes_before_the_spawn_rule() -> None:
 
 
 def test_no_launcher_outside_torchrun_and_multiprocessing() -> None:
-    from peerwatch import _identity
-    from peerwatch._records import Registration
+    from peerwatch.core.records import Registration
+    from peerwatch.proc import identity
 
-    me = _identity.self_info()
+    me = identity.self_info()
     reg = Registration(rank=0, pid=me.pid, ppid=me.ppid, start_ticks=me.start_ticks, uid=me.uid, host="h",
                        boot_id="b", pidns="p", time_ns=0)
-    assert _launchers.launcher_of(reg, {}) is None
-    found = _launchers.launcher_of(reg, {"TORCHELASTIC_RUN_ID": "x"})
+    assert launchers.launcher_of(reg, {}) is None
+    found = launchers.launcher_of(reg, {"TORCHELASTIC_RUN_ID": "x"})
     assert found is not None and found.pid == me.ppid and found.kind == "torchrun agent"
 
 
 def test_deepspeed_launcher_is_known_by_its_command_line() -> None:
     """`deepspeed` starts `python -u -m deepspeed.launcher.launch ...` on each host; that
     process, and no other, is a DeepSpeed launcher (a real process with such arguments)."""
-    assert not _launchers.is_deepspeed_launcher(os.getpid())
+    assert not launchers.is_deepspeed_launcher(os.getpid())
     argv = [sys.executable, "-c", "import sys; print('up', flush=True); sys.stdin.read()", "-m",
             "deepspeed.launcher.launch", "--world_info=x"]
     proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
@@ -83,10 +84,10 @@ def test_deepspeed_launcher_is_known_by_its_command_line() -> None:
         # Once it speaks it has exec'd: before, its command line is still this process's
         # (seen under load: the child not yet exec'd when Popen returned).
         assert proc.stdout is not None and proc.stdout.readline() == b"up\n"
-        assert _launchers.is_deepspeed_launcher(proc.pid)
+        assert launchers.is_deepspeed_launcher(proc.pid)
     finally:
         proc.communicate(timeout=30)  # stdin closed: it ends
-    assert not _launchers.is_deepspeed_launcher(2**22 + 1)  # no such process
+    assert not launchers.is_deepspeed_launcher(2**22 + 1)  # no such process
 
 
 def test_quiet_lightning_observer() -> None:
@@ -105,7 +106,7 @@ def test_quiet_lightning_observer() -> None:
     observer = _ChildProcessObserver(main_pid=os.getpid(), child_processes=[Failed()], sleep_period=3600)
     observer.start()  # asleep for an hour: we only look at what it would do on waking
     try:
-        assert _launchers.quiet_lightning_observer() == 1
+        assert launchers.quiet_lightning_observer() == 1
         assert observer._run() is True  # "finished": it would stop looking, and kill nothing
         observer._terminate_all()
     finally:

@@ -10,7 +10,7 @@ import time
 import pytest
 from harness import Job
 
-from peerwatch._dirfd import WARN_EACH
+from peerwatch.rundir.trust import WARN_EACH
 
 pytestmark = pytest.mark.timeout(180)
 

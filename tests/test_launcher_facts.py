@@ -1,11 +1,11 @@
 """What the launcher says about the job beyond this host (``LauncherFacts`` in
-``peerwatch/_config.py``): resolved once, with the configuration. Pure and fast."""
+``peerwatch/core/config.py``): resolved once, with the configuration. Pure and fast."""
 
 from __future__ import annotations
 
 import pytest
 
-from peerwatch._config import (
+from peerwatch.core.config import (
     Config,
     LauncherFacts,
     expected_hosts,

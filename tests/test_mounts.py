@@ -1,4 +1,4 @@
-"""The mount table (peerwatch._mounts): which filesystem holds a path, and whether other
+"""The mount table (peerwatch.core.mounts): which filesystem holds a path, and whether other
 hosts may write it. Pure: parses a mountinfo text given as a string."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from typing import List
 
 import pytest
 
-from peerwatch._mounts import MOUNTINFO, NETWORK_FS_TYPES, Mount, is_network_fs, mount_of, parse_mountinfo
+from peerwatch.core.mounts import MOUNTINFO, NETWORK_FS_TYPES, Mount, is_network_fs, mount_of, parse_mountinfo
 
 pytestmark = pytest.mark.pure  # no process, no thread, no file: conftest skips its scan for leaks
 

@@ -30,11 +30,11 @@ import psutil
 import pytest
 from harness import _FOREIGN_ENV, free_port
 
-from peerwatch._bridge import Bridge
-from peerwatch._config import Config
-from peerwatch._hosts import REMOTE_SETTLE_S
-from peerwatch._records import LOST, Failure, Registration, decode, encode
-from peerwatch._rundir import RunDir
+from peerwatch.core.config import Config
+from peerwatch.core.records import LOST, Failure, Registration, decode, encode
+from peerwatch.hosts.bridge import Bridge
+from peerwatch.hosts.hosts import REMOTE_SETTLE_S
+from peerwatch.rundir.rundir import RunDir
 
 PROGRAM = Path(__file__).with_name("multihost_program.py")
 HEARTBEAT_S = 0.5
@@ -84,17 +84,17 @@ def test_a_bridge_finds_its_store_late(tmp_path: Path, monkeypatch: pytest.Monke
 
 def _in_process_host(tmp: Path, name: str, ranks: Sequence[int], store: object, **options: object) -> Bridge:
     """A bridge for a 'host' whose ranks are registered in its own run directory."""
-    from peerwatch import _identity
-    from peerwatch._rundir import _SUBDIRS, RANKS, rank_file
+    from peerwatch.proc import identity
+    from peerwatch.rundir.rundir import _SUBDIRS, RANKS, rank_file
 
     rd = RunDir(str(tmp / name))
     os.makedirs(rd.path)
     for sub in _SUBDIRS:
         os.mkdir(rd.join(sub))
-    me = _identity.self_info()
+    me = identity.self_info()
     regs = [
         Registration(rank=r, pid=me.pid, ppid=me.ppid, start_ticks=me.start_ticks, uid=me.uid, host=name,
-                     boot_id=_identity.boot_id(), pidns=_identity.pid_namespace(), time_ns=time.time_ns())
+                     boot_id=identity.boot_id(), pidns=identity.pid_namespace(), time_ns=time.time_ns())
         for r in ranks
     ]
     for reg in regs:
@@ -151,7 +151,7 @@ def test_bridges_through_a_store_object(tmp_path: Path, clone: bool) -> None:
         _wait_for(lambda: a.job_ending, 5.0, "host c seen done by host a (itself, or through the digest)")
         assert c.index not in a.liveness.lost(time.monotonic_ns() + 10**12)  # never lost, however long
         # A verdict published by a reaches the waiters of the others' store (first writer wins).
-        from peerwatch._records import Verdict
+        from peerwatch.core.records import Verdict
 
         now = time.time_ns()
         v = Verdict(rank=0, cause="exception", exit_code=1, failed_at_ns=now, detected_by=1, detected_at_ns=now,
@@ -212,8 +212,8 @@ def test_bridges_with_a_store_secret_sign_what_they_write_and_replace_a_forged_v
     a verdict forged in the store before anything failed is ignored, and replaced by the
     first real one, which every host takes (docs/security.md)."""
     dist = pytest.importorskip("torch.distributed")
-    from peerwatch._records import Verdict
-    from peerwatch._store_protocol import SIGNED, verdict_key
+    from peerwatch.core.records import Verdict
+    from peerwatch.hosts.store_protocol import SIGNED, verdict_key
 
     caplog.set_level(logging.WARNING, logger="peerwatch")
     hash_store = dist.HashStore()
@@ -224,8 +224,8 @@ def test_bridges_with_a_store_secret_sign_what_they_write_and_replace_a_forged_v
         _wait_for(lambda: all(x.joined == 2 for x in (a, b)), 10.0, "every host seen")
         assert hash_store.get("peerwatch/inproc/beat/0").startswith(SIGNED)
         # One nonce for the run, kept in each host's run directory for a successor bridge there.
-        from peerwatch._bridge import NONCE_FILE, _Kept
-        from peerwatch._store_protocol import Seal
+        from peerwatch.hosts.bridge import NONCE_FILE, _Kept
+        from peerwatch.hosts.store_protocol import Seal
 
         assert a._seal.nonce is not None and a._seal.nonce == b._seal.nonce
         assert Path(a.run_dir.join(NONCE_FILE)).read_bytes() == a._seal.nonce

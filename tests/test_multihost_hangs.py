@@ -17,7 +17,7 @@ from typing import Iterator, Optional
 import pytest
 from test_multihost import START_S, Cluster, Host, multihost
 
-from peerwatch._records import HANG, HANG_EXIT_CODE
+from peerwatch.core.records import HANG, HANG_EXIT_CODE
 
 STEP = 30
 BEHAVE = [f"{r}=gloo" for r in (0, 1)] + [f"{r}=gloo:loop_at={STEP}" for r in (2, 3)]

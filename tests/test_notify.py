@@ -91,7 +91,7 @@ def test_a_failing_command_is_logged_and_the_job_ends_as_usual(make_job, tmp_pat
 
 def test_a_bad_option_is_refused() -> None:
     import peerwatch
-    from peerwatch._config import Config
+    from peerwatch.core.config import Config
 
     with pytest.raises(peerwatch.ConfigError):
         Config.resolve({"on_verdict": 3})
@@ -198,8 +198,8 @@ def test_on_a_shared_run_directory_each_host_claims_the_hook_once(tmp_path: Path
     # Issue 22.10: on a run directory shared by the hosts, one claim file made the hook run
     # once per job; an operator's host-local action (upload this host's stacks) needs one
     # per host. Another host's claim (notified-<its host>) does not stop this host's.
-    from peerwatch._notify import CLAIMS, claim
-    from peerwatch._rundir import RunDir
+    from peerwatch.rundir.rundir import RunDir
+    from peerwatch.verdict.notify import CLAIMS, claim
 
     run = tmp_path / "run"
     (run / CLAIMS).mkdir(parents=True, mode=0o700)
@@ -216,16 +216,16 @@ def test_the_nested_run_s_claim_is_taken_in_the_directory_checked_not_a_symlink_
     import os
     import time
 
-    from peerwatch import _identity
-    from peerwatch._identity import Started
-    from peerwatch._notify import CLAIMS, NOTIFIED_FILE, claim
-    from peerwatch._prepare import prepare
-    from peerwatch._records import Registration
-    from peerwatch._rundir import SPAWNED_RUN, RunDir
+    from peerwatch.core.records import Registration
+    from peerwatch.proc import identity
+    from peerwatch.proc.identity import Started
+    from peerwatch.rundir.prepare import prepare
+    from peerwatch.rundir.rundir import SPAWNED_RUN, RunDir
+    from peerwatch.verdict.notify import CLAIMS, NOTIFIED_FILE, claim
 
-    info = _identity.self_info()
+    info = identity.self_info()
     reg = Registration(rank=0, pid=info.pid, ppid=info.ppid, start_ticks=info.start_ticks, uid=info.uid,
-                       host=_identity.hostname(), boot_id=_identity.boot_id(), pidns=_identity.pid_namespace(),
+                       host=identity.hostname(), boot_id=identity.boot_id(), pidns=identity.pid_namespace(),
                        time_ns=time.time_ns())
     rd = RunDir(str(tmp_path / "run"))
     prepare(rd, reg, Started(time.time_ns(), None))
@@ -250,9 +250,9 @@ def test_the_keeper_ends_the_whole_tree_at_its_bound_and_only_it(tmp_path: Path)
     import sys
     import time
 
-    from peerwatch import _notify
+    from peerwatch.verdict import notify
 
-    keeper = [sys.executable, "-I", "-S", _notify._KEEPER]
+    keeper = [sys.executable, "-I", "-S", notify._KEEPER]
     assert subprocess.run([*keeper, "5", "/bin/sh", "-c", "exit 3"], timeout=30).returncode == 3
     pids = tmp_path / "pids"
     bystander = subprocess.Popen(["sleep", "60"])

@@ -21,14 +21,7 @@ from typing import Callable, Iterator, List, Optional, Set
 
 import pytest
 
-from peerwatch import _identity, _prepare
-from peerwatch._decide import Observed
-from peerwatch._diagnose import RankState
-from peerwatch._diagnoser import Diagnoser
-from peerwatch._identity import Started
-from peerwatch._observer import Observer
-from peerwatch._ownrecords import OwnRecords
-from peerwatch._records import (
+from peerwatch.core.records import (
     BUSY,
     EXCEPTION,
     HANG,
@@ -40,19 +33,27 @@ from peerwatch._records import (
     Success,
     encode,
 )
-from peerwatch._report import build as report_build
-from peerwatch._rundir import DIAGNOSIS_FILE, EVENTS, RANKS, TMP, RunDir, rank_file
+from peerwatch.diagnoser import Diagnoser
+from peerwatch.hangs.diagnose import RankState
+from peerwatch.observer import Observer
+from peerwatch.proc import identity
+from peerwatch.proc.identity import Started
+from peerwatch.rundir import prepare
+from peerwatch.rundir.eventlog import OwnRecords
+from peerwatch.rundir.rundir import DIAGNOSIS_FILE, EVENTS, RANKS, TMP, RunDir, rank_file
+from peerwatch.verdict.decide import Observed
+from peerwatch.verdict.report import build as report_build
 
 DEADLINE_S = 5.0
 S = 1_000_000_000
 
 
 def _reg(rank: int, pid: int) -> Registration:
-    info = _identity.probe(pid)
+    info = identity.probe(pid)
     assert info is not None
     return Registration(
         rank=rank, pid=pid, ppid=info.ppid, start_ticks=info.start_ticks, uid=info.uid,
-        host=_identity.hostname(), boot_id=_identity.boot_id(), pidns=_identity.pid_namespace(),
+        host=identity.hostname(), boot_id=identity.boot_id(), pidns=identity.pid_namespace(),
         time_ns=time.time_ns(), world_size=4,
     )
 
@@ -60,7 +61,7 @@ def _reg(rank: int, pid: int) -> Registration:
 @pytest.fixture
 def run(tmp_path: Path) -> RunDir:
     rd = RunDir(str(tmp_path / "run"))
-    _prepare.prepare(rd, _reg(0, os.getpid()), Started(time.time_ns(), None))
+    prepare.prepare(rd, _reg(0, os.getpid()), Started(time.time_ns(), None))
     return rd
 
 

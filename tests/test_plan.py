@@ -1,4 +1,4 @@
-"""The teardown policy (peerwatch._plan): pure, so every rule is checked here, fast, without
+"""The teardown policy (peerwatch.verdict.plan): pure, so every rule is checked here, fast, without
 processes. The end-to-end tests (test_e2e_core, test_fault_matrix) check it is carried out."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import dataclasses
 
 import pytest
 
-from peerwatch import _plan
-from peerwatch._plan import SUMMARY_POLL_RANKS, SUMMARY_POLL_S, AckWindow, Situation, plan
-from peerwatch._records import EXCEPTION, EXIT, HANG, INTERRUPTED, LOST, MISSING, SIGNAL, VANISHED
+from peerwatch.core.records import EXCEPTION, EXIT, HANG, INTERRUPTED, LOST, MISSING, SIGNAL, VANISHED
+from peerwatch.verdict import plan as _plan
+from peerwatch.verdict.plan import SUMMARY_POLL_RANKS, SUMMARY_POLL_S, AckWindow, Situation, plan
 
 pytestmark = pytest.mark.pure  # no process, no thread, no file: conftest skips its scan for leaks
 
@@ -487,9 +487,9 @@ def test_in_every_situation_the_report_is_written_before_the_hook_starts() -> No
 
 
 def test_every_step_has_its_carrying_out() -> None:
-    from peerwatch import _verdict
+    from peerwatch import executor
 
-    assert set(_verdict._STEPS) == set(S)
+    assert set(executor._STEPS) == set(S)
 
 
 @pytest.mark.parametrize("cause", [HANG, LOST, MISSING])
@@ -512,7 +512,7 @@ def test_ranks_waiting_for_the_summary_look_for_it_less_often_the_more_they_are(
     """Rule: who reports. Up to 8 local ranks look every 10 ms; 128 look every 160 ms (their
     looks together cost the host what 8 ranks' do: 127 ranks looking every 10 ms starved the
     rank writing the summary and held a 128-rank teardown up by half)."""
-    from peerwatch._plan import summary_poll_s
+    from peerwatch.verdict.plan import summary_poll_s
 
     assert (SUMMARY_POLL_S, SUMMARY_POLL_RANKS) == (0.01, 8)  # docs/performance.md
     assert summary_poll_s(1) == summary_poll_s(8) == pytest.approx(0.01)

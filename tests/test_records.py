@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from peerwatch._records import (
+from peerwatch.core.records import (
     HANG,
     HANG_EXIT_CODE,
     MAX_RECORD_BYTES,
@@ -385,7 +385,7 @@ def test_the_encoding_on_disk_is_compact_json_with_version_1_and_its_kind_first(
 
 
 def test_a_heartbeat_carries_the_collective_counters_and_one_without_them_still_reads():
-    from peerwatch._records import decode
+    from peerwatch.core.records import decode
 
     hb = Heartbeat(rank=0, pid=5, time_ns=6, seq=7, collectives=(("0", 21, 20),), moved_ns=11,
                    entered=(("0", 21, "gloo:all_reduce", "[[4]] Float"),), pg_timeout_ms=10_000,
@@ -400,7 +400,7 @@ def test_a_heartbeat_carries_the_collective_counters_and_one_without_them_still_
 
 
 def test_a_diagnosis_record_round_trips_and_its_kind_is_the_record_type():
-    from peerwatch._records import HANG, Diagnosis, decode
+    from peerwatch.core.records import HANG, Diagnosis, decode
 
     d = Diagnosis(finding=HANG, laggards=(1,), entered=(0, 2), since_ns=3, stalled_at_ns=4, time_ns=7, made_by=0,
                   detail="rank 1 never entered gloo:all_reduce #21", group="0", seq=21, op="gloo:all_reduce")
@@ -555,7 +555,7 @@ def test_a_required_field_missing_is_refused_and_an_optional_one_takes_its_defau
 
 
 def test_warm_works_out_every_record_type():
-    from peerwatch import _records
+    from peerwatch.core import records as _records
 
     _records._FIELDS.clear()
     _records.warm()
@@ -564,7 +564,7 @@ def test_warm_works_out_every_record_type():
 
 
 def test_the_same_bytes_decode_to_the_same_record_and_the_memo_stays_bounded():
-    from peerwatch import _records
+    from peerwatch.core import records as _records
 
     data = encode(Ack(rank=3, pid=42, time_ns=5, deadline_ns=6))
     first = decode(Ack, data)
@@ -587,25 +587,25 @@ def test_whether_a_failures_exit_code_was_observed_is_a_field_and_older_records_
     """Issue 25.3: the report told an exit status seen at exit from a code said beforehand
     by the record's message; now by ``observed``, written where the record is made (the
     exit watch's template) and False in a record of an older peerwatch."""
-    from peerwatch import _exitwatch
+    from peerwatch.rundir import exitwatch
 
-    head, mid, tail = _exitwatch.failure_template(3, 77)
+    head, mid, tail = exitwatch.failure_template(3, 77)
     seen = decode(Failure, head + b"12" + mid + b"9" + tail)
     assert seen is not None and (seen.observed, seen.exit_code) == (True, 9)
     said = Failure(rank=3, pid=77, time_ns=12, cause="exception", exit_code=1, exception="ValueError")
     assert not said.observed and decode(Failure, encode(said)) == said
     assert decode(Failure, encode(dataclasses.replace(said, observed=True))).observed  # type: ignore[union-attr]
     older = (b'{"version":1,"kind":"failure","rank":3,"pid":77,"time_ns":12,"cause":"exit","exit_code":9,'
-             b'"message":"' + _exitwatch.EXIT_MESSAGE.encode() + b'"}')
+             b'"message":"' + exitwatch.EXIT_MESSAGE.encode() + b'"}')
     assert decode(Failure, older) == Failure(rank=3, pid=77, time_ns=12, cause="exit", exit_code=9,
-                                             message=_exitwatch.EXIT_MESSAGE, observed=False)
+                                             message=exitwatch.EXIT_MESSAGE, observed=False)
 
 
-# -- exact values and edges (issue 25.6: what a mutant of _records.py changes, a test sees) --
+# -- exact values and edges (issue 25.6: what a mutant of core/records.py changes, a test sees) --
 
 
 def test_activity_of_a_heartbeats_field_and_back() -> None:
-    from peerwatch._records import Activity
+    from peerwatch.core.records import Activity
 
     a = Activity.of((4000, 0, 1, 2, 3, 0, 8, 1))
     assert a == Activity(span_ms=4000, cpu_ms=0, places=1, other_cpu_ms=2, io_bytes=3, children_cpu_ms=0, samples=8,
@@ -617,7 +617,7 @@ def test_activity_of_a_heartbeats_field_and_back() -> None:
 
 
 def test_the_longest_traceback_kept_fits_a_record_whatever_its_characters() -> None:
-    from peerwatch._records import MAX_TRACEBACK_CHARS
+    from peerwatch.core.records import MAX_TRACEBACK_CHARS
 
     worst = "\x00" * MAX_TRACEBACK_CHARS  # JSON writes each as \u0000: six bytes
     record = Failure(rank=1, pid=2, time_ns=3, cause="exception", traceback=worst, message="m" * 2000)
@@ -626,7 +626,7 @@ def test_the_longest_traceback_kept_fits_a_record_whatever_its_characters() -> N
 
 
 def test_named_ranks_are_every_rank_a_record_names() -> None:
-    from peerwatch._records import named_ranks
+    from peerwatch.core.records import named_ranks
 
     assert named_ranks(Success(rank=2, pid=1, time_ns=0)) == (2,)
     assert named_ranks(ExitStatus(rank=2, pid=1, time_ns=0, returncode=-9, observed_by=0)) == (2, 0)
@@ -640,7 +640,7 @@ def test_named_ranks_are_every_rank_a_record_names() -> None:
 
 
 def test_the_events_folders_prefixes() -> None:
-    from peerwatch._records import EVENT_TYPES, WATCHER_DEATH, Interrupt
+    from peerwatch.core.records import EVENT_TYPES, WATCHER_DEATH, Interrupt
 
     assert EVENT_TYPES == {"success": Success, "failure": Failure, "exit": ExitStatus, "ack": Ack, "thread": Failure,
                            "unsignalled": NotSignalled, "interrupt": Interrupt}
@@ -655,7 +655,7 @@ def _failure_of_size(n: int) -> bytes:
 
 
 def test_the_decode_memo_keeps_records_up_to_a_sixteenth_of_its_mebibyte(monkeypatch: pytest.MonkeyPatch) -> None:
-    from peerwatch import _records
+    from peerwatch.core import records as _records
 
     monkeypatch.setattr(_records, "_DECODED", {})
     monkeypatch.setattr(_records, "_decoded_bytes", 0)
@@ -668,7 +668,7 @@ def test_the_decode_memo_keeps_records_up_to_a_sixteenth_of_its_mebibyte(monkeyp
 
 
 def test_the_decode_memo_fills_to_its_bound_exactly_then_starts_again(monkeypatch: pytest.MonkeyPatch) -> None:
-    from peerwatch import _records
+    from peerwatch.core import records as _records
 
     first, second, third = _failure_of_size(300), _failure_of_size(301), _failure_of_size(302)
     monkeypatch.setattr(_records, "_DECODED", {})
@@ -684,7 +684,7 @@ def test_a_fresh_module_starts_with_an_empty_memo(monkeypatch: pytest.MonkeyPatc
     import importlib.util
     import sys
 
-    from peerwatch import _records
+    from peerwatch.core import records as _records
 
     spec = importlib.util.spec_from_file_location("_records_fresh", _records.__file__)
     assert spec is not None and spec.loader is not None

@@ -226,20 +226,12 @@ def test_a_hangs_victims_whose_collectives_timed_out_are_torn_down_with_the_verd
     under "ranks exit with code 124"; they exit with 124 (rule: the verdict's exit code), as a later
     `peerwatch report` showed. One truth: torn down, 124 (expected), until seen."""
 
-    from peerwatch import _identity, _report
-    from peerwatch._records import (
-        EXCEPTION,
-        HANG,
-        HANG_EXIT_CODE,
-        Ack,
-        ExitStatus,
-        Failure,
-        Verdict,
-        encode,
-    )
-    from peerwatch._rundir import EVENTS, VERDICT_FILE, rank_file
+    from peerwatch.core.records import EXCEPTION, HANG, HANG_EXIT_CODE, Ack, ExitStatus, Failure, Verdict, encode
+    from peerwatch.proc import identity
+    from peerwatch.rundir.rundir import EVENTS, VERDICT_FILE, rank_file
+    from peerwatch.verdict import report as _report
 
-    me = _identity.self_info()
+    me = identity.self_info()
     rd, now = _run_of_this_process(tmp_path, 3)
     rd.write(EVENTS, VERDICT_FILE, encode(Verdict(
         rank=2, cause=HANG, exit_code=HANG_EXIT_CODE, failed_at_ns=now, detected_by=0, detected_at_ns=now, pid=me.pid,
@@ -265,16 +257,18 @@ def test_an_exit_is_observed_by_the_records_field_not_by_its_message(tmp_path: P
     """Issue 25.3: whether a failure's exit code was seen is the record's ``observed``
     field; a record that only repeats the exit watch's words was not seen."""
 
-    from peerwatch import _exitwatch, _identity, _report
-    from peerwatch._records import EXIT, Failure, encode
-    from peerwatch._rundir import EVENTS, rank_file
+    from peerwatch.core.records import EXIT, Failure, encode
+    from peerwatch.proc import identity
+    from peerwatch.rundir import exitwatch
+    from peerwatch.rundir.rundir import EVENTS, rank_file
+    from peerwatch.verdict import report as _report
 
-    me = _identity.self_info()
+    me = identity.self_info()
     rd, now = _run_of_this_process(tmp_path, 2)
-    said = Failure(rank=1, pid=me.pid, time_ns=now, cause=EXIT, exit_code=3, message=_exitwatch.EXIT_MESSAGE)
+    said = Failure(rank=1, pid=me.pid, time_ns=now, cause=EXIT, exit_code=3, message=exitwatch.EXIT_MESSAGE)
     rd.write(EVENTS, rank_file("failure", 1), encode(said))
     assert (by_rank(_report.build(rd))[1]["exit_code"], by_rank(_report.build(rd))[1]["exit_observed"]) == (3, False)
-    head, mid, tail = _exitwatch.failure_template(1, me.pid)
+    head, mid, tail = exitwatch.failure_template(1, me.pid)
     rd.write(EVENTS, rank_file("failure", 1), head + str(now).encode() + mid + b"3" + tail, replace=True)
     assert (by_rank(_report.build(rd))[1]["exit_code"], by_rank(_report.build(rd))[1]["exit_observed"]) == (3, True)
 
@@ -283,16 +277,16 @@ def _run_of_this_process(tmp_path: Path, ranks: int):
     """A run directory whose ``ranks`` ranks are all this process (rank 0 prepared it); and when."""
     import time
 
-    from peerwatch import _identity
-    from peerwatch._identity import Started
-    from peerwatch._prepare import prepare
-    from peerwatch._records import Registration, encode
-    from peerwatch._rundir import RANKS, RunDir, rank_file
+    from peerwatch.core.records import Registration, encode
+    from peerwatch.proc import identity
+    from peerwatch.proc.identity import Started
+    from peerwatch.rundir.prepare import prepare
+    from peerwatch.rundir.rundir import RANKS, RunDir, rank_file
 
-    me, now = _identity.self_info(), time.time_ns()
+    me, now = identity.self_info(), time.time_ns()
     rd = RunDir(str(tmp_path / "run"))
     regs = [Registration(rank=r, pid=me.pid, ppid=me.ppid, start_ticks=me.start_ticks, uid=me.uid,
-                         host=_identity.hostname(), boot_id=_identity.boot_id(), pidns=_identity.pid_namespace(),
+                         host=identity.hostname(), boot_id=identity.boot_id(), pidns=identity.pid_namespace(),
                          time_ns=now) for r in range(ranks)]
     prepare(rd, regs[0], Started(now, None))
     for reg in regs[1:]:
@@ -307,9 +301,9 @@ def test_a_run_nobody_was_left_to_judge_is_told_from_its_records(tmp_path: Path)
     the verdict from the records by the watchers' own rules (`inferred`): the worker that
     ended without a word, not the one its launcher stopped. Where two ended without a word,
     which went first is not known: no verdict is made up."""
-    from peerwatch import _report
-    from peerwatch._records import ExitStatus, encode
-    from peerwatch._rundir import EVENTS, rank_file
+    from peerwatch.core.records import ExitStatus, encode
+    from peerwatch.rundir.rundir import EVENTS, rank_file
+    from peerwatch.verdict import report as _report
 
     for ranks in (2, 3):
         rd, now, regs = _ended_run(tmp_path / str(ranks), ranks, launcher=4242)
@@ -331,8 +325,8 @@ def _ended_run(tmp_path: Path, ranks: int, launcher: int):
     registrations name a process that is gone: this pid, with another start time)."""
     import dataclasses
 
-    from peerwatch._records import encode
-    from peerwatch._rundir import RANKS, rank_file
+    from peerwatch.core.records import encode
+    from peerwatch.rundir.rundir import RANKS, rank_file
 
     rd, now = _run_of_this_process(tmp_path, ranks)
     regs = []

@@ -109,7 +109,7 @@ def test_failed_at_is_when_the_exception_was_raised(make_job) -> None:
     (raised_ns), and the summary counts from it."""
     import re
 
-    from peerwatch import _report
+    from peerwatch.verdict import report as _report
 
     job = make_job(world=2, behave=["1=raise@0.5"]).start()
     job.wait_ready()

@@ -18,12 +18,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from peerwatch import RunDirError, _identity
-from peerwatch._basedir import base_dir, resolve
-from peerwatch._identity import Started
-from peerwatch._prepare import prepare
-from peerwatch._records import MAX_RECORD_BYTES, Heartbeat, Registration, Success, Verdict, encode
-from peerwatch._rundir import (
+from peerwatch import RunDirError
+from peerwatch.core.records import MAX_RECORD_BYTES, Heartbeat, Registration, Success, Verdict, encode
+from peerwatch.proc import identity
+from peerwatch.proc.identity import Started
+from peerwatch.rundir.basedir import base_dir, resolve
+from peerwatch.rundir.prepare import prepare
+from peerwatch.rundir.rundir import (
     EVENTS,
     HEARTBEATS,
     RANKS,
@@ -35,16 +36,16 @@ from peerwatch._rundir import (
     parse_rank_file,
     rank_file,
 )
-from peerwatch._trust import check_trusted
+from peerwatch.rundir.trust import check_trusted
 
 SUBDIRS = (RANKS, EVENTS, HEARTBEATS, STACKS, TMP)
 DEADLINE_S = 5.0
 
 
-def registration(info: _identity.ProcessInfo, rank: int, **over: Any) -> Registration:
+def registration(info: identity.ProcessInfo, rank: int, **over: Any) -> Registration:
     fields: Dict[str, Any] = dict(
         rank=rank, pid=info.pid, ppid=info.ppid, start_ticks=info.start_ticks, uid=info.uid,
-        host=_identity.hostname(), boot_id=_identity.boot_id(), pidns=_identity.pid_namespace(),
+        host=identity.hostname(), boot_id=identity.boot_id(), pidns=identity.pid_namespace(),
         time_ns=time.time_ns(),
     )
     fields.update(over)
@@ -52,7 +53,7 @@ def registration(info: _identity.ProcessInfo, rank: int, **over: Any) -> Registr
 
 
 def my_reg(rank: int = 0, **over: Any) -> Registration:
-    return registration(_identity.self_info(), rank, **over)
+    return registration(identity.self_info(), rank, **over)
 
 
 @pytest.fixture
@@ -74,16 +75,16 @@ def child() -> Iterator[subprocess.Popen]:
         proc.wait(timeout=DEADLINE_S)
 
 
-def dead_process_info() -> _identity.ProcessInfo:
+def dead_process_info() -> identity.ProcessInfo:
     """The identity of a process that ran and has been reaped."""
     proc = subprocess.Popen(["cat"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
     assert proc.stdin is not None
     try:
-        info = _identity.probe(proc.pid)
+        info = identity.probe(proc.pid)
     finally:
         proc.stdin.close()
         proc.wait(timeout=DEADLINE_S)
-    assert info is not None and _identity.probe(proc.pid) is None
+    assert info is not None and identity.probe(proc.pid) is None
     return info
 
 
@@ -324,8 +325,8 @@ def test_a_record_of_padding_alone_is_not_written_not_garbage(rd, caplog, pad):
     """An exit record of its full length in padding alone (seen after a SIGTERM to a job's
     process group): absent to a reader, with no warning, in the report too; a peer's
     record of that exit replaces it, also without calling it garbage."""
-    from peerwatch import _report
-    from peerwatch._records import ExitStatus, decode
+    from peerwatch.core.records import ExitStatus, decode
+    from peerwatch.verdict import report
 
     name = rank_file("exit", 0)
     with open(rd.join(EVENTS, name), "wb") as f:
@@ -333,7 +334,7 @@ def test_a_record_of_padding_alone_is_not_written_not_garbage(rd, caplog, pad):
     with caplog.at_level(logging.WARNING, logger="peerwatch"):
         assert rd.read(EVENTS, name, ExitStatus) is None
         assert rd.rank_records(EVENTS, {"exit": ExitStatus})["exit"] == {}
-        assert _report.build(rd)["ranks"][0]["exit_code"] is None
+        assert report.build(rd)["ranks"][0]["exit_code"] is None
         seen = encode(ExitStatus(rank=0, pid=os.getpid(), time_ns=1, returncode=-15, observed_by=1))
         assert rd.write(EVENTS, name, seen, valid=lambda data: decode(ExitStatus, data) is not None)
     assert rd.read_bytes(EVENTS, name) == seen
@@ -495,7 +496,7 @@ def test_slot_held_by_a_dead_process_sets_the_directory_aside(rd, caplog):
 
 
 def test_slot_held_by_a_live_other_process_is_an_error(rd, child):
-    holder = registration(_identity.probe(child.pid), rank=0)
+    holder = registration(identity.probe(child.pid), rank=0)
     rd.publish_registration(holder)
     with pytest.raises(RunDirError) as info:
         prepare(rd, my_reg(0), Started(time.time_ns(), None))
@@ -506,7 +507,7 @@ def test_slot_held_by_a_live_other_process_is_an_error(rd, child):
 
 
 def test_slot_held_by_a_zombie_is_stale(rd, child):
-    holder = registration(_identity.probe(child.pid), rank=0)
+    holder = registration(identity.probe(child.pid), rank=0)
     rd.publish_registration(holder)
     child.stdin.close()
     os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOWAIT)  # exited, not reaped
@@ -515,13 +516,13 @@ def test_slot_held_by_a_zombie_is_stale(rd, child):
 
 
 def test_slot_held_by_a_live_pid_from_an_earlier_boot_is_stale(rd, child):
-    rd.publish_registration(registration(_identity.probe(child.pid), rank=0, boot_id="an-earlier-boot"))
+    rd.publish_registration(registration(identity.probe(child.pid), rank=0, boot_id="an-earlier-boot"))
     prepare(rd, my_reg(0), Started(time.time_ns(), None))
     assert len(set_asides(rd)) == 1
 
 
 def test_slot_held_by_a_pid_reused_by_another_process_is_stale(rd, child):
-    info = _identity.probe(child.pid)
+    info = identity.probe(child.pid)
     rd.publish_registration(registration(info, rank=0, start_ticks=info.start_ticks - 1))
     prepare(rd, my_reg(0), Started(time.time_ns(), None))
     assert len(set_asides(rd)) == 1
@@ -575,20 +576,20 @@ def test_verdict_made_after_start_by_the_boot_clock_is_kept(rd):
 def test_verdicts_carry_the_boot_clock(tmp_path):
     # Every verdict a watcher makes is stamped with CLOCK_BOOTTIME, which the checks above
     # order runs by; so is this process's start.
-    from peerwatch._decide import Observed, Policy, decide
+    from peerwatch.verdict.decide import Observed, Policy, decide
 
     me = my_reg(0)
-    obs = Observed(self_rank=0, now_ns=time.time_ns(), now_boot_ns=_identity.boot_clock_ns(),
+    obs = Observed(self_rank=0, now_ns=time.time_ns(), now_boot_ns=identity.boot_clock_ns(),
                    registrations={0: me, 1: dataclasses.replace(me, rank=1)}, successes=set(), failures={},
                    exit_statuses={}, gone={1: time.time_ns()})
     verdict = decide(obs, Policy(parent_wait_ns=0, default_exit_code=1)).verdict
     assert verdict is not None and verdict.boot_ns == obs.now_boot_ns
-    started = _identity.started()
-    assert started.boot_ns is not None and 0 < started.boot_ns <= (_identity.boot_clock_ns() or 0)
+    started = identity.started()
+    assert started.boot_ns is not None and 0 < started.boot_ns <= (identity.boot_clock_ns() or 0)
 
 
 def test_old_verdict_is_kept_while_a_registered_peer_lives(rd, child):
-    rd.publish_registration(registration(_identity.probe(child.pid), rank=1))
+    rd.publish_registration(registration(identity.probe(child.pid), rank=1))
     rd.write(EVENTS, VERDICT_FILE, _verdict(1000))
     prepare(rd, my_reg(0), Started(1001, None))
     assert set_asides(rd) == []
@@ -598,7 +599,7 @@ def test_old_verdict_is_kept_while_a_registered_peer_lives(rd, child):
 
 
 def parent_key() -> str:
-    parent = _identity.probe(os.getppid())
+    parent = identity.probe(os.getppid())
     assert parent is not None
     return f"{os.getppid()}.{parent.start_ticks}"
 
@@ -631,7 +632,7 @@ def test_resolve_explicit_run_dir_wins():
          "master", "addr-only", "port-only", "nothing", "empty-vars"],
 )
 def test_resolve_rule_table(env, name, how):
-    me = _identity.self_info()
+    me = identity.self_info()
     expected = os.path.join(base_dir(), name.format(parent=parent_key(), me=f"{me.pid}.{me.start_ticks}"))
     assert resolve(None, env) == (expected, how)
 
@@ -656,7 +657,7 @@ def test_resolve_always_stays_under_the_base_directory(var, value, other):
 
 def test_resolve_agrees_between_siblings():
     """Two ranks started by the same parent (torchrun's agent, here the test) find the same run."""
-    code = "import os, sys; from peerwatch._basedir import resolve; print(resolve(None, os.environ)[0])"
+    code = "import os, sys; from peerwatch.rundir.basedir import resolve; print(resolve(None, os.environ)[0])"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC_", "SLURM_", "MASTER_"))}
     env.update(TORCHRUN)
     procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
@@ -666,7 +667,7 @@ def test_resolve_agrees_between_siblings():
         out, _ = p.communicate(timeout=30)
         assert p.returncode == 0
         outs.append(out.strip())
-    me = _identity.self_info()
+    me = identity.self_info()
     assert outs[0] == outs[1] == os.path.join(base_dir(), f"torchrun-abc123-{me.pid}.{me.start_ticks}-r2")
 
 
@@ -706,7 +707,7 @@ def test_base_dir_falls_back_to_the_cache_home_then_tmpdir(tmp_path, monkeypatch
 def test_registration_helper_is_consistent():
     # Guard for the tests above: a registration of this process names this process.
     reg = my_reg(2)
-    assert _identity.is_same_process(reg.pid, reg.start_ticks, reg.uid)
+    assert identity.is_same_process(reg.pid, reg.start_ticks, reg.uid)
 
 
 @pytest.mark.parametrize("other", [{"host": "another-host"}, {"pidns": "pid:[1]"}], ids=["host", "pid namespace"])
@@ -744,21 +745,22 @@ def test_every_rank_a_record_names_must_be_inside_the_world(rd, caplog):
 
 _ARM_AND_EXIT = """
 import os, sys, time
-from peerwatch import _exitwatch, _identity
-from peerwatch._prepare import prepare
-from peerwatch._records import Registration
-from peerwatch._identity import Started
-from peerwatch._rundir import RunDir
-info = _identity.self_info()
+from peerwatch.proc import identity
+from peerwatch.rundir import exitwatch
+from peerwatch.rundir.prepare import prepare
+from peerwatch.core.records import Registration
+from peerwatch.proc.identity import Started
+from peerwatch.rundir.rundir import RunDir
+info = identity.self_info()
 reg = Registration(rank=0, pid=info.pid, ppid=info.ppid, start_ticks=info.start_ticks, uid=info.uid,
-                   host=_identity.hostname(), boot_id=_identity.boot_id(), pidns=_identity.pid_namespace(),
+                   host=identity.hostname(), boot_id=identity.boot_id(), pidns=identity.pid_namespace(),
                    time_ns=time.time_ns())
 path, moved, decoy = sys.argv[1:]
 rd = RunDir(path)
 prepare(rd, reg, Started(time.time_ns(), None))
 os.rename(path, moved)
 os.symlink(decoy, path)
-assert _exitwatch.arm(rd, 0, write_success=True)
+assert exitwatch.arm(rd, 0, write_success=True)
 sys.exit(0)
 """
 
@@ -773,7 +775,7 @@ def _decoy(tmp_path: Path) -> Path:
 def test_a_directory_swapped_for_a_symlink_is_not_used_by_the_bridge_s_election_and_checks(rd, tmp_path):
     """Renamed away and replaced by a symlink to a decoy: the bridge's lock and flag, and
     what it checks (the verdict there, a folder's time), are still the directory checked."""
-    from peerwatch import _election
+    from peerwatch.hosts import election as _election
 
     real = tmp_path / "moved"
     os.rename(rd.path, real)
@@ -801,9 +803,9 @@ def test_a_directory_swapped_for_a_symlink_is_not_used_by_the_bridge_s_election_
 
 
 def test_the_exit_watch_writes_into_the_directory_checked_not_a_symlink_put_in_its_place(tmp_path):
-    from peerwatch import _exitwatch
+    from peerwatch.rundir import exitwatch
 
-    if not _exitwatch.available():
+    if not exitwatch.available():
         pytest.skip("the exit-status extension is not built here")
     decoy = _decoy(tmp_path)
     path, moved = tmp_path / "run", tmp_path / "moved"
@@ -819,8 +821,8 @@ def test_spawn_s_main_process_looks_for_its_workers_in_the_directory_checked(rd,
     tell them their watched workers were not)."""
     import types
 
-    from peerwatch import _hooks
-    from peerwatch._rundir import SPAWNED_RUN
+    from peerwatch import hooks
+    from peerwatch.rundir.rundir import SPAWNED_RUN
 
     real = tmp_path / "moved"
     os.rename(rd.path, real)
@@ -831,15 +833,15 @@ def test_spawn_s_main_process_looks_for_its_workers_in_the_directory_checked(rd,
     failure = type("ProcessExitedException", (Exception,), {"__module__": "torch.multiprocessing.spawn"})
     w = types.SimpleNamespace(rank=0, me=my_reg(0), run_dir=rd)
 
-    monkeypatch.setattr(_hooks, "_spawn_noted", False)
-    note = _hooks.spawn_main_note(w, failure())  # type: ignore[arg-type]
+    monkeypatch.setattr(hooks, "_spawn_noted", False)
+    note = hooks.spawn_main_note(w, failure())  # type: ignore[arg-type]
     assert note is not None and "install() ran only here" in note, note
 
     (decoy / SPAWNED_RUN / RANKS / rank_file("rank", 0)).unlink()
     (real / SPAWNED_RUN / RANKS).mkdir(parents=True, mode=0o700)
     (real / SPAWNED_RUN / RANKS / rank_file("rank", 0)).write_bytes(encode(my_reg(0)))
-    monkeypatch.setattr(_hooks, "_spawn_noted", False)
-    note = _hooks.spawn_main_note(w, failure())  # type: ignore[arg-type]
+    monkeypatch.setattr(hooks, "_spawn_noted", False)
+    note = hooks.spawn_main_note(w, failure())  # type: ignore[arg-type]
     assert note is not None and "Its workers are watched in their own run" in note, note
 
 
@@ -847,8 +849,8 @@ def test_one_reader_of_a_folder_of_rank_files_for_the_watcher_the_report_and_the
     """Issue 25.3: the report read events/ its own way (and the CLI its watcher deaths, and
     RunDir its registrations and success markers, each theirs). One reader now: each file
     read as the type its prefix names, kept only if it names the rank its file name does."""
-    from peerwatch import _report
-    from peerwatch._records import EVENT_TYPES, Ack, Failure
+    from peerwatch.core.records import EVENT_TYPES, Ack, Failure
+    from peerwatch.verdict import report
 
     pid = os.getpid()
     rd.write(EVENTS, rank_file("success", 1), encode(Success(rank=1, pid=pid, time_ns=1)))
@@ -862,6 +864,6 @@ def test_one_reader_of_a_folder_of_rank_files_for_the_watcher_the_report_and_the
     assert set(found) == set(EVENT_TYPES)
     assert {k: sorted(v) for k, v in found.items() if v} == {"success": [1], "failure": [2], "thread": [2], "ack": [6]}
     assert found["failure"][2].exit_code == 3 and found["thread"][2].cause == "exception"
-    assert _report._events(rd) == found
+    assert report._events(rd) == found
     assert rd.rank_records(EVENTS, {"success": Success}) == {"success": {1: found["success"][1]}}
     assert rd.registrations() == rd.rank_records(RANKS, {"rank": Registration})["rank"] == {0: rd.registrations()[0]}

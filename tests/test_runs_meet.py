@@ -20,11 +20,11 @@ from typing import Optional
 import pytest
 from harness import _FOREIGN_ENV, Job
 
-from peerwatch import _identity
-from peerwatch._identity import Started
-from peerwatch._prepare import stale_because
-from peerwatch._records import Registration, Success, encode
-from peerwatch._rundir import HEARTBEATS, RANKS, RunDir, rank_file, same_job
+from peerwatch.core.records import Registration, Success, encode
+from peerwatch.proc import identity
+from peerwatch.proc.identity import Started
+from peerwatch.rundir.prepare import stale_because
+from peerwatch.rundir.rundir import HEARTBEATS, RANKS, RunDir, rank_file, same_job
 
 # -- two jobs, one directory ------------------------------------------------------------
 
@@ -123,11 +123,11 @@ def test_a_rank_of_another_world_size_registered_beside_a_live_run_is_not_its_pe
         with a:
             a.start()
             a.wait_ready()
-            info = _identity.probe(stranger.pid)
+            info = identity.probe(stranger.pid)
             assert info is not None
             forged = Registration(
                 rank=2, pid=stranger.pid, ppid=info.ppid, start_ticks=info.start_ticks, uid=info.uid,
-                host=_identity.hostname(), boot_id=_identity.boot_id(), pidns=_identity.pid_namespace(),
+                host=identity.hostname(), boot_id=identity.boot_id(), pidns=identity.pid_namespace(),
                 time_ns=time.time_ns(), world_size=3,
             )
             RunDir(str(a.run_dir)).write(RANKS, rank_file("rank", 2), encode(forged), replace=True)

@@ -1,10 +1,10 @@
-"""When the watcher wakes and what is due (peerwatch._schedule): pure, with a fake clock."""
+"""When the watcher wakes and what is due (peerwatch.core.schedule): pure, with a fake clock."""
 
 from __future__ import annotations
 
 import pytest
 
-from peerwatch._schedule import RETRY_S, SAFETY_LOOK_EVERY, Schedule
+from peerwatch.core.schedule import RETRY_S, SAFETY_LOOK_EVERY, Schedule
 
 pytestmark = pytest.mark.pure  # no process, no thread, no file: conftest skips its scan for leaks
 

@@ -1,6 +1,6 @@
 """Shared-filesystem mode (docs/shared-filesystem.md): several hosts, one run directory.
 
-Unit tests: the mount-table parser and detection, the "lost" rule of ``_decide``, the run
+Unit tests: the mount-table parser and detection, the "lost" rule of ``decide``, the run
 directory's rules when another host holds a slot.
 
 End to end: two simulated hosts on this machine, each a real separate PID namespace
@@ -30,13 +30,14 @@ from typing import Dict, List, Optional, Sequence
 import psutil
 import pytest
 
-from peerwatch import _decide, _sharedfs
-from peerwatch._awake import AwakeClock
-from peerwatch._errors import RunDirError
-from peerwatch._identity import Started
-from peerwatch._prepare import prepare
-from peerwatch._records import LOST, Registration, encode
-from peerwatch._rundir import RANKS, RunDir, rank_file
+from peerwatch.core.awake import AwakeClock
+from peerwatch.core.errors import RunDirError
+from peerwatch.core.records import LOST, Registration, encode
+from peerwatch.hosts import sharedfs
+from peerwatch.proc.identity import Started
+from peerwatch.rundir.prepare import prepare
+from peerwatch.rundir.rundir import RANKS, RunDir, rank_file
+from peerwatch.verdict import decide
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -64,12 +65,12 @@ not a mountinfo line
 
 
 def test_parse_mountinfo_fields_and_escapes() -> None:
-    mounts = _sharedfs.parse_mountinfo(MOUNTINFO)
+    mounts = sharedfs.parse_mountinfo(MOUNTINFO)
     assert len(mounts) == 10  # the malformed line is skipped
-    assert mounts[2] == _sharedfs.Mount("/mnt/nfs", "nfs4", "filer:/export")
-    assert mounts[6] == _sharedfs.Mount("/mnt/my share", "cifs", "//srv/my share")
+    assert mounts[2] == sharedfs.Mount("/mnt/nfs", "nfs4", "filer:/export")
+    assert mounts[6] == sharedfs.Mount("/mnt/my share", "cifs", "//srv/my share")
     # No optional fields (no "shared:N") between the options and the dash.
-    assert mounts[4] == _sharedfs.Mount("/scratch", "lustre", "10.0.0.1@o2ib:/scratch")
+    assert mounts[4] == sharedfs.Mount("/scratch", "lustre", "10.0.0.1@o2ib:/scratch")
 
 
 @pytest.mark.parametrize(
@@ -86,44 +87,44 @@ def test_parse_mountinfo_fields_and_escapes() -> None:
     ],
 )
 def test_mount_of_longest_prefix(path: str, fstype: str) -> None:
-    mount = _sharedfs.mount_of(path, _sharedfs.parse_mountinfo(MOUNTINFO))
+    mount = sharedfs.mount_of(path, sharedfs.parse_mountinfo(MOUNTINFO))
     assert mount is not None and mount.fstype == fstype
 
 
 def test_mount_of_last_mount_on_a_point_wins() -> None:
     # /mnt/nfs is mounted twice (NFS, then tmpfs over it): the later one hides the first.
-    assert _sharedfs.mount_of("/mnt/nfs/run", _sharedfs.parse_mountinfo(MOUNTINFO)) == _sharedfs.Mount(
+    assert sharedfs.mount_of("/mnt/nfs/run", sharedfs.parse_mountinfo(MOUNTINFO)) == sharedfs.Mount(
         "/mnt/nfs", "tmpfs", "tmpfs"
     )
     text = "\n".join(ln for ln in MOUNTINFO.splitlines() if not ln.startswith("47 "))
-    assert _sharedfs.mount_of("/mnt/nfs/run", _sharedfs.parse_mountinfo(text)) == _sharedfs.Mount(
+    assert sharedfs.mount_of("/mnt/nfs/run", sharedfs.parse_mountinfo(text)) == sharedfs.Mount(
         "/mnt/nfs", "nfs4", "filer:/export"
     )
 
 
 def test_detect() -> None:
     text = "\n".join(ln for ln in MOUNTINFO.splitlines() if not ln.startswith("47 "))
-    why = _sharedfs.detect("auto", "default", "/mnt/nfs/jobs/7/run", mountinfo=text)
+    why = sharedfs.detect("auto", "default", "/mnt/nfs/jobs/7/run", mountinfo=text)
     assert why == "the run directory is on nfs4 (filer:/export mounted at /mnt/nfs)"
-    assert _sharedfs.detect("auto", "default", "/scratch/x", mountinfo=text) == (
+    assert sharedfs.detect("auto", "default", "/scratch/x", mountinfo=text) == (
         "the run directory is on lustre (10.0.0.1@o2ib:/scratch mounted at /scratch)"
     )
-    assert _sharedfs.detect("auto", "default", "/home/u/run", mountinfo=text) is None
-    assert _sharedfs.detect("off", "keyword argument", "/scratch/x", mountinfo=text) is None
-    assert _sharedfs.detect("on", "environment variable PEERWATCH_SHARED_FS", "/home/u", mountinfo=text) == (
+    assert sharedfs.detect("auto", "default", "/home/u/run", mountinfo=text) is None
+    assert sharedfs.detect("off", "keyword argument", "/scratch/x", mountinfo=text) is None
+    assert sharedfs.detect("on", "environment variable PEERWATCH_SHARED_FS", "/home/u", mountinfo=text) == (
         "shared_fs=on (environment variable PEERWATCH_SHARED_FS)"
     )
     # This machine's own table: the tests' temporary directories are local.
-    assert _sharedfs.detect("auto", "default", "/tmp/peerwatch-test") is None
+    assert sharedfs.detect("auto", "default", "/tmp/peerwatch-test") is None
 
 
 def test_remote_read_interval() -> None:
-    assert _sharedfs.remote_read_interval(1.0, 30.0) == 3.75
-    assert _sharedfs.remote_read_interval(0.5, 2.5) == 0.5
+    assert sharedfs.remote_read_interval(1.0, 30.0) == 3.75
+    assert sharedfs.remote_read_interval(0.5, 2.5) == 0.5
 
 
 def test_remote_beats_by_inode_then_by_seq() -> None:
-    beats = _sharedfs.RemoteBeats()
+    beats = sharedfs.RemoteBeats()
     # First listed at t=0: read it.
     assert beats.listed(2, 10, 0)
     beats.observe(2, (7, 1), 0)
@@ -156,7 +157,7 @@ def test_remote_beats_by_inode_then_by_seq() -> None:
 def test_a_remote_ranks_silence_counts_only_from_the_judges_resume(tmp_path: Path) -> None:
     """The judge was stopped 20 s (the whole job suspended): the heartbeat it last saw 21 s
     ago has been silent 1 s that it saw, not 21 (before, lost at once on resume)."""
-    watch = _sharedfs.RemoteWatch(RunDir(str(tmp_path / "run")), HEARTBEAT_S, PEER_TIMEOUT_S)
+    watch = sharedfs.RemoteWatch(RunDir(str(tmp_path / "run")), HEARTBEAT_S, PEER_TIMEOUT_S)
     now = time.monotonic_ns()
     watch.beats.observe(2, (7, 1), now - 21 * S)
     clock = AwakeClock.every(HEARTBEAT_S)
@@ -177,18 +178,18 @@ def _reg(rank: int, host: str) -> Registration:
 
 
 REGS = {0: _reg(0, "a"), 1: _reg(1, "a"), 2: _reg(2, "b"), 3: _reg(3, "b"), 4: _reg(4, "c")}
-POLICY = _decide.Policy(parent_wait_ns=0, default_exit_code=EXIT_CODE, peer_timeout_ns=30 * S)
+POLICY = decide.Policy(parent_wait_ns=0, default_exit_code=EXIT_CODE, peer_timeout_ns=30 * S)
 
 
-def _obs(silence: Dict[int, int], **kw: object) -> _decide.Observed:
+def _obs(silence: Dict[int, int], **kw: object) -> decide.Observed:
     fields = dict(self_rank=0, now_ns=1000 * S, registrations=REGS, successes=set(), failures={},
                   exit_statuses={}, gone={}, remote_silence=silence)
     fields.update(kw)
-    return _decide.Observed(**fields)  # type: ignore[arg-type]
+    return decide.Observed(**fields)  # type: ignore[arg-type]
 
 
 def test_remote_ranks_silent_for_peer_timeout_are_lost() -> None:
-    d = _decide.decide(_obs({2: 31 * S, 3: 30 * S, 4: 29 * S}), POLICY)
+    d = decide.decide(_obs({2: 31 * S, 3: 30 * S, 4: 29 * S}), POLICY)
     assert d.verdict is not None
     assert [f.rank for f in d.lost] == [2, 3]  # host c's rank 4 is not silent for long enough
     assert {f.cause for f in d.lost} == {LOST}
@@ -205,35 +206,35 @@ def test_remote_ranks_silent_for_peer_timeout_are_lost() -> None:
 
 
 def test_lost_message_names_the_hosts_other_silent_ranks() -> None:
-    d = _decide.decide(_obs({2: 31 * S, 3: 16 * S}), POLICY)
+    d = decide.decide(_obs({2: 31 * S, 3: 16 * S}), POLICY)
     assert [f.rank for f in d.lost] == [2]  # rank 3 is named, not (yet) declared lost
     assert str(d.lost[0].message).startswith("host b lost: no heartbeat of rank 2 for 31.0s, rank 3 for 16.0s (")
-    d = _decide.decide(_obs({2: 31 * S, 3: 14 * S}), POLICY)
+    d = decide.decide(_obs({2: 31 * S, 3: 14 * S}), POLICY)
     assert str(d.lost[0].message).startswith("host b lost: no heartbeat of rank 2 for 31.0s (")
 
 
 def test_lost_needs_silence_no_end_record_and_a_timeout() -> None:
-    assert _decide.decide(_obs({2: 29 * S}), POLICY).verdict is None
-    assert _decide.decide(_obs({2: 31 * S}, successes={2}), POLICY).verdict is None
-    off = _decide.Policy(parent_wait_ns=0, default_exit_code=1)
-    assert _decide.decide(_obs({2: 3000 * S}), off).verdict is None
-    assert _decide.decide(_obs({9: 3000 * S}), POLICY).verdict is None  # not registered: unknown host
+    assert decide.decide(_obs({2: 29 * S}), POLICY).verdict is None
+    assert decide.decide(_obs({2: 31 * S}, successes={2}), POLICY).verdict is None
+    off = decide.Policy(parent_wait_ns=0, default_exit_code=1)
+    assert decide.decide(_obs({2: 3000 * S}), off).verdict is None
+    assert decide.decide(_obs({9: 3000 * S}), POLICY).verdict is None  # not registered: unknown host
 
 
 def test_a_written_lost_record_is_not_written_again() -> None:
-    first = _decide.decide(_obs({2: 31 * S, 3: 31 * S}), POLICY)
+    first = decide.decide(_obs({2: 31 * S, 3: 31 * S}), POLICY)
     failures = {f.rank: f for f in first.lost}
-    again = _decide.decide(_obs({2: 32 * S, 3: 32 * S}, failures=failures), POLICY)
+    again = decide.decide(_obs({2: 32 * S, 3: 32 * S}, failures=failures), POLICY)
     assert again.lost == ()
     assert again.verdict is not None and (again.verdict.rank, again.verdict.cause) == (2, LOST)
     assert again.verdict.detail == first.lost[0].message
 
 
 def test_an_earlier_real_failure_wins_over_lost() -> None:
-    from peerwatch._records import EXCEPTION, Failure
+    from peerwatch.core.records import EXCEPTION, Failure
 
     boom = Failure(rank=4, pid=104, time_ns=900 * S, cause=EXCEPTION, exit_code=1, exception="ValueError", message="x")
-    d = _decide.decide(_obs({2: 31 * S}, failures={4: boom}), POLICY)  # rank 2 silent since 969 s
+    d = decide.decide(_obs({2: 31 * S}, failures={4: boom}), POLICY)  # rank 2 silent since 969 s
     assert d.verdict is not None and d.verdict.rank == 4 and d.lost == ()
 
 
@@ -418,7 +419,7 @@ def _wait_for(path: Path, within: float) -> None:
 
 
 # Host A learns of host B's records only by polling (see the module docstring).
-BLIND = {_sharedfs.NO_INOTIFY_VAR: "1"}
+BLIND = {sharedfs.NO_INOTIFY_VAR: "1"}
 
 
 @needs_unshare
@@ -439,7 +440,7 @@ def test_rank_killed_on_host_b_tears_down_host_a(hosts) -> None:
     # the configured exit code.
     assert (v["rank"], v["cause"], v["host"], v["detected_by"], v["exit_code"]) == (3, "vanished", "hostB", 2, EXIT_CODE)
     # A polls every POLL_S: it is gone shortly after B, not a heartbeat or a timeout later.
-    assert a_gone - killed_at < _sharedfs.POLL_S + 2.0, f"host A took {a_gone - killed_at:.2f}s"
+    assert a_gone - killed_at < sharedfs.POLL_S + 2.0, f"host A took {a_gone - killed_at:.2f}s"
     # Every signal was sent within its own host (the pids of the two hosts collide).
     assert set(a.signals_sent()) <= {"0", "1"} and set(b.signals_sent()) <= {"2", "3"}
     print(f"kill on B -> B gone {b_gone - killed_at:.3f}s, A gone {a_gone - killed_at:.3f}s")
@@ -511,8 +512,8 @@ def test_each_host_runs_on_verdict_once_and_logs_to_its_own_event_log(hosts, tmp
     assert sorted(told.read_text().splitlines()) == ["hostA 3", "hostB 3"], a.text() + b.text()
     logs = sorted(p.name for p in a.run_dir.glob("events*.jsonl"))
     assert logs == ["events-hostA.jsonl", "events-hostB.jsonl"], logs
-    from peerwatch import _eventlog
+    from peerwatch.rundir import eventlog
 
-    events = _eventlog.read_run(str(a.run_dir))
+    events = eventlog.read_run(str(a.run_dir))
     assert sorted(e["rank"] for e in events if e["event"] == "register") == [0, 1, 2, 3]
     assert len([e for e in events if e["event"] == "notify"]) == 2, events

@@ -1,12 +1,13 @@
-"""How peerwatch names a signal, and which signals are its own (peerwatch._signals): pure."""
+"""How peerwatch names a signal, and which signals are its own (peerwatch.proc.teardown)."""
 
 from __future__ import annotations
 
 import signal
+import sys
 
 import pytest
 
-from peerwatch._signals import INTERRUPT_SIGNAL, RTMIN, STACKS_SIGNAL, signal_label
+from peerwatch.proc.teardown import INTERRUPT_SIGNAL, RTMIN, STACKS_SIGNAL, signal_label
 
 pytestmark = pytest.mark.pure  # no process, no thread, no file: conftest skips its scan for leaks
 
@@ -40,12 +41,13 @@ def test_without_sigrtmin_linux_numbering_is_assumed(monkeypatch: pytest.MonkeyP
     # A Python built without SIGRTMIN (not Linux): the module still imports, with glibc's 34.
     import importlib.util
 
-    import peerwatch._signals as real
+    import peerwatch.proc.teardown as real
 
     monkeypatch.delattr(signal, "SIGRTMIN")
-    spec = importlib.util.spec_from_file_location("_signals_without_rtmin", real.__file__)
+    spec = importlib.util.spec_from_file_location("peerwatch.proc._without_rtmin", real.__file__)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)  # its dataclasses look their module up
     spec.loader.exec_module(module)
     assert module.RTMIN == 34
     assert module.INTERRUPT_SIGNAL == 38

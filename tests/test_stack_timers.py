@@ -17,7 +17,7 @@ TIMER_S = 0.2
 WATCH_S = 1.5  # how long a child lives on when no timer ends it: the window the timer had, several times over
 PROGRAM = """
 import sys, threading, time
-from peerwatch._stacks import StackFile
+from peerwatch.rundir.stacks import StackFile
 
 stacks = StackFile(open(sys.argv[1], "w"))
 {body}

@@ -19,12 +19,12 @@ pytest.importorskip("torch")
 
 from harness import free_port  # noqa: E402
 
-from peerwatch import _identity  # noqa: E402
-from peerwatch._config import Config, LauncherFacts  # noqa: E402
-from peerwatch._hosts import JOIN_TIMEOUTS, READ_BATCH, HostInfo  # noqa: E402
-from peerwatch._records import LOST, Failure, Registration, encode  # noqa: E402
-from peerwatch._rundir import _SUBDIRS, EVENTS, RANKS, RunDir, rank_file  # noqa: E402
-from peerwatch._store_protocol import Exchange, Seal, exchange  # noqa: E402
+from peerwatch.core.config import Config, LauncherFacts  # noqa: E402
+from peerwatch.core.records import LOST, Failure, Registration, encode  # noqa: E402
+from peerwatch.hosts.hosts import JOIN_TIMEOUTS, READ_BATCH, HostInfo  # noqa: E402
+from peerwatch.hosts.store_protocol import Exchange, Seal, exchange  # noqa: E402
+from peerwatch.proc import identity  # noqa: E402
+from peerwatch.rundir.rundir import _SUBDIRS, EVENTS, RANKS, RunDir, rank_file  # noqa: E402
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -121,7 +121,7 @@ def test_a_rewritten_host_record_does_not_unwatch_a_host_of_the_job(store, caplo
 
 def _registration(rank: int) -> Registration:
     return Registration(rank=rank, pid=os.getpid(), ppid=os.getppid(), start_ticks=0, uid=os.getuid(),
-                        host=_identity.hostname(), boot_id=_identity.boot_id(), pidns=_identity.pid_namespace(),
+                        host=identity.hostname(), boot_id=identity.boot_id(), pidns=identity.pid_namespace(),
                         time_ns=time.time_ns())
 
 
@@ -135,8 +135,8 @@ def test_an_announced_host_that_never_joins_is_an_error_then_lost(store, tmp_pat
     forged counter, its ranks never started): it was never watched, and the job ran on
     as if protected. It is an error after peer_timeout, a lost record after
     JOIN_TIMEOUTS peer_timeouts, naming the ranks no host announced."""
-    from peerwatch._bridge import _BeatLoop, _Link, _TorchGate
-    from peerwatch._store_client import StoreClient
+    from peerwatch.hosts.bridge import _BeatLoop, _Link, _TorchGate
+    from peerwatch.hosts.store_client import StoreClient
 
     caplog.set_level(logging.INFO, logger="peerwatch")
     peer_timeout = 0.5
@@ -178,7 +178,7 @@ def test_an_announced_host_that_never_joins_is_an_error_then_lost(store, tmp_pat
 
 def _bridge_host(tmp: Path, port: int, secret: Any = None) -> Any:
     """A host's bridge (ranks 0 and 1 registered now) on the test's store, started."""
-    from peerwatch._bridge import Bridge
+    from peerwatch.hosts.bridge import Bridge
 
     run_dir = RunDir(str(tmp / "host-a"))
     os.makedirs(run_dir.path)
@@ -196,7 +196,7 @@ def _bridge_host(tmp: Path, port: int, secret: Any = None) -> Any:
 
 
 def _skewed(rank: int, exit_code: int, skew_s: float) -> Any:
-    from peerwatch._records import Verdict
+    from peerwatch.core.records import Verdict
 
     at = time.time_ns() + int(skew_s * 1e9)  # the clock of the host that made it
     return Verdict(rank=rank, cause="exit", exit_code=exit_code, failed_at_ns=at, detected_by=rank, detected_at_ns=at)
@@ -217,8 +217,8 @@ def test_a_verdict_of_this_run_is_obeyed_whatever_the_clock_of_the_host_that_mad
     and was refused; this host learnt of the failure only as a lost host, after
     peer_timeout, with the wrong exit code. A verdict published after this host looked at
     the store (and, with a secret, signed for this run's nonce) is obeyed."""
-    from peerwatch._records import Verdict, decode
-    from peerwatch._store_protocol import publish_verdict
+    from peerwatch.core.records import Verdict, decode
+    from peerwatch.hosts.store_protocol import publish_verdict
 
     port = int(store().port)
     bridge = _bridge_host(tmp_path, port, secret)
@@ -241,8 +241,8 @@ def test_a_verdict_in_the_store_before_the_host_looked_is_an_earlier_jobs(
     it passed the age check. A verdict already there when this host first looked is not
     this run's: refused with a warning; this run's own verdict, under the next key, is
     obeyed."""
-    from peerwatch._records import Verdict, decode
-    from peerwatch._store_protocol import VerdictFrom, publish_verdict
+    from peerwatch.core.records import Verdict, decode
+    from peerwatch.hosts.store_protocol import VerdictFrom, publish_verdict
 
     caplog.set_level(logging.WARNING, logger="peerwatch")
     seal = Seal(secret.encode() if secret else None)
@@ -266,7 +266,7 @@ def test_a_host_started_with_another_secret_is_lost_not_silently_unwatched(store
     """Host b has another store secret: a reads b's records as forged (and b a's), so
     neither ever watched the other, and the job ran on with a warning blaming "another
     user". Each is an announced host that never joined: an error, then lost."""
-    from peerwatch._bridge import Bridge
+    from peerwatch.hosts.bridge import Bridge
 
     caplog.set_level(logging.WARNING, logger="peerwatch")
     port = int(store().port)
@@ -314,7 +314,7 @@ class _Memo:
 def test_a_successor_bridge_keeps_the_first_verdict_key_its_host_found(store) -> None:
     """The bridge's rank exited and another local rank took over: a verdict this run
     published meanwhile is not "there before the host looked"."""
-    from peerwatch._store_protocol import VerdictFrom, publish_verdict
+    from peerwatch.hosts.store_protocol import VerdictFrom, publish_verdict
 
     memo = _Memo()
     assert VerdictFrom(memo).settle(store(), PREFIX, Seal(None)) == 0
@@ -333,8 +333,8 @@ def test_a_bridge_still_connecting_publishes_the_verdict_it_is_told_of(tmp_path:
     reach it."""
     import torch.distributed as dist
 
-    from peerwatch._records import Verdict, decode
-    from peerwatch._store_protocol import poll_verdict
+    from peerwatch.core.records import Verdict, decode
+    from peerwatch.hosts.store_protocol import poll_verdict
 
     port = free_port()
     bridge = _bridge_host(tmp_path, port)  # its threads started: connecting to nothing yet

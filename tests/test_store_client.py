@@ -1,5 +1,5 @@
 """The store bridge's parts that need threads or processes but no store: the client's owner
-thread and its bounded calls (``_store_client``), and the lock election (``_election``)."""
+thread and its bounded calls (``store_client``), and the lock election (``election``)."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ from typing import Any, List
 
 import pytest
 
-from peerwatch._election import Election, UpFlag, connected_elsewhere
-from peerwatch._rundir import RunDir
-from peerwatch._store_client import MAX_RETIRED, StoreClient, StoreOverrun
+from peerwatch.hosts.election import Election, UpFlag, connected_elsewhere
+from peerwatch.hosts.store_client import MAX_RETIRED, StoreClient, StoreOverrun
+from peerwatch.rundir.rundir import RunDir
 
 # -- one owner thread per client ----------------------------------------------------------
 

@@ -22,7 +22,7 @@ from typing import Tuple
 import pytest
 from harness import _FOREIGN_ENV
 
-from peerwatch._rundir import EVENTS, rank_file
+from peerwatch.rundir.rundir import EVENTS, rank_file
 
 PROGRAM = Path(__file__).with_name("store_exit_program.py")
 SERVE = ("import datetime, sys, torch.distributed as d; "

@@ -19,11 +19,11 @@ from typing import Any, Callable, Iterator, Tuple
 import pytest
 
 from peerwatch import Config, ConfigError
-from peerwatch._config import SECRET_SHOWN
-from peerwatch._hosts import HostInfo
-from peerwatch._records import Verdict, decode, encode
-from peerwatch._rundir import EVENTS, TMP, VERDICT_FILE, RunDir
-from peerwatch._store_protocol import SIGNED, Exchange, Seal, VerdictFrom, exchange, publish_verdict
+from peerwatch.core.config import SECRET_SHOWN
+from peerwatch.core.records import Verdict, decode, encode
+from peerwatch.hosts.hosts import HostInfo
+from peerwatch.hosts.store_protocol import SIGNED, Exchange, Seal, VerdictFrom, exchange, publish_verdict
+from peerwatch.rundir.rundir import EVENTS, TMP, VERDICT_FILE, RunDir
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -130,7 +130,7 @@ def test_a_signed_value_opens_only_under_its_key_with_its_secret(caplog):
 
 
 def test_the_nonce_is_settled_once_in_the_store_and_a_forged_one_replaced(store):
-    from peerwatch._store_protocol import establish_nonce
+    from peerwatch.hosts.store_protocol import establish_nonce
 
     _, client = store
     forger = client()
@@ -167,9 +167,9 @@ def store() -> Iterator[Tuple[Any, Callable[[], Any]]]:
 def _waiter(run_dir: RunDir, port_client: Callable[[], Any], secret: Any,
             heartbeat_s: float = 0.1) -> Tuple[Any, threading.Event, Any]:
     """A verdict waiter of a host whose store is the test's, started in its own thread."""
-    from peerwatch._bridge import _Link, _TorchGate, _VerdictWaiter
-    from peerwatch._config import LauncherFacts
-    from peerwatch._store_client import StoreClient
+    from peerwatch.core.config import LauncherFacts
+    from peerwatch.hosts.bridge import _Link, _TorchGate, _VerdictWaiter
+    from peerwatch.hosts.store_client import StoreClient
 
     config = Config.resolve({"heartbeat_interval": heartbeat_s, "peer_timeout": max(1.0, 2 * heartbeat_s),
                              "store_secret": secret}, env={})
@@ -229,7 +229,7 @@ def test_with_a_secret_a_forged_verdict_is_ignored_and_the_waiter_keeps_waiting_
     """Issue 22.4 (b): a value under the verdict key that is not signed used to drop the
     waiter to polling once a heartbeat for the rest of the run. It is ignored, and the
     waiter stays blocked in the store's wait: a real verdict arrives in one round trip."""
-    from peerwatch._store_protocol import establish_nonce, verdict_key
+    from peerwatch.hosts.store_protocol import establish_nonce, verdict_key
 
     _, client = store
     run_dir = _run_dir(tmp_path)
@@ -390,11 +390,11 @@ def test_two_recorded_beats_written_back_in_turn_do_not_keep_a_dead_host_alive(s
     """Host 1 beat twice and died; a replayer writes its two recorded (signed) beats back in
     turn. Its sequence number does not grow: host 1 is lost after peer_timeout (it was kept
     "alive" for as long as the replay went on)."""
-    from peerwatch import _identity
-    from peerwatch._bridge import _BeatLoop, _Link, _TorchGate
-    from peerwatch._config import LauncherFacts
-    from peerwatch._records import Registration
-    from peerwatch._store_client import StoreClient
+    from peerwatch.core.config import LauncherFacts
+    from peerwatch.core.records import Registration
+    from peerwatch.hosts.bridge import _BeatLoop, _Link, _TorchGate
+    from peerwatch.hosts.store_client import StoreClient
+    from peerwatch.proc import identity
 
     _, client = store
     peer_timeout = 2.0
@@ -412,7 +412,7 @@ def test_two_recorded_beats_written_back_in_turn_do_not_keep_a_dead_host_alive(s
     owner = StoreClient(lambda t: client(), 1.0, "test-store-owner")
     link = _Link(config, _run_dir(tmp_path), facts, owner, stopped, Seal(config.store_secret))
     me = Registration(rank=0, pid=os.getpid(), ppid=os.getppid(), start_ticks=0, uid=os.getuid(),
-                      host=_identity.hostname(), boot_id=_identity.boot_id(), pidns=_identity.pid_namespace(),
+                      host=identity.hostname(), boot_id=identity.boot_id(), pidns=identity.pid_namespace(),
                       time_ns=time.time_ns())
     seq = iter(range(1, 1_000_000))
     loop = _BeatLoop(link, me, "ident-alive", lambda: next(seq), threading.Event(), lambda: False, _TorchGate())

@@ -1,4 +1,4 @@
-"""The straggler rule (peerwatch._straggler), pure: shares in, stragglers out."""
+"""The straggler rule (peerwatch.hangs.straggler), pure: shares in, stragglers out."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from peerwatch import _straggler
-from peerwatch._straggler import APPEAR_SHARE, CLEAR_SHARE, MIN_SLOTS, SLOTS, Profile, Straggler, find
+from peerwatch.hangs import straggler
+from peerwatch.hangs.straggler import APPEAR_SHARE, CLEAR_SHARE, MIN_SLOTS, SLOTS, Profile, Straggler, find
 
 NOW = 1_700_000_000_000_000_000
 
@@ -75,34 +75,34 @@ def test_many_ranks_use_the_median_of_all() -> None:
 
 
 def test_profile_of_slots() -> None:
-    p = _straggler.profile_of([(5000, 100, 30, 25, 7), (5000, 5, 0, 0, 8), (5000, 100, 40, 25, 9)], "h")
+    p = straggler.profile_of([(5000, 100, 30, 25, 7), (5000, 5, 0, 0, 8), (5000, 100, 40, 25, 9)], "h")
     assert p == Profile((300, 400), 200, "h", (7, 9))  # the slot of 5 samples says nothing
-    assert _straggler.profile_of([]) is None and _straggler.profile_of([(0, 0, 0, 0, 1)]) is None
+    assert straggler.profile_of([]) is None and straggler.profile_of([(0, 0, 0, 0, 1)]) is None
 
 
 def test_slots_are_aligned_by_number_when_the_clocks_agree_by_position_when_not() -> None:
     a = Profile(tuple(range(10)), 1, "", tuple(range(100, 110)))
     b = Profile(tuple(range(50, 58)), 1, "", tuple(range(101, 109)))  # one slot late, one missing at the end
-    assert _straggler.aligned({0: a, 1: b}) == {0: tuple(range(1, 9)), 1: tuple(range(50, 58))}
+    assert straggler.aligned({0: a, 1: b}) == {0: tuple(range(1, 9)), 1: tuple(range(50, 58))}
     far = Profile(tuple(range(50, 58)), 1, "", tuple(range(900, 908)))  # a clock far off: the last ones
-    assert _straggler.aligned({0: a, 1: far}) == {0: tuple(range(2, 10)), 1: tuple(range(50, 58))}
+    assert straggler.aligned({0: a, 1: far}) == {0: tuple(range(2, 10)), 1: tuple(range(50, 58))}
 
 
 def test_the_host_summary_and_the_finding_round_trip_and_garbage_is_nothing() -> None:
     profiles = {3: Profile((1, 2, 3), 250, "node-b", (4, 5, 6)), 5: Profile((1000, 0), 250, "node-b")}
-    assert _straggler.host_from_json(_straggler.host_json("node-b", profiles)) == profiles
+    assert straggler.host_from_json(straggler.host_json("node-b", profiles)) == profiles
     for junk in (b"", b"{", b"[]", b'{"v":2}', b'{"v":1,"host":"h","ranks":[[1,2,[2000],[]]]}',
                  b'{"v":1,"host":"h","ranks":[[1,2,[20],[1,2]]]}', b"x" * 70000):
-        assert _straggler.host_from_json(junk) == {}
+        assert straggler.host_from_json(junk) == {}
     found = (Straggler(3, "node-b", 90, 0.3, NOW),)
-    assert _straggler.finding_from_json(_straggler.finding_json(found, NOW)) == found
-    assert _straggler.finding_from_json(b'{"v":1,"stragglers":[{"rank":true}]}') is None
+    assert straggler.finding_from_json(straggler.finding_json(found, NOW)) == found
+    assert straggler.finding_from_json(b'{"v":1,"stragglers":[{"rank":true}]}') is None
 
 
 def test_changes_say_who_appeared_and_who_cleared() -> None:
     a, b = Straggler(1, "", 9, 0.2, NOW), Straggler(2, "", 9, 0.2, NOW)
-    assert _straggler.changes([a], [b]) == ([b], [a])
-    assert _straggler.changes([a], [a]) == ([], [])
+    assert straggler.changes([a], [b]) == ([b], [a])
+    assert straggler.changes([a], [a]) == ([], [])
 
 
 # -- the enqueue measure (waits inside C++: DDP's all-reduces in backward) --------------
@@ -131,12 +131,12 @@ def enqueue_rows(late_ms: dict, step_ms: float = 90.0, buckets: int = 2, slots: 
         slots_of: dict = {}
         for s, ns in by_seq.items():
             slots_of.setdefault(ns // SLOT_NS, []).append((s, ns))
-        rows[r] = [_straggler.enqueued_row(n, 0, entries) for n, entries in sorted(slots_of.items())]
+        rows[r] = [straggler.enqueued_row(n, 0, entries) for n, entries in sorted(slots_of.items())]
     return rows
 
 
 def late_profiles(rows: dict, host: str = "h") -> dict:
-    return {r: Profile((), 0, host, (), g, n, ms) for r, (g, n, ms) in _straggler.lateness(rows).items()}
+    return {r: Profile((), 0, host, (), g, n, ms) for r, (g, n, ms) in straggler.lateness(rows).items()}
 
 
 def test_the_rank_that_enqueues_last_is_named_with_its_lateness_and_share() -> None:
@@ -157,14 +157,14 @@ def test_slot_lateness_unions_the_buckets_of_a_step() -> None:
     # Three buckets a step, all 30 ms late: waited for once a step, not three times.
     step = [0, 10, 20]
     times = {r: [100 * i + s + (30 if r == 1 else 0) for i in range(5) for s in step] for r in range(3)}
-    out = _straggler.slot_lateness(times)
+    out = straggler.slot_lateness(times)
     assert out is not None and abs(out[1][0] - 30 / 100) < 0.02 and out[1][1] == 30 and out[0] == (0.0, 0.0)
     # Twenty buckets 10 ms apart in a 400 ms step, 3 ms late: waited for 3 ms a step, not 20 times.
     times = {r: [400 * i + 10 * b + (3 if r == 0 else 0) for i in range(4) for b in range(20)] for r in range(3)}
-    out = _straggler.slot_lateness(times)
+    out = straggler.slot_lateness(times)
     assert out is not None and abs(out[0][0] - 3 / 400) < 0.002 and out[0][1] == 3
     # Fewer than two steps' ends in the span: no share.
-    assert _straggler.slot_lateness({0: [0, 10, 20, 100, 110, 120], 1: [3, 13, 23, 103, 113, 123]}) is None
+    assert straggler.slot_lateness({0: [0, 10, 20, 100, 110, 120], 1: [3, 13, 23, 103, 113, 123]}) is None
 
 
 @settings(max_examples=100, deadline=None)
@@ -187,11 +187,11 @@ def test_enqueue_times_are_compared_within_a_host_so_its_clock_offset_does_not_m
     # its summary carries gaps, never a time.
     a = enqueue_rows({0: 0, 1: 0}, jitter_ms=1, seed=1)
     b = enqueue_rows({2: 0, 3: 25}, jitter_ms=1, seed=2, offset_ns={2: 3_700_000_000, 3: 3_700_000_000})
-    same = _straggler.lateness(enqueue_rows({2: 0, 3: 25}, jitter_ms=1, seed=2))
-    assert {r: (round(statistics.median(v[0]), -1), v[2]) for r, v in _straggler.lateness(b).items()} == \
+    same = straggler.lateness(enqueue_rows({2: 0, 3: 25}, jitter_ms=1, seed=2))
+    assert {r: (round(statistics.median(v[0]), -1), v[2]) for r, v in straggler.lateness(b).items()} == \
         {r: (round(statistics.median(v[0]), -1), v[2]) for r, v in same.items()}  # slots cut elsewhere
-    hosts = {**_straggler.host_from_json(_straggler.host_json("a", late_profiles(a, "a"))),
-             **_straggler.host_from_json(_straggler.host_json("b", late_profiles(b, "b")))}
+    hosts = {**straggler.host_from_json(straggler.host_json("a", late_profiles(a, "a"))),
+             **straggler.host_from_json(straggler.host_json("b", late_profiles(b, "b")))}
     found = find(hosts, {}, NOW)
     assert [(s.rank, s.host) for s in found] == [(3, "b")] and abs(found[0].late_ms - 25) <= 2
 
@@ -211,11 +211,11 @@ def test_the_two_measures_combine_either_names_and_the_enqueue_figures_win() -> 
 
 def test_enqueued_rows_keep_the_last_contiguous_run() -> None:
     entries = [(s, 1_000_000_000 + s * 10_000_000) for s in list(range(1, 5)) + list(range(7, 40))]
-    row = _straggler.enqueued_row(3, 1, entries)
-    assert row is not None and row[:4] == (3, 1, 40 - _straggler.ENQ_KEYS, (1_000_000_000 + (40 - 24) * 10_000_000) // 100_000)
-    assert len(row) == 4 + _straggler.ENQ_KEYS - 1 and set(row[4:]) == {100 * i for i in range(1, 24)}
+    row = straggler.enqueued_row(3, 1, entries)
+    assert row is not None and row[:4] == (3, 1, 40 - straggler.ENQ_KEYS, (1_000_000_000 + (40 - 24) * 10_000_000) // 100_000)
+    assert len(row) == 4 + straggler.ENQ_KEYS - 1 and set(row[4:]) == {100 * i for i in range(1, 24)}
     gap = [(s, s) for s in (1, 2, 3, 10, 11)]
-    assert _straggler.enqueued_row(0, 0, gap)[2] == 10 and _straggler.enqueued_row(0, 0, []) is None  # type: ignore[index]
+    assert straggler.enqueued_row(0, 0, gap)[2] == 10 and straggler.enqueued_row(0, 0, []) is None  # type: ignore[index]
 
 
 # -- exact values, edges and codecs (each pins a decision a mutation could change unseen) ----
@@ -225,17 +225,17 @@ DOC = Path(__file__).resolve().parent.parent / "docs" / "stragglers.md"
 
 def test_the_constants_are_the_documented_ones() -> None:
     doc = " ".join(DOC.read_text().split())
-    assert f"every {_straggler.SLOT_BEATS} heartbeats (a **slot**" in doc and _straggler.SLOT_BEATS == 5
+    assert f"every {straggler.SLOT_BEATS} heartbeats (a **slot**" in doc and straggler.SLOT_BEATS == 5
     assert f"publishes the last {SLOTS} slots" in doc and SLOTS == 12
     assert f"over at least **{MIN_SLOTS} slots** of every rank" in doc and MIN_SLOTS == 6
     assert f"its gap is at least **{APPEAR_SHARE:.2f}**" in doc and APPEAR_SHARE == 0.10
-    assert "at least **3/4** of its slots" in doc and _straggler.MOST == 3 / 4
+    assert "at least **3/4** of its slots" in doc and straggler.MOST == 3 / 4
     assert f"falls under **{CLEAR_SHARE}**" in doc and f"a gap of {CLEAR_SHARE} or more" in doc and CLEAR_SHARE == 0.05
-    assert f"the last **{_straggler.ENQ_KEYS}** collectives" in doc and _straggler.ENQ_KEYS == 24
-    assert "in tenths of a millisecond" in doc and _straggler.ENQ_UNIT_NS == 100_000
+    assert f"the last **{straggler.ENQ_KEYS}** collectives" in doc and straggler.ENQ_KEYS == 24
+    assert "in tenths of a millisecond" in doc and straggler.ENQ_UNIT_NS == 100_000
     # Not in the user's docs, but part of the format or the rule: pinned here.
-    assert (_straggler.ENQ_MIN_KEYS, _straggler.EXACT_PEERS, _straggler.MIN_SAMPLES) == (8, 64, 10)
-    assert (_straggler.MAX_HOST_BYTES, _straggler.SUMMARY_VERSION) == (65536, 1)
+    assert (straggler.ENQ_MIN_KEYS, straggler.EXACT_PEERS, straggler.MIN_SAMPLES) == (8, 64, 10)
+    assert (straggler.MAX_HOST_BYTES, straggler.SUMMARY_VERSION) == (65536, 1)
     assert Profile((1,), 1).late_ms == 0 and Profile((1,), 1).late == () == Profile((1,), 1).late_numbers
 
 
@@ -244,26 +244,26 @@ def test_profile_of_keeps_slots_of_enough_samples_and_caps_the_share() -> None:
              (0, 100, 50, 1, 6),  # no time: dropped
              (100, 30, 20, 1, 7),  # 2000 // 3 = 666 permille
              (1000, 10, 20, 1, 8)]  # more waiting than samples: capped at 1000
-    assert _straggler.profile_of(slots, "h") == Profile((0, 666, 1000), (1 + 100 + 1000) // 2, "h", (5, 7, 8))
-    assert _straggler.profile_of([(100, 10, 0, 0, 1)]) == Profile((0,), 0, "", (1,))  # none entered: no period
-    assert _straggler.profile_of([(100, 10, 0, 1, 1)]) == Profile((0,), 100, "", (1,))
+    assert straggler.profile_of(slots, "h") == Profile((0, 666, 1000), (1 + 100 + 1000) // 2, "h", (5, 7, 8))
+    assert straggler.profile_of([(100, 10, 0, 0, 1)]) == Profile((0,), 0, "", (1,))  # none entered: no period
+    assert straggler.profile_of([(100, 10, 0, 1, 1)]) == Profile((0,), 100, "", (1,))
 
 
 def test_aligned_by_number_from_exactly_min_slots_in_common() -> None:
     a = Profile(tuple(range(7)), 1, "", tuple(range(99, 106)))
     b = Profile(tuple(range(50, 57)), 1, "", (*range(100, 106), 107))  # 6 numbers in common
-    assert _straggler.aligned({0: a, 1: b}) == {0: tuple(range(1, 7)), 1: tuple(range(50, 56))}
+    assert straggler.aligned({0: a, 1: b}) == {0: tuple(range(1, 7)), 1: tuple(range(50, 56))}
 
 
 def test_gaps_exact_values_and_the_cap_at_twice_the_job_median() -> None:
-    assert _straggler.gaps({0: [600], 1: [300], 2: [200]}) == {
+    assert straggler.gaps({0: [600], 1: [300], 2: [200]}) == {
         0: [pytest.approx(-0.6)], 1: [pytest.approx(0.0)], 2: [pytest.approx(0.2)]}
 
 
 def test_gaps_leave_each_rank_out_up_to_exact_peers_ranks_and_use_everyone_above() -> None:
-    at64 = _straggler.gaps({r: [300 if r < 32 else 0] for r in range(64)})  # each one's peers' median
+    at64 = straggler.gaps({r: [300 if r < 32 else 0] for r in range(64)})  # each one's peers' median
     assert at64[0] == [pytest.approx(-0.3)] and at64[63] == [pytest.approx(0.3)]
-    at65 = _straggler.gaps({r: [300 if r < 33 else 0] for r in range(65)})  # everyone's median
+    at65 = straggler.gaps({r: [300 if r < 33 else 0] for r in range(65)})  # everyone's median
     assert at65[0] == [pytest.approx(0.0)] and at65[64] == [pytest.approx(0.3)]
 
 
@@ -287,7 +287,7 @@ def test_the_share_is_rounded_to_three_places() -> None:
 
 
 def test_named_at_the_thresholds_exactly() -> None:
-    named = _straggler._named
+    named = straggler._named
     assert named([0.2, 0.2, 0.2, 0.0], False)  # 3 of 4 slots: MOST exactly
     assert not named([0.2, 0.2, 0.2, 0.0, 0.0], False)  # 3 of 5: not most
     assert named([CLEAR_SHARE, CLEAR_SHARE, 0.2, 0.2], False)  # a slot at CLEAR_SHARE counts
@@ -297,27 +297,27 @@ def test_named_at_the_thresholds_exactly() -> None:
 
 
 def test_enqueued_row_of_a_last_entry_alone() -> None:
-    assert _straggler.enqueued_row(9, 3, [(1, 100_000), (2, 200_000), (5, 512_345)]) == (9, 3, 5, 5)
-    assert _straggler.enqueued_row(9, 3, [(2, 250_000), (1, 100_000), (3, 390_000)]) == (9, 3, 1, 1, 1, 2)
+    assert straggler.enqueued_row(9, 3, [(1, 100_000), (2, 200_000), (5, 512_345)]) == (9, 3, 5, 5)
+    assert straggler.enqueued_row(9, 3, [(2, 250_000), (1, 100_000), (3, 390_000)]) == (9, 3, 1, 1, 1, 2)
 
 
 def test_row_text_round_trip_and_malformed_text() -> None:
-    full = tuple(range(100, 100 + _straggler.ENQ_KEYS + 3))
-    assert _straggler.row_text((1, 2, 3, 4, 5)) == "1,2,3,4,5"
+    full = tuple(range(100, 100 + straggler.ENQ_KEYS + 3))
+    assert straggler.row_text((1, 2, 3, 4, 5)) == "1,2,3,4,5"
     for row in ((1, 2, 3, 4), (1, 2, 3, 4, 5), full):
-        assert _straggler.row_from_text(_straggler.row_text(row)) == row
-    too_long = ",".join(map(str, range(_straggler.ENQ_KEYS + 4)))
+        assert straggler.row_from_text(straggler.row_text(row)) == row
+    too_long = ",".join(map(str, range(straggler.ENQ_KEYS + 4)))
     for junk in ("", "1,2,3", "1,x,3,4", "1,2,,4", "1.5,2,3,4", too_long, too_long + ",5"):
-        assert _straggler.row_from_text(junk) is None, junk
+        assert straggler.row_from_text(junk) is None, junk
 
 
 def test_times_of_rows_skip_short_ones() -> None:
     rows = [(1, 2, 3), (5, 0, 10, 100, 2, 4), (6, 1, 7, 300)]
-    assert _straggler._times(rows) == {(0, 10): (100, 5), (0, 11): (102, 5), (0, 12): (104, 5), (1, 7): (300, 6)}
+    assert straggler._times(rows) == {(0, 10): (100, 5), (0, 11): (102, 5), (0, 12): (104, 5), (1, 7): (300, 6)}
 
 
 def test_slot_lateness_exact_values() -> None:
-    sl = _straggler.slot_lateness
+    sl = straggler.slot_lateness
     # Three steps of one collective, 1 unit apart: three bursts, nobody late.
     assert sl({r: [0, 1, 2] for r in range(3)}) == {r: (0.0, 0.0) for r in range(3)}
     # Rank 2 is 2 after the job's median, 7 after its peers': late by twice the first, 4.
@@ -347,12 +347,12 @@ def test_lateness_exact_per_slot_and_what_is_skipped() -> None:
                 row(7, 16, [20_000 + t + (615 if r == 2 else 0) for t in three_steps])] for r in range(3)}
     # Rank 2 enters 615 units (61.5 ms) late in each of 3 steps: 1845 / 3003 of the slot.
     want = {0: ((0,), (7,), 0), 1: ((0,), (7,), 0), 2: ((614,), (7,), 62)}
-    assert _straggler.lateness(rows) == want
-    assert _straggler.lateness({**rows, 3: [], 4: [(1, 2, 3)]}) == want  # ranks with nothing are left out
-    assert _straggler.lateness({}) == {} and _straggler.lateness({0: rows[0]}) == {}
+    assert straggler.lateness(rows) == want
+    assert straggler.lateness({**rows, 3: [], 4: [(1, 2, 3)]}) == want  # ranks with nothing are left out
+    assert straggler.lateness({}) == {} and straggler.lateness({0: rows[0]}) == {}
     # A rank late by more than the slot: its gap is capped at 1000 permille.
     rows = {r: [row(7, 1, [t + (5000 if r == 2 else 0) for t in three_steps])] for r in range(3)}
-    assert _straggler.lateness(rows)[2] == ((1000,), (7,), 500)
+    assert straggler.lateness(rows)[2] == ((1000,), (7,), 500)
 
 
 def test_lateness_names_from_exactly_min_slots_with_its_own_figures() -> None:
@@ -371,11 +371,11 @@ def padded(data: bytes, size: int) -> bytes:
 
 def test_host_summary_size_limit_and_version() -> None:
     profiles = {3: Profile((1, 2, 3), 250, "node-b", (4, 5, 6))}
-    data = _straggler.host_json("node-b", profiles)
-    assert _straggler.host_from_json(padded(data, 65536)) == profiles
-    assert _straggler.host_from_json(padded(data, 65537)) == {}
-    assert _straggler.host_from_json(b'{"v":1,"host":"h","ranks":[[1,2,[20],[]]]}') == {1: Profile((20,), 2, "h")}
-    assert _straggler.host_from_json(b'{"v":2,"host":"h","ranks":[[1,2,[20],[]]]}') == {}
+    data = straggler.host_json("node-b", profiles)
+    assert straggler.host_from_json(padded(data, 65536)) == profiles
+    assert straggler.host_from_json(padded(data, 65537)) == {}
+    assert straggler.host_from_json(b'{"v":1,"host":"h","ranks":[[1,2,[20],[]]]}') == {1: Profile((20,), 2, "h")}
+    assert straggler.host_from_json(b'{"v":2,"host":"h","ranks":[[1,2,[20],[]]]}') == {}
 
 
 def test_host_summary_keeps_what_is_in_range_and_drops_the_rest() -> None:
@@ -385,28 +385,28 @@ def test_host_summary_keeps_what_is_in_range_and_drops_the_rest() -> None:
             "late": [[0, -3, [0, 1000], [1, 2]], [4, 0, [500], [9]], [5, 10, [1001], [9]], [-1, 10, [500], [9]],
                      [6, 10, [500], []], [7, 10, [-1], [9]]]}
     h = "x" * 255
-    assert _straggler.host_from_json(json.dumps(body).encode()) == {
+    assert straggler.host_from_json(json.dumps(body).encode()) == {
         0: Profile((0, 1000), 0, h, (1, 2), (0, 1000), (1, 2), 0),
         1: Profile((5,), 0, h),
         4: Profile((), 0, h, (), (500,), (9,), 0),
     }
     for bad in ('[true,1,[5],[]]', '["1",1,[5],[]]', '[1,1.5,[5],[]]', '[1,1,[false],[]]', '[1,1,[5],[null]]'):
-        assert _straggler.host_from_json(b'{"v":1,"host":"h","ranks":[%s]}' % bad.encode()) == {}, bad
+        assert straggler.host_from_json(b'{"v":1,"host":"h","ranks":[%s]}' % bad.encode()) == {}, bad
 
 
 def test_finding_size_limit_version_host_and_types() -> None:
     found = (Straggler(3, "node-b", 90, 0.3, NOW),)
-    data = _straggler.finding_json(found, NOW)
-    assert _straggler.finding_from_json(padded(data, 65536)) == found
-    assert _straggler.finding_from_json(padded(data, 65537)) is None
+    data = straggler.finding_json(found, NOW)
+    assert straggler.finding_from_json(padded(data, 65536)) == found
+    assert straggler.finding_from_json(padded(data, 65537)) is None
     one = {"rank": 3, "host": "x" * 300, "late_ms": 90, "share": 0.3, "since_ns": NOW}
-    assert _straggler.finding_from_json(json.dumps({"v": 1, "stragglers": [one]}).encode()) == (
+    assert straggler.finding_from_json(json.dumps({"v": 1, "stragglers": [one]}).encode()) == (
         Straggler(3, "x" * 255, 90, 0.3, NOW),)
-    assert _straggler.finding_from_json(json.dumps({"v": 2, "stragglers": [one]}).encode()) is None
-    assert _straggler.finding_from_json(b'[{"v":1}]') is None
+    assert straggler.finding_from_json(json.dumps({"v": 2, "stragglers": [one]}).encode()) is None
+    assert straggler.finding_from_json(b'[{"v":1}]') is None
     for key, value in (("rank", True), ("rank", "3"), ("late_ms", 9.0), ("since_ns", False), ("share", "x")):
         bad = json.dumps({"v": 1, "stragglers": [{**one, key: value}]}).encode()
-        assert _straggler.finding_from_json(bad) is None, (key, value)
+        assert straggler.finding_from_json(bad) is None, (key, value)
 
 
 def test_a_rank_the_waits_name_first_takes_the_lateness_the_enqueue_times_measure() -> None:

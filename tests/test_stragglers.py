@@ -2,7 +2,7 @@
 
 Every rank runs ``collective_program.py``: all_reduce, then ``--step-s`` of "compute" (a
 sleep), never calling ``peerwatch.beat()``. A rank whose steps take longer makes the others
-wait for it at every all_reduce. The rule (docs/stragglers.md, peerwatch._straggler) is the
+wait for it at every all_reduce. The rule (docs/stragglers.md, peerwatch.hangs.straggler) is the
 one a default job gets, on shorter slots: the heartbeat here is 0.5 s and the slots are
 harness.straggler_env()'s 1 s with as many samples as 2.5 s slots hold at the default
 sampler's rate (the same noise; a first finding after 6 slots, 6 s), and the steps are
@@ -25,7 +25,7 @@ from harness import STRAGGLER_SLOT_S, straggler_env
 from test_diagnosis import DiagJob
 
 import peerwatch
-from peerwatch._straggler import MIN_SLOTS, aligned, gaps, profile_of
+from peerwatch.hangs.straggler import MIN_SLOTS, aligned, gaps, profile_of
 
 pytest.importorskip("torch.distributed")
 

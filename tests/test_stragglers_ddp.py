@@ -20,7 +20,7 @@ import pytest
 from harness import straggler_env
 from test_stragglers import START_S, StragglerJob
 
-from peerwatch._straggler import MIN_SLOTS, lateness, row_from_text
+from peerwatch.hangs.straggler import MIN_SLOTS, lateness, row_from_text
 
 pytest.importorskip("torch.distributed")
 
@@ -96,7 +96,7 @@ def test_balanced_ddp_ranks_are_not_named(make_job) -> None:
 
 
 def test_the_enqueue_window_reads_every_two_slots_while_the_job_moves_and_publishes_closed_slots() -> None:
-    from peerwatch._waits import ENQ_READ_SLOTS, EnqueueWindow
+    from peerwatch.hangs.waits import ENQ_READ_SLOTS, EnqueueWindow
 
     window = EnqueueWindow(1.0)  # slots of 5 s
     moving = [(("0", 10 * i, 10 * i),) for i in range(1, 5)]

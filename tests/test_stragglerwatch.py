@@ -1,4 +1,4 @@
-"""The straggler finding carried out (peerwatch._stragglerwatch): written and logged once,
+"""The straggler finding carried out (peerwatch.hosts.stragglerwatch): written and logged once,
 by whichever judge; copied from the store on the other hosts. A real run directory."""
 
 from __future__ import annotations
@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from peerwatch._records import Registration
-from peerwatch._rundir import STRAGGLE_HOSTS_FILE, RunDir
-from peerwatch._store_protocol import NO_SEAL
-from peerwatch._straggler import SLOT_BEATS, SLOTS, Profile, find, finding_json, host_json
-from peerwatch._stragglerwatch import StraggleRelay, StragglerWatch, read_finding
-from peerwatch._waits import SAMPLE_S, SAMPLE_S_VAR, SLOT_S_VAR, sample_s, slot_beats
+from peerwatch.core.records import Registration
+from peerwatch.hangs.straggler import SLOT_BEATS, SLOTS, Profile, find, finding_json, host_json
+from peerwatch.hangs.waits import SAMPLE_S, SAMPLE_S_VAR, SLOT_S_VAR, sample_s, slot_beats
+from peerwatch.hosts.store_protocol import NO_SEAL
+from peerwatch.hosts.stragglerwatch import StraggleRelay, StragglerWatch, read_finding
+from peerwatch.rundir.rundir import STRAGGLE_HOSTS_FILE, RunDir
 
 NOW = 1_700_000_000_000_000_000
 ME = Registration(rank=0, pid=os.getpid(), ppid=1, start_ticks=1, uid=os.getuid(), host="h", boot_id="b", pidns="p",
@@ -88,7 +88,7 @@ def test_the_sampler_counts_only_while_the_job_moves() -> None:
     import threading
     import time
 
-    from peerwatch._waits import SAMPLE_S, WaitSampler
+    from peerwatch.hangs.waits import SAMPLE_S, WaitSampler
 
     sampler = WaitSampler(0)
     sampler.start()

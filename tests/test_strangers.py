@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from peerwatch import _identity
-from peerwatch._records import Heartbeat, Registration, encode
-from peerwatch._rundir import HEARTBEATS, RANKS, RunDir, rank_file
+from peerwatch.core.records import Heartbeat, Registration, encode
+from peerwatch.proc import identity
+from peerwatch.rundir.rundir import HEARTBEATS, RANKS, RunDir, rank_file
 
 GONE_S = 6.0
 
@@ -24,11 +24,11 @@ def _decoy() -> subprocess.Popen:
 
 
 def _forged_registration(rank: int, pid: int) -> Registration:
-    info = _identity.probe(pid)
+    info = identity.probe(pid)
     assert info is not None
     return Registration(
         rank=rank, pid=pid, ppid=info.ppid, start_ticks=info.start_ticks, uid=info.uid,
-        host=_identity.hostname(), boot_id=_identity.boot_id(), pidns=_identity.pid_namespace(),
+        host=identity.hostname(), boot_id=identity.boot_id(), pidns=identity.pid_namespace(),
         time_ns=time.time_ns(),
     )
 
@@ -77,7 +77,7 @@ def test_forged_child_list_of_the_failed_rank_is_never_signalled(make_job) -> No
         # Rank 1's last heartbeat claims the decoy as its child: stop rank 1 (its watcher
         # writes no more heartbeats), forge, then kill it.
         rd = RunDir(str(job.run_dir))
-        info = _identity.probe(decoy.pid)
+        info = identity.probe(decoy.pid)
         assert info is not None
         pid1 = job.pids[1]
         os.kill(pid1, signal.SIGSTOP)
@@ -95,7 +95,7 @@ def test_forged_child_list_of_the_failed_rank_is_never_signalled(make_job) -> No
 def test_vouching_by_the_os(tmp_path: Path) -> None:
     # holds_file: our own open file, not a stranger's; inherited_run: the environment a
     # process was started with.
-    from peerwatch._teardown import holds_file, inherited_run
+    from peerwatch.proc.teardown import holds_file, inherited_run
 
     path = tmp_path / "stack.txt"
     with open(path, "w"):

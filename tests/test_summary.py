@@ -1,18 +1,19 @@
-"""A host's stall summary (peerwatch._summary): pure, no store."""
+"""A host's stall summary (peerwatch.hangs.diagnose.Summary): pure, no store."""
 
 from __future__ import annotations
 
-from peerwatch._activity import Activity
-from peerwatch._diagnose import RankState, diagnose
-from peerwatch._summary import (
+from peerwatch.hangs.diagnose import (
     MAX_DETAILED,
     MAX_SUMMARY_BYTES,
     PUBLISH_FRACTION,
+    RankState,
     Summary,
+    diagnose,
     refresh_ns,
     remote_ranks,
     summarize,
 )
+from peerwatch.proc.activity import Activity
 
 S = 1_000_000_000
 WAITING = RankState(collectives=(("0", 31, 30),), entered=(("0", 31, "allreduce", "[[1]] Float"),), in_collective=True,

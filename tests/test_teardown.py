@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from peerwatch import _identity, _teardown
+from peerwatch.proc import identity, teardown
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -36,10 +36,10 @@ def _start(stacks: Path) -> subprocess.Popen:
     return proc
 
 
-def _target(proc: subprocess.Popen) -> _teardown.Target:
-    info = _identity.probe(proc.pid)
+def _target(proc: subprocess.Popen) -> teardown.Target:
+    info = identity.probe(proc.pid)
     assert info is not None
-    target = _teardown.make_target(proc.pid, info.start_ticks, info.uid, "the GIL holder")
+    target = teardown.make_target(proc.pid, info.start_ticks, info.uid, "the GIL holder")
     assert target is not None
     return target
 
@@ -53,8 +53,8 @@ def test_a_dump_asked_for_right_before_sigterm_is_written(tmp_path: Path, trial:
     proc = _start(stacks)
     target = _target(proc)
     try:
-        assert _teardown.send(target, _teardown.STACKS_SIGNAL, "dump stacks")
-        _teardown.terminate([target], grace=2.0, reason="the test")
+        assert teardown.send(target, teardown.STACKS_SIGNAL, "dump stacks")
+        teardown.terminate([target], grace=2.0, reason="the test")
     finally:
         target.close()
         proc.kill()
@@ -69,12 +69,12 @@ def test_a_stopped_target_is_not_waited_for(tmp_path: Path) -> None:
     try:
         os.kill(proc.pid, signal.SIGSTOP)
         deadline = time.monotonic() + 10
-        while (info := _identity.probe(proc.pid)) is not None and info.state not in ("T", "t"):
+        while (info := identity.probe(proc.pid)) is not None and info.state not in ("T", "t"):
             assert time.monotonic() < deadline, "not stopped"
             time.sleep(0.01)
-        assert _teardown.send(target, _teardown.STACKS_SIGNAL, "dump stacks")
+        assert teardown.send(target, teardown.STACKS_SIGNAL, "dump stacks")
         started = time.monotonic()
-        _teardown._wait_dumps_taken([target], started + 5.0)
+        teardown._wait_dumps_taken([target], started + 5.0)
         assert time.monotonic() - started < 1.0
     finally:
         target.close()

@@ -19,7 +19,7 @@ from typing import Dict, List
 import pytest
 from launcher_jobs import PROGRAM, TORCHRUN, LauncherJob, free_port
 
-from peerwatch._identity import hostname
+from peerwatch.proc.identity import hostname
 
 pytestmark = [pytest.mark.torch]
 pytest.importorskip("torch")

@@ -1,4 +1,4 @@
-"""The texts a person reads on the terminal at a failure (peerwatch._terminal): one spelling
+"""The texts a person reads on the terminal at a failure (peerwatch.core.terminal): one spelling
 of a rank, one short line per surviving rank, nothing a rank wrote can rewrite the screen.
 Pure: strings in, strings out (and one file object the caller gives)."""
 
@@ -9,7 +9,7 @@ from typing import List
 
 import pytest
 
-from peerwatch._terminal import (
+from peerwatch.core.terminal import (
     SHORT_CHARS,
     consequence_line,
     exception_message,

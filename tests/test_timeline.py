@@ -52,12 +52,12 @@ def test_the_timeline_of_a_real_teardown(make_job, tmp_path: Path) -> None:
 
 def test_a_run_without_a_log_still_draws(tmp_path: Path) -> None:
     """An empty run directory (no log, no verdict): a picture with no lane, still SVG."""
-    from peerwatch import _timeline
-    from peerwatch._rundir import RunDir
+    from peerwatch.rundir.rundir import RunDir
+    from peerwatch.tools import timeline
 
     (tmp_path / "run" / "ranks").mkdir(parents=True)
     (tmp_path / "run" / "events").mkdir()
-    ET.fromstring(_timeline.svg(RunDir(str(tmp_path / "run"))))
+    ET.fromstring(timeline.svg(RunDir(str(tmp_path / "run"))))
 
 
 def test_hostile_text_and_times_make_a_valid_picture_and_a_clean_terminal(make_job, tmp_path: Path) -> None:
@@ -87,8 +87,8 @@ def test_hostile_text_and_times_make_a_valid_picture_and_a_clean_terminal(make_j
 def test_the_picture_is_written_through_no_planted_temp_file(tmp_path: Path) -> None:
     """The temp file is made with mkstemp in the target's folder: a symlink planted at the
     old predictable name (``<path>.<pid>.tmp``) is not followed."""
-    from peerwatch import _timeline
-    from peerwatch._rundir import RunDir
+    from peerwatch.rundir.rundir import RunDir
+    from peerwatch.tools import timeline
 
     (tmp_path / "run" / "ranks").mkdir(parents=True)
     (tmp_path / "run" / "events").mkdir()
@@ -96,7 +96,7 @@ def test_the_picture_is_written_through_no_planted_temp_file(tmp_path: Path) -> 
     precious.write_text("keep")
     target = tmp_path / "timeline.svg"
     os.symlink(precious, f"{target}.{os.getpid()}.tmp")
-    _timeline.write(RunDir(str(tmp_path / "run")), str(target))
+    timeline.write(RunDir(str(tmp_path / "run")), str(target))
     assert precious.read_text() == "keep"
     ET.parse(target)
 

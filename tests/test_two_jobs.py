@@ -11,8 +11,8 @@ import time
 from pathlib import Path
 from typing import Dict, List
 
-from peerwatch._records import Failure, encode
-from peerwatch._rundir import EVENTS, VERDICT_FILE, RunDir
+from peerwatch.core.records import Failure, encode
+from peerwatch.rundir.rundir import EVENTS, VERDICT_FILE, RunDir
 
 PROGRAM = Path(__file__).with_name("two_jobs_program.py")
 ROOT = Path(__file__).resolve().parent.parent

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from launcher_jobs import FOREIGN_ENV
 
-from peerwatch._config import KNOWN_VARS, unknown_variables
+from peerwatch.core.config import KNOWN_VARS, unknown_variables
 
 ROOT = Path(__file__).resolve().parent.parent
 # Names the tests use on purpose as ones peerwatch does not know.

@@ -1,4 +1,4 @@
-"""The verdict's executor (peerwatch._verdict): it carries out the plan's steps in order, and
+"""The verdict's executor (peerwatch.executor): it carries out the plan's steps in order, and
 plans the steps after the acknowledgement again with its result (rule: the blind enforcer). The
 steps themselves (each one call) are run for real by the end-to-end tests."""
 
@@ -9,9 +9,9 @@ from typing import Any, Callable, List
 
 import pytest
 
-from peerwatch import _verdict
-from peerwatch._plan import Situation, Step, plan
-from peerwatch._records import SIGNAL
+from peerwatch import executor
+from peerwatch.core.records import SIGNAL
+from peerwatch.verdict.plan import Situation, Step, plan
 
 pytestmark = pytest.mark.pure  # no process, no thread, no file: the steps are replaced by recorders
 
@@ -25,21 +25,21 @@ def _run(monkeypatch: pytest.MonkeyPatch, s: Situation, ack_written: bool) -> tu
     done: List[Step] = []
 
     def recorder(step: Step) -> Callable[[Any], None]:
-        def run(t: _verdict.Teardown) -> None:
+        def run(t: executor.Teardown) -> None:
             done.append(step)
             if step is Step.ACK:
                 t.ack_written = ack_written
 
         return run
 
-    monkeypatch.setattr(_verdict, "_STEPS", {step: recorder(step) for step in Step})
+    monkeypatch.setattr(executor, "_STEPS", {step: recorder(step) for step in Step})
     none: Any = None
-    t = _verdict.Teardown(
+    t = executor.Teardown(
         on_verdict=None, on_verdict_timeout_s=0.0, run_dir=none, me=none, observer=none, stacks=none, flight_recorder=none, bridge=none,
         main_left=none, interrupt_installed=False, heartbeat=none, verdict=none, situation=s,
         plan=plan(s),
     )
-    _verdict.carry_out(t)
+    executor.carry_out(t)
     return tuple(done), t
 
 

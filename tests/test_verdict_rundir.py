@@ -1,4 +1,4 @@
-"""The verdict's executor (peerwatch._verdict) run for real on a real run directory, with
+"""The verdict's executor (peerwatch.executor) run for real on a real run directory, with
 fake peers: real ``sleep`` processes this test starts and registers as ranks, each holding
 its rank's stack file as a rank does (issue 25.6).
 
@@ -23,11 +23,21 @@ from typing import Callable, Dict, Iterator, List, Optional
 
 import pytest
 
-from peerwatch import _eventlog, _identity, _prepare
-from peerwatch._identity import Started
-from peerwatch._notify import CLAIMS
-from peerwatch._records import SIGNAL, Ack, ExitStatus, Heartbeat, NotSignalled, Registration, Verdict, encode
-from peerwatch._rundir import EVENTS, HEARTBEATS, RANKS, REPORT_FILE, SUMMARY_FILE, VERDICT_FILE, RunDir, rank_file
+from peerwatch.core.records import SIGNAL, Ack, ExitStatus, Heartbeat, NotSignalled, Registration, Verdict, encode
+from peerwatch.proc import identity
+from peerwatch.proc.identity import Started
+from peerwatch.rundir import eventlog, prepare
+from peerwatch.rundir.rundir import (
+    EVENTS,
+    HEARTBEATS,
+    RANKS,
+    REPORT_FILE,
+    SUMMARY_FILE,
+    VERDICT_FILE,
+    RunDir,
+    rank_file,
+)
+from peerwatch.verdict.notify import CLAIMS
 
 PROGRAM = str(Path(__file__).with_name("verdict_program.py"))
 DEADLINE_S = 8.0
@@ -36,11 +46,11 @@ FAILED = 1  # the rank that died (SIGKILL) in every scenario
 
 
 def _reg(rank: int, pid: int, start_ticks_off: int = 0) -> Registration:
-    info = _identity.probe(pid)
+    info = identity.probe(pid)
     assert info is not None
     return Registration(
         rank=rank, pid=pid, ppid=info.ppid, start_ticks=info.start_ticks + start_ticks_off, uid=info.uid,
-        host=_identity.hostname(), boot_id=_identity.boot_id(), pidns=_identity.pid_namespace(),
+        host=identity.hostname(), boot_id=identity.boot_id(), pidns=identity.pid_namespace(),
         time_ns=time.time_ns(), world_size=8,
     )
 
@@ -61,7 +71,7 @@ class Job:
         self.procs: List[subprocess.Popen] = []
         self.dead = self._spawn(["sleep", "60"])
         self.rd = RunDir(str(tmp_path / "run"))
-        _prepare.prepare(self.rd, _reg(FAILED, self.dead.pid), Started(time.time_ns(), None))  # rank 1 made the directory
+        prepare.prepare(self.rd, _reg(FAILED, self.dead.pid), Started(time.time_ns(), None))  # rank 1 made the directory
         self.dead.send_signal(signal.SIGKILL)  # our own child
         assert self.dead.wait(DEADLINE_S) == -9
         now = time.time_ns()
@@ -69,7 +79,7 @@ class Job:
         assert self.rd.write(EVENTS, rank_file("exit", FAILED), encode(status))
         self.verdict = Verdict(
             rank=FAILED, cause=SIGNAL, exit_code=137, failed_at_ns=now, detected_by=FAILED + 1, detected_at_ns=now,
-            pid=self.dead.pid, host=_identity.hostname(), returncode=-9, signal="SIGKILL", detail="killed by SIGKILL",
+            pid=self.dead.pid, host=identity.hostname(), returncode=-9, signal="SIGKILL", detail="killed by SIGKILL",
         )
         assert self.rd.write(EVENTS, VERDICT_FILE, encode(self.verdict))
         self.rank: Optional[subprocess.Popen] = None
@@ -120,7 +130,7 @@ class Job:
         return report
 
     def events(self) -> List[Dict]:
-        return _eventlog.read_run(self.rd.path)
+        return eventlog.read_run(self.rd.path)
 
     def signals_to(self, pid: int) -> List[str]:
         return [e["signal"] for e in self.events() if e["event"] == "signal" and e.get("pid") == pid]

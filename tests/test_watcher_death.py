@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from peerwatch import cli
-from peerwatch._records import Registration, WatcherDeath, encode
-from peerwatch._rundir import EVENTS, RANKS, TMP, RunDir, rank_file
-from peerwatch._watcher import record_death
+from peerwatch.core.records import Registration, WatcherDeath, encode
+from peerwatch.rundir.rundir import EVENTS, RANKS, TMP, RunDir, rank_file
+from peerwatch.tools import cli
+from peerwatch.watcher import record_death
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -16,7 +16,7 @@ import sys
 import time
 
 import peerwatch
-from peerwatch import _gc
+from peerwatch.rundir import gc
 
 TAG, SYNC = sys.argv[1], sys.argv[2]
 RANK = int(os.environ["RANK"])
@@ -35,7 +35,7 @@ def wait_for(*paths: str, within: float = 15.0) -> None:
         time.sleep(0.02)
 
 
-original_auto = _gc.auto
+original_auto = gc.auto
 
 
 def staged(how: str) -> None:
@@ -48,7 +48,7 @@ def staged(how: str) -> None:
     original_auto(how)
 
 
-_gc.auto = staged
+gc.auto = staged
 handle = peerwatch.install()
 note(f"installed-{TAG}{RANK if TAG == 'A' else ''}", "protected" if handle is not None else "refused")
 if TAG == "B":

@@ -1,11 +1,11 @@
 """One rank that carries out the verdict already in a run directory, with the real executor
-(:func:`peerwatch._verdict.carry_out`) and real collaborators, but no watcher thread. Started
+(:func:`peerwatch.executor.carry_out`) and real collaborators, but no watcher thread. Started
 by tests/test_verdict_rundir.py, never imported.
 
     python verdict_program.py RUN_DIR RANK OPTIONS_JSON [--wrote] [--child]
 
 The test has prepared RUN_DIR, registered the fake peers and written the verdict, as the
-watcher that detected the failure would have (:meth:`peerwatch._watcher.Watcher._publish`).
+watcher that detected the failure would have (:meth:`peerwatch.watcher.Watcher._publish`).
 This process registers itself as RANK, opens its stack file, arms its exit record as
 ``install()`` does, then builds the Situation as the watcher does and carries out the plan:
 its last step ends the process with the plan's exit code. ``--wrote``: this rank wrote the
@@ -23,24 +23,27 @@ import sys
 import threading
 import time
 
-from peerwatch import _eventlog, _exitwatch, _identity, _launchers, _plan, _verdict
-from peerwatch._config import Config
-from peerwatch._frdump import FlightRecorderDump
-from peerwatch._heartbeat import HeartbeatWriter, OwnProgress
-from peerwatch._observer import Observer
-from peerwatch._records import Registration, Verdict
-from peerwatch._rundir import EVENTS, VERDICT_FILE, RunDir
-from peerwatch._stacks import StackFile
+from peerwatch import executor, launchers
+from peerwatch.core.config import Config
+from peerwatch.core.records import Registration, Verdict
+from peerwatch.hangs.frdump import FlightRecorderDump
+from peerwatch.hangs.heartbeat import HeartbeatWriter, OwnProgress
+from peerwatch.observer import Observer
+from peerwatch.proc import identity
+from peerwatch.rundir import eventlog, exitwatch
+from peerwatch.rundir.rundir import EVENTS, VERDICT_FILE, RunDir
+from peerwatch.rundir.stacks import StackFile
+from peerwatch.verdict import plan as _plan
 
 
 def main() -> None:
     path, rank, options = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
-    info = _identity.probe(os.getpid())
+    info = identity.probe(os.getpid())
     assert info is not None
     me = Registration(
         rank=rank, pid=os.getpid(), ppid=info.ppid, start_ticks=info.start_ticks, uid=info.uid,
-        host=_identity.hostname(), boot_id=_identity.boot_id(), pidns=_identity.pid_namespace(),
+        host=identity.hostname(), boot_id=identity.boot_id(), pidns=identity.pid_namespace(),
         time_ns=time.time_ns(), world_size=options.pop("world_size", None),
     )
     rd = RunDir(path)
@@ -48,8 +51,8 @@ def main() -> None:
     rd.hold_folders()
     rd.publish_registration(me)
     stacks = StackFile.open(rd, rank)
-    _eventlog.bind(rd, rank)
-    _exitwatch.arm(rd, rank, write_success=False)
+    eventlog.bind(rd, rank)
+    exitwatch.arm(rd, rank, write_success=False)
     if "--child" in sys.argv:
         # Not on our pipes: a child left alive must not hold the test waiting for their end.
         child = subprocess.Popen(["sleep", "60"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -65,13 +68,13 @@ def main() -> None:
         self_rank=rank, failed_rank=verdict.rank, cause=verdict.cause, verdict_exit_code=verdict.exit_code,
         own_exit_code=None, in_watch=False, live_local_ranks=tuple(observer.live_local_ranks()),
         wrote_verdict="--wrote" in sys.argv, grace_s=config.grace, ack_window_s=config.ack_window,
-        failed_rank_speaks=_verdict.failed_rank_speaks(observer, rank, verdict),
-        ends_workers_early=_launchers.ends_workers_early(me, verdict),
+        failed_rank_speaks=executor.failed_rank_speaks(observer, rank, verdict),
+        ends_workers_early=launchers.ends_workers_early(me, verdict),
         other_hosts=False, on_verdict=config.on_verdict is not None,
     )
     plan = _plan.plan(situation)
     print(json.dumps([s.name for s in plan.until_ack + plan.after_ack]), flush=True)  # for the test's messages
-    _verdict.carry_out(_verdict.Teardown(
+    executor.carry_out(executor.Teardown(
         on_verdict=config.on_verdict, on_verdict_timeout_s=config.on_verdict_timeout, run_dir=rd, me=me, observer=observer, stacks=stacks,
         flight_recorder=FlightRecorderDump(rd, rank), bridge=None, main_left=threading.Event(),
         interrupt_installed=False,

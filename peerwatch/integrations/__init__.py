@@ -1,1 +1,3 @@
-"""Optional integrations (torch, Lightning). Importing this package imports neither."""
+"""Optional integrations (torch, Lightning). Importing this package imports neither.
+Imports: peerwatch, proc, rundir.
+"""

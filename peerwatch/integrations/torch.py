@@ -27,7 +27,8 @@ import torch.distributed as dist
 
 import peerwatch
 
-from .. import _basedir, _identity, _rundir
+from ..proc import identity
+from ..rundir import basedir, rundir
 
 logger = logging.getLogger("peerwatch")
 
@@ -96,8 +97,8 @@ def install(*, agree: Optional[bool] = None, group: Optional[Any] = None, **opti
     config = peerwatch.Config.resolve(options)
     if config.enabled and config.run_dir is None and rank_and_world_size(group) is not None:
         if agree is None:
-            _, how = _basedir.resolve(None, os.environ)
-            agree = how == _basedir.NEW_RUN
+            _, how = basedir.resolve(None, os.environ)
+            agree = how == basedir.NEW_RUN
         if agree:
             options["run_dir"] = run_dir_for(agreed_key(group))
     return peerwatch.install(**options)
@@ -105,14 +106,14 @@ def install(*, agree: Optional[bool] = None, group: Optional[Any] = None, **opti
 
 def run_key() -> str:
     """This process's name for a run it would lead: host, pid and start time."""
-    me = _identity.self_info()
-    return f"{_KEY_PREFIX}{_rundir.safe_name(_identity.hostname())}-{me.pid}.{me.start_ticks}"
+    me = identity.self_info()
+    return f"{_KEY_PREFIX}{rundir.safe_name(identity.hostname())}-{me.pid}.{me.start_ticks}"
 
 
 def run_dir_for(key: str) -> str:
     """The run directory on this host of the run named ``key`` (from :func:`agreed_key`)."""
-    name = key if _KEY_RE.fullmatch(key) and key.strip(".") else _rundir.safe_name(key)
-    return os.path.join(_basedir.base_dir(), name)
+    name = key if _KEY_RE.fullmatch(key) and key.strip(".") else rundir.safe_name(key)
+    return os.path.join(basedir.base_dir(), name)
 
 
 def agreed_key(group: Optional[Any] = None) -> str:

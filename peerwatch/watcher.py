@@ -1,0 +1,555 @@
+"""The watcher thread: the one place that wires sources -> decide -> teardown -> report.
+
+Its loop only wires: wait for a source (:class:`peerwatch.observer.Observer`), observe,
+decide (:func:`peerwatch.verdict.decide.decide`, pure), act on a verdict (a plan of ordered steps
+from :mod:`peerwatch.verdict.plan`, pure, carried out by :mod:`peerwatch.executor`), report. When it
+wakes and what is due is :class:`peerwatch.core.schedule.Schedule`'s answer.
+
+Threads and what they own:
+- the watcher thread (``peerwatch-rank<N>``): the observer, the schedule, the verdict
+  (written once, before ``verdict_seen`` is set), ``_peer_failure_known``, the
+  flight-recorder dumps;
+- the training thread: ``progress``, ``in_watch`` (``watch()``), ``main_left`` (set when it
+  leaves at exit during a teardown);
+- any thread that ends the rank (training thread, a thread's excepthook, the launcher
+  watch): ``_outcome``, under its lock, and the rank's own records, written through
+  ``own_records`` (:class:`peerwatch.rundir.eventlog.OwnRecords`), never the observer;
+- ``done`` (stop watching: the rank is finished) is set by :meth:`Watcher.stop`.
+Threads talk through events (``verdict_seen``, ``done``, ``main_left``), the wake pipe
+and the settle condition. :meth:`Watcher.stop` stops and joins every thread it started.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import threading
+import time
+from typing import IO, Optional, Tuple
+
+from . import executor, launchers
+from .core.config import Config
+from .core.records import (
+    EXCEPTION,
+    WATCHER_DEATH,
+    Failure,
+    Interrupt,
+    Registration,
+    Success,
+    Verdict,
+    WatcherDeath,
+    encode,
+)
+from .core.records import warm as warm_record_types
+from .core.schedule import Schedule
+from .diagnoser import Diagnoser
+from .hangs.frdump import FlightRecorderDump
+from .hangs.heartbeat import HeartbeatWriter, OwnProgress
+from .hosts import bridge, sharedfs
+from .hosts.stragglerwatch import StragglerWatch
+from .observer import Observer
+from .proc.identity import local_ranks
+from .proc.sources import pidfd_supported
+from .rundir import exitwatch
+from .rundir.eventlog import OwnRecords
+from .rundir.eventlog import log as log_event
+from .rundir.rundir import EVENTS, VERDICT_FILE, RunDir, rank_file
+from .rundir.stacks import StackFile
+from .verdict import decide, plan
+
+logger = logging.getLogger("peerwatch")
+
+POLL_FALLBACK_S = 0.1  # where pidfds or inotify are missing: how often we look instead
+HANG_JUDGES = 2  # the lowest live local ranks judge hangs: O(N) heartbeat reads per host, not N^2
+STALE_BEATS = 3  # a peer whose heartbeat is this many intervals old has a silent watcher
+
+
+class Outcome:
+    """How this rank ends, as far as it has said. Written under its lock by whichever
+    thread records it; the first failure wins, as its record does."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.failed_code: Optional[int] = None
+        self.echo = False  # the failure is an exception raised by torch.distributed
+        self.succeeded = False
+
+    def fail(self, code: Optional[int], echo: bool = False) -> None:
+        with self._lock:
+            if self.failed_code is None:
+                self.failed_code = code if code else 1
+                self.echo = echo
+
+    def succeed(self) -> bool:
+        """True the first time, unless the rank failed."""
+        with self._lock:
+            if self.succeeded or self.failed_code is not None:
+                return False
+            self.succeeded = True
+            return True
+
+
+class Settle:
+    """The training thread asks for one full look before it judges an exception; the
+    watcher says when it has taken it. Guarded by its condition."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._requested = 0
+        self._settled = 0
+
+    def request(self) -> int:
+        with self._cond:
+            self._requested += 1
+            return self._requested
+
+    def requested(self) -> int:
+        with self._cond:
+            return self._requested
+
+    def looked(self, upto: int) -> None:
+        if upto <= self._settled:  # the watcher is _settled's one writer: read without the lock
+            return  # (on every turn of the loop; a request is rare)
+        with self._cond:
+            self._settled = max(self._settled, upto)
+            self._cond.notify_all()
+
+    def wait(self, wanted: int, timeout: float, give_up: threading.Event) -> None:
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while self._settled < wanted and not give_up.is_set():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return
+                self._cond.wait(left)
+
+    def release(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+
+class Watcher:
+    """Watches the local peers of one rank. Created and started by :func:`peerwatch.install`."""
+
+    def __init__(
+        self, config: Config, run_dir: RunDir, me: Registration, stacks: StackFile, interrupt_installed: bool,
+    ) -> None:
+        self.config = config
+        self.run_dir = run_dir
+        self.me = me
+        self.rank = me.rank
+        self.stacks = stacks
+        self.interrupt_installed = interrupt_installed  # our signal handler raises PeerFailure in the main thread
+        self.progress = OwnProgress(on_first_beat=self._arm_gil_watchdog)
+        self.in_watch = 0
+        self.verdict_seen = threading.Event()
+        self.done = threading.Event()
+        self.main_left = threading.Event()
+        self._verdict: Optional[Verdict] = None
+        self._outcome = Outcome()
+        self._settle = Settle()
+        self._peer_failure_known = False
+        use_pidfd = config.use_pidfd and pidfd_supported()
+        remote = sharedfs.RemoteWatch(run_dir, config.heartbeat_interval, config.peer_timeout) if run_dir.shared else None
+        # This rank's own records (failure, success...) are written by whichever thread ends
+        # it, through their own writer: on disk before that thread goes on, and read back by
+        # the observer like any other record (its state has the watcher thread as one writer).
+        self.own_records = OwnRecords(run_dir, me)
+        self._interrupt_noted: Optional[int] = None  # the last SIGINT said (its monotonic time): _note_interrupt
+        self.observer = Observer(run_dir, me, use_pidfd, remote, self.own_records, config.heartbeat_interval)
+        self.heartbeat = HeartbeatWriter(run_dir, me, self.progress, with_position=config.hang_timeout.on,
+                                         read_collectives=config.reads_collectives,
+                                         measure_waits=config.stragglers, interval_s=config.heartbeat_interval)
+        self._diagnoser = (Diagnoser(self.rank, config.hang_warn.seconds, self.observer, config.hang_timeout.auto,
+                                     config.heartbeat_interval) if config.diagnoses_hangs else None)
+        self._flight_recorder = FlightRecorderDump(run_dir, self.rank)  # evidence torch's analyzer reads
+        self.thread = threading.Thread(target=self._main, name=f"peerwatch-rank{self.rank}", daemon=True)
+        self._launcher_watch: Optional[launchers.LauncherWatch] = None  # set by start()
+        self._lightning_deferred = False  # Lightning's observer leaves the teardown to peerwatch first
+        self.bridge = bridge.Bridge.for_config(config, run_dir, me)  # other hosts, through the store
+        self._policy = decide.Policy.from_config(config, shared_fs=bool(run_dir.shared), other_hosts=self.bridge is not None)
+        # The straggler finding (docs/stragglers.md): judged by the lowest live local rank.
+        self._stragglers = StragglerWatch(run_dir, me, config.heartbeat_interval, self.bridge is not None) \
+            if config.stragglers else None
+
+    # -- read by other threads -------------------------------------------------------
+
+    @property
+    def verdict(self) -> Optional[Verdict]:
+        return self._verdict if self.verdict_seen.is_set() else None
+
+    @property
+    def failed_code(self) -> Optional[int]:
+        return self._outcome.failed_code
+
+    @property
+    def succeeded(self) -> bool:
+        return self._outcome.succeeded
+
+    def is_over(self) -> bool:
+        """A verdict is known, or this rank is done."""
+        return self.verdict_seen.is_set() or self.done.is_set() or self._outcome.succeeded
+
+    def exit_code(self) -> int:
+        """The code this rank exits with under the verdict (rule: the verdict's exit code)."""
+        v = self._verdict
+        assert v is not None
+        return plan.exit_code(self.rank, v.rank, v.exit_code, self._outcome.failed_code)
+
+    # -- control from other threads ------------------------------------------------
+
+    def start(self) -> None:
+        self.thread.start()
+        self._launcher_watch = launchers.after_install(self, self.config.exit_code)
+
+    def wake(self) -> None:
+        self.observer.wake()
+
+    def children_changed(self) -> None:
+        """This process forked (called right after, in the parent): list its children now."""
+        self.heartbeat.children_changed.set()
+        self.wake()
+
+    def settle(self, timeout: float) -> None:
+        """Wait until the watcher has taken one full look at its sources (or has a verdict).
+
+        Called from the training thread when it is about to fail: a peer that died just
+        before (its pidfd already fired) is then known, so the exception can be told
+        apart as a consequence (gloo's "connection reset") rather than a root cause.
+        """
+        if threading.current_thread() is self.thread or not self.thread.is_alive():
+            return
+        wanted = self._settle.request()
+        self.wake()
+        self._settle.wait(wanted, timeout, self.verdict_seen)
+
+    def peer_failed(self) -> bool:
+        """True if this watcher knows of a failure of another rank (judged or not yet)."""
+        v = self.verdict
+        return v.rank != self.rank if v is not None else self._peer_failure_known
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop watching (this rank is done). Safe to call from any thread, more than once;
+        joins the threads it started (not itself)."""
+        if not self.done.is_set() and not self.verdict_seen.is_set():
+            self._final_heartbeat()  # the step it finished at
+        self.done.set()
+        self.wake()
+        if self.config.gil_timeout is not None and not self.verdict_seen.is_set():
+            self.stacks.cancel_timer()
+        if self.bridge is not None:
+            self.bridge.stop()
+        self.heartbeat.stop()
+        self.observer.stop()
+        if self._launcher_watch is not None:
+            self._launcher_watch.stop()
+        if threading.current_thread() is not self.thread and self.thread.is_alive():
+            self.thread.join(timeout)
+
+    def left_in_store(self) -> bool:
+        """After :meth:`stop`: is a thread of the store bridge still inside a store request
+        (torch's C++ client, the GIL released)? It must not wake while Python finalizes."""
+        return self.bridge is not None and bool(self.bridge.left_in_store)
+
+    def await_own_verdict(self) -> None:
+        """This rank failed and is exiting: wait for the verdict (rule: leaving at exit)."""
+        if not self.thread.is_alive():
+            return  # nobody left to judge it (the run directory was removed, or the watcher died)
+        hold_s = self.bridge.hold_s if self.bridge is not None else 0.0  # multi-host: an exception is held back
+        wait_s = plan.verdict_wait_s(self.config.parent_wait, self.config.ack_window, hold_s, self._outcome.echo)
+        self.verdict_seen.wait(wait_s)
+
+    def leave(self) -> None:
+        """The training thread is leaving during a teardown: the watcher ends the process
+        once its share of the teardown is done (rule: leaving at exit)."""
+        self.main_left.set()
+        self.wake()
+        if threading.current_thread() is not self.thread:
+            # The watcher may have an on_verdict hook to wait for, for its own bound.
+            hook_s = self.config.on_verdict_timeout if self.config.on_verdict is not None else 0.0
+            self.thread.join(plan.leave_join_s(self.config.grace, self.config.ack_window) + hook_s)
+
+    def enter_watch(self, delta: int) -> None:
+        """The training thread entered (+1) or left (-1) ``watch()``: it alone writes ``in_watch``."""
+        self.in_watch += delta
+
+    def stack_file(self) -> Optional[IO[str]]:
+        """This rank's stack file, open (for a traceback kept out of the terminal), or None."""
+        return self.stacks.file
+
+    def tell_hosts_succeeded(self) -> None:
+        """Other hosts learn that this rank is ending well (its exit status decides here)."""
+        if self.bridge is not None:
+            self.bridge.on_success()
+
+    # -- the thread ----------------------------------------------------------------
+
+    def _main(self) -> None:
+        try:
+            self._run()
+        except BaseException as e:  # noqa: BLE001 - the watcher must never die silently
+            logger.exception(
+                "peerwatch: the watcher of rank %d failed; this rank is NOT protected any more "
+                "(training goes on)", self.rank,
+            )
+            record_death(self.run_dir, self.rank, e)
+
+    def _run(self) -> None:
+        obs = self.observer
+        sched = self._schedule(obs.start())
+        warm_record_types()  # now, not at a teardown
+        while not self.done.is_set():
+            now = time.monotonic()
+            beat = sched.beat_due(now)
+            judge_hang = judge_remote = False
+            if beat:
+                judge_hang, judge_remote = self._on_beat()
+            unsure = obs.unsure()  # a look could not tell (EMFILE...): taken again soon
+            full_look = sched.full_look(beat, judge_remote, unsure)
+            requested = self._settle.requested()
+            woken = obs.wait(sched.timeout(now, judge_remote, unsure))
+            if self.done.is_set():
+                break
+            obs.awake.tick(time.monotonic_ns())  # a turn that took too long: this thread was not running
+            self._note_interrupt()
+            if self.heartbeat.children_changed.is_set():
+                self.heartbeat.write(obs.local_pids)
+            lost = obs.storage_lost()  # on every turn: a rank must say at once that it is unprotected
+            if lost is not None:
+                self._stop_judging(lost)
+                return
+            looked, now = woken or full_look, time.monotonic()
+            # Not while the registrations could not all be read: one may be among those missed.
+            missing = self._missing_ranks() if not obs.unread and sched.startup_over(now, obs.awake.since_ns / 1e9) else ()
+            # An idle turn (a heartbeat, nothing seen, nothing due) has nothing to judge.
+            if looked or judge_hang or missing or sched.due(now):
+                if looked:
+                    obs.scan()
+                verdict = self._judge(sched, judge_hang, judge_remote, missing)
+                if verdict is not None:
+                    self._act(verdict)
+                    return
+                self._flight_recorder.on_diagnosis(obs.diagnosis())  # a stall: each rank dumps, once
+                obs.flush()
+                self._peer_failure_known = obs.peer_failed()
+            self._settle.looked(requested)
+
+    def _note_interrupt(self) -> None:
+        """A SIGINT came since the last look (the C extension notes it as it arrives): say so
+        in ``events/interrupt-<rank>.json`` (rule: interrupts are not failures). Not a failure (the
+        application may catch the KeyboardInterrupt): the evidence that this rank got the
+        job's Ctrl-C too, where its main thread cannot raise yet (it waits in a collective
+        for a peer that did). Seen within a heartbeat at most: the watcher wakes that often."""
+        seen = exitwatch.last_interrupt()
+        if seen is None or seen[0] == self._interrupt_noted:
+            return
+        self._interrupt_noted = seen[0]
+        at_ns = time.time_ns() - max(0, time.monotonic_ns() - seen[0])
+        self.own_records.interrupt(Interrupt(rank=self.rank, pid=self.me.pid, time_ns=at_ns, signal="SIGINT",
+                                             signalled_by=seen[1]))
+
+    def _stop_judging(self, how: str) -> None:
+        """The run directory is gone: no success marker, failure record or acknowledgement
+        can be written or read any more, so a peer's end proves nothing. Judging on would
+        tear down a healthy job (a rank that finished cleanly could not say so); stop, and
+        say loudly that this rank is unprotected."""
+        if self.config.gil_timeout is not None:
+            self.stacks.cancel_timer()
+        logger.error(
+            "peerwatch: rank %d is NOT protected any more: its run directory %s %s while the job runs (a /tmp "
+            "cleaner?). No record can be written or read there, so this rank stops watching its peers (a peer that "
+            "ends from now on is not taken for failed, and a failure is not acted on); training goes on. Give the job "
+            "a PEERWATCH_DIR that nothing cleans up while it runs.", self.rank, self.run_dir.path, how,
+        )
+
+    def _schedule(self, inotify: bool) -> Schedule:
+        shared = self.observer.remote is not None
+        use_pidfd = self.observer.use_pidfd
+        if not use_pidfd:
+            logger.info("peerwatch: pidfd is unavailable; rank %d checks its peers every %gs", self.rank, POLL_FALLBACK_S)
+        # Shared filesystem: inotify is blind to other hosts anyway; the judges poll and
+        # every rank rescans once a heartbeat, with or without inotify.
+        fallback = not use_pidfd or (not inotify and not shared)
+        return Schedule(
+            time.monotonic(), self.config.heartbeat_interval, fallback_s=POLL_FALLBACK_S if fallback else None,
+            remote_s=sharedfs.POLL_S if shared else None, startup_s=self.config.startup_timeout,
+        )
+
+    def _arm_gil_watchdog(self) -> None:
+        """gil_timeout's watchdog, (re-)armed every heartbeat from the rank's first step on,
+        and at its first ``beat()`` by the training thread itself (its next step may hold
+        the GIL before the watcher runs again). Not before: a rank that imports and loads
+        holds the GIL in one call for seconds on a loaded machine (``import torch``)."""
+        if self.config.gil_timeout is not None and not self.verdict_seen.is_set():
+            self.stacks.arm_gil_watchdog(self.config.gil_timeout)
+
+    def _on_beat(self) -> Tuple[bool, bool]:
+        """Heartbeat, GIL watchdog, the bridge; whether this rank judges hangs and other hosts."""
+        self.heartbeat.write(self.observer.local_pids, read_counters=True)
+        if not self._lightning_deferred:  # rank 0 under Lightning: its observer gives way
+            self._lightning_deferred = launchers.defer_lightning_observer(self.thread.is_alive)
+        if self.heartbeat.training():
+            self._arm_gil_watchdog()
+        if self.bridge is not None:
+            self.bridge.tick()
+        self._judge_stragglers()
+        # Diagnosis: judged only once this rank's collectives count (torch.distributed in use).
+        diagnosing = self._diagnoser is not None and self.heartbeat.counts_collectives()
+        hang, remote = self.config.hang_timeout.on or diagnosing, self.observer.remote is not None
+        if not (hang or remote):
+            return False, False  # nothing to judge: no need to know who the judges are
+        judge = self.rank in self.observer.live_local_ranks()[:HANG_JUDGES]
+        return hang and judge, remote and judge
+
+    def _judge_stragglers(self) -> None:
+        """Once a slot, on the lowest live local rank: who the others wait for."""
+        if self._stragglers is None or not self.heartbeat.counts_collectives():
+            return
+        live = self.observer.live_local_ranks()
+        if live[:1] == [self.rank]:
+            peers = {r: self.observer.peers[r].reg for r in live[1:] if r in self.observer.peers}
+            self._stragglers.tick(self.heartbeat.published(), peers)
+
+    def _judge(self, sched: Schedule, judge_hang: bool, judge_remote: bool, missing: Tuple[int, ...]) -> Optional[Verdict]:
+        """Decide from what was observed; the verdict to act on."""
+        obs = self.observer
+        if judge_remote:
+            obs.read_remote()
+        # decide() is pure, and tells us when the mere passing of time could change its
+        # answer (recheck_at_ns, on the wall clock: converted to our monotonic one).
+        observed = self._observed(judge_hang, missing)
+        if judge_hang and self._diagnoser is not None:
+            observed = dataclasses.replace(observed, diagnosis=self._diagnoser.look(observed))
+        decision = decide.decide(observed, self._policy)
+        if decision.lost:
+            # Shared filesystem: write the lost ranks' failures, then decide from what is written.
+            obs.record_lost(decision.lost)
+            decision = decide.decide(self._observed(judge_hang, missing), self._policy)
+        sched.recheck = _monotonic(decision.recheck_at_ns)
+        verdict = decision.verdict
+        # Across hosts, an exception may be the echo of a death elsewhere: hold it back
+        # a moment (deciding again meanwhile) for that host's verdict through the store.
+        sched.hold = self.bridge.hold_until(verdict) if self.bridge is not None and verdict else None
+        if sched.hold is not None and time.monotonic() < sched.hold:
+            return None
+        return verdict
+
+    def _observed(self, judge_hang: bool, missing: Tuple[int, ...]) -> decide.Observed:
+        stale = STALE_BEATS * self.config.heartbeat_interval
+        own = self.heartbeat.published() if judge_hang else None
+        return self.observer.observed(self.progress if judge_hang else None, missing, stale, own)
+
+    def _missing_ranks(self) -> Tuple[int, ...]:
+        """Ranks expected on this host that have not registered by startup_timeout (to fail
+        on with startup_action=fail; logged either way)."""
+        c = self.config
+        regs = self.observer.registrations
+        missing, why = plan.missing_ranks(c.local_world_size, c.world_size, set(local_ranks(regs)), set(regs))
+        if why:
+            logger.warning("peerwatch: %s within startup_timeout=%gs%s", why, c.startup_timeout,
+                           "; failing the job (startup_action=fail)" if missing and c.startup_action == "fail" else "")
+        return missing if c.startup_action == "fail" else ()
+
+    # -- the verdict ---------------------------------------------------------------
+
+    def _act(self, verdict: Verdict) -> None:
+        """Publish the verdict, plan this rank's share of the teardown (pure), carry it out."""
+        verdict, wrote = self._publish(verdict)
+        log_event("verdict_seen", self.rank, failed_rank=verdict.rank, wrote_verdict=wrote)
+        c = self.config
+        situation = plan.Situation(
+            self_rank=self.rank, failed_rank=verdict.rank, cause=verdict.cause, verdict_exit_code=verdict.exit_code,
+            own_exit_code=self._outcome.failed_code, in_watch=self.in_watch > 0,
+            live_local_ranks=tuple(self.observer.live_local_ranks()), wrote_verdict=wrote,
+            grace_s=c.grace, ack_window_s=c.ack_window,
+            failed_rank_speaks=executor.failed_rank_speaks(self.observer, self.rank, verdict),
+            ends_workers_early=launchers.ends_workers_early(self.me, verdict),
+            other_hosts=self.bridge is not None, on_verdict=c.on_verdict is not None,
+        )
+        executor.carry_out(executor.Teardown(
+            on_verdict=c.on_verdict, on_verdict_timeout_s=c.on_verdict_timeout, run_dir=self.run_dir, me=self.me,
+            observer=self.observer, stacks=self.stacks, flight_recorder=self._flight_recorder, bridge=self.bridge, main_left=self.main_left,
+            interrupt_installed=self.interrupt_installed, heartbeat=self.heartbeat,
+            verdict=verdict, situation=situation, plan=plan.plan(situation),
+        ))
+
+    def _publish(self, verdict: Verdict) -> Tuple[Verdict, bool]:
+        """Write the verdict (first writer wins) and make it known in this process."""
+        obs = self.observer
+        wrote = False
+        if not isinstance(obs.events.get(VERDICT_FILE), Verdict):
+            wrote = obs.write_event(VERDICT_FILE, verdict)
+            if not wrote:
+                existing = self.run_dir.read(EVENTS, VERDICT_FILE, Verdict)
+                verdict = existing if existing is not None else verdict
+        obs.flush()  # how the dead rank ended, for its peers and the report
+        self._verdict = verdict
+        self.verdict_seen.set()
+        self._settle.release()
+        return verdict, wrote
+
+    def _final_heartbeat(self) -> None:
+        """The step this rank stopped at: for the report and ``peerwatch status``."""
+        self.heartbeat.write_last(self.observer.local_pids)
+
+    # -- called from the training thread (or whichever thread ends the rank) ---------
+
+    def record_failure(self, failure: Failure) -> None:
+        """This rank failed: say so before it goes (first record wins)."""
+        self._outcome.fail(failure.exit_code, echo=failure.cause == EXCEPTION and failure.collective)
+        self._final_heartbeat()
+        self.own_records.failure(failure)
+        self.wake()
+
+    def record_leaving(self) -> None:
+        """This rank's program has ended with no outcome recorded, and its interpreter is
+        about to finalize: its exit status will tell. Say so before its sockets close."""
+        if self.verdict_seen.is_set() or self._outcome.failed_code is not None or self._outcome.succeeded:
+            return
+        try:
+            self.heartbeat.leaving(self.observer.local_pids)
+        except Exception:  # noqa: BLE001 - the heartbeat must never stop an exit
+            logger.debug("peerwatch: rank %d could not say it is leaving", self.rank, exc_info=True)
+
+    def record_thread_exception(self, failure: Failure) -> None:
+        """For the report only: another thread of this rank died of an exception."""
+        self.own_records.thread_exception(failure)
+        logger.warning(
+            "peerwatch: rank %d: thread %s died of %s: %s (recorded; set thread_exceptions=fail to fail the rank)",
+            self.rank, failure.thread, failure.exception, failure.message,
+        )
+
+    def record_success(self) -> None:
+        if self.verdict_seen.is_set() or not self._outcome.succeed():
+            return
+        self._final_heartbeat()
+        self.own_records.success(Success(rank=self.rank, pid=os.getpid(), time_ns=time.time_ns()))
+        if self.bridge is not None:
+            self.bridge.on_success()  # the job is ending: other hosts going quiet is no failure
+
+    def publish_heartbeat(self) -> None:
+        """Write this rank's heartbeat now (paused() calls it: the judges must not miss a pause)."""
+        self.heartbeat.write(self.observer.local_pids)
+
+
+def record_death(run_dir: RunDir, rank: int, error: BaseException) -> None:
+    """Say in the run directory that rank ``rank``'s watcher died of ``error``, for
+    ``peerwatch status`` (and people): the log may be long gone when someone looks. Never
+    raises: the watcher is already dying, and the training must go on."""
+    try:
+        death = WatcherDeath(rank=rank, pid=os.getpid(), time_ns=time.time_ns(), exception=type(error).__name__,
+                             message=str(error)[:2000])
+        run_dir.write(EVENTS, rank_file(WATCHER_DEATH, rank), encode(death), replace=True)
+    except Exception as e:  # noqa: BLE001
+        logger.error("peerwatch: rank %d could not record in %s that its watcher died: %s", rank, run_dir.path, e)
+
+
+def _monotonic(wall_ns: Optional[int]) -> Optional[float]:
+    """A ``time.time_ns()`` deadline as a ``time.monotonic()`` one."""
+    if wall_ns is None:
+        return None
+    return time.monotonic() + (wall_ns - time.time_ns()) / 1e9
+
+
+__all__ = ["Outcome", "Settle", "Watcher", "record_death"]
