@@ -216,5 +216,7 @@ def test_a_look_that_fails_is_no_sample() -> None:
     """The last sample's /proc reads fail (EMFILE) while the main thread computes: before,
     its figures were read as 0 and the window showed no CPU (stuck); now it is not taken."""
     figures = _main_figures("emfile")
-    assert figures["cpu_ms"] >= 0.5 * figures["span_ms"], figures
+    # Any CPU at all: what share the main thread gets depends on the machine's load (48 %
+    # beside 8 busy loops on 2 cores); a failed look taken as 0 made it none.
+    assert figures["cpu_ms"] > 0 and figures["evidence"], figures
     assert figures["samples"] == SAMPLES - 1, figures

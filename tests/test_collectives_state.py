@@ -27,6 +27,7 @@ from typing import Any, Callable, Dict, Iterator, List
 
 import pytest
 
+import peerwatch
 from peerwatch.core.records import Heartbeat, Registration, encode
 from peerwatch.hangs.collectives import FAILING, MAX_ERROR_CHARS, NONE, OFF, READ, STATES, WAITING, CollectiveReader
 from peerwatch.hangs.heartbeat import HeartbeatWriter, OwnProgress
@@ -225,7 +226,7 @@ def test_status_shows_each_ranks_collectives_and_a_line_for_a_blind_one(tmp_path
     assert cli.main(["status", rd.path, "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     jsonschema = pytest.importorskip("jsonschema")
-    jsonschema.validate(report, json.loads((Path(cli.__file__).parent / "schemas" / "report-v1.schema.json").read_text()))
+    jsonschema.validate(report, json.loads((Path(peerwatch.__file__).parent / "schemas" / "report-v1.schema.json").read_text()))
     ranks = report["ranks"]
     assert [(r["collectives_state"], r["collectives_error"]) for r in ranks] == [
         ("read", None), ("failing", "RuntimeError: ring gone"), ("none", None), (None, None)]
