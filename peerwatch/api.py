@@ -61,17 +61,17 @@ class Handle:
 
     @property
     def verdict(self) -> Optional[Verdict]:
-        return self._w.verdict
+        return self._w.ending.verdict
 
     @property
     def watching(self) -> bool:
         """The watcher thread runs and has not been stopped."""
-        return self._w.thread.is_alive() and not self._w.done.is_set()
+        return self._w.thread.is_alive() and not self._w.ending.done.is_set()
 
     def wait_verdict(self, timeout: Optional[float] = None) -> Optional[Verdict]:
         """Block until a verdict is known (or ``timeout`` seconds pass); the verdict or None."""
-        self._w.verdict_seen.wait(timeout)
-        return self._w.verdict
+        self._w.ending.verdict_seen.wait(timeout)
+        return self._w.ending.verdict
 
     def __repr__(self) -> str:
         return f"<peerwatch.Handle rank={self.rank} run_dir={self.run_dir!r} verdict={self.verdict!r}>"
@@ -179,7 +179,7 @@ def _start(config: Config) -> Watcher:
 def current_verdict() -> Optional[Verdict]:
     """The verdict this process acts on, or None."""
     w = _registry.active()
-    return w.verdict if w is not None else None
+    return w.ending.verdict if w is not None else None
 
 
 # -- watch() ------------------------------------------------------------------------
@@ -204,7 +204,7 @@ class watch:
         handle = _install(self._options)
         self._watcher = _registry.active() if handle is not None else None
         if self._watcher is not None:
-            self._watcher.enter_watch(+1)
+            self._watcher.ending.enter_watch(+1)
         return handle
 
     def __exit__(
@@ -213,15 +213,15 @@ class watch:
         w = self._watcher
         if w is None or _registry.active() is not w:
             return
-        w.enter_watch(-1)
+        w.ending.enter_watch(-1)
         if exc is None or (isinstance(exc, SystemExit) and exc.code in (None, 0) and not isinstance(exc, PeerFailure)):
-            w.record_success()
+            w.ending.record_success()
         elif not isinstance(exc, PeerFailure):
             seen_ns = time.time_ns()  # the failure's time: before the settle wait
             verdict = hooks.consequence_of_peer_failure(w, exc)
             if verdict is not None:
                 raise PeerFailure.from_verdict(verdict) from exc
-            hooks.record_exception(w, exc, tb, seen_ns)
+            hooks.record_exception(w.ending, exc, tb, seen_ns)
 
 
 # -- progress -----------------------------------------------------------------------
@@ -271,7 +271,7 @@ def mark_success() -> None:
     Nothing happens without a watcher, or once a verdict is known."""
     w = _registry.active()
     if w is not None:
-        w.record_success()
+        w.ending.record_success()
 
 
 def record_exception(exc: BaseException) -> Optional[Verdict]:
@@ -287,7 +287,7 @@ def record_exception(exc: BaseException) -> Optional[Verdict]:
     seen_ns = time.time_ns()  # the failure's time: before the settle wait
     verdict = hooks.consequence_of_peer_failure(w, exc)
     if verdict is None:
-        hooks.record_exception(w, exc, exc.__traceback__, seen_ns)
+        hooks.record_exception(w.ending, exc, exc.__traceback__, seen_ns)
     return verdict
 
 

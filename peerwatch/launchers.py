@@ -86,8 +86,8 @@ VerdictListener = Callable[[Verdict], None]
 
 
 class RankLink(Protocol):
-    """What the launcher watch needs of this rank's watcher (no import of it: the watcher
-    imports this module)."""
+    """What the launcher watch needs of how this rank ends (:class:`peerwatch.ending.Ending`;
+    not imported: the watcher, which makes it, imports this module)."""
 
     me: Registration
     done: threading.Event  # this rank is done: stop watching
