@@ -312,7 +312,8 @@ def defer_lightning_observer(watching: Callable[[], bool]) -> bool:
     """Have Lightning's ``_ChildProcessObserver``, once it found a rank ended, leave the job
     to peerwatch for up to :data:`LIGHTNING_DEFER_S` (while ``watching()``) before it
     SIGKILLs every process. Patched on its class, for observers started later too. True
-    once Lightning's module is loaded and patched (call again until then: cheap)."""
+    once Lightning's module is loaded and patched. A chore of every heartbeat: cheap, and
+    once patched only ``watching`` is set again."""
     global _watching
     _watching = watching
     patched = False

@@ -23,7 +23,8 @@ import logging
 import os
 import threading
 import time
-from typing import IO, Optional, Tuple
+from functools import partial
+from typing import IO, Callable, List, Optional, Tuple
 
 from . import executor, launchers
 from .core.config import Config
@@ -129,12 +130,16 @@ class Watcher:
         self._flight_recorder = FlightRecorderDump(run_dir, self.rank)  # evidence torch's analyzer reads
         self.thread = threading.Thread(target=self._main, name=f"peerwatch-rank{self.rank}", daemon=True)
         self._launcher_watch: Optional[launchers.LauncherWatch] = None  # set by start()
-        self._lightning_deferred = False  # Lightning's observer leaves the teardown to peerwatch first
         self.bridge = bridge.Bridge.for_config(config, run_dir, me)  # other hosts, through the store
         self._policy = decide.Policy.from_config(config, shared_fs=bool(run_dir.shared), other_hosts=self.bridge is not None)
-        # The straggler finding (docs/stragglers.md): judged by the lowest live local rank.
-        self._stragglers = StragglerWatch(run_dir, me, config.heartbeat_interval, self.bridge is not None) \
-            if config.stragglers else None
+        # What the watcher thread does on each heartbeat besides judging, in this order: Lightning's
+        # observer gives way (rank 0 under Lightning), the bridge's turn, the straggler finding.
+        self._chores: List[Callable[[], object]] = [partial(launchers.defer_lightning_observer, self.thread.is_alive)]
+        if self.bridge is not None:
+            self._chores.append(self.bridge.tick)
+        if config.stragglers:
+            watch = StragglerWatch(run_dir, me, config.heartbeat_interval, self.bridge is not None)
+            self._chores.append(partial(_judge_stragglers, watch, self.rank, self.heartbeat, self.observer))
         self.ending = Ending(config, me, self.own_records, self.heartbeat, self.bridge, self.thread, self.observer.wake,
                              self.observer.local_pids)
 
@@ -304,15 +309,12 @@ class Watcher:
             self.stacks.arm_gil_watchdog(self.config.gil_timeout)
 
     def _on_beat(self) -> Tuple[bool, bool]:
-        """Heartbeat, GIL watchdog, the bridge; whether this rank judges hangs and other hosts."""
+        """Heartbeat, GIL watchdog, the chores; whether this rank judges hangs and other hosts."""
         self.heartbeat.write(self.observer.local_pids, read_counters=True)
-        if not self._lightning_deferred:  # rank 0 under Lightning: its observer gives way
-            self._lightning_deferred = launchers.defer_lightning_observer(self.thread.is_alive)
         if self.heartbeat.training():
             self._arm_gil_watchdog()
-        if self.bridge is not None:
-            self.bridge.tick()
-        self._judge_stragglers()
+        for chore in self._chores:
+            chore()
         # Diagnosis: judged only once this rank's collectives count (torch.distributed in use).
         diagnosing = self._diagnoser is not None and self.heartbeat.counts_collectives()
         hang, remote = self.config.hang_timeout.on or diagnosing, self.observer.remote is not None
@@ -320,15 +322,6 @@ class Watcher:
             return False, False  # nothing to judge: no need to know who the judges are
         judge = self.rank in self.observer.live_local_ranks()[:HANG_JUDGES]
         return hang and judge, remote and judge
-
-    def _judge_stragglers(self) -> None:
-        """Once a slot, on the lowest live local rank: who the others wait for."""
-        if self._stragglers is None or not self.heartbeat.counts_collectives():
-            return
-        live = self.observer.live_local_ranks()
-        if live[:1] == [self.rank]:
-            peers = {r: self.observer.peers[r].reg for r in live[1:] if r in self.observer.peers}
-            self._stragglers.tick(self.heartbeat.published(), peers)
 
     def _judge(self, sched: Schedule, judge_hang: bool, judge_remote: bool, missing: Tuple[int, ...]) -> Optional[Verdict]:
         """Decide from what was observed; the verdict to act on."""
@@ -418,6 +411,15 @@ def record_death(run_dir: RunDir, rank: int, error: BaseException) -> None:
         run_dir.write(EVENTS, rank_file(WATCHER_DEATH, rank), encode(death), replace=True)
     except Exception as e:  # noqa: BLE001
         logger.error("peerwatch: rank %d could not record in %s that its watcher died: %s", rank, run_dir.path, e)
+
+
+def _judge_stragglers(watch: StragglerWatch, rank: int, heartbeat: HeartbeatWriter, observer: Observer) -> None:
+    """A chore: once a slot, on the lowest live local rank, who the others wait for."""
+    if not heartbeat.counts_collectives():
+        return
+    live = observer.live_local_ranks()
+    if live[:1] == [rank]:
+        watch.tick(heartbeat.published(), {r: observer.peers[r].reg for r in live[1:] if r in observer.peers})
 
 
 def _monotonic(wall_ns: Optional[int]) -> Optional[float]:
