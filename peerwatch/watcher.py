@@ -140,7 +140,7 @@ class Watcher:
         if config.stragglers:
             watch = StragglerWatch(run_dir, me, config.heartbeat_interval, self.bridge is not None)
             self._chores.append(partial(_judge_stragglers, watch, self.rank, self.heartbeat, self.observer))
-        self.ending = Ending(config, me, self.own_records, self.heartbeat, self.bridge, self.thread, self.observer.wake,
+        self.ending = Ending(config, me, self.own_records, self.heartbeat, self.bridge, self.thread, self.observer.local.wake,
                              self.observer.local_pids)
 
     # -- control from other threads ------------------------------------------------
@@ -150,7 +150,7 @@ class Watcher:
         self._launcher_watch = launchers.after_install(self.ending, self.config.exit_code)
 
     def wake(self) -> None:
-        self.observer.wake()
+        self.observer.local.wake()
 
     def children_changed(self) -> None:
         """This process forked (called right after, in the parent): list its children now."""
@@ -192,7 +192,7 @@ class Watcher:
         if self.bridge is not None:
             self.bridge.stop()
         self.heartbeat.stop()
-        self.observer.stop()
+        self.observer.local.stop()
         if self._launcher_watch is not None:
             self._launcher_watch.stop()
         if threading.current_thread() is not self.thread and self.thread.is_alive():
@@ -221,7 +221,7 @@ class Watcher:
 
     def _run(self) -> None:
         obs = self.observer
-        sched = self._schedule(obs.start())
+        sched = self._schedule()
         warm_record_types()  # now, not at a teardown
         while not self.ending.done.is_set():
             now = time.monotonic()
@@ -232,14 +232,14 @@ class Watcher:
             unsure = obs.unsure()  # a look could not tell (EMFILE...): taken again soon
             full_look = sched.full_look(beat, judge_remote, unsure)
             requested = self._settle.requested()
-            woken = obs.wait(sched.timeout(now, judge_remote, unsure))
+            woken = obs.local.wait(sched.timeout(now, judge_remote, unsure))
             if self.ending.done.is_set():
                 break
             obs.awake.tick(time.monotonic_ns())  # a turn that took too long: this thread was not running
             self._note_interrupt()
             if self.heartbeat.children_changed.is_set():
                 self.heartbeat.write(obs.local_pids)
-            lost = obs.storage_lost()  # on every turn: a rank must say at once that it is unprotected
+            lost = self.run_dir.lost(EVENTS)  # on every turn: a rank must say at once that it is unprotected
             if lost is not None:
                 self._stop_judging(lost)
                 return
@@ -287,9 +287,11 @@ class Watcher:
             "a PEERWATCH_DIR that nothing cleans up while it runs.", self.rank, self.run_dir.path, how,
         )
 
-    def _schedule(self, inotify: bool) -> Schedule:
+    def _schedule(self) -> Schedule:
+        """Start the folder watch; when the loop wakes follows from what it can watch."""
         shared = self.observer.remote is not None
-        use_pidfd = self.observer.use_pidfd
+        inotify = self.observer.local.start(folders_disabled=shared and sharedfs.inotify_disabled())
+        use_pidfd = self.observer.local.use_pidfd
         if not use_pidfd:
             logger.info("peerwatch: pidfd is unavailable; rank %d checks its peers every %gs", self.rank, POLL_FALLBACK_S)
         # Shared filesystem: inotify is blind to other hosts anyway; the judges poll and
