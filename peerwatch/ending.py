@@ -1,17 +1,14 @@
-"""How this rank ends: its own outcome (failed, succeeded), the verdict it acts on, and its
-leaving. The process hooks (:mod:`peerwatch.hooks`), ``watch()`` and the launcher watch
-record and await it here; the watcher thread makes the verdict known here and reads the rest.
-Made by the watcher (:attr:`peerwatch.watcher.Watcher.ending`) with what it needs of it.
+"""How this rank ends: its outcome, the verdict it acts on, its leaving. The hooks, ``watch()``
+and the launcher watch record and await it here (:attr:`peerwatch.watcher.Watcher.ending`).
 
 Threads and what each writes:
 - any thread that ends the rank (training thread, a thread's excepthook, the launcher
   watch): ``failed_code``, ``echo`` and ``succeeded``, under ``_lock`` (the first failure
-  wins, as its record does), and the rank's own records, through ``own_records``
-  (:class:`peerwatch.rundir.eventlog.OwnRecords`): on disk before that thread goes on;
-- the watcher thread: the verdict (:meth:`Ending.known`: written once, before
-  ``verdict_seen`` is set);
-- the training thread: ``in_watch`` (``watch()``), ``main_left`` (set as it leaves during a
-  teardown);
+  wins, as its record does), and the rank's own records (:class:`peerwatch.rundir.eventlog.OwnRecords`),
+  on disk before that thread goes on;
+- the watcher thread: the verdict (:meth:`Ending.known`: once, before ``verdict_seen`` is set),
+  and this rank's SIGINTs (:meth:`Ending.note_interrupt`);
+- the training thread: ``in_watch`` (``watch()``), ``main_left`` (as it leaves during a teardown);
 - ``done`` (stop watching: the rank is finished), set by :meth:`peerwatch.watcher.Watcher.stop`.
 """
 
@@ -24,9 +21,10 @@ import time
 from typing import AbstractSet, Callable, Optional
 
 from .core.config import Config
-from .core.records import EXCEPTION, Failure, Registration, Success, Verdict
+from .core.records import EXCEPTION, Failure, Interrupt, Registration, Success, Verdict
 from .hangs.heartbeat import HeartbeatWriter
 from .hosts.bridge import Bridge
+from .rundir import exitwatch
 from .rundir.eventlog import OwnRecords
 from .verdict import plan
 
@@ -34,7 +32,7 @@ logger = logging.getLogger("peerwatch")
 
 
 class Ending:
-    """How this rank ends, as far as it is known (see the module's docstring for who writes what)."""
+    """How this rank ends, as far as it is known (the module's docstring says who writes what)."""
 
     def __init__(
         self, config: Config, me: Registration, own_records: OwnRecords, heartbeat: HeartbeatWriter,
@@ -57,6 +55,7 @@ class Ending:
         self.done = threading.Event()
         self.main_left = threading.Event()
         self._verdict: Optional[Verdict] = None
+        self._interrupt_noted: Optional[int] = None  # the last SIGINT said (its monotonic time): note_interrupt
 
     @property
     def verdict(self) -> Optional[Verdict]:
@@ -130,6 +129,21 @@ class Ending:
     def final_heartbeat(self) -> None:
         """The step this rank stopped at: for the report and ``peerwatch status``."""
         self._heartbeat.write_last(self._local_pids)
+
+    def note_interrupt(self) -> None:
+        """A SIGINT came since the last look (the C extension notes it as it arrives): say so
+        in ``events/interrupt-<rank>.json`` (rule: interrupts are not failures). Not a failure (the
+        application may catch the KeyboardInterrupt): the evidence that this rank got the
+        job's Ctrl-C too, where its main thread cannot raise yet (it waits in a collective
+        for a peer that did). The watcher thread looks on every turn (a heartbeat apart at most);
+        ``_interrupt_noted`` is its own."""
+        seen = exitwatch.last_interrupt()
+        if seen is None or seen[0] == self._interrupt_noted:
+            return
+        self._interrupt_noted = seen[0]
+        at_ns = time.time_ns() - max(0, time.monotonic_ns() - seen[0])
+        self._records.interrupt(Interrupt(rank=self.rank, pid=self.me.pid, time_ns=at_ns, signal="SIGINT",
+                                          signalled_by=seen[1]))
 
     # -- leaving -------------------------------------------------------------------------
 

@@ -358,7 +358,7 @@ def tell_consequence(
     me = terminal.who(w.rank, w.me.pid, w.me.host)
     failed = terminal.who(verdict.rank, verdict.pid, verdict.host)
     interrupted = verdict.cause == INTERRUPTED  # nobody failed: no rank is named
-    kept = terminal.keep_consequence(w.stack_file(), me, failed, exc_type, exc, tb, interrupted)
+    kept = terminal.keep_consequence(w.stacks.file, me, failed, exc_type, exc, tb, interrupted)
     if raised_by_torch_distributed(exc, tb) and not w.config.verbose:
         return
     previous(exc_type, exc, tb)
@@ -484,8 +484,8 @@ def _leaving(registry: Registry) -> None:
     peers' collectives then fail: echoes of how it ends; rule: echo waits for the leaving)."""
     try:
         w = registry.active()
-        if w is not None and w.ending.verdict is None and w.ending.failed_code is None and exitwatch.armed():
-            w.ending.record_leaving()
+        if w is not None and exitwatch.armed():
+            w.ending.record_leaving()  # unless its end is known already
     except Exception:  # noqa: BLE001 - an exit hook of threading's: it must never raise
         logger.exception("peerwatch: could not record that this rank is leaving")
 

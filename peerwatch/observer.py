@@ -1,16 +1,14 @@
 """What one rank knows of its run, gathered from the sources, handed to decide() as
 :class:`peerwatch.verdict.decide.Observed`.
 
-The sources: the records in ``ranks/`` and ``events/`` (read here, when inotify on those
-folders or a poll says to look), this host's peers as processes (:class:`peerwatch.peers.LocalPeers`,
-``Observer.local``: their pidfds, post-mortems, heartbeats, and the descriptors the watcher
-sleeps on), and other hosts' records on a shared filesystem.
+The sources: the records in ``ranks/`` and ``events/`` (read here), this host's peers as
+processes (``Observer.local``, :class:`peerwatch.peers.LocalPeers`, which also holds what the
+watcher sleeps on), and other hosts' records on a shared filesystem.
 
-Threads: everything here is owned by the watcher thread (see :mod:`peerwatch.peers` for the
-calls any thread may make). Nothing else writes its state: the rank's own records (failure, success...), written by
-other threads, go to disk through :class:`peerwatch.rundir.eventlog.OwnRecords` and are read
-back here like any other record; the hang diagnosis is recorded through
-:meth:`Observer.record_diagnosis`.
+Threads: owned by the watcher thread (:mod:`peerwatch.peers` names the calls any thread may
+make). Nothing else writes its state: the rank's own records, written by other threads, go to
+disk through :class:`peerwatch.rundir.eventlog.OwnRecords` and are read back here like any
+other record; the hang diagnosis is recorded through :meth:`Observer.record_diagnosis`.
 """
 
 from __future__ import annotations
@@ -66,9 +64,7 @@ class Observer:
         self.me = me
         self.remote = remote  # shared-filesystem mode: other hosts' heartbeats
         self.local = LocalPeers(run_dir, me, use_pidfd, self._post_mortem, self.awake)
-        # The local peers watched through the OS, and those seen gone (rank -> when, time_ns):
-        # the LocalPeers' (written there, read here).
-        self.peers, self.gone = self.local.peers, self.local.gone
+        self.peers, self.gone = self.local.peers, self.local.gone  # the LocalPeers' (written there, read here)
         # Where this process's records are written (its own, from other threads, too).
         self._records = records if records is not None else OwnRecords(run_dir, me)
         self.registrations: Dict[int, Registration] = {me.rank: me}

@@ -1,15 +1,13 @@
 """This host's peers as processes, and what the watcher thread sleeps on.
 
-Each local peer is watched through the OS (:class:`peerwatch.proc.sources.Peer`): its pidfd,
-in one poll set with the wake pipe and the folder watch (:class:`peerwatch.proc.waker.Waker`),
-or a look at ``/proc`` where pidfds are not used or could not be had. A peer seen gone gets
-its post-mortem (its exit status where we are its parent, else faulthandler's last words in
-its stack file), handed to the observer as records. For the hang judges: how each live local
-rank moves (its heartbeat and ``/proc`` state), and which began to leave.
+Each local peer is watched through its pidfd, in one poll set with the wake pipe and the folder
+watch (:class:`peerwatch.proc.waker.Waker`), or by a look at ``/proc``. A peer seen gone gets its
+post-mortem (its exit status where we are its parent, else faulthandler's last words in its
+stack file), handed to the observer. For the hang judges: how each live local rank moves (its
+heartbeat and ``/proc`` state), and which began to leave.
 
-Threads: owned by the watcher thread (its observer's, :attr:`peerwatch.observer.Observer.local`), except
-:meth:`LocalPeers.wake` and :meth:`LocalPeers.stop`, which any thread may call (see
-:class:`peerwatch.proc.waker.Waker`).
+Threads: owned by the watcher thread (:attr:`peerwatch.observer.Observer.local`), except
+:meth:`LocalPeers.wake` and :meth:`LocalPeers.stop` (any thread; see the Waker).
 """
 
 from __future__ import annotations
@@ -38,9 +36,9 @@ Ended = Callable[[int, Optional[ExitStatus], Optional[Failure]], None]  # rank, 
 
 
 class LocalPeers:
-    """The local peers watched through the OS (``peers``), those seen gone (``gone``: rank ->
-    when, ``time_ns``), and the descriptors the watcher sleeps on. ``ended`` is told each
-    post-mortem; ``awake`` is the hang judges' clock (ticked by the observer's owner)."""
+    """The local peers watched (``peers``), those seen gone (``gone``: rank -> ``time_ns``), and
+    the descriptors the watcher sleeps on. ``ended`` is told each post-mortem; ``awake`` is the
+    hang judges' clock."""
 
     def __init__(self, run_dir: RunDir, me: Registration, use_pidfd: bool, ended: Ended, awake: AwakeClock) -> None:
         self.run_dir = run_dir

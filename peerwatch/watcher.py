@@ -5,15 +5,11 @@ decide (:func:`peerwatch.verdict.decide.decide`, pure), act on a verdict (a plan
 from :mod:`peerwatch.verdict.plan`, pure, carried out by :mod:`peerwatch.executor`), report. When it
 wakes and what is due is :class:`peerwatch.core.schedule.Schedule`'s answer.
 
-Threads and what they own:
-- the watcher thread (``peerwatch-rank<N>``): the observer, the schedule, the per-beat chores,
-  ``_peer_failure_known``, the flight-recorder dumps; it makes the verdict known
-  (:meth:`peerwatch.ending.Ending.known`);
-- how this rank ends (its outcome, the verdict, ``done``, ``in_watch``, ``main_left``) is
-  :attr:`Watcher.ending`'s (:class:`peerwatch.ending.Ending`, which says who writes what): the
-  hooks record and await it there.
-Threads talk through events (``verdict_seen``, ``done``, ``main_left``), the wake pipe
-and the settle condition. :meth:`Watcher.stop` stops and joins every thread it started.
+Threads: the watcher thread (``peerwatch-rank<N>``) owns the observer, the schedule, the
+per-beat chores, ``_peer_failure_known`` and the flight-recorder dumps; how this rank ends is
+:attr:`Watcher.ending`'s (:class:`peerwatch.ending.Ending` says who writes what). Threads talk
+through its events, the wake pipe and the settle condition. :meth:`Watcher.stop` stops and
+joins every thread it started.
 """
 
 from __future__ import annotations
@@ -24,13 +20,12 @@ import os
 import threading
 import time
 from functools import partial
-from typing import IO, Callable, List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 from . import executor, launchers
 from .core.config import Config
 from .core.records import (
     WATCHER_DEATH,
-    Interrupt,
     Registration,
     Verdict,
     WatcherDeath,
@@ -47,7 +42,6 @@ from .hosts.stragglerwatch import StragglerWatch
 from .observer import Observer
 from .proc.identity import local_ranks
 from .proc.sources import pidfd_supported
-from .rundir import exitwatch
 from .rundir.eventlog import OwnRecords
 from .rundir.eventlog import log as log_event
 from .rundir.rundir import EVENTS, VERDICT_FILE, RunDir, rank_file
@@ -119,9 +113,8 @@ class Watcher:
         remote = sharedfs.RemoteWatch(run_dir, config.heartbeat_interval, config.peer_timeout) if run_dir.shared else None
         # This rank's own records (failure, success...) are written by whichever thread ends
         # it (see Ending), through their own writer, and read back by the observer like any other record.
-        self.own_records = OwnRecords(run_dir, me)
-        self._interrupt_noted: Optional[int] = None  # the last SIGINT said (its monotonic time): _note_interrupt
-        self.observer = Observer(run_dir, me, use_pidfd, remote, self.own_records, config.heartbeat_interval)
+        own_records = OwnRecords(run_dir, me)
+        self.observer = Observer(run_dir, me, use_pidfd, remote, own_records, config.heartbeat_interval)
         self.heartbeat = HeartbeatWriter(run_dir, me, self.progress, with_position=config.hang_timeout.on,
                                          read_collectives=config.reads_collectives,
                                          measure_waits=config.stragglers, interval_s=config.heartbeat_interval)
@@ -140,7 +133,7 @@ class Watcher:
         if config.stragglers:
             watch = StragglerWatch(run_dir, me, config.heartbeat_interval, self.bridge is not None)
             self._chores.append(partial(_judge_stragglers, watch, self.rank, self.heartbeat, self.observer))
-        self.ending = Ending(config, me, self.own_records, self.heartbeat, self.bridge, self.thread, self.observer.local.wake,
+        self.ending = Ending(config, me, own_records, self.heartbeat, self.bridge, self.thread, self.observer.local.wake,
                              self.observer.local_pids)
 
     # -- control from other threads ------------------------------------------------
@@ -149,13 +142,10 @@ class Watcher:
         self.thread.start()
         self._launcher_watch = launchers.after_install(self.ending, self.config.exit_code)
 
-    def wake(self) -> None:
-        self.observer.local.wake()
-
     def children_changed(self) -> None:
         """This process forked (called right after, in the parent): list its children now."""
         self.heartbeat.children_changed.set()
-        self.wake()
+        self.observer.local.wake()
 
     def publish_heartbeat(self) -> None:
         """Write this rank's heartbeat now (paused() calls it: the judges must not miss a pause)."""
@@ -171,7 +161,7 @@ class Watcher:
         if threading.current_thread() is self.thread or not self.thread.is_alive():
             return
         wanted = self._settle.request()
-        self.wake()
+        self.observer.local.wake()
         self._settle.wait(wanted, timeout, self.ending.verdict_seen)
 
     def peer_failed(self) -> bool:
@@ -186,7 +176,7 @@ class Watcher:
         if not e.done.is_set() and not e.verdict_seen.is_set():
             e.final_heartbeat()  # the step it finished at
         e.done.set()
-        self.wake()
+        self.observer.local.wake()
         if self.config.gil_timeout is not None and not e.verdict_seen.is_set():
             self.stacks.cancel_timer()
         if self.bridge is not None:
@@ -202,10 +192,6 @@ class Watcher:
         """After :meth:`stop`: is a thread of the store bridge still inside a store request
         (torch's C++ client, the GIL released)? It must not wake while Python finalizes."""
         return self.bridge is not None and bool(self.bridge.left_in_store)
-
-    def stack_file(self) -> Optional[IO[str]]:
-        """This rank's stack file, open (for a traceback kept out of the terminal), or None."""
-        return self.stacks.file
 
     # -- the thread ----------------------------------------------------------------
 
@@ -236,7 +222,7 @@ class Watcher:
             if self.ending.done.is_set():
                 break
             obs.awake.tick(time.monotonic_ns())  # a turn that took too long: this thread was not running
-            self._note_interrupt()
+            self.ending.note_interrupt()
             if self.heartbeat.children_changed.is_set():
                 self.heartbeat.write(obs.local_pids)
             lost = self.run_dir.lost(EVENTS)  # on every turn: a rank must say at once that it is unprotected
@@ -258,20 +244,6 @@ class Watcher:
                 obs.flush()
                 self._peer_failure_known = obs.peer_failed()
             self._settle.looked(requested)
-
-    def _note_interrupt(self) -> None:
-        """A SIGINT came since the last look (the C extension notes it as it arrives): say so
-        in ``events/interrupt-<rank>.json`` (rule: interrupts are not failures). Not a failure (the
-        application may catch the KeyboardInterrupt): the evidence that this rank got the
-        job's Ctrl-C too, where its main thread cannot raise yet (it waits in a collective
-        for a peer that did). Seen within a heartbeat at most: the watcher wakes that often."""
-        seen = exitwatch.last_interrupt()
-        if seen is None or seen[0] == self._interrupt_noted:
-            return
-        self._interrupt_noted = seen[0]
-        at_ns = time.time_ns() - max(0, time.monotonic_ns() - seen[0])
-        self.own_records.interrupt(Interrupt(rank=self.rank, pid=self.me.pid, time_ns=at_ns, signal="SIGINT",
-                                             signalled_by=seen[1]))
 
     def _stop_judging(self, how: str) -> None:
         """The run directory is gone: no success marker, failure record or acknowledgement
