@@ -218,7 +218,7 @@ class watch:
             w.ending.record_success()
         elif not isinstance(exc, PeerFailure):
             seen_ns = time.time_ns()  # the failure's time: before the settle wait
-            verdict = hooks.consequence_of_peer_failure(w, exc)
+            verdict = hooks.consequence_of_peer_failure(w.ending, exc)
             if verdict is not None:
                 raise PeerFailure.from_verdict(verdict) from exc
             hooks.record_exception(w.ending, exc, tb, seen_ns)
@@ -285,7 +285,7 @@ def record_exception(exc: BaseException) -> Optional[Verdict]:
     if isinstance(exc, SystemExit) and exc.code in (None, 0):
         return None
     seen_ns = time.time_ns()  # the failure's time: before the settle wait
-    verdict = hooks.consequence_of_peer_failure(w, exc)
+    verdict = hooks.consequence_of_peer_failure(w.ending, exc)
     if verdict is None:
         hooks.record_exception(w.ending, exc, exc.__traceback__, seen_ns)
     return verdict

@@ -1,5 +1,6 @@
-"""How this rank ends: its outcome, the verdict it acts on, its leaving. The hooks, ``watch()``
-and the launcher watch record and await it here (:attr:`peerwatch.watcher.Watcher.ending`).
+"""How this rank ends: its outcome, the verdict it acts on, whether its exception followed a
+peer's failure, its leaving. The hooks, ``watch()`` and the launcher watch record, judge and
+await it here (:attr:`peerwatch.watcher.Watcher.ending`).
 
 Threads and what each writes:
 - any thread that ends the rank (training thread, a thread's excepthook, the launcher
@@ -7,7 +8,10 @@ Threads and what each writes:
   wins, as its record does), and the rank's own records (:class:`peerwatch.rundir.eventlog.OwnRecords`),
   on disk before that thread goes on;
 - the watcher thread: the verdict (:meth:`Ending.known`: once, before ``verdict_seen`` is set),
-  and this rank's SIGINTs (:meth:`Ending.note_interrupt`);
+  ``peer_failure_known``, the looks it took for a settle (``_settled``, under ``_settle``), and
+  this rank's SIGINTs (:meth:`Ending.note_interrupt`);
+- a thread about to judge its exception asks for a look (:meth:`Ending.settle`: ``_requested``,
+  under ``_settle``);
 - the training thread: ``in_watch`` (``watch()``), ``main_left`` (as it leaves during a teardown);
 - ``done`` (stop watching: the rank is finished), set by :meth:`peerwatch.watcher.Watcher.stop`.
 """
@@ -56,6 +60,9 @@ class Ending:
         self.main_left = threading.Event()
         self._verdict: Optional[Verdict] = None
         self._interrupt_noted: Optional[int] = None  # the last SIGINT said (its monotonic time): note_interrupt
+        self.peer_failure_known = False  # a peer failed, judged or not yet, as the watcher last looked
+        self._settle = threading.Condition()
+        self._requested = self._settled = 0  # looks asked for, and taken by the watcher
 
     @property
     def verdict(self) -> Optional[Verdict]:
@@ -65,6 +72,8 @@ class Ending:
         """The watcher thread acts on ``verdict``: made known in this process."""
         self._verdict = verdict
         self.verdict_seen.set()
+        with self._settle:
+            self._settle.notify_all()  # a settle waits no more
 
     def is_over(self) -> bool:
         """A verdict is known, or this rank is done."""
@@ -75,6 +84,47 @@ class Ending:
         v = self._verdict
         assert v is not None
         return plan.exit_code(self.rank, v.rank, v.exit_code, self.failed_code)
+
+    def peer_failed(self) -> bool:
+        """True if the watcher knows of a failure of another rank (judged or not yet)."""
+        v = self.verdict
+        return v.rank != self.rank if v is not None else self.peer_failure_known
+
+    # -- a settle: one full look by the watcher before an exception is judged ------------
+
+    def settle(self, timeout: float) -> None:
+        """Wait until the watcher has taken one full look at its sources (or has a verdict).
+
+        Called from the training thread when it is about to fail: a peer that died just
+        before (its pidfd already fired) is then known, so the exception can be told
+        apart as a consequence (gloo's "connection reset") rather than a root cause.
+        """
+        if threading.current_thread() is self._watcher or not self._watcher.is_alive():
+            return
+        with self._settle:
+            self._requested += 1
+            wanted = self._requested
+        self._wake()
+        deadline = time.monotonic() + timeout
+        with self._settle:
+            while self._settled < wanted and not self.verdict_seen.is_set():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return
+                self._settle.wait(left)
+
+    def looks_asked(self) -> int:
+        """The watcher thread, before it looks: how many looks were asked for so far."""
+        with self._settle:
+            return self._requested
+
+    def looked(self, upto: int) -> None:
+        """The watcher thread took a full look: the settles that asked before it are answered."""
+        if upto <= self._settled:  # the watcher is _settled's one writer: read without the lock
+            return  # (on every turn of the loop; a request is rare)
+        with self._settle:
+            self._settled = max(self._settled, upto)
+            self._settle.notify_all()
 
     def enter_watch(self, delta: int) -> None:
         """The training thread entered (+1) or left (-1) ``watch()``: it alone writes ``in_watch``."""

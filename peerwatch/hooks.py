@@ -88,7 +88,7 @@ class Registry:
 # -- judging an exception -----------------------------------------------------------
 
 
-def consequence_of_peer_failure(w: Watcher, exc: Optional[BaseException] = None) -> Optional[Verdict]:
+def consequence_of_peer_failure(e: Ending, exc: Optional[BaseException] = None) -> Optional[Verdict]:
     """If a peer failed before this rank's exception ``exc``, the verdict on that peer; else None.
 
     When a peer dies, the survivors' collectives fail within milliseconds ("Connection
@@ -98,14 +98,13 @@ def consequence_of_peer_failure(w: Watcher, exc: Optional[BaseException] = None)
     SIGINT): it is recorded at once, so that where every rank got the same SIGINT (Ctrl-C)
     each says so before the verdict, which then blames none (rule: interrupts are not failures).
     """
-    e = w.ending
     v = e.verdict
     if v is not None:
         return v if v.rank != e.rank else None
     if isinstance(exc, KeyboardInterrupt):
         return None
-    w.settle(SETTLE_S)
-    if not w.peer_failed():
+    e.settle(SETTLE_S)
+    if not e.peer_failed():
         return None
     e.verdict_seen.wait(e.config.parent_wait + SETTLE_S)
     v = e.verdict
@@ -327,7 +326,7 @@ def _excepthook(registry: Registry, previous: Callable[..., Any]) -> Callable[..
             previous(exc_type, exc, tb)
             tell_workers_failure(w, exc, workers)
             return
-        verdict = consequence_of_peer_failure(w, exc)
+        verdict = consequence_of_peer_failure(w.ending, exc)
         if verdict is None:
             record_exception(w.ending, exc, tb, seen_ns)
             previous(exc_type, exc, tb)
@@ -415,7 +414,7 @@ def _record_exit_call(registry: Registry, status: Any, call: str, caller: Option
     code = exit_status(status)
     # torch.multiprocessing.spawn turns a worker's exception into sys.exit(1): gloo's
     # "connection reset" after a peer died is a consequence here too, not a cause.
-    if code == 0 or e.verdict is not None or consequence_of_peer_failure(w) is not None:
+    if code == 0 or e.verdict is not None or consequence_of_peer_failure(e) is not None:
         return
     raised = spawn_wrapped(caller)
     if raised is not None:

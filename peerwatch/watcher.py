@@ -6,10 +6,9 @@ from :mod:`peerwatch.verdict.plan`, pure, carried out by :mod:`peerwatch.executo
 wakes and what is due is :class:`peerwatch.core.schedule.Schedule`'s answer.
 
 Threads: the watcher thread (``peerwatch-rank<N>``) owns the observer, the schedule, the
-per-beat chores, ``_peer_failure_known`` and the flight-recorder dumps; how this rank ends is
-:attr:`Watcher.ending`'s (:class:`peerwatch.ending.Ending` says who writes what). Threads talk
-through its events, the wake pipe and the settle condition. :meth:`Watcher.stop` stops and
-joins every thread it started.
+per-beat chores and the flight-recorder dumps; how this rank ends is :attr:`Watcher.ending`'s
+(:class:`peerwatch.ending.Ending` says who writes what). Threads talk through its events, its
+settle condition and the wake pipe. :meth:`Watcher.stop` stops and joins every thread it started.
 """
 
 from __future__ import annotations
@@ -55,45 +54,6 @@ HANG_JUDGES = 2  # the lowest live local ranks judge hangs: O(N) heartbeat reads
 STALE_BEATS = 3  # a peer whose heartbeat is this many intervals old has a silent watcher
 
 
-class Settle:
-    """The training thread asks for one full look before it judges an exception; the
-    watcher says when it has taken it. Guarded by its condition."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._requested = 0
-        self._settled = 0
-
-    def request(self) -> int:
-        with self._cond:
-            self._requested += 1
-            return self._requested
-
-    def requested(self) -> int:
-        with self._cond:
-            return self._requested
-
-    def looked(self, upto: int) -> None:
-        if upto <= self._settled:  # the watcher is _settled's one writer: read without the lock
-            return  # (on every turn of the loop; a request is rare)
-        with self._cond:
-            self._settled = max(self._settled, upto)
-            self._cond.notify_all()
-
-    def wait(self, wanted: int, timeout: float, give_up: threading.Event) -> None:
-        deadline = time.monotonic() + timeout
-        with self._cond:
-            while self._settled < wanted and not give_up.is_set():
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return
-                self._cond.wait(left)
-
-    def release(self) -> None:
-        with self._cond:
-            self._cond.notify_all()
-
-
 class Watcher:
     """Watches the local peers of one rank. Created and started by :func:`peerwatch.install`."""
 
@@ -107,8 +67,6 @@ class Watcher:
         self.stacks = stacks
         self.interrupt_installed = interrupt_installed  # our signal handler raises PeerFailure in the main thread
         self.progress = OwnProgress(on_first_beat=self._arm_gil_watchdog)
-        self._settle = Settle()
-        self._peer_failure_known = False
         use_pidfd = config.use_pidfd and pidfd_supported()
         remote = sharedfs.RemoteWatch(run_dir, config.heartbeat_interval, config.peer_timeout) if run_dir.shared else None
         # This rank's own records (failure, success...) are written by whichever thread ends
@@ -150,24 +108,6 @@ class Watcher:
     def publish_heartbeat(self) -> None:
         """Write this rank's heartbeat now (paused() calls it: the judges must not miss a pause)."""
         self.heartbeat.write(self.observer.local_pids)
-
-    def settle(self, timeout: float) -> None:
-        """Wait until the watcher has taken one full look at its sources (or has a verdict).
-
-        Called from the training thread when it is about to fail: a peer that died just
-        before (its pidfd already fired) is then known, so the exception can be told
-        apart as a consequence (gloo's "connection reset") rather than a root cause.
-        """
-        if threading.current_thread() is self.thread or not self.thread.is_alive():
-            return
-        wanted = self._settle.request()
-        self.observer.local.wake()
-        self._settle.wait(wanted, timeout, self.ending.verdict_seen)
-
-    def peer_failed(self) -> bool:
-        """True if this watcher knows of a failure of another rank (judged or not yet)."""
-        v = self.ending.verdict
-        return v.rank != self.rank if v is not None else self._peer_failure_known
 
     def stop(self, timeout: float = 5.0) -> None:
         """Stop watching (this rank is done). Safe to call from any thread, more than once;
@@ -217,7 +157,7 @@ class Watcher:
                 judge_hang, judge_remote = self._on_beat()
             unsure = obs.unsure()  # a look could not tell (EMFILE...): taken again soon
             full_look = sched.full_look(beat, judge_remote, unsure)
-            requested = self._settle.requested()
+            requested = self.ending.looks_asked()
             woken = obs.local.wait(sched.timeout(now, judge_remote, unsure))
             if self.ending.done.is_set():
                 break
@@ -242,8 +182,8 @@ class Watcher:
                     return
                 self._flight_recorder.on_diagnosis(obs.diagnosis())  # a stall: each rank dumps, once
                 obs.flush()
-                self._peer_failure_known = obs.peer_failed()
-            self._settle.looked(requested)
+                self.ending.peer_failure_known = obs.peer_failed()
+            self.ending.looked(requested)
 
     def _stop_judging(self, how: str) -> None:
         """The run directory is gone: no success marker, failure record or acknowledgement
@@ -371,7 +311,6 @@ class Watcher:
                 verdict = existing if existing is not None else verdict
         obs.flush()  # how the dead rank ended, for its peers and the report
         self.ending.known(verdict)
-        self._settle.release()
         return verdict, wrote
 
 
@@ -403,4 +342,4 @@ def _monotonic(wall_ns: Optional[int]) -> Optional[float]:
     return time.monotonic() + (wall_ns - time.time_ns()) / 1e9
 
 
-__all__ = ["Settle", "Watcher", "record_death"]
+__all__ = ["Watcher", "record_death"]
