@@ -108,11 +108,6 @@ class Observer:
                     eventlog.record(self.run_dir, EVENTS, name, record, self.me.rank)
         self._unread_said = self._unread_said and self.unread
 
-    def unsure(self) -> bool:
-        """Something could not be looked at (EMFILE...): a record, or whether a peer runs.
-        The watcher looks again soon, not only when a source fires."""
-        return self.local.unsure() or self.unread
-
     def _read(self, sub: str, name: str, cls: Type[R]) -> Optional[R]:
         """The record, as :meth:`RunDir.read`; one that cannot be read now (EMFILE...) is
         None, and is read again at the next scan."""

@@ -155,7 +155,7 @@ class Watcher:
             judge_hang = judge_remote = False
             if beat:
                 judge_hang, judge_remote = self._on_beat()
-            unsure = obs.unsure()  # a look could not tell (EMFILE...): taken again soon
+            unsure = obs.local.unsure() or obs.unread  # a peer or a record could not be told (EMFILE...): soon again
             full_look = sched.full_look(beat, judge_remote, unsure)
             requested = self.ending.looks_asked()
             woken = obs.local.wait(sched.timeout(now, judge_remote, unsure))
