@@ -4,7 +4,7 @@ signal handler that raises :class:`PeerFailure` in the main thread.
 Installed once per process by :func:`install_hooks`; they act only through the
 :class:`Registry` given, which answers for the process that installed the watcher: a
 forked child (a DataLoader worker) never writes the rank's records. How the rank ends is
-recorded and awaited on the watcher's :class:`peerwatch.ending.Ending`.
+recorded, judged and awaited on its :class:`peerwatch.ending.Ending` (:meth:`Registry.ending`).
 
 ``sys.exit`` and the builtins ``exit``/``quit`` are replaced so that a non-zero exit of
 the main thread is recorded with where it came from. What no Python hook sees (a
@@ -73,13 +73,17 @@ class Registry:
         w = self._watcher
         return w if w is not None and self._owner_pid == os.getpid() else None
 
+    def ending(self) -> Optional[Ending]:
+        """How this very process's rank ends: what the hooks record, judge and await."""
+        w = self.active()
+        return w.ending if w is not None else None
+
     def forget(self) -> None:
         self._watcher = None
 
     def on_interrupt(self, signum: int, frame: Any) -> None:
         """The INTERRUPT_SIGNAL handler: PeerFailure in the main thread, inside watch()."""
-        w = self.active()
-        e = w.ending if w is not None else None
+        e = self.ending()
         v = e.verdict if e is not None else None
         if e is not None and v is not None and e.in_watch > 0 and v.rank != e.rank:
             raise PeerFailure.from_verdict(v)
@@ -373,9 +377,9 @@ def tell_consequence(
 
 def _threading_excepthook(registry: Registry, previous: Callable[[Any], Any]) -> Callable[[Any], None]:
     def threading_excepthook(args: Any) -> None:
-        w = registry.active()
-        if w is not None and args.exc_value is not None and not isinstance(args.exc_value, SystemExit):
-            _record_thread_exception(w.ending, args)
+        e = registry.ending()
+        if e is not None and args.exc_value is not None and not isinstance(args.exc_value, SystemExit):
+            _record_thread_exception(e, args)
         previous(args)
 
     return threading_excepthook
@@ -407,10 +411,9 @@ def _record_exit_call(registry: Registry, status: Any, call: str, caller: Option
     seen_ns = time.time_ns()  # the exit's time: before the settle wait of consequence_of_peer_failure
     if threading.current_thread() is threading.main_thread() and registry.main_frame is not None:
         registry.exit_call = (status, registry.main_frame.f_lasti)
-    w = registry.active()
-    if w is None or threading.current_thread() is not threading.main_thread() or w.ending.in_watch:
+    e = registry.ending()
+    if e is None or threading.current_thread() is not threading.main_thread() or e.in_watch:
         return
-    e = w.ending
     code = exit_status(status)
     # torch.multiprocessing.spawn turns a worker's exception into sys.exit(1): gloo's
     # "connection reset" after a peer died is a consequence here too, not a cause.
@@ -482,9 +485,9 @@ def _leaving(registry: Registry) -> None:
     say that the rank is leaving, before its sockets close while Python finalizes (its
     peers' collectives then fail: echoes of how it ends; rule: echo waits for the leaving)."""
     try:
-        w = registry.active()
-        if w is not None and exitwatch.armed():
-            w.ending.record_leaving()  # unless its end is known already
+        e = registry.ending()
+        if e is not None and exitwatch.armed():
+            e.record_leaving()  # unless its end is known already
     except Exception:  # noqa: BLE001 - an exit hook of threading's: it must never raise
         logger.exception("peerwatch: could not record that this rank is leaving")
 
