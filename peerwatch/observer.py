@@ -47,7 +47,6 @@ R = TypeVar("R")
 
 _IDENTIFIED = (Success, Failure, ExitStatus, Ack)  # a rank's records that name its process
 _WATCHED_EVENTS = {k: v for k, v in EVENT_TYPES.items() if k not in ("thread", "unsignalled")}  # for the report only
-STACK_DUMP_LIMIT = 1 << 20  # bytes of a dead peer's stack file read for its last words
 
 
 class Observer:
