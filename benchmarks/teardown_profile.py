@@ -33,7 +33,7 @@ _SITECUSTOMIZE = '''
 import os
 if os.environ.get("PWPROF_DIR"):
     import cProfile, json, sys, time
-    import peerwatch.verdict.leave as leave, peerwatch.observer as observer, peerwatch.watcher as watcher
+    import peerwatch.verdict.leave as leave, peerwatch.peers as peers, peerwatch.watcher as watcher
     _state = {}
 
     def _threads():
@@ -60,7 +60,7 @@ if os.environ.get("PWPROF_DIR"):
             _state["prof"] = cProfile.Profile(time.thread_time)
             _state["prof"].enable()
 
-    _peer_gone = observer.Observer._peer_gone
+    _peer_gone = peers.LocalPeers._gone
     def peer_gone(self, rank):
         _begin("peer gone")
         return _peer_gone(self, rank)
@@ -88,7 +88,7 @@ if os.environ.get("PWPROF_DIR"):
                 prof.dump_stats(out + ".prof")
         return _flush_and_exit(code)
 
-    observer.Observer._peer_gone = peer_gone
+    peers.LocalPeers._gone = peer_gone
     watcher.Watcher._act = act
     leave.flush_and_exit = flush_and_exit
 '''

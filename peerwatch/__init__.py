@@ -21,7 +21,7 @@ its subpackages and modules are internal.
 #   hangs/     collectives heartbeat waits diagnose straggler frdump
 #   hosts/     hosts store_protocol store_client election bridge sharedfs stragglerwatch
 #   verdict/   decide plan enforce notify keeper report leave
-#   (here)     api hooks watcher observer diagnoser executor launchers: the wiring
+#   (here)     api hooks ending watcher observer peers diagnoser executor launchers: the wiring
 #   tools/     cli doctor timeline: the command line, above the API
 #   integrations/ torch lightning
 # A lower package that needs something done above it is passed a callable or a value (the

@@ -19,6 +19,7 @@ from .core import terminal
 from .core.config import Config, unknown_variables
 from .core.errors import PeerFailure, RunDirError
 from .core.records import Registration, Verdict
+from .ending import Ending
 from .hosts import sharedfs
 from .proc import identity
 from .rundir import basedir, eventlog, prepare, rundir
@@ -61,17 +62,17 @@ class Handle:
 
     @property
     def verdict(self) -> Optional[Verdict]:
-        return self._w.verdict
+        return self._w.ending.verdict
 
     @property
     def watching(self) -> bool:
         """The watcher thread runs and has not been stopped."""
-        return self._w.thread.is_alive() and not self._w.done.is_set()
+        return self._w.thread.is_alive() and not self._w.ending.done.is_set()
 
     def wait_verdict(self, timeout: Optional[float] = None) -> Optional[Verdict]:
         """Block until a verdict is known (or ``timeout`` seconds pass); the verdict or None."""
-        self._w.verdict_seen.wait(timeout)
-        return self._w.verdict
+        self._w.ending.verdict_seen.wait(timeout)
+        return self._w.ending.verdict
 
     def __repr__(self) -> str:
         return f"<peerwatch.Handle rank={self.rank} run_dir={self.run_dir!r} verdict={self.verdict!r}>"
@@ -178,8 +179,8 @@ def _start(config: Config) -> Watcher:
 
 def current_verdict() -> Optional[Verdict]:
     """The verdict this process acts on, or None."""
-    w = _registry.active()
-    return w.verdict if w is not None else None
+    e = _registry.ending()
+    return e.verdict if e is not None else None
 
 
 # -- watch() ------------------------------------------------------------------------
@@ -198,30 +199,30 @@ class watch:
 
     def __init__(self, **options: Any) -> None:
         self._options = options
-        self._watcher: Optional[Watcher] = None
+        self._ending: Optional[Ending] = None
 
     def __enter__(self) -> Optional[Handle]:
         handle = _install(self._options)
-        self._watcher = _registry.active() if handle is not None else None
-        if self._watcher is not None:
-            self._watcher.enter_watch(+1)
+        self._ending = _registry.ending() if handle is not None else None
+        if self._ending is not None:
+            self._ending.enter_watch(+1)
         return handle
 
     def __exit__(
         self, exc_type: Optional[Type[BaseException]], exc: Optional[BaseException], tb: Optional[TracebackType]
     ) -> None:
-        w = self._watcher
-        if w is None or _registry.active() is not w:
+        e = self._ending
+        if e is None or _registry.ending() is not e:
             return
-        w.enter_watch(-1)
+        e.enter_watch(-1)
         if exc is None or (isinstance(exc, SystemExit) and exc.code in (None, 0) and not isinstance(exc, PeerFailure)):
-            w.record_success()
+            e.record_success()
         elif not isinstance(exc, PeerFailure):
             seen_ns = time.time_ns()  # the failure's time: before the settle wait
-            verdict = hooks.consequence_of_peer_failure(w, exc)
+            verdict = hooks.consequence_of_peer_failure(e, exc)
             if verdict is not None:
                 raise PeerFailure.from_verdict(verdict) from exc
-            hooks.record_exception(w, exc, tb, seen_ns)
+            hooks.record_exception(e, exc, tb, seen_ns)
 
 
 # -- progress -----------------------------------------------------------------------
@@ -269,9 +270,9 @@ def _pause(delta: int) -> None:
 def mark_success() -> None:
     """Record that this rank finished its work cleanly (as leaving ``watch()`` does).
     Nothing happens without a watcher, or once a verdict is known."""
-    w = _registry.active()
-    if w is not None:
-        w.record_success()
+    e = _registry.ending()
+    if e is not None:
+        e.record_success()
 
 
 def record_exception(exc: BaseException) -> Optional[Verdict]:
@@ -279,15 +280,15 @@ def record_exception(exc: BaseException) -> Optional[Verdict]:
     (gloo's "connection reset" after a peer died), returns the verdict on that peer and
     records nothing; otherwise records ``exc`` as this rank's failure, so that its peers
     learn it at once, and returns None. Nothing happens without a watcher."""
-    w = _registry.active()
-    if w is None or isinstance(exc, PeerFailure):
+    e = _registry.ending()
+    if e is None or isinstance(exc, PeerFailure):
         return None
     if isinstance(exc, SystemExit) and exc.code in (None, 0):
         return None
     seen_ns = time.time_ns()  # the failure's time: before the settle wait
-    verdict = hooks.consequence_of_peer_failure(w, exc)
+    verdict = hooks.consequence_of_peer_failure(e, exc)
     if verdict is None:
-        hooks.record_exception(w, exc, exc.__traceback__, seen_ns)
+        hooks.record_exception(e, exc, exc.__traceback__, seen_ns)
     return verdict
 
 

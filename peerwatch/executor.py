@@ -142,7 +142,7 @@ def _say_blind(t: Teardown) -> None:
 
 @_carries_out(Step.STOP_WATCHING_FOLDERS)
 def _stop_watching_folders(t: Teardown) -> None:
-    t.observer.stop_watching_folders()
+    t.observer.local.stop_watching_folders()
 
 
 @_carries_out(Step.ARM_LAST_RESORT)

@@ -3,7 +3,8 @@ signal handler that raises :class:`PeerFailure` in the main thread.
 
 Installed once per process by :func:`install_hooks`; they act only through the
 :class:`Registry` given, which answers for the process that installed the watcher: a
-forked child (a DataLoader worker) never writes the rank's records.
+forked child (a DataLoader worker) never writes the rank's records. How the rank ends is
+recorded, judged and awaited on its :class:`peerwatch.ending.Ending` (:meth:`Registry.ending`).
 
 ``sys.exit`` and the builtins ``exit``/``quit`` are replaced so that a non-zero exit of
 the main thread is recorded with where it came from. What no Python hook sees (a
@@ -32,6 +33,7 @@ from .core import terminal
 from .core.errors import PeerFailure
 from .core.records import EXCEPTION, EXIT, INTERRUPTED, MAX_TRACEBACK_CHARS, Failure, Verdict
 from .core.terminal import exception_message
+from .ending import Ending
 from .hangs.collectives import raised_by_torch_distributed
 from .proc import teardown
 from .rundir import exitwatch, stacks
@@ -71,21 +73,26 @@ class Registry:
         w = self._watcher
         return w if w is not None and self._owner_pid == os.getpid() else None
 
+    def ending(self) -> Optional[Ending]:
+        """How this very process's rank ends: what the hooks record, judge and await."""
+        w = self.active()
+        return w.ending if w is not None else None
+
     def forget(self) -> None:
         self._watcher = None
 
     def on_interrupt(self, signum: int, frame: Any) -> None:
         """The INTERRUPT_SIGNAL handler: PeerFailure in the main thread, inside watch()."""
-        w = self.active()
-        v = w.verdict if w is not None else None
-        if w is not None and v is not None and w.in_watch > 0 and v.rank != w.rank:
+        e = self.ending()
+        v = e.verdict if e is not None else None
+        if e is not None and v is not None and e.in_watch > 0 and v.rank != e.rank:
             raise PeerFailure.from_verdict(v)
 
 
 # -- judging an exception -----------------------------------------------------------
 
 
-def consequence_of_peer_failure(w: Watcher, exc: Optional[BaseException] = None) -> Optional[Verdict]:
+def consequence_of_peer_failure(e: Ending, exc: Optional[BaseException] = None) -> Optional[Verdict]:
     """If a peer failed before this rank's exception ``exc``, the verdict on that peer; else None.
 
     When a peer dies, the survivors' collectives fail within milliseconds ("Connection
@@ -95,17 +102,17 @@ def consequence_of_peer_failure(w: Watcher, exc: Optional[BaseException] = None)
     SIGINT): it is recorded at once, so that where every rank got the same SIGINT (Ctrl-C)
     each says so before the verdict, which then blames none (rule: interrupts are not failures).
     """
-    v = w.verdict
+    v = e.verdict
     if v is not None:
-        return v if v.rank != w.rank else None
+        return v if v.rank != e.rank else None
     if isinstance(exc, KeyboardInterrupt):
         return None
-    w.settle(SETTLE_S)
-    if not w.peer_failed():
+    e.settle(SETTLE_S)
+    if not e.peer_failed():
         return None
-    w.verdict_seen.wait(w.config.parent_wait + SETTLE_S)
-    v = w.verdict
-    return v if v is not None and v.rank != w.rank else None
+    e.verdict_seen.wait(e.config.parent_wait + SETTLE_S)
+    v = e.verdict
+    return v if v is not None and v.rank != e.rank else None
 
 
 _C_LONG_MAX = (1 << (8 * struct.calcsize("l") - 1)) - 1
@@ -123,36 +130,36 @@ def exit_status(status: Any) -> int:
     return 1  # sys.exit("message") prints it and exits 1
 
 
-def record_exception(w: Watcher, exc: BaseException, tb: Optional[TracebackType], seen_ns: Optional[int] = None) -> None:
+def record_exception(e: Ending, exc: BaseException, tb: Optional[TracebackType], seen_ns: Optional[int] = None) -> None:
     """Record ``exc`` as this rank's failure (unless a verdict on a peer is known already).
     ``seen_ns``: when it reached us (``time.time_ns()``), before any wait of ours; the
     failure's own time, as near to its raise as peerwatch can see (``raised_ns``)."""
-    v = w.verdict
-    if v is not None and v.rank != w.rank:
+    v = e.verdict
+    if v is not None and v.rank != e.rank:
         return  # we are being torn down: what we raise now is a consequence, not a cause
     if isinstance(exc, SystemExit):
         code = exit_status(exc.code)
         if code == 0:
             return
         text = "".join(traceback.format_exception(type(exc), exc, tb))
-        w.record_failure(Failure(
-            rank=w.rank, pid=os.getpid(), time_ns=time.time_ns(), raised_ns=seen_ns, cause=EXIT, exit_code=code,
+        e.record_failure(Failure(
+            rank=e.rank, pid=os.getpid(), time_ns=time.time_ns(), raised_ns=seen_ns, cause=EXIT, exit_code=code,
             message=f"SystemExit({exc.code!r})", traceback=text[-MAX_TRACEBACK_CHARS:],
             thread=threading.current_thread().name,
         ))
         return
-    w.record_failure(exception_failure(w, exc, tb, 130 if isinstance(exc, KeyboardInterrupt) else 1, seen_ns))
+    e.record_failure(exception_failure(e.rank, exc, tb, 130 if isinstance(exc, KeyboardInterrupt) else 1, seen_ns))
 
 
 def exception_failure(
-    w: Watcher, exc: BaseException, tb: Optional[TracebackType], code: int, seen_ns: Optional[int] = None,
+    rank: int, exc: BaseException, tb: Optional[TracebackType], code: int, seen_ns: Optional[int] = None,
 ) -> Failure:
-    """This rank's failure record for ``exc``, leaving with exit code ``code``; ``seen_ns``
+    """Rank ``rank``'s failure record for ``exc``, leaving with exit code ``code``; ``seen_ns``
     is when it reached peerwatch, before any wait of ours (its ``raised_ns``)."""
     text = "".join(traceback.format_exception(type(exc), exc, tb))
     interrupt = isinstance(exc, KeyboardInterrupt)
     return Failure(
-        rank=w.rank, pid=os.getpid(), time_ns=time.time_ns(), raised_ns=seen_ns, cause=EXCEPTION, exit_code=code,
+        rank=rank, pid=os.getpid(), time_ns=time.time_ns(), raised_ns=seen_ns, cause=EXCEPTION, exit_code=code,
         exception=qualified_name(type(exc)), message=exception_message(exc), traceback=text[-MAX_TRACEBACK_CHARS:],
         thread=threading.current_thread().name, collective=raised_by_torch_distributed(exc, tb),
         signal="SIGINT" if interrupt else None, signalled_by=exitwatch.interrupt_sender() if interrupt else None,
@@ -323,9 +330,9 @@ def _excepthook(registry: Registry, previous: Callable[..., Any]) -> Callable[..
             previous(exc_type, exc, tb)
             tell_workers_failure(w, exc, workers)
             return
-        verdict = consequence_of_peer_failure(w, exc)
+        verdict = consequence_of_peer_failure(w.ending, exc)
         if verdict is None:
-            record_exception(w, exc, tb, seen_ns)
+            record_exception(w.ending, exc, tb, seen_ns)
             previous(exc_type, exc, tb)
             note = spawn_main_note(w, exc)
             if note is not None:
@@ -354,7 +361,7 @@ def tell_consequence(
     me = terminal.who(w.rank, w.me.pid, w.me.host)
     failed = terminal.who(verdict.rank, verdict.pid, verdict.host)
     interrupted = verdict.cause == INTERRUPTED  # nobody failed: no rank is named
-    kept = terminal.keep_consequence(w.stack_file(), me, failed, exc_type, exc, tb, interrupted)
+    kept = terminal.keep_consequence(w.stacks.file, me, failed, exc_type, exc, tb, interrupted)
     if raised_by_torch_distributed(exc, tb) and not w.config.verbose:
         return
     previous(exc_type, exc, tb)
@@ -370,15 +377,15 @@ def tell_consequence(
 
 def _threading_excepthook(registry: Registry, previous: Callable[[Any], Any]) -> Callable[[Any], None]:
     def threading_excepthook(args: Any) -> None:
-        w = registry.active()
-        if w is not None and args.exc_value is not None and not isinstance(args.exc_value, SystemExit):
-            _record_thread_exception(w, args)
+        e = registry.ending()
+        if e is not None and args.exc_value is not None and not isinstance(args.exc_value, SystemExit):
+            _record_thread_exception(e, args)
         previous(args)
 
     return threading_excepthook
 
 
-def _record_thread_exception(w: Watcher, args: Any) -> None:
+def _record_thread_exception(e: Ending, args: Any) -> None:
     """An uncaught exception in a thread other than the main one. The process goes on, so
     by default it is recorded for the report (``events/thread-<rank>.json``, the first
     one), not judged; ``thread_exceptions="fail"`` makes it this rank's failure."""
@@ -386,14 +393,14 @@ def _record_thread_exception(w: Watcher, args: Any) -> None:
     thread = args.thread.name if args.thread is not None else "?"
     text = "".join(traceback.format_exception(type(exc), exc, args.exc_traceback))
     failure = Failure(
-        rank=w.rank, pid=os.getpid(), time_ns=time.time_ns(), cause=EXCEPTION, exit_code=1,
+        rank=e.rank, pid=os.getpid(), time_ns=time.time_ns(), cause=EXCEPTION, exit_code=1,
         exception=qualified_name(type(exc)), message=exception_message(exc), traceback=text[-MAX_TRACEBACK_CHARS:],
         thread=thread,
     )
-    if w.config.thread_exceptions == "fail" and w.verdict is None:
-        w.record_failure(failure)
+    if e.config.thread_exceptions == "fail" and e.verdict is None:
+        e.record_failure(failure)
     else:
-        w.record_thread_exception(failure)
+        e.record_thread_exception(failure)
 
 
 def _record_exit_call(registry: Registry, status: Any, call: str, caller: Optional[FrameType]) -> None:
@@ -404,24 +411,24 @@ def _record_exit_call(registry: Registry, status: Any, call: str, caller: Option
     seen_ns = time.time_ns()  # the exit's time: before the settle wait of consequence_of_peer_failure
     if threading.current_thread() is threading.main_thread() and registry.main_frame is not None:
         registry.exit_call = (status, registry.main_frame.f_lasti)
-    w = registry.active()
-    if w is None or threading.current_thread() is not threading.main_thread() or w.in_watch:
+    e = registry.ending()
+    if e is None or threading.current_thread() is not threading.main_thread() or e.in_watch:
         return
     code = exit_status(status)
     # torch.multiprocessing.spawn turns a worker's exception into sys.exit(1): gloo's
     # "connection reset" after a peer died is a consequence here too, not a cause.
-    if code == 0 or w.verdict is not None or consequence_of_peer_failure(w) is not None:
+    if code == 0 or e.verdict is not None or consequence_of_peer_failure(e) is not None:
         return
     raised = spawn_wrapped(caller)
     if raised is not None:
         # The exception is the cause (its type, message and traceback), judged as if it had
         # reached the excepthook: one raised by torch.distributed is an echo
         # (rule: echo waits for the leaving). The exit code is the one the process exits with.
-        w.record_failure(exception_failure(w, raised, raised.__traceback__, code, seen_ns))
+        e.record_failure(exception_failure(e.rank, raised, raised.__traceback__, code, seen_ns))
         return
     stack = "".join(traceback.format_stack(caller))
-    w.record_failure(Failure(
-        rank=w.rank, pid=os.getpid(), time_ns=time.time_ns(), raised_ns=seen_ns, cause=EXIT, exit_code=code,
+    e.record_failure(Failure(
+        rank=e.rank, pid=os.getpid(), time_ns=time.time_ns(), raised_ns=seen_ns, cause=EXIT, exit_code=code,
         message=call, traceback=stack[-MAX_TRACEBACK_CHARS:], thread=threading.current_thread().name,
     ))
 
@@ -478,9 +485,9 @@ def _leaving(registry: Registry) -> None:
     say that the rank is leaving, before its sockets close while Python finalizes (its
     peers' collectives then fail: echoes of how it ends; rule: echo waits for the leaving)."""
     try:
-        w = registry.active()
-        if w is not None and w.verdict is None and w.failed_code is None and exitwatch.armed():
-            w.record_leaving()
+        e = registry.ending()
+        if e is not None and exitwatch.armed():
+            e.record_leaving()  # unless its end is known already
     except Exception:  # noqa: BLE001 - an exit hook of threading's: it must never raise
         logger.exception("peerwatch: could not record that this rank is leaving")
 
@@ -491,34 +498,35 @@ def _at_exit(registry: Registry) -> None:
     w = registry.active()
     if w is None:
         return
-    if w.verdict is None and w.failed_code is not None:
+    e = w.ending
+    if e.verdict is None and e.failed_code is not None:
         # This rank failed. Its peers may be unable to leave by themselves (the GIL held
         # in C code), and its watcher may be the only one left to end them: stay until
         # the verdict is made and our share of the teardown is done.
-        w.await_own_verdict()
-    if w.verdict is not None:
+        e.await_own_verdict()
+    if e.verdict is not None:
         # Being torn down: the watcher is the one to end the process, with the verdict's
         # exit code, once its share of the teardown is done. Tell it we are leaving.
-        w.leave()
-        leave.flush_and_exit(w.exit_code())
+        e.leave()
+        leave.flush_and_exit(e.exit_code())
         return
-    succeeded = w.failed_code is None and registry.explicit
+    succeeded = e.failed_code is None and registry.explicit
     if succeeded:
         if exitwatch.armed():
             # The exit status decides, once the interpreter is done: a SystemExit(3) that
             # reached the top has not been seen by any hook. Other hosts are told the job
             # is ending (as before): what this rank's peers act on is the local record.
-            w.tell_hosts_succeeded()
+            e.tell_hosts_succeeded()
         else:
-            w.record_success()
+            e.record_success()
     else:
         exitwatch.set_success(False)
     w.stop(timeout=1.0)
     if w.left_in_store():
-        _leave_before_finalizing(w, status, succeeded)
+        _leave_before_finalizing(e, status, succeeded)
 
 
-def _leave_before_finalizing(w: Watcher, status: Optional[int], succeeded: bool) -> None:
+def _leave_before_finalizing(e: Ending, status: Optional[int], succeeded: bool) -> None:
     """A thread of the store bridge is still inside a store request (torch's C++ client,
     the GIL released: the store did not answer, or the verdict waiter's ``wait``). If
     Python finalized under it, the thread would be torn down the moment the store answers
@@ -533,10 +541,10 @@ def _leave_before_finalizing(w: Watcher, status: Optional[int], succeeded: bool)
     before: the status must stay true."""
     if status is None:
         logger.info("peerwatch: rank %d: its exit status cannot be told here; Python finalizes with a store "
-                    "request in flight", w.rank)
+                    "request in flight", e.rank)
         return
     if status == 0 and succeeded and exitwatch.armed():
-        w.record_success()  # what the exit status would have written
+        e.record_success()  # what the exit status would have written
     leave.end_like_python(status)
 
 

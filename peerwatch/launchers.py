@@ -47,10 +47,11 @@ import signal
 import sys
 import threading
 import time
-from typing import Any, Callable, Dict, List, Mapping, Optional, Protocol
+from typing import Any, Callable, Dict, List, Mapping, Optional
 
 from .core import terminal
 from .core.records import LOST, Failure, Registration, Verdict
+from .ending import Ending
 from .proc import identity
 from .proc.identity import is_local
 from .rundir import basedir, rundir
@@ -85,17 +86,6 @@ _OBSERVER_MODULES = (
 VerdictListener = Callable[[Verdict], None]
 
 
-class RankLink(Protocol):
-    """What the launcher watch needs of this rank's watcher (no import of it: the watcher
-    imports this module)."""
-
-    me: Registration
-    done: threading.Event  # this rank is done: stop watching
-    verdict_seen: threading.Event
-
-    def is_over(self) -> bool: ...
-
-    def record_failure(self, failure: Failure) -> None: ...
 _listeners: List[VerdictListener] = []
 _listeners_lock = threading.Lock()
 
@@ -111,7 +101,7 @@ class Launcher:
 # -- after install -------------------------------------------------------------------
 
 
-def after_install(link: RankLink, exit_code: int) -> Optional[LauncherWatch]:
+def after_install(link: Ending, exit_code: int) -> Optional[LauncherWatch]:
     """Called once the watcher runs: marks ``PEERWATCH_DIR`` as ours, and starts watching
     the launcher, if this rank has one. Never raises."""
     try:
@@ -133,7 +123,7 @@ class LauncherWatch:
     """A thread (``peerwatch-launcher-rank<N>``) that sleeps on the launcher's pidfd and a
     stop pipe; when the launcher is gone, this rank fails (cause ``lost``)."""
 
-    def __init__(self, link: RankLink, launcher: Launcher, exit_code: int) -> None:
+    def __init__(self, link: Ending, launcher: Launcher, exit_code: int) -> None:
         self.link = link
         self.launcher = launcher
         self.exit_code = exit_code
@@ -253,7 +243,7 @@ def _drop_sigint_on_parent_death() -> None:
         pass  # not Linux: no PDEATHSIG to drop
 
 
-def _launcher_gone(w: RankLink, launcher: Launcher, exit_code: int) -> None:
+def _launcher_gone(w: Ending, launcher: Launcher, exit_code: int) -> None:
     if w.is_over():
         return  # being torn down already, or done: the launcher's end is no news
     message = (
@@ -312,7 +302,8 @@ def defer_lightning_observer(watching: Callable[[], bool]) -> bool:
     """Have Lightning's ``_ChildProcessObserver``, once it found a rank ended, leave the job
     to peerwatch for up to :data:`LIGHTNING_DEFER_S` (while ``watching()``) before it
     SIGKILLs every process. Patched on its class, for observers started later too. True
-    once Lightning's module is loaded and patched (call again until then: cheap)."""
+    once Lightning's module is loaded and patched. A chore of every heartbeat: cheap, and
+    once patched only ``watching`` is set again."""
     global _watching
     _watching = watching
     patched = False
@@ -404,6 +395,6 @@ def _reaped(reg: Registration) -> bool:
 
 
 __all__ = [
-    "AGENT_WAIT_S", "DEEPSPEED_AGENT_WAIT_S", "DEEPSPEED_LAUNCHER", "LAUNCHER_GONE", "TORCHRUN_AGENT", "Launcher", "LauncherWatch", "RankLink", "add_verdict_listener", "after_install", "before_exit",
+    "AGENT_WAIT_S", "DEEPSPEED_AGENT_WAIT_S", "DEEPSPEED_LAUNCHER", "LAUNCHER_GONE", "TORCHRUN_AGENT", "Launcher", "LauncherWatch", "add_verdict_listener", "after_install", "before_exit",
     "ends_workers_early", "is_deepspeed_launcher", "launcher_of", "on_verdict", "quiet_lightning_observer", "remove_verdict_listener",
 ]

@@ -1,27 +1,20 @@
 """What one rank knows of its run, gathered from the sources, handed to decide() as
 :class:`peerwatch.verdict.decide.Observed`.
 
-The sources: pidfds of local peers (readable when the process ends), inotify on the
-``ranks/`` and ``events/`` folders (through :class:`peerwatch.proc.sources.FolderWatch`, which
-writes to the wake pipe), the heartbeats of local peers (for the hang judges), other
-hosts' records on a shared filesystem, and post-mortems of a peer that ended: its exit
-status where we are its parent, else faulthandler's last words in its stack file.
+The sources: the records in ``ranks/`` and ``events/`` (read here), this host's peers as
+processes (``Observer.local``, :class:`peerwatch.peers.LocalPeers`, which also holds what the
+watcher sleeps on), and other hosts' records on a shared filesystem.
 
-Threads: everything here is owned by the watcher thread, except :meth:`Observer.wake`
-and :meth:`Observer.stop`, which any thread may call (see :class:`peerwatch.proc.waker.Waker`).
-Nothing else writes its state: the rank's own records (failure, success...), written by
-other threads, go to disk through :class:`peerwatch.rundir.eventlog.OwnRecords` and are read
-back here like any other record; the hang diagnosis is recorded through
-:meth:`Observer.record_diagnosis`.
+Threads: owned by the watcher thread (:mod:`peerwatch.peers` names the calls any thread may
+make). Nothing else writes its state: the rank's own records, written by other threads, go to
+disk through :class:`peerwatch.rundir.eventlog.OwnRecords` and are read back here like any
+other record; the hang diagnosis is recorded through :meth:`Observer.record_diagnosis`.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import errno
 import logging
 import os
-import stat
 import time
 from typing import Dict, List, Optional, Set, Tuple, Type, TypeVar
 
@@ -39,16 +32,14 @@ from .core.records import (
     Verdict,
     encode,
 )
-from .core.schedule import RETRY_S
-from .hangs.diagnose import RankState
-from .hangs.heartbeat import OwnProgress, main_thread_position
+from .hangs.heartbeat import OwnProgress
 from .hosts import sharedfs
+from .peers import LocalPeers
 from .proc import identity
-from .proc.sources import Peer, oom_kill_count, post_mortem
-from .proc.waker import Waker
+from .proc.sources import oom_kill_count
 from .rundir import eventlog, rundir
 from .rundir.eventlog import OwnRecords
-from .rundir.rundir import DIAGNOSIS_FILE, EVENTS, HEARTBEATS, RANKS, VERDICT_FILE, RunDir, rank_file
+from .rundir.rundir import DIAGNOSIS_FILE, EVENTS, RANKS, VERDICT_FILE, RunDir, rank_file
 from .verdict import decide
 
 logger = logging.getLogger("peerwatch")
@@ -56,7 +47,6 @@ R = TypeVar("R")
 
 _IDENTIFIED = (Success, Failure, ExitStatus, Ack)  # a rank's records that name its process
 _WATCHED_EVENTS = {k: v for k, v in EVENT_TYPES.items() if k not in ("thread", "unsignalled")}  # for the report only
-STACK_DUMP_LIMIT = 1 << 20  # bytes of a dead peer's stack file read for its last words
 
 
 class Observer:
@@ -71,90 +61,23 @@ class Observer:
         # watcher on every turn of its loop (``interval_s`` at most apart) and as it judges.
         self.awake = AwakeClock.every(interval_s)
         self.me = me
-        self.use_pidfd = use_pidfd
         self.remote = remote  # shared-filesystem mode: other hosts' heartbeats
-        self.peers: Dict[int, Peer] = {}  # local peers watched through the OS
-        self.gone: Dict[int, int] = {}  # rank -> when we saw its process gone (time_ns)
-        self._waker = Waker(me.rank, self.peers, self.gone)  # what the watcher sleeps on
+        self.local = LocalPeers(run_dir, me, use_pidfd, self._post_mortem, self.awake)
+        self.peers, self.gone = self.local.peers, self.local.gone  # the LocalPeers' (written there, read here)
         # Where this process's records are written (its own, from other threads, too).
         self._records = records if records is not None else OwnRecords(run_dir, me)
         self.registrations: Dict[int, Registration] = {me.rank: me}
         self._local_pids: Set[int] = {me.pid}  # of this host's registrations: kept as they come
-        self._last_beats: Dict[int, Heartbeat] = {}  # the last heartbeat read of each peer (hang judges)
-        self._leaving: Dict[int, int] = {}  # rank -> when it began to leave, as its heartbeat said (see _leaving_ranks)
         self.events: Dict[str, object] = {}  # file name in events/ -> record
         self._seen: Dict[str, Dict[str, int]] = {RANKS: {}, EVENTS: {}}  # name -> inode
         # The last scan could not list a folder or read a record (EMFILE...): what it missed
         # is not known (a success marker may be there), so no verdict rests on its absence.
         self.unread = False
         self._unread_said = False  # the warning about it: once, until a scan reads everything
-        self._unsure_said = False  # the warning about peers that cannot be told: once, until all can
-        self._unsure_told = False  # ... and a later time is said at DEBUG only
         # Exit statuses learnt while deciding, written after: the parent of a dead rank is
         # the one that can judge at once, and the write would only delay it.
         self._unwritten: List[Tuple[str, ExitStatus]] = []
         self._oom_kills_at_start = oom_kill_count()
-        self._events_path = run_dir.join(EVENTS)  # stat'ed on every wake-up: joined once
-        try:
-            self._events_id = _dir_id(self._events_path)  # to tell when the run directory is removed
-            self._run_id = _dir_id(run_dir.path)  # ... or replaced by another one
-        except OSError:
-            self._events_id = self._run_id = None
-
-    def storage_lost(self) -> Optional[str]:
-        """How the run directory was lost (removed, or replaced by another one), or None.
-
-        Nothing written there from now on reaches a peer, and nothing a peer writes
-        (success markers included) reaches us: a peer's end proves nothing any more.
-        """
-        if self._events_id is None:
-            return None
-        try:
-            now = _dir_id(self._events_path)
-            if now == self._events_id:
-                return None
-            run_now = _dir_id(self.run_dir.path)
-        except OSError:
-            return None  # cannot tell: judged as before
-        if run_now is not None and run_now != self._run_id:
-            return "was replaced by another directory"  # moved aside, or removed, and made anew
-        return "was removed" if now is None else "was replaced by another directory"
-
-    # -- waking and sleeping (the descriptors are the Waker's) ----------------------------
-
-    def start(self) -> bool:
-        """Start inotify on the folders; False if it cannot be used (the caller polls)."""
-        disabled = self.remote is not None and sharedfs.inotify_disabled()
-        rd = self.run_dir
-        # The paths through the held descriptors, as they are when (re)made.
-        return self._waker.watch_folders(lambda: [rd.at(EVENTS), rd.at(RANKS)], disabled)
-
-    def stop(self) -> None:
-        """Stop the folder watch for good (any thread may call this)."""
-        self._waker.stop()
-
-    def stop_watching_folders(self) -> None:
-        """No more wakes from the folders (a rank that acts on a verdict): see :class:`Waker`."""
-        self._waker.stop_watching_folders()
-
-    def wake(self) -> None:
-        """Wake the watcher thread (any thread may call this)."""
-        self._waker.wake()
-
-    def wait(self, timeout: float) -> bool:
-        """Sleep until a source fires or ``timeout`` s pass; True if something woke us.
-        A peer whose pidfd fired is gone only if it is gone by its identity (see :class:`Waker`)."""
-        woken, ended = self._waker.wait(timeout)
-        for rank in ended:
-            self._peer_gone(rank)
-        return woken
-
-    def check_fds(self, every_pidfd: bool = False) -> None:
-        """Check that the watcher's descriptors are still its own, and replace those that
-        are not: the wake pipe, inotify's, and one pidfd (each in turn), or all of them."""
-        for rank in self._waker.check_fds(every_pidfd):
-            self._peer_gone(rank)
-
 
     # -- looking at the run directory ------------------------------------------------
 
@@ -172,7 +95,7 @@ class Observer:
         # Before events/ is read: a peer seen gone here has its success marker (written before
         # it ended) read below; read the other way round, a peer that wrote its marker and ended
         # in between would be taken for gone without one.
-        self._poll_peers()
+        self.local.poll()
         for name in self._changed(EVENTS):
             record = self._read_event(name)
             if record is not None and not self._of_registered_process(name, record):
@@ -183,36 +106,6 @@ class Observer:
                 if eventlog.wanted_from_scan(name, record):  # written at exit, where its writer could not log it
                     eventlog.record(self.run_dir, EVENTS, name, record, self.me.rank)
         self._unread_said = self._unread_said and self.unread
-
-    def _poll_peers(self) -> None:
-        """Look at the peers without a pidfd: all of them where pidfds are not used, else
-        those whose pidfd could not be had (it is tried again)."""
-        for rank, peer in self.peers.items():
-            if rank in self.gone or peer.pidfd is not None:
-                continue
-            if not peer.check_alive():
-                self._peer_gone(rank)
-            elif peer.pidfd is not None:
-                self._waker.add(rank, peer.pidfd)  # had at last
-
-    def unsure(self) -> bool:
-        """Something could not be looked at (EMFILE...): a record, or whether a peer runs.
-        The watcher looks again soon, not only when a source fires. Said once, until every
-        peer can be told again."""
-        peers = [r for r, p in self.peers.items() if p.unsure and r not in self.gone]
-        if peers and not self._unsure_said:
-            logger.log(
-                logging.WARNING if not self._unsure_told else logging.DEBUG,  # at length once, not at every flicker
-                "peerwatch: rank %d cannot tell whether rank(s) %s still run (/proc or pidfd_open failed: out of file "
-                "descriptors?); they are not taken for gone, and are looked at again every %gs until they can be told",
-                self.me.rank, _rank_list(sorted(peers)), RETRY_S,
-            )
-        elif not peers and self._unsure_said:
-            logger.log(logging.INFO if not self._unsure_told else logging.DEBUG,
-                       "peerwatch: rank %d can tell again whether its peers run; watching them as before", self.me.rank)
-            self._unsure_told = True
-        self._unsure_said = bool(peers)
-        return self.unread or bool(peers)
 
     def _read(self, sub: str, name: str, cls: Type[R]) -> Optional[R]:
         """The record, as :meth:`RunDir.read`; one that cannot be read now (EMFILE...) is
@@ -313,36 +206,16 @@ class Observer:
                 )
             return  # another host's rank: not ours to watch through the OS
         self._local_pids.add(reg.pid)
-        if reg.uid != os.geteuid():
-            self.run_dir.warn_once(where, f"belongs to uid {reg.uid}; not watched")
-            return
-        peer = Peer(reg, self.use_pidfd)
-        self.peers[reg.rank] = peer
-        if not peer.alive:
-            self._peer_gone(reg.rank)
-        elif peer.pidfd is not None:
-            self._waker.add(reg.rank, peer.pidfd)
+        self.local.add(reg)
 
-    # -- a peer ended: the post-mortem ---------------------------------------------------
-
-    def _peer_gone(self, rank: int) -> None:
-        peer = self.peers.get(rank)
-        if peer is None or rank in self.gone:
-            return
-        self.gone[rank] = time.time_ns()
-        self._waker.remove(rank, peer.pidfd)
-        peer.alive = False
-        peer.close()
-        status, failure = post_mortem(peer.reg, self.gone[rank], self.me.rank, lambda: self._stack_dump(rank))
+    def _post_mortem(self, rank: int, status: Optional[ExitStatus], failure: Optional[Failure]) -> None:
+        """A local peer ended: what its post-mortem found (LocalPeers tells it)."""
         if failure is not None:  # its own GIL watchdog ended it: say so on its behalf
             self.write_event(rank_file("failure", rank), failure)
             self.events.setdefault(rank_file("failure", rank), failure)
         if status is not None:
             self.events.setdefault(rank_file("exit", rank), status)
             self._unwritten.append((rank_file("exit", rank), status))
-
-    def _stack_dump(self, rank: int) -> bytes:
-        return self.run_dir.read_bytes(rundir.STACKS, rundir.stack_name(rank), limit=STACK_DUMP_LIMIT) or b""
 
     def flush(self) -> None:
         """Write the exit statuses learnt since the last flush."""
@@ -448,31 +321,14 @@ class Observer:
             exit_statuses=self.of_kind(ExitStatus),  # type: ignore[arg-type]
             gone=self.gone, verdict=verdict if isinstance(verdict, Verdict) else None,
             oom_kills=self._oom_kills_since_start(),
-            progress=self._progress(progress, stale_after_s, own) if progress is not None else {},
+            progress=self.local.progress(progress, stale_after_s, own) if progress is not None else {},
             now_mono_ns=time.monotonic_ns(), missing=missing, diagnosis=self.diagnosis(),
             remote_silence=self.remote.silence(self.awake) if self.remote is not None else {},
-            leaving=self._leaving_ranks() if not isinstance(verdict, Verdict) and _judging_an_echo(failures) else {},
+            leaving=self.local.leaving() if not isinstance(verdict, Verdict) and _judging_an_echo(failures) else {},
             awake_since_ns=self.awake.since_ns,
             unread=self.unread,
             interrupts=self.of_kind(Interrupt),  # type: ignore[arg-type]
         )
-
-    def _leaving_ranks(self) -> Dict[int, int]:
-        """This host's ranks (ours too) whose heartbeat says they began to leave, and when,
-        and the peers seen in ``exit()`` (since then: a process ended by ``_exit`` or a signal
-        closes its sockets at once, while its pidfd fires only once its memory is torn down).
-        Read only while an exception raised by torch.distributed is to be judged
-        (rule: echo waits for the leaving): one heartbeat and one /proc look per rank not known to be leaving yet."""
-        for rank in (self.me.rank, *self.peers):
-            if rank in self._leaving:
-                continue
-            reg = self.registrations[rank]
-            beat = self.run_dir.read(HEARTBEATS, rank_file("rank", rank), Heartbeat)
-            if beat is not None and beat.pid == reg.pid and beat.leaving_ns is not None:
-                self._leaving[rank] = beat.leaving_ns
-            elif rank != self.me.rank and rank not in self.gone and identity.exiting(reg.pid, reg.start_ticks):
-                self._leaving[rank] = time.time_ns()
-        return dict(self._leaving)
 
     def _oom_kills_since_start(self) -> int:
         if self._oom_kills_at_start is None or not (self.gone or self.events):
@@ -485,63 +341,10 @@ class Observer:
         found = self.events.get(DIAGNOSIS_FILE)
         return found if isinstance(found, Diagnosis) else None
 
-    def _progress(self, mine: OwnProgress, stale_after_s: float, own: Optional[Heartbeat]) -> Dict[int, RankState]:
-        """Every live local rank's last progress, from its heartbeat (ours: its progress
-        and position from memory, its collectives as its heartbeat last published them)."""
-        where, waiting = main_thread_position()
-        published = RankState.of(own, "R") if own is not None else RankState(state="R")
-        found = {self.me.rank: dataclasses.replace(
-            published, step=mine.step, beat_mono_ns=mine.progress_ns, paused=mine.paused > 0,
-            in_collective=waiting, where=where,
-        )}
-        for rank, peer in self.peers.items():
-            if rank not in self.gone:
-                found[rank] = self._peer_progress(peer.reg, stale_after_s)
-        return found
-
-    def _peer_progress(self, reg: Registration, stale_after_s: float) -> RankState:
-        beat = self.run_dir.read(HEARTBEATS, rank_file("rank", reg.rank), Heartbeat)
-        if beat is None:
-            # Caught mid-rewrite twice (a loaded machine): the last one read still says
-            # what the rank last said (inside paused(), its step); its age says the rest.
-            beat = self._last_beats.get(reg.rank)
-        else:
-            self._last_beats[reg.rank] = beat
-        try:
-            info = identity.probe(reg.pid)
-        except identity.Unknown:
-            info = None
-        state = info.state if info is not None and info.start_ticks == reg.start_ticks else "?"
-        if beat is None or beat.pid != reg.pid:
-            return RankState(state=state)
-        # Its age counts only while this judge was awake to see it (peerwatch.core.awake).
-        now_ns = time.monotonic_ns()
-        age_ns = self.awake.counted_ns(now_ns - (time.time_ns() - beat.time_ns), now_ns)
-        return RankState.of(beat, state, watcher_silent=age_ns > stale_after_s * 1e9)
-
-
-def _rank_list(ranks: List[int], shown: int = 8) -> str:
-    """"1, 4, 7" or "1, 2, ..., 8 and 40 more": a log line stays short at any scale."""
-    text = ", ".join(map(str, ranks[:shown]))
-    return text if len(ranks) <= shown else f"{text} and {len(ranks) - shown} more"
-
-
 def _judging_an_echo(failures: Dict[int, object]) -> bool:
     """A failure record is an exception raised by torch.distributed: the echo, perhaps, of
     a rank that is leaving (rule: echo waits for the leaving)."""
     return any(isinstance(f, Failure) and f.collective for f in failures.values())
-
-
-def _dir_id(path: str) -> Optional[Tuple[int, int]]:
-    """(st_dev, st_ino) of the directory at ``path``; None if there is none there (gone, or
-    something else in its place). Raises OSError when it cannot be told (EACCES...)."""
-    try:
-        st = os.stat(path, follow_symlinks=False)
-    except OSError as e:
-        if e.errno in (errno.ENOENT, errno.ENOTDIR):
-            return None
-        raise
-    return (st.st_dev, st.st_ino) if stat.S_ISDIR(st.st_mode) else None
 
 
 __all__ = ["Observer"]

@@ -5,18 +5,10 @@ decide (:func:`peerwatch.verdict.decide.decide`, pure), act on a verdict (a plan
 from :mod:`peerwatch.verdict.plan`, pure, carried out by :mod:`peerwatch.executor`), report. When it
 wakes and what is due is :class:`peerwatch.core.schedule.Schedule`'s answer.
 
-Threads and what they own:
-- the watcher thread (``peerwatch-rank<N>``): the observer, the schedule, the verdict
-  (written once, before ``verdict_seen`` is set), ``_peer_failure_known``, the
-  flight-recorder dumps;
-- the training thread: ``progress``, ``in_watch`` (``watch()``), ``main_left`` (set when it
-  leaves at exit during a teardown);
-- any thread that ends the rank (training thread, a thread's excepthook, the launcher
-  watch): ``_outcome``, under its lock, and the rank's own records, written through
-  ``own_records`` (:class:`peerwatch.rundir.eventlog.OwnRecords`), never the observer;
-- ``done`` (stop watching: the rank is finished) is set by :meth:`Watcher.stop`.
-Threads talk through events (``verdict_seen``, ``done``, ``main_left``), the wake pipe
-and the settle condition. :meth:`Watcher.stop` stops and joins every thread it started.
+Threads: the watcher thread (``peerwatch-rank<N>``) owns the observer, the schedule, the
+per-beat chores and the flight-recorder dumps; how this rank ends is :attr:`Watcher.ending`'s
+(:class:`peerwatch.ending.Ending` says who writes what). Threads talk through its events, its
+settle condition and the wake pipe. :meth:`Watcher.stop` stops and joins every thread it started.
 """
 
 from __future__ import annotations
@@ -26,17 +18,14 @@ import logging
 import os
 import threading
 import time
-from typing import IO, Optional, Tuple
+from functools import partial
+from typing import Callable, List, Optional, Tuple
 
 from . import executor, launchers
 from .core.config import Config
 from .core.records import (
-    EXCEPTION,
     WATCHER_DEATH,
-    Failure,
-    Interrupt,
     Registration,
-    Success,
     Verdict,
     WatcherDeath,
     encode,
@@ -44,6 +33,7 @@ from .core.records import (
 from .core.records import warm as warm_record_types
 from .core.schedule import Schedule
 from .diagnoser import Diagnoser
+from .ending import Ending
 from .hangs.frdump import FlightRecorderDump
 from .hangs.heartbeat import HeartbeatWriter, OwnProgress
 from .hosts import bridge, sharedfs
@@ -51,7 +41,6 @@ from .hosts.stragglerwatch import StragglerWatch
 from .observer import Observer
 from .proc.identity import local_ranks
 from .proc.sources import pidfd_supported
-from .rundir import exitwatch
 from .rundir.eventlog import OwnRecords
 from .rundir.eventlog import log as log_event
 from .rundir.rundir import EVENTS, VERDICT_FILE, RunDir, rank_file
@@ -63,70 +52,6 @@ logger = logging.getLogger("peerwatch")
 POLL_FALLBACK_S = 0.1  # where pidfds or inotify are missing: how often we look instead
 HANG_JUDGES = 2  # the lowest live local ranks judge hangs: O(N) heartbeat reads per host, not N^2
 STALE_BEATS = 3  # a peer whose heartbeat is this many intervals old has a silent watcher
-
-
-class Outcome:
-    """How this rank ends, as far as it has said. Written under its lock by whichever
-    thread records it; the first failure wins, as its record does."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.failed_code: Optional[int] = None
-        self.echo = False  # the failure is an exception raised by torch.distributed
-        self.succeeded = False
-
-    def fail(self, code: Optional[int], echo: bool = False) -> None:
-        with self._lock:
-            if self.failed_code is None:
-                self.failed_code = code if code else 1
-                self.echo = echo
-
-    def succeed(self) -> bool:
-        """True the first time, unless the rank failed."""
-        with self._lock:
-            if self.succeeded or self.failed_code is not None:
-                return False
-            self.succeeded = True
-            return True
-
-
-class Settle:
-    """The training thread asks for one full look before it judges an exception; the
-    watcher says when it has taken it. Guarded by its condition."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._requested = 0
-        self._settled = 0
-
-    def request(self) -> int:
-        with self._cond:
-            self._requested += 1
-            return self._requested
-
-    def requested(self) -> int:
-        with self._cond:
-            return self._requested
-
-    def looked(self, upto: int) -> None:
-        if upto <= self._settled:  # the watcher is _settled's one writer: read without the lock
-            return  # (on every turn of the loop; a request is rare)
-        with self._cond:
-            self._settled = max(self._settled, upto)
-            self._cond.notify_all()
-
-    def wait(self, wanted: int, timeout: float, give_up: threading.Event) -> None:
-        deadline = time.monotonic() + timeout
-        with self._cond:
-            while self._settled < wanted and not give_up.is_set():
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return
-                self._cond.wait(left)
-
-    def release(self) -> None:
-        with self._cond:
-            self._cond.notify_all()
 
 
 class Watcher:
@@ -142,22 +67,12 @@ class Watcher:
         self.stacks = stacks
         self.interrupt_installed = interrupt_installed  # our signal handler raises PeerFailure in the main thread
         self.progress = OwnProgress(on_first_beat=self._arm_gil_watchdog)
-        self.in_watch = 0
-        self.verdict_seen = threading.Event()
-        self.done = threading.Event()
-        self.main_left = threading.Event()
-        self._verdict: Optional[Verdict] = None
-        self._outcome = Outcome()
-        self._settle = Settle()
-        self._peer_failure_known = False
         use_pidfd = config.use_pidfd and pidfd_supported()
         remote = sharedfs.RemoteWatch(run_dir, config.heartbeat_interval, config.peer_timeout) if run_dir.shared else None
         # This rank's own records (failure, success...) are written by whichever thread ends
-        # it, through their own writer: on disk before that thread goes on, and read back by
-        # the observer like any other record (its state has the watcher thread as one writer).
-        self.own_records = OwnRecords(run_dir, me)
-        self._interrupt_noted: Optional[int] = None  # the last SIGINT said (its monotonic time): _note_interrupt
-        self.observer = Observer(run_dir, me, use_pidfd, remote, self.own_records, config.heartbeat_interval)
+        # it (see Ending), through their own writer, and read back by the observer like any other record.
+        own_records = OwnRecords(run_dir, me)
+        self.observer = Observer(run_dir, me, use_pidfd, remote, own_records, config.heartbeat_interval)
         self.heartbeat = HeartbeatWriter(run_dir, me, self.progress, with_position=config.hang_timeout.on,
                                          read_collectives=config.reads_collectives,
                                          measure_waits=config.stragglers, interval_s=config.heartbeat_interval)
@@ -166,82 +81,48 @@ class Watcher:
         self._flight_recorder = FlightRecorderDump(run_dir, self.rank)  # evidence torch's analyzer reads
         self.thread = threading.Thread(target=self._main, name=f"peerwatch-rank{self.rank}", daemon=True)
         self._launcher_watch: Optional[launchers.LauncherWatch] = None  # set by start()
-        self._lightning_deferred = False  # Lightning's observer leaves the teardown to peerwatch first
         self.bridge = bridge.Bridge.for_config(config, run_dir, me)  # other hosts, through the store
         self._policy = decide.Policy.from_config(config, shared_fs=bool(run_dir.shared), other_hosts=self.bridge is not None)
-        # The straggler finding (docs/stragglers.md): judged by the lowest live local rank.
-        self._stragglers = StragglerWatch(run_dir, me, config.heartbeat_interval, self.bridge is not None) \
-            if config.stragglers else None
-
-    # -- read by other threads -------------------------------------------------------
-
-    @property
-    def verdict(self) -> Optional[Verdict]:
-        return self._verdict if self.verdict_seen.is_set() else None
-
-    @property
-    def failed_code(self) -> Optional[int]:
-        return self._outcome.failed_code
-
-    @property
-    def succeeded(self) -> bool:
-        return self._outcome.succeeded
-
-    def is_over(self) -> bool:
-        """A verdict is known, or this rank is done."""
-        return self.verdict_seen.is_set() or self.done.is_set() or self._outcome.succeeded
-
-    def exit_code(self) -> int:
-        """The code this rank exits with under the verdict (rule: the verdict's exit code)."""
-        v = self._verdict
-        assert v is not None
-        return plan.exit_code(self.rank, v.rank, v.exit_code, self._outcome.failed_code)
+        # What the watcher thread does on each heartbeat besides judging, in this order: Lightning's
+        # observer gives way (rank 0 under Lightning), the bridge's turn, the straggler finding.
+        self._chores: List[Callable[[], object]] = [partial(launchers.defer_lightning_observer, self.thread.is_alive)]
+        if self.bridge is not None:
+            self._chores.append(self.bridge.tick)
+        if config.stragglers:
+            watch = StragglerWatch(run_dir, me, config.heartbeat_interval, self.bridge is not None)
+            self._chores.append(partial(_judge_stragglers, watch, self.rank, self.heartbeat, self.observer))
+        self.ending = Ending(config, me, own_records, self.heartbeat, self.bridge, self.thread, self.observer.local.wake,
+                             self.observer.local_pids)
 
     # -- control from other threads ------------------------------------------------
 
     def start(self) -> None:
         self.thread.start()
-        self._launcher_watch = launchers.after_install(self, self.config.exit_code)
-
-    def wake(self) -> None:
-        self.observer.wake()
+        self._launcher_watch = launchers.after_install(self.ending, self.config.exit_code)
 
     def children_changed(self) -> None:
         """This process forked (called right after, in the parent): list its children now."""
         self.heartbeat.children_changed.set()
-        self.wake()
+        self.observer.local.wake()
 
-    def settle(self, timeout: float) -> None:
-        """Wait until the watcher has taken one full look at its sources (or has a verdict).
-
-        Called from the training thread when it is about to fail: a peer that died just
-        before (its pidfd already fired) is then known, so the exception can be told
-        apart as a consequence (gloo's "connection reset") rather than a root cause.
-        """
-        if threading.current_thread() is self.thread or not self.thread.is_alive():
-            return
-        wanted = self._settle.request()
-        self.wake()
-        self._settle.wait(wanted, timeout, self.verdict_seen)
-
-    def peer_failed(self) -> bool:
-        """True if this watcher knows of a failure of another rank (judged or not yet)."""
-        v = self.verdict
-        return v.rank != self.rank if v is not None else self._peer_failure_known
+    def publish_heartbeat(self) -> None:
+        """Write this rank's heartbeat now (paused() calls it: the judges must not miss a pause)."""
+        self.heartbeat.write(self.observer.local_pids)
 
     def stop(self, timeout: float = 5.0) -> None:
         """Stop watching (this rank is done). Safe to call from any thread, more than once;
         joins the threads it started (not itself)."""
-        if not self.done.is_set() and not self.verdict_seen.is_set():
-            self._final_heartbeat()  # the step it finished at
-        self.done.set()
-        self.wake()
-        if self.config.gil_timeout is not None and not self.verdict_seen.is_set():
+        e = self.ending
+        if not e.done.is_set() and not e.verdict_seen.is_set():
+            e.final_heartbeat()  # the step it finished at
+        e.done.set()
+        self.observer.local.wake()
+        if self.config.gil_timeout is not None and not e.verdict_seen.is_set():
             self.stacks.cancel_timer()
         if self.bridge is not None:
             self.bridge.stop()
         self.heartbeat.stop()
-        self.observer.stop()
+        self.observer.local.stop()
         if self._launcher_watch is not None:
             self._launcher_watch.stop()
         if threading.current_thread() is not self.thread and self.thread.is_alive():
@@ -251,37 +132,6 @@ class Watcher:
         """After :meth:`stop`: is a thread of the store bridge still inside a store request
         (torch's C++ client, the GIL released)? It must not wake while Python finalizes."""
         return self.bridge is not None and bool(self.bridge.left_in_store)
-
-    def await_own_verdict(self) -> None:
-        """This rank failed and is exiting: wait for the verdict (rule: leaving at exit)."""
-        if not self.thread.is_alive():
-            return  # nobody left to judge it (the run directory was removed, or the watcher died)
-        hold_s = self.bridge.hold_s if self.bridge is not None else 0.0  # multi-host: an exception is held back
-        wait_s = plan.verdict_wait_s(self.config.parent_wait, self.config.ack_window, hold_s, self._outcome.echo)
-        self.verdict_seen.wait(wait_s)
-
-    def leave(self) -> None:
-        """The training thread is leaving during a teardown: the watcher ends the process
-        once its share of the teardown is done (rule: leaving at exit)."""
-        self.main_left.set()
-        self.wake()
-        if threading.current_thread() is not self.thread:
-            # The watcher may have an on_verdict hook to wait for, for its own bound.
-            hook_s = self.config.on_verdict_timeout if self.config.on_verdict is not None else 0.0
-            self.thread.join(plan.leave_join_s(self.config.grace, self.config.ack_window) + hook_s)
-
-    def enter_watch(self, delta: int) -> None:
-        """The training thread entered (+1) or left (-1) ``watch()``: it alone writes ``in_watch``."""
-        self.in_watch += delta
-
-    def stack_file(self) -> Optional[IO[str]]:
-        """This rank's stack file, open (for a traceback kept out of the terminal), or None."""
-        return self.stacks.file
-
-    def tell_hosts_succeeded(self) -> None:
-        """Other hosts learn that this rank is ending well (its exit status decides here)."""
-        if self.bridge is not None:
-            self.bridge.on_success()
 
     # -- the thread ----------------------------------------------------------------
 
@@ -297,25 +147,25 @@ class Watcher:
 
     def _run(self) -> None:
         obs = self.observer
-        sched = self._schedule(obs.start())
+        sched = self._schedule()
         warm_record_types()  # now, not at a teardown
-        while not self.done.is_set():
+        while not self.ending.done.is_set():
             now = time.monotonic()
             beat = sched.beat_due(now)
             judge_hang = judge_remote = False
             if beat:
                 judge_hang, judge_remote = self._on_beat()
-            unsure = obs.unsure()  # a look could not tell (EMFILE...): taken again soon
+            unsure = obs.local.unsure() or obs.unread  # a peer or a record could not be told (EMFILE...): soon again
             full_look = sched.full_look(beat, judge_remote, unsure)
-            requested = self._settle.requested()
-            woken = obs.wait(sched.timeout(now, judge_remote, unsure))
-            if self.done.is_set():
+            requested = self.ending.looks_asked()
+            woken = obs.local.wait(sched.timeout(now, judge_remote, unsure))
+            if self.ending.done.is_set():
                 break
             obs.awake.tick(time.monotonic_ns())  # a turn that took too long: this thread was not running
-            self._note_interrupt()
+            self.ending.note_interrupt()
             if self.heartbeat.children_changed.is_set():
                 self.heartbeat.write(obs.local_pids)
-            lost = obs.storage_lost()  # on every turn: a rank must say at once that it is unprotected
+            lost = self.run_dir.lost(EVENTS)  # on every turn: a rank must say at once that it is unprotected
             if lost is not None:
                 self._stop_judging(lost)
                 return
@@ -332,22 +182,8 @@ class Watcher:
                     return
                 self._flight_recorder.on_diagnosis(obs.diagnosis())  # a stall: each rank dumps, once
                 obs.flush()
-                self._peer_failure_known = obs.peer_failed()
-            self._settle.looked(requested)
-
-    def _note_interrupt(self) -> None:
-        """A SIGINT came since the last look (the C extension notes it as it arrives): say so
-        in ``events/interrupt-<rank>.json`` (rule: interrupts are not failures). Not a failure (the
-        application may catch the KeyboardInterrupt): the evidence that this rank got the
-        job's Ctrl-C too, where its main thread cannot raise yet (it waits in a collective
-        for a peer that did). Seen within a heartbeat at most: the watcher wakes that often."""
-        seen = exitwatch.last_interrupt()
-        if seen is None or seen[0] == self._interrupt_noted:
-            return
-        self._interrupt_noted = seen[0]
-        at_ns = time.time_ns() - max(0, time.monotonic_ns() - seen[0])
-        self.own_records.interrupt(Interrupt(rank=self.rank, pid=self.me.pid, time_ns=at_ns, signal="SIGINT",
-                                             signalled_by=seen[1]))
+                self.ending.peer_failure_known = obs.peer_failed()
+            self.ending.looked(requested)
 
     def _stop_judging(self, how: str) -> None:
         """The run directory is gone: no success marker, failure record or acknowledgement
@@ -363,9 +199,11 @@ class Watcher:
             "a PEERWATCH_DIR that nothing cleans up while it runs.", self.rank, self.run_dir.path, how,
         )
 
-    def _schedule(self, inotify: bool) -> Schedule:
+    def _schedule(self) -> Schedule:
+        """Start the folder watch; when the loop wakes follows from what it can watch."""
         shared = self.observer.remote is not None
-        use_pidfd = self.observer.use_pidfd
+        inotify = self.observer.local.start(folders_disabled=shared and sharedfs.inotify_disabled())
+        use_pidfd = self.observer.local.use_pidfd
         if not use_pidfd:
             logger.info("peerwatch: pidfd is unavailable; rank %d checks its peers every %gs", self.rank, POLL_FALLBACK_S)
         # Shared filesystem: inotify is blind to other hosts anyway; the judges poll and
@@ -381,19 +219,16 @@ class Watcher:
         and at its first ``beat()`` by the training thread itself (its next step may hold
         the GIL before the watcher runs again). Not before: a rank that imports and loads
         holds the GIL in one call for seconds on a loaded machine (``import torch``)."""
-        if self.config.gil_timeout is not None and not self.verdict_seen.is_set():
+        if self.config.gil_timeout is not None and not self.ending.verdict_seen.is_set():
             self.stacks.arm_gil_watchdog(self.config.gil_timeout)
 
     def _on_beat(self) -> Tuple[bool, bool]:
-        """Heartbeat, GIL watchdog, the bridge; whether this rank judges hangs and other hosts."""
+        """Heartbeat, GIL watchdog, the chores; whether this rank judges hangs and other hosts."""
         self.heartbeat.write(self.observer.local_pids, read_counters=True)
-        if not self._lightning_deferred:  # rank 0 under Lightning: its observer gives way
-            self._lightning_deferred = launchers.defer_lightning_observer(self.thread.is_alive)
         if self.heartbeat.training():
             self._arm_gil_watchdog()
-        if self.bridge is not None:
-            self.bridge.tick()
-        self._judge_stragglers()
+        for chore in self._chores:
+            chore()
         # Diagnosis: judged only once this rank's collectives count (torch.distributed in use).
         diagnosing = self._diagnoser is not None and self.heartbeat.counts_collectives()
         hang, remote = self.config.hang_timeout.on or diagnosing, self.observer.remote is not None
@@ -401,15 +236,6 @@ class Watcher:
             return False, False  # nothing to judge: no need to know who the judges are
         judge = self.rank in self.observer.live_local_ranks()[:HANG_JUDGES]
         return hang and judge, remote and judge
-
-    def _judge_stragglers(self) -> None:
-        """Once a slot, on the lowest live local rank: who the others wait for."""
-        if self._stragglers is None or not self.heartbeat.counts_collectives():
-            return
-        live = self.observer.live_local_ranks()
-        if live[:1] == [self.rank]:
-            peers = {r: self.observer.peers[r].reg for r in live[1:] if r in self.observer.peers}
-            self._stragglers.tick(self.heartbeat.published(), peers)
 
     def _judge(self, sched: Schedule, judge_hang: bool, judge_remote: bool, missing: Tuple[int, ...]) -> Optional[Verdict]:
         """Decide from what was observed; the verdict to act on."""
@@ -460,7 +286,7 @@ class Watcher:
         c = self.config
         situation = plan.Situation(
             self_rank=self.rank, failed_rank=verdict.rank, cause=verdict.cause, verdict_exit_code=verdict.exit_code,
-            own_exit_code=self._outcome.failed_code, in_watch=self.in_watch > 0,
+            own_exit_code=self.ending.failed_code, in_watch=self.ending.in_watch > 0,
             live_local_ranks=tuple(self.observer.live_local_ranks()), wrote_verdict=wrote,
             grace_s=c.grace, ack_window_s=c.ack_window,
             failed_rank_speaks=executor.failed_rank_speaks(self.observer, self.rank, verdict),
@@ -469,7 +295,7 @@ class Watcher:
         )
         executor.carry_out(executor.Teardown(
             on_verdict=c.on_verdict, on_verdict_timeout_s=c.on_verdict_timeout, run_dir=self.run_dir, me=self.me,
-            observer=self.observer, stacks=self.stacks, flight_recorder=self._flight_recorder, bridge=self.bridge, main_left=self.main_left,
+            observer=self.observer, stacks=self.stacks, flight_recorder=self._flight_recorder, bridge=self.bridge, main_left=self.ending.main_left,
             interrupt_installed=self.interrupt_installed, heartbeat=self.heartbeat,
             verdict=verdict, situation=situation, plan=plan.plan(situation),
         ))
@@ -484,53 +310,8 @@ class Watcher:
                 existing = self.run_dir.read(EVENTS, VERDICT_FILE, Verdict)
                 verdict = existing if existing is not None else verdict
         obs.flush()  # how the dead rank ended, for its peers and the report
-        self._verdict = verdict
-        self.verdict_seen.set()
-        self._settle.release()
+        self.ending.known(verdict)
         return verdict, wrote
-
-    def _final_heartbeat(self) -> None:
-        """The step this rank stopped at: for the report and ``peerwatch status``."""
-        self.heartbeat.write_last(self.observer.local_pids)
-
-    # -- called from the training thread (or whichever thread ends the rank) ---------
-
-    def record_failure(self, failure: Failure) -> None:
-        """This rank failed: say so before it goes (first record wins)."""
-        self._outcome.fail(failure.exit_code, echo=failure.cause == EXCEPTION and failure.collective)
-        self._final_heartbeat()
-        self.own_records.failure(failure)
-        self.wake()
-
-    def record_leaving(self) -> None:
-        """This rank's program has ended with no outcome recorded, and its interpreter is
-        about to finalize: its exit status will tell. Say so before its sockets close."""
-        if self.verdict_seen.is_set() or self._outcome.failed_code is not None or self._outcome.succeeded:
-            return
-        try:
-            self.heartbeat.leaving(self.observer.local_pids)
-        except Exception:  # noqa: BLE001 - the heartbeat must never stop an exit
-            logger.debug("peerwatch: rank %d could not say it is leaving", self.rank, exc_info=True)
-
-    def record_thread_exception(self, failure: Failure) -> None:
-        """For the report only: another thread of this rank died of an exception."""
-        self.own_records.thread_exception(failure)
-        logger.warning(
-            "peerwatch: rank %d: thread %s died of %s: %s (recorded; set thread_exceptions=fail to fail the rank)",
-            self.rank, failure.thread, failure.exception, failure.message,
-        )
-
-    def record_success(self) -> None:
-        if self.verdict_seen.is_set() or not self._outcome.succeed():
-            return
-        self._final_heartbeat()
-        self.own_records.success(Success(rank=self.rank, pid=os.getpid(), time_ns=time.time_ns()))
-        if self.bridge is not None:
-            self.bridge.on_success()  # the job is ending: other hosts going quiet is no failure
-
-    def publish_heartbeat(self) -> None:
-        """Write this rank's heartbeat now (paused() calls it: the judges must not miss a pause)."""
-        self.heartbeat.write(self.observer.local_pids)
 
 
 def record_death(run_dir: RunDir, rank: int, error: BaseException) -> None:
@@ -545,6 +326,15 @@ def record_death(run_dir: RunDir, rank: int, error: BaseException) -> None:
         logger.error("peerwatch: rank %d could not record in %s that its watcher died: %s", rank, run_dir.path, e)
 
 
+def _judge_stragglers(watch: StragglerWatch, rank: int, heartbeat: HeartbeatWriter, observer: Observer) -> None:
+    """A chore: once a slot, on the lowest live local rank, who the others wait for."""
+    if not heartbeat.counts_collectives():
+        return
+    live = observer.live_local_ranks()
+    if live[:1] == [rank]:
+        watch.tick(heartbeat.published(), {r: observer.peers[r].reg for r in live[1:] if r in observer.peers})
+
+
 def _monotonic(wall_ns: Optional[int]) -> Optional[float]:
     """A ``time.time_ns()`` deadline as a ``time.monotonic()`` one."""
     if wall_ns is None:
@@ -552,4 +342,4 @@ def _monotonic(wall_ns: Optional[int]) -> Optional[float]:
     return time.monotonic() + (wall_ns - time.time_ns()) / 1e9
 
 
-__all__ = ["Outcome", "Settle", "Watcher", "record_death"]
+__all__ = ["Watcher", "record_death"]

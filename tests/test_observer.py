@@ -77,7 +77,7 @@ def observers(run: RunDir) -> Iterator[Callable[..., Observer]]:
 
     yield make
     for obs in made:
-        obs.stop()
+        obs.local.stop()
 
 
 @pytest.fixture
@@ -109,7 +109,7 @@ def _until(obs: Observer, done: Callable[[], bool], what: str) -> None:
     while not done():
         left = deadline - time.monotonic()
         assert left > 0, f"not within {DEADLINE_S}s: {what}"
-        obs.wait(min(left, 0.5))
+        obs.local.wait(min(left, 0.5))
         obs.scan()
 
 
@@ -136,7 +136,7 @@ def _new_watches(before: Set[int]) -> List[int]:
 
 def test_a_registration_wakes_the_observer_through_inotify_and_a_killed_peer_is_seen_gone(run, observers, peers):
     obs = observers()
-    obs.start()  # inotify on ranks/ and events/ (or a poll, where inotify is out of instances)
+    obs.local.start()  # inotify on ranks/ and events/ (or a poll, where inotify is out of instances)
     proc = peers()
     _register(run, 1, proc.pid)
     _until(obs, lambda: 1 in obs.peers, "rank 1's registration seen")
@@ -160,21 +160,21 @@ def test_a_new_record_wakes_the_watcher_and_none_does_once_it_stopped_watching_f
     wakes wait() at once (a poll alone would sleep the whole timeout). After
     stop_watching_folders() nothing wakes it, nor does the closed number (POLLNVAL)."""
     obs = observers()
-    if not obs.start():
+    if not obs.local.start():
         pytest.skip("inotify is out of instances on this machine")
-    assert not obs.wait(0)  # the folder watch's descriptor joins the poll set
+    assert not obs.local.wait(0)  # the folder watch's descriptor joins the poll set
     done = Success(rank=2, pid=os.getpid(), time_ns=time.time_ns())
     assert run.write(EVENTS, rank_file("success", 2), encode(done))
-    assert obs.wait(DEADLINE_S), "a new record did not wake the watcher"
-    assert not obs.wait(0), "the folder watch was drained"
-    obs.stop_watching_folders()
+    assert obs.local.wait(DEADLINE_S), "a new record did not wake the watcher"
+    assert not obs.local.wait(0), "the folder watch was drained"
+    obs.local.stop_watching_folders()
     assert run.write(EVENTS, rank_file("success", 3), encode(Success(rank=3, pid=os.getpid(), time_ns=time.time_ns())))
-    assert not obs.wait(0.2) and not obs.wait(0.2)
+    assert not obs.local.wait(0.2) and not obs.local.wait(0.2)
 
 
 def test_a_pidfd_taken_over_by_the_application_is_replaced_and_the_peer_still_watched(run, observers, peers, caplog):
     obs = observers()
-    obs.start()
+    obs.local.start()
     proc = peers()
     _register(run, 1, proc.pid)
     _until(obs, lambda: 1 in obs.peers, "rank 1's registration seen")
@@ -183,7 +183,7 @@ def test_a_pidfd_taken_over_by_the_application_is_replaced_and_the_peer_still_wa
     null = os.open(os.devnull, os.O_RDONLY)
     try:
         os.dup2(null, old)  # the application's dup2 over "its" descriptors
-        obs.check_fds(every_pidfd=True)
+        obs.local.check_fds(every_pidfd=True)
         assert 1 not in obs.gone, "a pidfd taken over is no death"
         assert any("still runs, so it is watched through a new pidfd" in r.getMessage() for r in caplog.records)
         proc.send_signal(signal.SIGKILL)
@@ -208,7 +208,7 @@ def test_a_record_of_another_process_of_a_rank_is_ignored(run, observers, peers)
 
 
 def _stop_from_another_thread(obs: Observer) -> None:
-    stopper = threading.Thread(target=obs.stop, name="test-stopper")
+    stopper = threading.Thread(target=obs.local.stop, name="test-stopper")
     stopper.start()
     stopper.join(DEADLINE_S)
     assert not stopper.is_alive()
@@ -220,9 +220,9 @@ def test_stop_then_a_folder_repair_leaves_no_watch_running(run, observers):
     repair made a new watch that nothing would ever stop."""
     before = _inotify_fds()
     obs = observers()
-    assert obs.start()
+    assert obs.local.start()
     _stop_from_another_thread(obs)
-    obs.check_fds(every_pidfd=True)  # the watcher thread's next unasked look
+    obs.local.check_fds(every_pidfd=True)  # the watcher thread's next unasked look
     assert _new_watches(before) == [], "a folder watch outlived stop()"
 
 
@@ -230,14 +230,14 @@ def test_stop_before_the_watcher_started_its_folder_watch_leaves_none(run, obser
     before = _inotify_fds()
     obs = observers()
     _stop_from_another_thread(obs)  # install() then an exit, before the watcher thread ran
-    assert not obs.start()
+    assert not obs.local.start()
     assert _new_watches(before) == [], "a folder watch started after stop()"
 
 
 def _repair_thrice(obs: Observer, go: threading.Barrier) -> None:
     go.wait()
     for _ in range(3):
-        obs._waker._repair_folders()  # what check_fds does once it found inotify's descriptors taken
+        obs.local._waker._repair_folders()  # what check_fds does once it found inotify's descriptors taken
 
 
 def test_stop_racing_repairs_leaves_no_watch_running(run, observers):
@@ -246,12 +246,12 @@ def test_stop_racing_repairs_leaves_no_watch_running(run, observers):
     before = _inotify_fds()
     for _ in range(5):
         obs = observers()
-        assert obs.start()
+        assert obs.local.start()
         go = threading.Barrier(2)
         repairer = threading.Thread(target=_repair_thrice, args=(obs, go), name="test-repairer")
         repairer.start()
         go.wait()
-        obs.stop()
+        obs.local.stop()
         repairer.join(DEADLINE_S)
     assert _new_watches(before) == [], "a folder watch outlived stop()"
 
@@ -266,7 +266,7 @@ def test_many_threads_record_while_the_watcher_scans(run, observers):
     own = OwnRecords(run, _reg(0, os.getpid()))
     obs = Observer(run, own.me, use_pidfd=True, remote=None, records=own)
     try:
-        obs.start()
+        obs.local.start()
         n = 12
         go = threading.Barrier(n)
         won: List[int] = []
@@ -291,7 +291,7 @@ def test_many_threads_record_while_the_watcher_scans(run, observers):
         _until(obs, lambda: obs.events.get(rank_file("failure", 0)) == on_disk, "the failure read back")
         assert obs.finished() == {0} and not own.write_failed
     finally:
-        obs.stop()
+        obs.local.stop()
 
 
 def test_records_that_cannot_be_written_are_said_loudly_once(run, caplog):

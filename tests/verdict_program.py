@@ -60,7 +60,7 @@ def main() -> None:
             f.write(str(child.pid))
     config = Config.resolve(options)
     observer = Observer(rd, me, use_pidfd=True, remote=None)
-    observer.start()
+    observer.local.start()
     observer.scan()
     verdict = rd.read(EVENTS, VERDICT_FILE, Verdict)
     assert verdict is not None, "the test writes the verdict first"

@@ -20,7 +20,7 @@ instance, like every eventfd or epoll, is the same anonymous inode to fstat(2), 
 :meth:`FolderWatch.intact` also asks ``/proc/self/fdinfo`` which inodes it watches: only an
 instance watching our folders is ours.
 
-Threads: owned by the watcher thread (its :class:`peerwatch.observer.Observer`'s), except
+Threads: owned by the watcher thread (its :class:`peerwatch.peers.LocalPeers`'), except
 :meth:`Waker.wake` (any thread: one byte down a non-blocking pipe) and :meth:`Waker.stop`
 (any thread). The folder watch is made, drained, swapped and closed only under
 ``_folders_lock`` (a repair and a stop may race: a watch made after the stop would outlive
@@ -187,7 +187,7 @@ FD_CHECK_S = 5.0
 
 class Waker:
     """The descriptors the watcher thread sleeps on. ``peers`` and ``gone`` are its
-    observer's (read here, written there): the pidfds to watch, and the ranks seen gone."""
+    LocalPeers' (read here, written there): the pidfds to watch, and the ranks seen gone."""
 
     def __init__(self, rank: int, peers: Mapping[int, Peer], gone: Mapping[int, int]) -> None:
         self._rank = rank

@@ -293,6 +293,25 @@ class HeldDir:
             self._fds[""] = fd
             self._ids[""] = (st.st_dev, st.st_ino)
 
+    def lost(self, sub: str) -> Optional[str]:
+        """How the held directory was lost, as its path and its folder ``sub`` show (removed, or
+        replaced by another one); None while it is there, where that cannot be told, or when
+        not held. Nothing written there from now on reaches a peer, and nothing a peer writes
+        (success markers included) reaches us: a peer's end proves nothing any more."""
+        top, held = self._ids.get(""), self._ids.get(sub)
+        if top is None or held is None:
+            return None
+        try:
+            now = _dir_id(self.join(sub))
+            if now == held:
+                return None
+            top_now = _dir_id(self.path)
+        except OSError:
+            return None  # cannot tell: judged as before
+        if top_now is not None and top_now != top:
+            return "was replaced by another directory"  # moved aside, or removed, and made anew
+        return "was removed" if now is None else "was replaced by another directory"
+
     def hold_folder(self, sub: str) -> None:
         """Create folder ``sub`` (0700) in the held directory, check it, and hold it. RunDirError
         if it cannot be made, is a symlink or is not ours alone."""
@@ -326,6 +345,18 @@ class HeldDir:
             self._ids[sub] = (st.st_dev, st.st_ino)
         if old is not None:
             os.close(old)
+
+
+def _dir_id(path: str) -> Optional[Tuple[int, int]]:
+    """(st_dev, st_ino) of the directory at ``path``; None if there is none there (gone, or
+    something else in its place). Raises OSError when it cannot be told (EACCES...)."""
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except OSError as e:
+        if e.errno in (errno.ENOENT, errno.ENOTDIR):
+            return None
+        raise
+    return (st.st_dev, st.st_ino) if stat.S_ISDIR(st.st_mode) else None
 
 
 __all__ = ["WARN_EACH", "HeldDir", "WarnOnce", "check_ancestors", "check_own_dir", "check_trusted", "open_regular",

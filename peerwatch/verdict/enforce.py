@@ -30,6 +30,10 @@ class _Peer(Protocol):
     reg: Registration
 
 
+class _Sleeps(Protocol):
+    def wait(self, timeout: float) -> bool: ...
+
+
 class Seen(Protocol):
     """What an enforcer needs of the watcher's observer (:class:`peerwatch.observer.Observer`
     has it): passed down, so this stage does not import the one that observes."""
@@ -41,10 +45,11 @@ class Seen(Protocol):
 
     @property
     def peers(self) -> Mapping[int, _Peer]: ...
+    @property
+    def local(self) -> _Sleeps: ...  # what the watcher sleeps on (peerwatch.peers.LocalPeers)
 
     def scan(self) -> None: ...
     def flush(self) -> None: ...
-    def wait(self, timeout: float) -> bool: ...
     def acked(self) -> Set[int]: ...
     def finished(self) -> Set[int]: ...
     def local_pids(self) -> Set[int]: ...
@@ -88,7 +93,7 @@ def _await_acks(obs: Seen, ack_window_s: float, trusted: AbstractSet[int]) -> Li
         window = window.seen(now, len(acked))
         if not pending or window.left(now) <= 0:
             return list(pending)
-        obs.wait(window.left(now))
+        obs.local.wait(window.left(now))
 
 
 def _peer_and_tree(
