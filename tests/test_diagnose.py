@@ -860,7 +860,7 @@ def test_a_host_summarizes_from_the_stuck_threshold_publishes_from_half_the_lear
 
 
 def test_a_host_whose_judge_just_resumed_says_nothing_stuck_yet():
-    """Rule: the awake time. A judge that was suspended (the host with it) counts its ranks'
+    """Awake time only (peerwatch.core.awake). A judge that was suspended (the host with it) counts its ranks'
     stillness from its resume: nothing is stuck, nor published, before the stuck threshold
     of awake time; nor does host a name early before its own."""
     ranks = host_b(rank(20, activity=WINDOW))
