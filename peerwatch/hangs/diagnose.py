@@ -43,7 +43,9 @@ diagnosis"):
   collective is named early only if no rank of the job shows a sign of work (it may wait for
   a pipeline stage that computes). Anything with a sign of work, or too few samples, waits
   for the learnt threshold as before: this rule names nothing ``busy``, and a busy finding
-  turns into a hang only by the window of the busy-or-stuck rule.
+  turns into a hang only by the window of the busy-or-stuck rule. A rank of another host
+  counts here only by its host's summary made less than the stuck threshold ago
+  (``RankState.seen_mono_ns``): older news waits for the learnt threshold.
 
 Ranks of other hosts come in as the ranks of this one (:class:`Summary` turns each
 host's summary from the store into them, its host named): the rules are the same, and a
@@ -80,7 +82,14 @@ ranks stand still, what the diagnosis needs of them, per host and not per rank (
 - every other rank in full (its counters, last collectives, state, where it is, its signs
   of work: :class:`peerwatch.proc.activity.Activity`): the laggard candidates, at most
   ``MAX_DETAILED``;
-- whether a rank is inside ``paused()`` (rule: paused or uncounted, across hosts too).
+- whether a rank is inside ``paused()`` (rule: paused or uncounted, across hosts too);
+- whether one of its detailed ranks is plainly stuck, by this host's own samples
+  (:attr:`Summary.stuck`): only a host can sample its processes.
+
+A host's judges make it from the stuck threshold on; it goes to the store from
+``PUBLISH_FRACTION`` of the learnt threshold, as before, or from the stuck threshold when it
+is stuck (:meth:`Summary.public`), so that a whole host behind is named by the others as
+soon as a stuck rank is by its own host's judges.
 
 A summary is a few hundred bytes for a host whose ranks wait, plus ~250 bytes per rank
 that does not. The judges of the reading host feed the ranks of :func:`remote_ranks` into
