@@ -149,7 +149,9 @@ class RankState:
     timeout_ms: int = 0  # the shortest collective timeout it saw (0: unknown)
     activity: Optional[Activity] = None  # its signs of work while its counters stand still
     host: str = ""  # its host, where ranks of several hosts are judged together (:class:`Summary`)
-    seen_mono_ns: Optional[int] = None  # a rank of another host: when its host's judges saw it (None: seen now)
+    # A rank of another host: when its host's judges saw it (its summary made), on the judge's
+    # clock as the bridge can tell (its first read of that stall, plus the age since); None: seen now.
+    seen_mono_ns: Optional[int] = None
 
     @classmethod
     def of(cls, beat: Heartbeat, state: str = "?", watcher_silent: bool = False) -> RankState:
