@@ -11,8 +11,6 @@ import time
 from pathlib import Path
 from typing import Optional
 
-import pytest
-
 from peerwatch.core.config import Config, LauncherFacts
 from peerwatch.core.records import Registration
 from peerwatch.hangs.diagnose import FLOOR_S, STUCK_S, RankState, Summary, refresh_ns, summarize
@@ -20,8 +18,6 @@ from peerwatch.hosts.bridge import _BeatLoop, _Link, _TorchGate
 from peerwatch.hosts.store_protocol import Seen
 from peerwatch.proc.activity import Activity
 from peerwatch.rundir.rundir import REMOTE_STALLS_FILE, TMP, RunDir
-
-pytestmark = pytest.mark.pure
 
 S = 1_000_000_000
 ONSET = 100 * S
