@@ -129,10 +129,13 @@ def worker(first: int, count: int, args: Dict[str, Any], port: int, base: str, c
 
     def stall() -> None:  # as the judges of every host would write it, once a heartbeat
         t0 = time.monotonic()
+        threshold_ms = int(args["stall_threshold"] * 1000)
         while not stalled.is_set():
             for b in bridges:
+                # Past half the threshold from the start: a summary the bridge publishes
+                # (Summary.public; a younger one, not stuck, is the judges' alone).
                 body = {"v": 1, "host": f"sim{b.sim:03d}", "stall": "1", "age_ms": int((time.monotonic() - t0) * 1000)
-                        + 10_000, "threshold_ms": int(args["stall_threshold"] * 1000),
+                        + max(10_000, threshold_ms // 2), "threshold_ms": threshold_ms,
                         "waiting": [[list(range(b.sim * ranks, (b.sim + 1) * ranks)),
                                      {"c": [["0", 31, 30]], "e": [["0", 31, "allreduce", "[[1024]] Float"]]}]],
                         "ranks": []}

@@ -61,10 +61,12 @@ class Diagnoser:
         is looked at again every time: its laggard may stop working (a hang, once it has shown
         no work for a whole window more)."""
         timeout_ms = min((p.timeout_ms for p in obs.progress.values() if p.timeout_ms > 0), default=0)
-        # The other hosts are asked for at the learnt threshold, not the stuck one: a stall's
-        # summaries cost the store as before. A stuck rank is named early by its own host's
-        # judges where a rank of its host waits for it; a whole host behind, at the threshold.
-        ranks = self._with_other_hosts(self.ranks(obs), obs, self.threshold.value_ns(timeout_ms))
+        stuck_ns = self.threshold.stuck_ns(timeout_ms, self._interval_ns / 1e9)
+        # This host's summary is written from the stuck threshold, for the bridge: it is
+        # published from half the learnt threshold as before, or from the stuck one where it
+        # holds a plainly stuck rank (Summary.public), so that a whole host behind is named
+        # by the others as soon as by its own judges; the others' are read with it.
+        ranks = self._with_other_hosts(self.ranks(obs), obs, self.threshold.value_ns(timeout_ms), stuck_ns)
         last = diagnose.last_move(ranks)
         self.threshold.observe(last, obs.awake_since_ns)
         self._resolve(last, obs.now_ns)
@@ -72,7 +74,7 @@ class Diagnoser:
         if current is not None and current.resolved_ns is None and current.finding != BUSY:
             return current
         found = diagnose.diagnose(ranks, obs.now_mono_ns, self.threshold.value_ns(timeout_ms), timeout_ms,
-                                   obs.awake_since_ns, self.threshold.stuck_ns(timeout_ms, self._interval_ns / 1e9))
+                                   obs.awake_since_ns, stuck_ns)
         busy = current is not None and current.resolved_ns is None and current.finding == BUSY
         if not busy or (found is not None and found.kind == BUSY):
             self._idle_since = None
@@ -113,12 +115,12 @@ class Diagnoser:
         return stalled_at_ns + found.end_after_ns if found.kind == BUSY else now_ns
 
     def _with_other_hosts(
-        self, local: Dict[int, diagnose.RankState], obs: decide.Observed, threshold_ns: int,
+        self, local: Dict[int, diagnose.RankState], obs: decide.Observed, threshold_ns: int, stuck_ns: int,
     ) -> Dict[int, diagnose.RankState]:
         """This host's ranks, and, while they stand still, the other hosts' that do too
         (each rank with its host named). Says the former to the bridge (RUN/stall.json)."""
         host = identity.hostname()
-        summary = diagnose.summarize(local, host, obs.now_mono_ns, threshold_ns, obs.awake_since_ns)
+        summary = diagnose.summarize(local, host, obs.now_mono_ns, threshold_ns, obs.awake_since_ns, stuck_ns)
         if summary is None:
             if self._stall_written:  # it moved again: the bridge stops saying it stands still
                 self._stall_written = not self._write(STALL_FILE, b"{}")

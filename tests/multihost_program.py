@@ -19,7 +19,8 @@ and where the behaviour uses torch: the store bridge runs in a rank that did; it
 cleanly once ``READY/NAME`` exists; ``torch_succeed_on:NAME`` imports torch.distributed
 first), ``raise_on:NAME`` (raise RuntimeError once it
 exists), ``torch`` (note ``READY/torch-<rank>``, then sleep), ``gloo`` (join a gloo
-process group of every rank, note ``READY/pg-<rank>``, all_reduce in a loop), or the same
+process group of every rank, its timeout ``MULTIHOST_GLOO_TIMEOUT_S``, 60 s unless set, note
+``READY/pg-<rank>``, all_reduce in a loop), or the same
 with a laggard's behaviour after STEP all_reduces, outside the collectives its peers wait
 in (``READY/doing-<rank>`` is noted right before it starts):
 
@@ -142,8 +143,9 @@ def rank_main(args: argparse.Namespace) -> None:
         import torch
         import torch.distributed as dist
 
+        timeout_s = float(os.environ.get("MULTIHOST_GLOO_TIMEOUT_S", "60"))
         dist.init_process_group("gloo", rank=rank, world_size=int(os.environ["WORLD_SIZE"]),
-                                timeout=datetime.timedelta(seconds=60))
+                                timeout=datetime.timedelta(seconds=timeout_s))
         note(args.ready, f"pg-{rank}", "")
         what, _, at = arg.partition("_at=")
         step_s = float(what.partition("=")[2]) if what.startswith("step=") else 0.01

@@ -21,9 +21,12 @@ from peerwatch.hangs.diagnose import (
     STUCK_SAMPLES,
     WARMUP_GAPS,
     RankState,
+    Summary,
     Threshold,
     busy_evidence,
     diagnose,
+    remote_ranks,
+    summarize,
 )
 from peerwatch.proc.activity import Activity
 from peerwatch.verdict.decide import Observed, Policy, decide
@@ -610,7 +613,8 @@ def test_threshold_counts_only_new_moves():
 def test_a_heartbeat_becomes_a_rank_state_in_one_place_with_every_field_it_carries():
     """A rank's progress has one shape (RankState) for the hang rule, the diagnosis and the
     summary, made from a heartbeat by RankState.of only: every field but the process
-    state, the watcher's silence and the host (which the heartbeat cannot say) comes from it."""
+    state, the watcher's silence, the host and when another host saw it (which the heartbeat
+    cannot say) comes from it."""
     import dataclasses as dc
 
     from peerwatch.core.records import Heartbeat
@@ -625,7 +629,7 @@ def test_a_heartbeat_becomes_a_rank_state_in_one_place_with_every_field_it_carri
                           moved_mono_ns=12, timeout_ms=10_000, activity=activity)
     defaults = RankState()
     unset = [f.name for f in dc.fields(RankState) if getattr(s, f.name) == getattr(defaults, f.name)]
-    assert unset == ["host"], f"RankState.of leaves {unset} at their defaults: a field the heartbeat carries is lost"
+    assert unset == ["host", "seen_mono_ns"], f"RankState.of leaves {unset} at their defaults: a field the heartbeat carries is lost"
 
 
 def test_a_rank_state_made_from_nothing_knows_nothing():
@@ -754,3 +758,115 @@ def test_before_the_learnt_threshold_nothing_busy_is_ever_named(samples, cpu_ms,
     d = diagnose(ranks, NOW, LEARNT, stuck_ns=STUCK)
     if d is not None:
         assert d.kind == HANG and samples >= STUCK_SAMPLES and since_s >= STUCK_S and busy_evidence(ranks[1]) == ""
+
+
+# -- a whole host behind, named by the other hosts at the stuck threshold (issue 34) ----------
+
+ONSET = NOW - STUCK  # every rank of both hosts last moved here: the stuck threshold ago
+
+
+def host_a() -> Dict[int, RankState]:
+    """Host a: ranks 0, 1 wait in all_reduce #21 (grouped in its summary: no samples of theirs)."""
+    return {r: rank(21, moved=ONSET, entered=tail(21), in_collective=True) for r in (0, 1)}
+
+
+def host_b(laggard: RankState) -> Dict[int, RankState]:
+    """Host b: one rank, which never entered #21."""
+    return {2: dataclasses.replace(laggard, moved_mono_ns=ONSET)}
+
+
+def judged_on_a(b: Optional[Summary], now: int, read_at: int = NOW) -> Dict[int, RankState]:
+    """Host a's ranks and host b's, as host a's judges take them: b's summary read through
+    the store (JSON both ways) by a's bridge at ``read_at``, its last move fixed then."""
+    ranks = {r: dataclasses.replace(s, host="hosta") for r, s in host_a().items()}
+    if b is not None:
+        back = Summary.from_json(b.to_json())
+        assert back == b
+        ranks.update(remote_ranks(back, read_at - back.age_ms * 1_000_000))
+    return ranks
+
+
+def test_a_remote_host_plainly_stuck_is_named_by_the_other_at_the_stuck_threshold():
+    """Host b's one rank blocked on a lock (no CPU, no I/O for a whole window, by b's own
+    samples): b's summary, made at the stuck threshold, says so and is published then;
+    host a's judges, which read it with a summary of their own not published yet, name
+    rank 2 on host b a beat later, as a local stuck laggard."""
+    b = summarize(host_b(rank(20, activity=WINDOW, where="train.py:7 in step")), "hostb", NOW, LEARNT, stuck_ns=STUCK)
+    assert b is not None and b.stuck and b.public(), b  # before: None until half the learnt threshold (30 s)
+    a = summarize(host_a(), "hosta", NOW, LEARNT, stuck_ns=STUCK)
+    assert a is not None and not a.stuck and not a.public(), a  # a's judges' alone: it reads, it does not publish
+    assert diagnose(host_a(), NOW + S, LEARNT, stuck_ns=STUCK) is None  # alone, host a sees nothing
+    d = diagnose(judged_on_a(b, NOW + S), NOW + S, LEARNT, stuck_ns=STUCK)
+    assert d is not None and (d.kind, d.laggards, d.entered, d.seq) == (HANG, (2,), (0, 1), 21), d
+    assert "rank 2 on host hostb never entered" in d.detail and "train.py:7 in step" in d.detail, d.detail
+
+
+@pytest.mark.parametrize("laggard", [
+    rank(20, activity=act(samples=STUCK_SAMPLES, cpu_ms=7_000)),  # computing (one torch op, a loop)
+    rank(20, activity=act(samples=STUCK_SAMPLES, main_io_bytes=20, io_bytes=20)),  # a slow read
+    rank(20, activity=act(samples=STUCK_SAMPLES, children_cpu_ms=7_000)),  # its data loader's workers compute
+    rank(20, activity=act(samples=STUCK_SAMPLES - 1)),  # too few samples to tell
+    rank(20, watcher_silent=True, activity=WINDOW),  # its watcher silent: unsampled
+    rank(20, activity=WINDOW, paused=True),  # inside paused()
+])
+def test_a_remote_host_with_any_sign_of_work_is_not_named_early(laggard: RankState):
+    """Its summary is not stuck, so not published before half the learnt threshold; and
+    were it read, host a's judges apply the rule to its samples themselves: the learnt
+    threshold governs it, as a local busy laggard."""
+    b = summarize(host_b(laggard), "hostb", NOW, LEARNT, stuck_ns=STUCK)
+    assert b is not None and not b.stuck and not b.public(), b
+    assert diagnose(judged_on_a(b, NOW + S), NOW + S, LEARNT, stuck_ns=STUCK) is None
+
+
+def test_a_remote_summary_too_old_or_absent_is_not_named_early():
+    """Host b's evidence counts for the stuck threshold only while it is fresh: seen less
+    than the stuck threshold ago on host a's clock. Older (its host stopped refreshing it,
+    or a's judges were behind), or none at all: the learnt threshold, as before."""
+    b = summarize(host_b(rank(20, activity=WINDOW)), "hostb", NOW, LEARNT, stuck_ns=STUCK)
+    assert b is not None and b.stuck
+    ranks = judged_on_a(b, NOW)  # seen at NOW, on a's clock
+    fresh = diagnose(ranks, NOW + STUCK - 1, LEARNT, stuck_ns=STUCK)
+    assert fresh is not None and fresh.laggards == (2,), fresh
+    assert diagnose(ranks, NOW + STUCK, LEARNT, stuck_ns=STUCK) is None  # old news: not early
+    late = diagnose(ranks, ONSET + LEARNT, LEARNT, stuck_ns=STUCK)  # the learnt threshold governs it
+    assert late is not None and (late.kind, late.laggards) == (HANG, (2,)), late
+    assert diagnose(judged_on_a(None, NOW + S), NOW + S, LEARNT, stuck_ns=STUCK) is None  # absent
+
+
+def test_a_remote_laggard_waiting_in_another_collective_counts_others_only_while_fresh():
+    """A laggard waiting in another collective is named early only if no rank shows work,
+    and a rank of another host seen too long ago cannot say it does not."""
+    waiting = rank(20, activity=WINDOW, in_collective=True)
+    quiet = {0: rank(21, activity=WINDOW), 1: waiting,
+             2: rank(21, activity=WINDOW, host="hostb", seen_mono_ns=NOW - STUCK)}
+    assert diagnose(quiet, NOW, LEARNT, stuck_ns=STUCK) is None
+    quiet[2] = dataclasses.replace(quiet[2], seen_mono_ns=NOW - S)
+    d = diagnose(quiet, NOW, LEARNT, stuck_ns=STUCK)
+    assert d is not None and d.laggards == (1,), d
+
+
+def test_a_host_summarizes_from_the_stuck_threshold_publishes_from_half_the_learnt_one_unless_stuck():
+    """The cost in the store: a host whose ranks all wait, or work, says nothing before half
+    the learnt threshold, as before; under a fixed hang_warn (no stuck threshold) nothing
+    changes at all."""
+    assert summarize(host_a(), "hosta", NOW - 1, LEARNT, stuck_ns=STUCK) is None  # before the stuck threshold
+    a = summarize(host_a(), "hosta", ONSET + LEARNT // 2 - S, LEARNT, stuck_ns=STUCK)
+    assert a is not None and not a.public()
+    a = summarize(host_a(), "hosta", ONSET + LEARNT // 2, LEARNT, stuck_ns=STUCK)
+    assert a is not None and a.public() and not a.stuck
+    assert summarize(host_b(rank(20, activity=WINDOW)), "hostb", NOW, LEARNT) is None  # no stuck threshold
+    b = summarize(host_b(rank(20, activity=WINDOW)), "hostb", ONSET + LEARNT // 2, LEARNT)
+    assert b is not None and b.public() and not b.stuck
+
+
+def test_a_host_whose_judge_just_resumed_says_nothing_stuck_yet():
+    """Awake time only (peerwatch.core.awake). A judge that was suspended (the host with it) counts its ranks'
+    stillness from its resume: nothing is stuck, nor published, before the stuck threshold
+    of awake time; nor does host a name early before its own."""
+    ranks = host_b(rank(20, activity=WINDOW))
+    assert summarize(ranks, "hostb", NOW, LEARNT, awake_since_ns=NOW - STUCK + 1, stuck_ns=STUCK) is None
+    b = summarize(ranks, "hostb", NOW, LEARNT, awake_since_ns=NOW - STUCK, stuck_ns=STUCK)
+    assert b is not None and b.stuck
+    on_a = judged_on_a(b, NOW + S)
+    assert diagnose(on_a, NOW + S, LEARNT, awake_since_ns=NOW + S - STUCK + 1, stuck_ns=STUCK) is None
+    assert diagnose(on_a, NOW + S, LEARNT, awake_since_ns=NOW + S - STUCK, stuck_ns=STUCK) is not None

@@ -86,12 +86,12 @@ def test_remote_ranks_of_waiting_and_detailed_ranks_on_the_readers_clock() -> No
     assert s is not None
     out = remote_ranks(s, 7 * S)
     assert sorted(out) == [0, 1, 2]
-    for r in (0, 1):
+    for r in (0, 1):  # seen when the summary was made: its last move (7 s) plus its age (2 s), the reader's clock
         assert out[r] == RankState(collectives=WAITING.collectives, entered=WAITING.entered, in_collective=True,
-                                   moved_mono_ns=7 * S, host="hostb")
+                                   moved_mono_ns=7 * S, host="hostb", seen_mono_ns=9 * S)
     assert out[2] == RankState(collectives=STUCK.collectives, entered=STUCK.entered, state="S",
                                where="train.py:12 in loop", activity=STUCK.activity, moved_mono_ns=7 * S,
-                               host="hostb")
+                               host="hostb", seen_mono_ns=9 * S)
 
 
 def sized(n: int) -> bytes:

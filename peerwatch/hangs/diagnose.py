@@ -43,7 +43,9 @@ diagnosis"):
   collective is named early only if no rank of the job shows a sign of work (it may wait for
   a pipeline stage that computes). Anything with a sign of work, or too few samples, waits
   for the learnt threshold as before: this rule names nothing ``busy``, and a busy finding
-  turns into a hang only by the window of the busy-or-stuck rule.
+  turns into a hang only by the window of the busy-or-stuck rule. A rank of another host
+  counts here only by its host's summary made less than the stuck threshold ago
+  (``RankState.seen_mono_ns``): older news waits for the learnt threshold.
 
 Ranks of other hosts come in as the ranks of this one (:class:`Summary` turns each
 host's summary from the store into them, its host named): the rules are the same, and a
@@ -80,7 +82,14 @@ ranks stand still, what the diagnosis needs of them, per host and not per rank (
 - every other rank in full (its counters, last collectives, state, where it is, its signs
   of work: :class:`peerwatch.proc.activity.Activity`): the laggard candidates, at most
   ``MAX_DETAILED``;
-- whether a rank is inside ``paused()`` (rule: paused or uncounted, across hosts too).
+- whether a rank is inside ``paused()`` (rule: paused or uncounted, across hosts too);
+- whether one of its detailed ranks is plainly stuck, by this host's own samples
+  (:attr:`Summary.stuck`): only a host can sample its processes.
+
+A host's judges make it from the stuck threshold on; it goes to the store from
+``PUBLISH_FRACTION`` of the learnt threshold, as before, or from the stuck threshold when it
+is stuck (:meth:`Summary.public`), so that a whole host behind is named by the others as
+soon as a stuck rank is by its own host's judges.
 
 A summary is a few hundred bytes for a host whose ranks wait, plus ~250 bytes per rank
 that does not. The judges of the reading host feed the ranks of :func:`remote_ranks` into
@@ -140,6 +149,9 @@ class RankState:
     timeout_ms: int = 0  # the shortest collective timeout it saw (0: unknown)
     activity: Optional[Activity] = None  # its signs of work while its counters stand still
     host: str = ""  # its host, where ranks of several hosts are judged together (:class:`Summary`)
+    # A rank of another host: when its host's judges saw it (its summary made), on the judge's
+    # clock as the bridge can tell (its first read of that stall, plus the age since); None: seen now.
+    seen_mono_ns: Optional[int] = None
 
     @classmethod
     def of(cls, beat: Heartbeat, state: str = "?", watcher_silent: bool = False) -> RankState:
@@ -196,8 +208,8 @@ def diagnose(
     if since < threshold_ns and not early:
         return None
     found = _found(ranks, counted, since, timeout_ms)
-    if early and (found is None or not _named_early(found, ranks)):
-        return None  # a sign of work, too few samples yet, or a wait on others: the learnt threshold
+    if early and (found is None or not _named_early(found, ranks, now_mono_ns, stuck_ns)):
+        return None  # a sign of work, too few samples yet, a wait on others, or old news: the learnt threshold
     return found
 
 
@@ -215,15 +227,26 @@ def plainly_stuck(s: RankState) -> bool:
     return a is not None and a.samples >= STUCK_SAMPLES and busy_evidence(s) == ""
 
 
-def _named_early(found: Found, ranks: Mapping[int, RankState]) -> bool:
+def _named_early(found: Found, ranks: Mapping[int, RankState], now_mono_ns: int, fresh_ns: int) -> bool:
     """Rule: plainly stuck. A hang or mismatch whose every laggard is plainly stuck. A
     hang's laggard that waits in another collective (not stopped) waits for someone else,
     who may be working (a pipeline stage computing): named early only if no rank of the job
-    shows a sign of work either."""
-    if found.kind not in (HANG, MISMATCH) or not all(plainly_stuck(ranks[r]) for r in found.laggards):
+    shows a sign of work either. A rank of another host counts only as its host's judges saw
+    it less than ``fresh_ns`` (the stuck threshold) ago: older news waits for the learnt
+    threshold (a host's summary is refreshed at most every :func:`refresh_ns`)."""
+    def stuck(s: RankState) -> bool:
+        return plainly_stuck(s) and _fresh(s, now_mono_ns, fresh_ns)
+
+    if found.kind not in (HANG, MISMATCH) or not all(stuck(ranks[r]) for r in found.laggards):
         return False
     waiting = [r for r in found.laggards if ranks[r].in_collective and ranks[r].state not in STOPPED_STATES]
-    return found.kind == MISMATCH or not waiting or all(busy_evidence(s) == "" for s in ranks.values())
+    return found.kind == MISMATCH or not waiting or all(
+        busy_evidence(s) == "" and _fresh(s, now_mono_ns, fresh_ns) for s in ranks.values())
+
+
+def _fresh(s: RankState, now_mono_ns: int, fresh_ns: int) -> bool:
+    """A rank of this host (seen now), or of another host seen less than ``fresh_ns`` ago."""
+    return s.seen_mono_ns is None or now_mono_ns - s.seen_mono_ns < fresh_ns
 
 
 def _found(ranks: Mapping[int, RankState], counted: Mapping[int, RankState], since: int, timeout_ms: int) -> Optional[Found]:
@@ -483,7 +506,9 @@ class Threshold:
 
 SUMMARY_VERSION = 1
 # A host says it stands still from this share of the warning threshold on: a slow step
-# never reaches the store, and the other hosts have it well before the threshold.
+# never reaches the store, and the other hosts have it well before the threshold. Sooner,
+# from the stuck threshold, only where its summary holds a plainly stuck rank
+# (:attr:`Summary.stuck`), or another host's does (the bridge's echo, peerwatch.hosts.bridge).
 PUBLISH_FRACTION = 0.5
 # While it stands still, a host's summary is published (and the others' read) at most this
 # often, as a share of the threshold (and at most once a heartbeat): the judges need it
@@ -503,14 +528,21 @@ class Summary:
     threshold_ms: int  # its judges' warning threshold (sets how often the summary is refreshed)
     waiting: Tuple[Tuple[Tuple[int, ...], RankState], ...] = ()  # ranks inside a collective, grouped
     detailed: Tuple[Tuple[int, RankState], ...] = ()  # the others, in full
+    # A detailed rank is plainly stuck (rule: plainly stuck) past the stuck threshold, by this
+    # host's own samples: the summary is published then, not only from PUBLISH_FRACTION of the
+    # threshold. It says when to publish and read, never what to name: every reader's
+    # judges apply the rule to the ranks' published samples themselves.
+    stuck: bool = False
 
     def to_json(self) -> bytes:
-        body = {
+        body: Dict[str, Any] = {
             "v": SUMMARY_VERSION, "host": self.host, "stall": self.stall, "age_ms": self.age_ms,
             "threshold_ms": self.threshold_ms,
             "waiting": [[list(ranks), _state_out(s, full=False)] for ranks, s in self.waiting],
             "ranks": [[r, _state_out(s, full=True)] for r, s in self.detailed],
         }
+        if self.stuck:
+            body["stuck"] = True
         return json.dumps(body, separators=(",", ":")).encode()
 
     @classmethod
@@ -527,27 +559,39 @@ class Summary:
             )
             detailed = tuple((_int(r), _state_in(s)) for r, s in body.get("ranks", ()))
             return cls(str(body["host"]), str(body["stall"]), max(0, _int(body["age_ms"])),
-                       max(0, _int(body.get("threshold_ms", 0))), waiting, detailed)
+                       max(0, _int(body.get("threshold_ms", 0))), waiting, detailed, body.get("stuck") is True)
         except (UnicodeDecodeError, ValueError, TypeError, KeyError, AttributeError, RecursionError):
             return None
 
     def ranks(self) -> List[int]:
         return sorted([r for ranks, _ in self.waiting for r in ranks] + [r for r, _ in self.detailed])
 
+    def public(self) -> bool:
+        """Published (``diag/<i>``, the beat's ``s``) by its own right: it holds a plainly
+        stuck rank, or its ranks have stood still for ``PUBLISH_FRACTION`` of the threshold.
+        Before that it is this host's judges' alone: they read the other hosts' published
+        summaries with it (peerwatch.hosts.bridge)."""
+        return self.stuck or self.age_ms >= PUBLISH_FRACTION * self.threshold_ms
+
 
 def summarize(
     ranks: Mapping[int, RankState], host: str, now_mono_ns: int, threshold_ns: int, awake_since_ns: int = 0,
+    stuck_ns: int = 0,
 ) -> Optional[Summary]:
     """This host's summary, if its ranks have stood still for ``PUBLISH_FRACTION`` of the
-    threshold (None otherwise, or when no rank counts collectives). Their age counts from
-    ``awake_since_ns`` at the earliest: the judge's last resume (peerwatch.core.awake)."""
+    threshold, or for the stuck threshold ``stuck_ns`` (0: none; :meth:`Summary.public`
+    says which); None otherwise, or when no rank counts collectives. Their age counts from
+    ``awake_since_ns`` at the earliest: the judge's last resume (peerwatch.core.awake).
+    :attr:`Summary.stuck` once past ``stuck_ns``, a detailed rank is plainly stuck and no
+    rank is paused."""
     if not any(s.collectives for s in ranks.values()):
         return None
     last = max((t for s in ranks.values() for t in (s.moved_mono_ns, s.beat_mono_ns) if t is not None), default=None)
     if last is None:
         return None
     age_ns = now_mono_ns - max(last, awake_since_ns)
-    if age_ns < PUBLISH_FRACTION * threshold_ns:
+    past_stuck = 0 < stuck_ns <= age_ns
+    if age_ns < PUBLISH_FRACTION * threshold_ns and not past_stuck:
         return None
     groups: Dict[Tuple[Any, ...], List[int]] = {}
     detailed: List[Tuple[int, RankState]] = []
@@ -559,19 +603,22 @@ def summarize(
     waiting = tuple(
         (tuple(rs), RankState(collectives=c, entered=e, in_collective=True)) for (c, e), rs in groups.items()
     )
+    stuck = past_stuck and not any(s.paused for s in ranks.values()) and any(plainly_stuck(s) for _, s in detailed)
     return Summary(host, str(last), age_ns // 1_000_000, threshold_ns // 1_000_000, waiting,
-                   tuple(detailed))
+                   tuple(detailed), stuck)
 
 
 def remote_ranks(summary: Summary, moved_mono_ns: int) -> Dict[int, RankState]:
     """The host's ranks as the diagnosis takes them: their last move ``moved_mono_ns`` (the
-    summary's age, on the reader's clock), their host named."""
+    summary's age, on the reader's clock, fixed per stall), their host named, seen when the
+    summary was made (its last move plus its age: the reader's clock too)."""
+    seen = moved_mono_ns + summary.age_ms * 1_000_000
     out: Dict[int, RankState] = {}
     for ranks, s in summary.waiting:
         for r in ranks:
-            out[r] = dataclasses.replace(s, moved_mono_ns=moved_mono_ns, host=summary.host)
+            out[r] = dataclasses.replace(s, moved_mono_ns=moved_mono_ns, host=summary.host, seen_mono_ns=seen)
     for r, s in summary.detailed:
-        out[r] = dataclasses.replace(s, moved_mono_ns=moved_mono_ns, host=summary.host)
+        out[r] = dataclasses.replace(s, moved_mono_ns=moved_mono_ns, host=summary.host, seen_mono_ns=seen)
     return out
 
 

@@ -13,11 +13,15 @@ host reaches this one in one round trip; it is written into the local
 ``events/verdict.json`` and the local watchers act on it as on a local one.
 
 While this host's ranks stand still (its hang judges say so in ``RUN/stall.json``, see
-:class:`peerwatch.hangs.diagnose.Summary`), the beat says so too (``<seq>s``), the interval also sets this host's
+:class:`peerwatch.hangs.diagnose.Summary`) and its summary is public (:meth:`~peerwatch.hangs.diagnose.Summary.public`:
+from half the threshold, or from the stuck one where it holds a plainly stuck rank or another
+host's does), the beat says so too (``<seq>s``), the interval also sets this host's
 summary in ``diag/<i>`` (when it is new, then at most every ``refresh_ns``), and reads, as
 often, the summaries of the other hosts whose beat (or the digest) says they stand still
 (one ``multi_get``, at most ``MAX_DIGEST_LIST`` through the digest); it writes them, each host's last move turned into this host's clock once
-per stall, into ``RUN/stalls-remote.json`` for the judges. A job that moves costs nothing more.
+per stall, into ``RUN/stalls-remote.json`` for the judges. Before its summary is public, it
+reads the others' only once per host that starts to stand still, and every refresh while one
+holds a plainly stuck rank. A job that moves costs nothing more.
 
 What the bridge writes locally is only ever a record (a verdict from the store, or a
 ``Failure`` with cause ``lost`` when a host or the store falls silent for ``peer_timeout``,
@@ -274,6 +278,7 @@ class _BeatLoop:
         self._stalls_read_ns = 0
         self._remote: Dict[int, Tuple[str, int, bytes]] = {}  # host -> (its stall, its last move on our clock, summary)
         self._laggards: Set[int] = set()  # hosts whose summary has ranks not waiting in a collective (ours too)
+        self._stuck: Set[int] = set()  # hosts whose summary holds a plainly stuck rank (Summary.stuck)
         self._remote_file = False  # RUN/stalls-remote.json names hosts
         self._relay = StraggleRelay(link.run_dir, link.config.heartbeat_interval) if link.config.stragglers else None
         # The digest (docs/multi-node.md): one host, the aggregator, reads every beat and
@@ -340,11 +345,12 @@ class _BeatLoop:
         me = self._host_to_announce()
         link = self.link
         stall = self._local_stall()
+        public = self._public(stall)
         now_ns = time.monotonic_ns()
-        publish, read = self._stall_plan(stall, now_ns)
+        publish, read = self._stall_plan(stall, public, now_ns)
         aggregating = self.term is not None
         plan = Exchange(link.prefix, self.index, self.ident,
-                        beat_value(self._seq(), self.job_ending, stalled=stall is not None and self.index is not None),
+                        beat_value(self._seq(), self.job_ending, stalled=public and self.index is not None),
                         me, dict(self.hosts), link.facts.expected_hosts, link.seal,
                         stall=stall.to_json() if stall is not None and publish else None, read_stalls=read,
                         verdict_from=link.verdict_from, aggregate=aggregating, digest_known=self._digest_known,
@@ -365,7 +371,7 @@ class _BeatLoop:
             self._judge(seen.beats)
         else:
             self._judge_digest(seen.digest, seen_ns)
-        self._role(seen, plan.beat, stall, seen_ns)
+        self._role(seen, plan.beat, stall if public else None, seen_ns)
         self._judge_missing()
         if plan.stall is not None and stall is not None:
             self._stall_token, self._stall_published_ns = stall.stall, now_ns
@@ -403,15 +409,28 @@ class _BeatLoop:
         data = run_dir.read_bytes("", STALL_FILE, limit=diagnose.MAX_SUMMARY_BYTES)
         return diagnose.Summary.from_json(data) if data else None
 
-    def _stall_plan(self, stall: Optional[diagnose.Summary], now_ns: int) -> Tuple[bool, bool]:
+    def _public(self, stall: Optional[diagnose.Summary]) -> bool:
+        """Our summary goes to the store (and our beat says ``s``): by its own right
+        (:meth:`~peerwatch.hangs.diagnose.Summary.public`), or because another host's, read
+        while we stand still, holds a plainly stuck rank: its judges need ours to name it too."""
+        return stall is not None and (stall.public() or bool(self._stuck))
+
+    def _stall_plan(self, stall: Optional[diagnose.Summary], public: bool, now_ns: int) -> Tuple[bool, bool]:
         """Publish our summary, read the others'? A new stall at once, then at most every
-        refresh; the others' also as soon as another host starts to stand still."""
+        refresh; the others' also as soon as another host starts to stand still.
+
+        ``public``: our summary is published (from half the threshold; or from the stuck one
+        where it holds a plainly stuck rank, or another host's does: then every host standing
+        still publishes, so that each one's judges see the others). Before that it is our
+        judges' alone: the others' are read once per host that starts to stand still, and
+        every refresh only while one of them holds a plainly stuck rank."""
         if stall is None:
             return False, False
         every = diagnose.refresh_ns(stall.threshold_ms, int(self.link.config.heartbeat_interval * 1e9))
-        publish = stall.stall != self._stall_token or now_ns - self._stall_published_ns >= every
+        publish = public and (stall.stall != self._stall_token or now_ns - self._stall_published_ns >= every)
         new = set(self._stalled) - set(self._remote)
-        return publish, now_ns - self._stalls_read_ns >= every or bool(new)
+        due = now_ns - self._stalls_read_ns >= every and (public or bool(self._stuck))
+        return publish, due or bool(new)
 
     def _take_stalls(self, stalled: bool, seen: Seen, read: bool, now_ns: int) -> None:
         """Keep the other hosts' stalls (each one's last move on our clock, fixed per stall)
@@ -420,6 +439,7 @@ class _BeatLoop:
         still = set(seen.stalled) if stalled else set()
         self._remote = {j: v for j, v in self._remote.items() if j in still}
         self._laggards &= still
+        self._stuck &= still
         for j, data in seen.stalls.items() if read else ():
             summary = diagnose.Summary.from_json(data) if data is not None else None
             if summary is None or j not in still:
@@ -428,6 +448,10 @@ class _BeatLoop:
                 self._laggards.add(j)
             else:
                 self._laggards.discard(j)
+            if summary.stuck:
+                self._stuck.add(j)
+            else:
+                self._stuck.discard(j)
             old = self._remote.get(j)
             moved = old[1] if old is not None and old[0] == summary.stall else now_ns - summary.age_ms * 1_000_000
             self._remote[j] = (summary.stall, moved, bytes(data))  # type: ignore[arg-type]

@@ -1,0 +1,111 @@
+"""The store bridge's plan for the hang diagnosis across hosts (peerwatch.hosts.bridge:
+which interval publishes this host's summary, which reads the others'): no store, no
+thread, one interval's decisions at a time (docs/multi-node.md, "Hangs across hosts")."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Optional
+
+from peerwatch.core.config import Config, LauncherFacts
+from peerwatch.core.records import Registration
+from peerwatch.hangs.diagnose import FLOOR_S, STUCK_S, RankState, Summary, refresh_ns, summarize
+from peerwatch.hosts.bridge import _BeatLoop, _Link, _TorchGate
+from peerwatch.hosts.store_protocol import Seen
+from peerwatch.proc.activity import Activity
+from peerwatch.rundir.rundir import REMOTE_STALLS_FILE, TMP, RunDir
+
+S = 1_000_000_000
+ONSET = 100 * S
+LEARNT = int(FLOOR_S * S)
+STUCK = int(STUCK_S * S)
+EVERY = refresh_ns(LEARNT // 1_000_000, S)  # 7.5 s at the default threshold
+
+
+def _loop(tmp_path: Path) -> _BeatLoop:
+    config = Config.resolve({"heartbeat_interval": 1.0}, env={})
+    facts = LauncherFacts(wants_store=True, spans_hosts=True, store="127.0.0.1:1", run_id="stall-plan")
+    run_dir = RunDir(str(tmp_path))
+    run_dir.make_folder(TMP)
+    link = _Link(config, run_dir, facts, None, threading.Event())  # type: ignore[arg-type]
+    me = Registration(rank=0, pid=os.getpid(), ppid=os.getppid(), start_ticks=0, uid=os.getuid(), host="hosta",
+                      boot_id="b", pidns="p", time_ns=time.time_ns())
+    return _BeatLoop(link, me, "ident", lambda: 1, threading.Event(), lambda: False, _TorchGate())
+
+
+def _host_a(now: int) -> Optional[Summary]:
+    """Host a's ranks wait in all_reduce #21 since ONSET (no rank of its own is stuck)."""
+    waiting = RankState(collectives=(("0", 21, 20),), in_collective=True, moved_mono_ns=ONSET, state="S")
+    return summarize({0: waiting, 1: waiting}, "hosta", now, LEARNT, stuck_ns=STUCK)
+
+
+def _host_b(cpu_ms: int) -> Summary:
+    laggard = RankState(collectives=(("0", 20, 20),), moved_mono_ns=ONSET, state="S",
+                        activity=Activity(span_ms=7000, cpu_ms=cpu_ms, places=1, other_cpu_ms=0, io_bytes=0,
+                                          children_cpu_ms=0, samples=8))
+    b = summarize({2: laggard}, "hostb", ONSET + STUCK, LEARNT, stuck_ns=STUCK)
+    assert b is not None
+    return b
+
+
+def _read(loop: _BeatLoop, b: Summary, now: int) -> None:
+    """One interval that read host b's summary (host 1, standing still by its beat)."""
+    loop._take_stalls(True, Seen(index=0, registered=False, new_hosts={}, beats={}, requests=1,
+                                 stalls={1: b.to_json()}, stalled=(1,)), True, now)
+
+
+def test_a_host_plainly_stuck_makes_every_host_standing_still_exchange_from_the_stuck_threshold(tmp_path: Path):
+    """Host a's own summary is its judges' alone before half the threshold: nothing to the
+    store while nobody else stands still; host b's, published because it is stuck, is read
+    at once (handed to a's judges), then a publishes its own (b's judges need a's ranks)
+    and both are refreshed at most every refresh, as from half the threshold."""
+    loop = _loop(tmp_path)
+    now = ONSET + STUCK
+    a = _host_a(now)
+    assert a is not None and not a.public()
+    assert not loop._public(a) and loop._stall_plan(a, False, now) == (False, False)  # nobody else: no traffic
+    loop._stalled = (1,)  # host b's beat says it stands still
+    assert loop._stall_plan(a, False, now) == (False, True)  # read at once, publish nothing yet
+    _read(loop, _host_b(cpu_ms=0), now)
+    hosts = json.loads((tmp_path / REMOTE_STALLS_FILE).read_text())["hosts"]
+    assert [Summary.from_json(text.encode()).host for _, text in hosts] == ["hostb"]  # type: ignore[union-attr]
+    assert loop._public(a)  # the echo: b's judges need ours
+    now += S
+    assert loop._stall_plan(a, True, now) == (True, False)  # ours at once; b's already read
+    loop._stall_token, loop._stall_published_ns = a.stall, now
+    assert loop._stall_plan(a, True, now + S) == (False, False)  # at most every refresh
+    assert loop._stall_plan(a, True, now - S + EVERY) == (False, True)  # b's again: it holds a stuck rank
+    assert loop._stall_plan(a, True, now + EVERY) == (True, True)
+
+
+def test_a_busy_host_standing_still_costs_no_more_than_before(tmp_path: Path):
+    """Host b's summary published early (its own threshold is lower, say) but nothing stuck
+    in it: read once, then nothing more until a's summary is public by its own right."""
+    loop = _loop(tmp_path)
+    now = ONSET + STUCK
+    a = _host_a(now)
+    assert a is not None
+    loop._stalled = (1,)
+    assert loop._stall_plan(a, False, now) == (False, True)
+    _read(loop, _host_b(cpu_ms=7000), now)
+    assert not loop._public(a)
+    assert loop._stall_plan(a, False, now + EVERY) == (False, False)  # no refresh before ours is public
+    half = _host_a(ONSET + LEARNT // 2)
+    assert half is not None and half.public() and loop._public(half)
+    assert loop._stall_plan(half, True, ONSET + LEARNT // 2) == (True, True)  # as before: from half the threshold
+
+
+def test_the_echo_ends_with_the_stuck_host_standing_still(tmp_path: Path):
+    loop = _loop(tmp_path)
+    now = ONSET + STUCK
+    a = _host_a(now)
+    loop._stalled = (1,)
+    _read(loop, _host_b(cpu_ms=0), now)
+    assert loop._public(a)
+    loop._take_stalls(True, Seen(index=0, registered=False, new_hosts={}, beats={}, requests=1, stalled=()), False,
+                      now + S)  # host b moved again: its beat no longer says s
+    assert not loop._public(a) and loop._remote == {}
