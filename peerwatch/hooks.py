@@ -333,6 +333,8 @@ def _excepthook(registry: Registry, previous: Callable[..., Any]) -> Callable[..
         verdict = consequence_of_peer_failure(w.ending, exc)
         if verdict is None:
             record_exception(w.ending, exc, tb, seen_ns)
+            verdict = echoed(w.ending)
+        if verdict is None:
             previous(exc_type, exc, tb)
             note = spawn_main_note(w, exc)
             if note is not None:
@@ -344,6 +346,20 @@ def _excepthook(registry: Registry, previous: Callable[..., Any]) -> Callable[..
         tell_consequence(w, verdict, exc_type, exc, tb, previous)
 
     return excepthook
+
+
+def echoed(e: Ending) -> Optional[Verdict]:
+    """This rank's exception, just recorded, was raised by torch.distributed (``e.echo``):
+    the verdict on another rank, if the verdict names one, else None. Waits for the
+    verdict, as the rank would at exit (rule: a collective exception settles), so that an
+    echo is not printed as a cause: the sockets of a dying peer close a moment before its
+    pidfd fires, and a rank leaving with ``raise SystemExit(3)`` closes them while it
+    finalizes, so the first look after the exception can find no failure yet."""
+    if not e.echo:
+        return None
+    e.await_own_verdict()
+    v = e.verdict
+    return v if v is not None and v.rank != e.rank else None
 
 
 def tell_consequence(
@@ -598,7 +614,7 @@ def install_interrupt_handler(registry: Registry) -> bool:
 
 
 __all__ = [
-    "Registry", "arm_exit_status", "consequence_of_peer_failure", "exception_failure", "exit_status", "install_hooks",
+    "Registry", "arm_exit_status", "consequence_of_peer_failure", "echoed", "exception_failure", "exit_status", "install_hooks",
     "install_interrupt_handler", "qualified_name", "record_exception", "spawn_main_note", "spawn_wrapped", "tell_consequence",
     "tell_workers_failure", "watched_workers",
 ]

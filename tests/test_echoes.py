@@ -231,3 +231,8 @@ def test_gloo_blames_the_rank_that_raised_system_exit_however_long_it_takes_to_l
     v = job.report()["verdict"]
     assert (v["rank"], v["cause"], v["exit_code"]) == (1, "exit", 3), f"{v}\n{job.logs()}"
     assert job.all_returncodes() == {r: 3 for r in range(3)}, job.logs()
+    # The echoes' tracebacks are not printed: each waited for the verdict before its
+    # excepthook printed (before, both were printed: the first look found no failure).
+    for rank in (0, 2):
+        log = job.log_path(rank).read_text(errors="replace")
+        assert "Traceback" not in log and "Connection closed by peer" not in log, job.logs()
