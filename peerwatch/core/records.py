@@ -444,12 +444,8 @@ def in_range(record: Any) -> bool:
 
 def _check(value: Any, expected: Any) -> Any:
     # The plain types first: they are most fields, and get_origin costs more than the test.
-    if expected is int:
-        return value if type(value) is int else _INVALID
-    if expected is str:
-        return value if type(value) is str else _INVALID
-    if expected is bool:
-        return value if type(value) is bool else _INVALID
+    if expected is int or expected is str or expected is bool:
+        return value if type(value) is expected else _INVALID
     if expected is type(None):
         return None if value is None else _INVALID
     origin = typing.get_origin(expected)
