@@ -23,6 +23,7 @@ import json
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from ..core.records import BUSY, HANG, MISMATCH, Activity, Heartbeat
+from ..core.records import json_int as _int
 
 FACTOR = 5  # as NVIDIA's resiliency extension: 5x the longest interval seen
 FLOOR_S = 60.0  # never below a minute (unless the collective timeout is shorter)
@@ -576,12 +577,6 @@ def _state_in(d: Any) -> RankState:
         watcher_silent=d.get("w") is True, in_collective=d.get("i") is True, where=str(d.get("at", ""))[:300],
         activity=Activity.of(activity) if activity else None,
     )
-
-
-def _int(v: Any) -> int:
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise TypeError("not an int")
-    return v
 
 
 __all__ = [

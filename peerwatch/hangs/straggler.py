@@ -24,6 +24,8 @@ import json
 import statistics
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
+from ..core.records import json_int as _int
+
 SLOT_BEATS = 5  # heartbeats per slot (5 s at the default heartbeat)
 SLOTS = 12  # slots a rank publishes: the last minute at the default heartbeat
 MIN_SLOTS = 6  # slots every rank must have before anyone is named
@@ -387,12 +389,6 @@ def finding_from_json(data: bytes) -> Optional[Tuple[Straggler, ...]]:
         )
     except (UnicodeDecodeError, ValueError, TypeError, KeyError, AttributeError, RecursionError):
         return None
-
-
-def _int(v: Any) -> int:
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise TypeError("not an int")
-    return v
 
 
 __all__ = [

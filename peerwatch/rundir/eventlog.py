@@ -38,7 +38,7 @@ import os
 import resource  # here, not where it is needed: an import needs a descriptor
 import threading
 import time
-from typing import AbstractSet, Any, Callable, Dict, Iterable, Iterator, List, Optional, Set, Tuple
+from typing import AbstractSet, Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
 from ..core.records import (
     EVENT_TYPES,
@@ -188,7 +188,7 @@ def sweep(rd: RunDir, by: Optional[int]) -> int:
     Python could not log them. Never raises."""
     logged = 0
     try:
-        for name, rec in _records(rd, _claimed(rd)):
+        for name, rec in _records(rd, set(rd.names(LOGGED))):
             sub = RANKS if isinstance(rec, Registration) else EVENTS
             logged += record(rd, sub, name, rec, by)
     except OSError as e:
@@ -196,14 +196,10 @@ def sweep(rd: RunDir, by: Optional[int]) -> int:
     return logged
 
 
-def _claimed(rd: RunDir) -> Set[str]:
-    """The claim markers there are: a record claimed already is neither read nor claimed
-    again (one listing, where a claim tried on each costs a locked create: hundreds at N=128)."""
-    return set(rd.names(LOGGED))
-
-
-def _records(rd: RunDir, claimed: AbstractSet[str] = frozenset()) -> List[Tuple[str, object]]:
-    """The records of ranks/ and events/ whose claim marker is not in ``claimed``."""
+def _records(rd: RunDir, claimed: AbstractSet[str]) -> List[Tuple[str, object]]:
+    """The records of ranks/ and events/ whose claim marker is not in ``claimed``: a record
+    claimed already is neither read nor claimed again (one listing, where a claim tried on
+    each costs a locked create: hundreds at N=128)."""
     found: List[Tuple[str, object]] = []
     for prefix, rank, name in rd.entries(RANKS):
         if prefix == "rank" and f"{RANKS}.{name}" not in claimed:
