@@ -218,11 +218,19 @@ class watch:
         if exc is None or (isinstance(exc, SystemExit) and exc.code in (None, 0) and not isinstance(exc, PeerFailure)):
             e.record_success()
         elif not isinstance(exc, PeerFailure):
-            seen_ns = time.time_ns()  # the failure's time: before the settle wait
-            verdict = hooks.consequence_of_peer_failure(e, exc)
+            verdict = _failing(e, exc, tb)
             if verdict is not None:
                 raise PeerFailure.from_verdict(verdict) from exc
-            hooks.record_exception(e, exc, tb, seen_ns)
+
+
+def _failing(e: Ending, exc: BaseException, tb: Optional[TracebackType]) -> Optional[Verdict]:
+    """The verdict on a peer if ``exc`` is the consequence of its failure; else ``exc`` is
+    recorded as this rank's failure, and None."""
+    seen_ns = time.time_ns()  # the failure's time: before the settle wait
+    verdict = hooks.consequence_of_peer_failure(e, exc)
+    if verdict is None:
+        hooks.record_exception(e, exc, tb, seen_ns)
+    return verdict
 
 
 # -- progress -----------------------------------------------------------------------
@@ -285,11 +293,7 @@ def record_exception(exc: BaseException) -> Optional[Verdict]:
         return None
     if isinstance(exc, SystemExit) and exc.code in (None, 0):
         return None
-    seen_ns = time.time_ns()  # the failure's time: before the settle wait
-    verdict = hooks.consequence_of_peer_failure(e, exc)
-    if verdict is None:
-        hooks.record_exception(e, exc, exc.__traceback__, seen_ns)
-    return verdict
+    return _failing(e, exc, exc.__traceback__)
 
 
 def add_verdict_listener(listener: Callable[[Verdict], None]) -> None:

@@ -40,7 +40,6 @@ from .verdict.plan import Step
 logger = logging.getLogger("peerwatch")
 
 
-
 @dataclasses.dataclass
 class Teardown:
     """What the steps act with (the watcher's collaborators, passed in: this module does not
@@ -107,7 +106,6 @@ def _carries_out(step: Step) -> Callable[[Callable[[Teardown], None]], Callable[
         _STEPS[step] = fn
         return fn
     return bind
-
 
 
 @_carries_out(Step.HOLD_SIGTERM)
@@ -272,8 +270,6 @@ def _finish_hook(t: Teardown) -> None:
 @_carries_out(Step.EXIT)
 def _exit(t: Teardown) -> None:
     leave.flush_and_exit(t.plan.exit_code)
-
-
 
 
 # -- the report ----------------------------------------------------------------------------

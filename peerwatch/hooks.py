@@ -142,11 +142,7 @@ def record_exception(e: Ending, exc: BaseException, tb: Optional[TracebackType],
         if code == 0:
             return
         text = "".join(traceback.format_exception(type(exc), exc, tb))
-        e.record_failure(Failure(
-            rank=e.rank, pid=os.getpid(), time_ns=time.time_ns(), raised_ns=seen_ns, cause=EXIT, exit_code=code,
-            message=f"SystemExit({exc.code!r})", traceback=text[-MAX_TRACEBACK_CHARS:],
-            thread=threading.current_thread().name,
-        ))
+        e.record_failure(_failure(e.rank, EXIT, code, text, seen_ns, message=f"SystemExit({exc.code!r})"))
         return
     e.record_failure(exception_failure(e.rank, exc, tb, 130 if isinstance(exc, KeyboardInterrupt) else 1, seen_ns))
 
@@ -158,12 +154,19 @@ def exception_failure(
     is when it reached peerwatch, before any wait of ours (its ``raised_ns``)."""
     text = "".join(traceback.format_exception(type(exc), exc, tb))
     interrupt = isinstance(exc, KeyboardInterrupt)
-    return Failure(
-        rank=rank, pid=os.getpid(), time_ns=time.time_ns(), raised_ns=seen_ns, cause=EXCEPTION, exit_code=code,
-        exception=qualified_name(type(exc)), message=exception_message(exc), traceback=text[-MAX_TRACEBACK_CHARS:],
-        thread=threading.current_thread().name, collective=raised_by_torch_distributed(exc, tb),
-        signal="SIGINT" if interrupt else None, signalled_by=exitwatch.interrupt_sender() if interrupt else None,
+    return _failure(
+        rank, EXCEPTION, code, text, seen_ns, exception=qualified_name(type(exc)), message=exception_message(exc),
+        collective=raised_by_torch_distributed(exc, tb), signal="SIGINT" if interrupt else None,
+        signalled_by=exitwatch.interrupt_sender() if interrupt else None,
     )
+
+
+def _failure(rank: int, cause: str, code: int, text: str, seen_ns: Optional[int], **fields: Any) -> Failure:
+    """This process's failure record, made now in this thread (unless ``fields`` name
+    another), with the end of ``text`` as its traceback."""
+    fields.setdefault("thread", threading.current_thread().name)
+    return Failure(rank=rank, pid=os.getpid(), time_ns=time.time_ns(), raised_ns=seen_ns, cause=cause, exit_code=code,
+                   traceback=text[-MAX_TRACEBACK_CHARS:], **fields)
 
 
 # torch.multiprocessing.spawn's worker wrapper, ``_wrap``: it catches the worker function's
@@ -408,11 +411,8 @@ def _record_thread_exception(e: Ending, args: Any) -> None:
     exc = args.exc_value
     thread = args.thread.name if args.thread is not None else "?"
     text = "".join(traceback.format_exception(type(exc), exc, args.exc_traceback))
-    failure = Failure(
-        rank=e.rank, pid=os.getpid(), time_ns=time.time_ns(), cause=EXCEPTION, exit_code=1,
-        exception=qualified_name(type(exc)), message=exception_message(exc), traceback=text[-MAX_TRACEBACK_CHARS:],
-        thread=thread,
-    )
+    failure = _failure(e.rank, EXCEPTION, 1, text, None, exception=qualified_name(type(exc)),
+                       message=exception_message(exc), thread=thread)
     if e.config.thread_exceptions == "fail" and e.verdict is None:
         e.record_failure(failure)
     else:
@@ -442,11 +442,7 @@ def _record_exit_call(registry: Registry, status: Any, call: str, caller: Option
         # (rule: echo waits for the leaving). The exit code is the one the process exits with.
         e.record_failure(exception_failure(e.rank, raised, raised.__traceback__, code, seen_ns))
         return
-    stack = "".join(traceback.format_stack(caller))
-    e.record_failure(Failure(
-        rank=e.rank, pid=os.getpid(), time_ns=time.time_ns(), raised_ns=seen_ns, cause=EXIT, exit_code=code,
-        message=call, traceback=stack[-MAX_TRACEBACK_CHARS:], thread=threading.current_thread().name,
-    ))
+    e.record_failure(_failure(e.rank, EXIT, code, "".join(traceback.format_stack(caller)), seen_ns, message=call))
 
 
 def _sys_exit(registry: Registry) -> Callable[..., None]:

@@ -6,35 +6,25 @@ The watcher calls in here at three fixed points; nothing here imports torch or L
 ``after_install``
     Marks ``PEERWATCH_DIR`` as exported by this process (so that a multiprocessing child
     of a process that installed peerwatch, an ``mp.spawn`` worker, does not take its
-    parent for a peer: see :func:`peerwatch.rundir.basedir.resolve`), and watches the launcher.
-    Under torchrun (and ``accelerate launch --multi_gpu``, which runs torchrun's agent),
-    ``torch.multiprocessing.spawn`` and DeepSpeed the rank's parent is a launcher that is
-    not a rank: the agent, the main process, ``deepspeed.launcher.launch``. If it dies (SIGKILL, OOM killer),
-    its workers are orphans that nothing will restart, reap or report; they are peers of
-    each other, so their own watchers see nothing wrong, and they train on or hang in a
-    collective. The launcher's death is therefore this rank's failure (cause ``lost``),
-    and the usual teardown follows. The launcher is the parent process at ``install()``.
-    (mp.spawn's own answer, SIGINT on the parent's death, is dropped: its wrapper turns
-    the KeyboardInterrupt into a clean exit 0, and a rank blocked in C never sees it.)
+    parent for a peer: see :func:`peerwatch.rundir.basedir.resolve`), and watches the
+    launcher that is not a rank (torchrun's agent, mp.spawn's main process, DeepSpeed's
+    launcher; the parent at ``install()``): if it dies, its workers are orphans that nothing
+    restarts, reaps or reports, and that see nothing wrong with each other, so its death is
+    this rank's failure (cause ``lost``). (mp.spawn's own answer, SIGINT on the parent's
+    death, is dropped: its wrapper turns the KeyboardInterrupt into a clean exit 0, and a
+    rank blocked in C never sees it.)
 
 ``on_verdict``
-    Quiets Lightning's ``_ChildProcessObserver`` in this process (rank 0 under Lightning's
-    subprocess launcher). Every 5 s it polls rank 0's children; seeing one exit non-zero
-    (as torn-down ranks do) it SIGKILLs rank 0 and all the children: rank 0 would then exit
-    137 whatever the verdict's code, and maybe before writing the report. Once there is a
-    verdict, peerwatch tears the job down itself. Under a launcher that is no rank
-    (torchrun, mp.spawn, DeepSpeed) it writes the report at once (see ``before_exit``). Then it runs the verdict listeners (the Lightning callback
-    reports through Lightning's logging).
+    Quiets Lightning's ``_ChildProcessObserver`` in this process (it would SIGKILL rank 0,
+    exit 137, maybe before the report); under a launcher that is no rank, the report is
+    written at once. Then the verdict listeners run.
 
 ``before_exit``
     Under such a launcher, a surviving worker lets the launcher see the failed worker
-    first: it waits (at most ``AGENT_WAIT_S``; ``DEEPSPEED_AGENT_WAIT_S`` for DeepSpeed's,
-    which looks once a second) until the launcher has reaped it.
-    The launcher then stops the other workers itself (SIGTERM, as without peerwatch), and
-    names the right root cause. Survivors that left first would be reaped in the same
-    poll: torchrun would name the lowest local rank as the root cause (its timestamps
-    have a one-second resolution), mp.spawn whichever sentinel it looks at first, and
-    DeepSpeed's would exit with the code of whichever worker it polled first.
+    first (at most ``AGENT_WAIT_S``; ``DEEPSPEED_AGENT_WAIT_S`` for DeepSpeed's), so that it
+    names the right root cause and stops the others itself.
+
+Why, launcher by launcher: docs/launchers.md, "The launcher's own reactions".
 """
 
 from __future__ import annotations

@@ -297,18 +297,14 @@ def _flag(raw: Any) -> bool:
     raise ValueError("expected one of 1/0, true/false, yes/no, on/off")
 
 
-def _startup_action(raw: Any) -> str:
-    text = str(raw).strip().lower()
-    if text not in ("warn", "fail"):
-        raise ValueError("expected warn or fail")
-    return text
+def _choice(*words: str) -> Callable[[Any], str]:
+    def parse(raw: Any) -> str:
+        text = str(raw).strip().lower()
+        if text not in words:
+            raise ValueError(f"expected {' or '.join(words)}")
+        return text
 
-
-def _thread_exceptions(raw: Any) -> str:
-    text = str(raw).strip().lower()
-    if text not in ("record", "fail"):
-        raise ValueError("expected record or fail")
-    return text
+    return parse
 
 
 def _store(raw: Any) -> Any:
@@ -372,8 +368,8 @@ _OPTIONS: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "parent_wait": ("PEERWATCH_PARENT_WAIT", _duration("parent_wait")),
     "exit_code": ("PEERWATCH_EXIT_CODE", _exit_code),
     "startup_timeout": ("PEERWATCH_STARTUP_TIMEOUT", _off_or_duration("startup_timeout")),
-    "startup_action": ("PEERWATCH_STARTUP_ACTION", _startup_action),
-    "thread_exceptions": ("PEERWATCH_THREAD_EXCEPTIONS", _thread_exceptions),
+    "startup_action": ("PEERWATCH_STARTUP_ACTION", _choice("warn", "fail")),
+    "thread_exceptions": ("PEERWATCH_THREAD_EXCEPTIONS", _choice("record", "fail")),
     "hang_timeout": ("PEERWATCH_HANG_TIMEOUT", _hang("hang_timeout", "0")),
     "hang_warn": ("PEERWATCH_HANG_WARN", _hang("hang_warn", "off")),
     "gil_timeout": ("PEERWATCH_GIL_TIMEOUT", _off_or_duration("gil_timeout")),

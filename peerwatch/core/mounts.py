@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Iterable, List, Optional
+from typing import Iterable, List, Optional, Tuple
 
 MOUNTINFO = "/proc/self/mountinfo"  # the path a caller reads the table from
 
@@ -29,11 +29,12 @@ NETWORK_FS_TYPES = frozenset({
 
 @dataclasses.dataclass(frozen=True)
 class Mount:
-    """One line of ``/proc/self/mountinfo``: where, what type, from where."""
+    """One line of ``/proc/self/mountinfo``: where, what type, from where, its options."""
 
     mount_point: str
     fstype: str
     source: str
+    options: Tuple[str, ...] = dataclasses.field(default=(), compare=False)
 
 
 _OCTAL = re.compile(r"\\([0-7]{3})")
@@ -59,7 +60,8 @@ def parse_mountinfo(text: str) -> List[Mount]:
             continue
         if len(fields) < dash + 3:
             continue
-        mounts.append(Mount(_unescape(fields[4]), fields[dash + 1], _unescape(fields[dash + 2])))
+        mounts.append(Mount(_unescape(fields[4]), fields[dash + 1], _unescape(fields[dash + 2]),
+                            tuple(fields[5].split(","))))
     return mounts
 
 

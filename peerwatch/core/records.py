@@ -444,12 +444,8 @@ def in_range(record: Any) -> bool:
 
 def _check(value: Any, expected: Any) -> Any:
     # The plain types first: they are most fields, and get_origin costs more than the test.
-    if expected is int:
-        return value if type(value) is int else _INVALID
-    if expected is str:
-        return value if type(value) is str else _INVALID
-    if expected is bool:
-        return value if type(value) is bool else _INVALID
+    if expected is int or expected is str or expected is bool:
+        return value if type(value) is expected else _INVALID
     if expected is type(None):
         return None if value is None else _INVALID
     origin = typing.get_origin(expected)
@@ -494,6 +490,13 @@ def warm() -> None:
         _fields(cls)
 
 
+def json_int(v: Any) -> int:
+    """``v``, read from JSON, if it is an int (a bool is not); TypeError otherwise."""
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise TypeError("not an int")
+    return v
+
+
 def returncode_exit_code(returncode: int) -> int:
     """The shell's view of a subprocess returncode: signal N -> 128+N."""
     return 128 - returncode if returncode < 0 else returncode
@@ -510,6 +513,6 @@ __all__ = [
     "BUSY", "EXCEPTION", "EXIT", "HANG", "INTERRUPTED", "LOST", "MISMATCH", "MISSING", "SIGNAL", "VANISHED",
     "EVENT_TYPES", "Activity", "Ack", "Diagnosis", "ExitStatus", "Failure", "Heartbeat", "Interrupt", "NotSignalled", "Registration", "Success", "Verdict",
     "WATCHER_DEATH", "WatcherDeath",
-    "HANG_EXIT_CODE", "MAX_RECORD_BYTES", "MAX_SIGNAL", "RECORD_VERSION", "decode", "encode", "in_range", "named_ranks", "returncode_exit_code", "warm",
+    "HANG_EXIT_CODE", "MAX_RECORD_BYTES", "MAX_SIGNAL", "RECORD_VERSION", "decode", "encode", "in_range", "json_int", "named_ranks", "returncode_exit_code", "warm",
     "signal_name",
 ]

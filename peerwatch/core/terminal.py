@@ -1,19 +1,11 @@
 """What peerwatch prints on a terminal when a rank fails, and how it names a rank.
 
 At a failure a person should read the cause once, first: the failing rank's own output
-and traceback, then one peerwatch block (the verdict, the table of ranks, where the
-report is), and from each other rank at most one short line. So:
-
-- every message names a rank the same way, ``rank 2 (pid 22122 on vm)`` (:func:`who`);
-- a surviving rank says one line (:func:`stop_line`), written by its watcher once the
-  summary is out (:func:`peerwatch.verdict.plan.plan`; rule: who reports);
-- the exception a surviving rank raises because a peer failed (gloo's "Connection reset
-  by peer", ...) is not printed: its traceback goes to the rank's stack file, which the
-  report names (:func:`keep_consequence`); ``verbose`` (``PEERWATCH_VERBOSE=1``) prints
-  it too, followed by a line that says what it followed (:func:`consequence_line`);
-- the summary block is printed once per host, after the failing rank's own traceback,
-  or at the verdict by its writer when the failing rank has nothing to say (it died)
-  (:func:`peerwatch.verdict.plan.plan`; rule: who reports).
+and traceback, then one peerwatch block, and from each other rank at most one short line
+(rule: who reports). Every message names a rank the same way, ``rank 2 (pid 22122 on
+vm)`` (:func:`who`); a surviving rank's one line is :func:`stop_line`; the exception it
+raises because a peer failed goes to its stack file (:func:`keep_consequence`), and is
+printed only with ``verbose``, followed by :func:`consequence_line`.
 
 Pure but for :func:`keep_consequence`, which writes to a file it is given.
 """

@@ -3,17 +3,11 @@ read from the watcher thread: progress that needs no ``beat()``.
 
 ``import peerwatch`` never imports torch: these are read only once the application has
 imported ``torch.distributed`` itself, and every call is guarded. Never silently off: the
-reader's :attr:`CollectiveReader.state` (published with every heartbeat, shown by
-``peerwatch status``) says whether the counters are read, and:
-
-- while ``torch`` or ``torch.distributed`` is not imported, or is still being imported
-  (``install()`` comes before ``import torch``: a heartbeat lands in the middle of it,
-  where ``torch.distributed`` is in ``sys.modules`` but its C module not yet), it is
-  ``waiting``, and looked at again on the next heartbeat;
-- only once both have finished importing and the flight recorder is truly missing (an
-  older torch, a build without distributed) is it ``none``, said once in the log, for good;
-- a read that fails (raises, or output we cannot parse) is ``failing``, said once in the
-  log, and tried again on every heartbeat.
+reader's :attr:`CollectiveReader.state` (``waiting``, ``read``, ``none``, ``failing``: the
+table of docs/hangs.md, "Which ranks are read") goes out with every heartbeat. ``none``
+is said only once torch and torch.distributed have finished importing: a heartbeat that
+lands in the middle of ``import torch`` finds ``torch.distributed`` in ``sys.modules`` but
+not its C module yet.
 
 Costs, measured (torch 2.13, gloo; benchmarks/hang_diagnosis.py): the counters
 (``includeCollectives=False``) take a few microseconds per heartbeat. The entries

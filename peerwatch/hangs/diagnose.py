@@ -1,100 +1,19 @@
 """The diagnosis of a job that stopped moving: pure (no I/O, no clock; times are passed in).
 
-Every rank's watcher publishes torch's collective counters with its heartbeat (per process
-group, the sequence number of the last collective it entered), and, once they stop moving,
-the op and sizes of its last collectives. From those the judges say, when nothing has moved
-for the warning threshold (its rules, named as in docs/how-it-works.md, "The hang
-diagnosis"):
+From every rank's published collective counters (per process group, the last sequence
+number entered, and the op and sizes of its last collectives), its process state and its
+signs of work, once nothing has moved for the threshold, the judges name the laggards. The
+rules (paused or uncounted, frozen first, the ranks behind, mismatched collectives,
+agreement names nobody, busy or stuck, plainly stuck) are those of docs/how-it-works.md,
+"The hang diagnosis"; the thresholds (:class:`Threshold`: learnt from the job's own
+intervals, and the stuck threshold ``STUCK_S``) are explained in docs/hangs.md.
 
-- **Paused or uncounted.** No diagnosis while any rank is inside ``paused()``, or when no
-  rank publishes counters (the ranks never imported torch.distributed: ``beat()`` and
-  ``hang_timeout`` remain).
-- **Frozen first.** A frozen rank (state T, or D with no bytes moving) or one whose watcher
-  went silent is a laggard first.
-- **The ranks behind.** In a process group where the ranks' last sequence numbers differ,
-  the ranks at the highest one *entered* it and wait; the others never reached it: they are
-  the laggards (``hang``, with the group, seq and op).
-- **Mismatched collectives.** Ranks that entered the same sequence number with another op,
-  other sizes or dtypes: ``mismatch``; the laggards are the smaller side (a tie: the side
-  without the lowest rank).
-- **Agreement names nobody.** Everyone at the same sequence number, agreeing, nobody frozen:
-  nothing to name (all ranks are outside collectives: evaluation, checkpointing, data
-  loading on every rank), no diagnosis.
-- **Busy or stuck** (:func:`busy_evidence`). A hang's laggard that shows signs of work over
-  its last samples (its main thread on a CPU, at any number of places: nobody can tell a
-  long computation in one torch op from an endless loop; bytes read or written by its main
-  thread, however few; its other threads on a CPU or moving many bytes; descendants on a
-  CPU; "on a CPU" counts the time ready for one too, on a crowded host) is ``busy``: a
-  checkpoint, an evaluation, a slow loader or read. The finding says so, with the evidence,
-  and ``hang_timeout=auto`` ends such a job only at ``BUSY_END_FRACTION`` of the collective
-  timeout (it still ends before the watchdog, with the right blame). A laggard with no sign
-  of work (blocked on a lock, asleep, frozen, its watcher silent, or in another collective)
-  is stuck: ``hang``, ended at once under ``auto``. A laggard that has published too few
-  samples to tell yet is waited for (unknown, not stuck); and a busy laggard turns stuck
-  only once it has shown nothing for a whole window (peerwatch.diagnoser): one window with
-  a dip does not.
-- **Plainly stuck** (:func:`plainly_stuck`), named early. The rules above are applied from
-  the stuck threshold (``Threshold.stuck_ns``: ``STUCK_S`` of the judge's awake time since
-  the job last moved, 10 s at 1 s heartbeats), not only from the learnt one, but a finding
-  made before the learnt threshold is kept only if it is a ``hang`` or ``mismatch`` whose
-  every laggard is plainly stuck (:func:`plainly_stuck`): stopped, or a whole window of
-  ``STUCK_SAMPLES`` samples with no sign of work at all (a silent watcher alone is not: a
-  long garbage collection holds the GIL too). A laggard that itself waits in another
-  collective is named early only if no rank of the job shows a sign of work (it may wait for
-  a pipeline stage that computes). Anything with a sign of work, or too few samples, waits
-  for the learnt threshold as before: this rule names nothing ``busy``, and a busy finding
-  turns into a hang only by the window of the busy-or-stuck rule. A rank of another host
-  counts here only by its host's summary made less than the stuck threshold ago
-  (``RankState.seen_mono_ns``): older news waits for the learnt threshold.
-
-Ranks of other hosts come in as the ranks of this one (:class:`Summary` turns each
-host's summary from the store into them, its host named): the rules are the same, and a
-finding names each rank's host where ranks of several hosts are judged.
-
-The threshold (:class:`Threshold`) is learnt from the job's own intervals between two
-movements (any rank's counters or ``beat()``): after ``WARMUP_GAPS`` of them, it is
-``FACTOR`` times the longest seen, at least ``FLOOR_S``, and at most ``CAP_FRACTION`` of the
-process group's collective timeout (so it comes well before the timeout kills the job).
-Before the warm-up it is ``FLOOR_S`` (at most the cap), and the busy-or-stuck rule keeps a
-busy laggard from being ended that early. That threshold governs anything with a sign of
-work; a plainly stuck laggard is named at the stuck threshold (rule: plainly stuck), about
-10 s, whatever the job's steps: a long step is work, and shows. Why it does not fire on slow
-steps, evaluation or checkpointing: a step is one interval, so slow steps raise the
-threshold as they come (a step would have to get five times longer than the longest so far,
-and over a minute, at once); a phase without collectives on every rank names nobody
-(rule: agreement names nobody); a phase on one rank while the others wait (rank 0 saving a
-checkpoint at a barrier) is judged like a hang only if it lasts longer than the threshold,
-and once it ends its interval is learnt, so a recurring one fires at most once. ``paused()``
-stops it (rule: paused or uncounted). And a diagnosis only warns, unless
-``hang_timeout=auto``.
-
-A hang across hosts is seen by no host alone: host B's ranks all stopped at collective #30
-agree with each other, host A's all wait in #31 and agree too. So each host says, while its
-ranks stand still, what the diagnosis needs of them, per host and not per rank (:class:`Summary`):
-
-- how long ago the host's ranks last moved, as an AGE (ms), never a timestamp: the hosts'
-  clocks differ. The reader turns it into its own ``CLOCK_MONOTONIC`` once per stall (the
-  ``stall`` token names one), so the job's last move does not jitter from one look to the
-  next (a jitter would read as "it moved again");
-- the ranks waiting inside a collective (where a laggard is not), grouped by what they
-  published (their counters and last collectives entered): one entry for a host whose
-  ranks all wait in the same all_reduce, whatever its size;
-- every other rank in full (its counters, last collectives, state, where it is, its signs
-  of work: :class:`peerwatch.proc.activity.Activity`): the laggard candidates, at most
-  ``MAX_DETAILED``;
-- whether a rank is inside ``paused()`` (rule: paused or uncounted, across hosts too);
-- whether one of its detailed ranks is plainly stuck, by this host's own samples
-  (:attr:`Summary.stuck`): only a host can sample its processes.
-
-A host's judges make it from the stuck threshold on; it goes to the store from
-``PUBLISH_FRACTION`` of the learnt threshold, as before, or from the stuck threshold when it
-is stuck (:meth:`Summary.public`), so that a whole host behind is named by the others as
-soon as a stuck rank is by its own host's judges.
-
-A summary is a few hundred bytes for a host whose ranks wait, plus ~250 bytes per rank
-that does not. The judges of the reading host feed the ranks of :func:`remote_ranks` into
-the diagnosis beside their own, each with its host's name, so a diagnosis on any host
-names the laggards and their host.
+Ranks of other hosts come in as the ranks of this one, each with its host: every host
+says, while its ranks stand still, what the diagnosis needs of them, per host and not per
+rank (:class:`Summary`, docs/multi-node.md "Hangs across hosts"). Its age is an AGE (ms),
+never a timestamp: the hosts' clocks differ, and the reader turns it into its own
+``CLOCK_MONOTONIC`` once per stall (the ``stall`` token names one), so that the job's last
+move does not jitter from one look to the next (it would read as "it moved again").
 """
 
 from __future__ import annotations
@@ -104,6 +23,7 @@ import json
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from ..core.records import BUSY, HANG, MISMATCH, Activity, Heartbeat
+from ..core.records import json_int as _int
 
 FACTOR = 5  # as NVIDIA's resiliency extension: 5x the longest interval seen
 FLOOR_S = 60.0  # never below a minute (unless the collective timeout is shorter)
@@ -586,7 +506,7 @@ def summarize(
     rank is paused."""
     if not any(s.collectives for s in ranks.values()):
         return None
-    last = max((t for s in ranks.values() for t in (s.moved_mono_ns, s.beat_mono_ns) if t is not None), default=None)
+    last = last_move(ranks)
     if last is None:
         return None
     age_ns = now_mono_ns - max(last, awake_since_ns)
@@ -657,12 +577,6 @@ def _state_in(d: Any) -> RankState:
         watcher_silent=d.get("w") is True, in_collective=d.get("i") is True, where=str(d.get("at", ""))[:300],
         activity=Activity.of(activity) if activity else None,
     )
-
-
-def _int(v: Any) -> int:
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise TypeError("not an int")
-    return v
 
 
 __all__ = [

@@ -6,26 +6,11 @@ takes the same time; the straggler computes longest, so it waits least inside th
 collectives, and its peers wait about (its compute - theirs) more. Each rank measures, on
 its own clock, the share of its time its main thread waits inside torch.distributed
 (sampled, :mod:`peerwatch.hangs.waits`), slot by slot (``SLOT_BEATS`` heartbeats each), with the
-collectives it entered in the slot. From the last ``SLOTS`` slots of every rank (the rules,
-named as in docs/how-it-works.md, "The straggler"):
-
-- **A rank's gap.** A rank's gap in a slot is the median wait share of its peers in the same
-  slot minus its own (slots are numbered by the wall clock, so they line up on hosts whose
-  clocks are about right; where they are not, the i-th last of each rank is taken, aligned
-  within a slot or two, which the median below absorbs), and at most twice the job's median
-  minus its own (a rank is late only if it is below most ranks: the two ranks one fast rank
-  waits for are not stragglers). Its gap is the median of its slots' gaps: a one-off phase
-  (a checkpoint on rank 0, an evaluation) fills a slot or two and does not move a median.
-- **Naming a straggler.** A rank is **named** when its gap is at least ``APPEAR_SHARE`` and
-  at least ``MOST`` of its slots have a gap of ``CLEAR_SHARE`` or more, over at least
-  ``MIN_SLOTS`` slots of every rank (30 s at the default heartbeat): the job runs at least
-  10 % slower than it would without it, for most of the last minute, not in one phase.
-- **Clearing a straggler.** A named rank **clears** when its gap falls under ``CLEAR_SHARE``
-  (hysteresis: a gap near the threshold does not make the finding flicker).
-- **The straggler's figures.** ``share`` is the gap (the share of every step its peers spend
-  waiting for it); ``late_ms`` is the gap times the job's period (the median, over the
-  ranks, of the time per collective entered, or per step when there is one collective a
-  step): how much later than its peers it typically enters a collective.
+collectives it entered in the slot. The rules over the last ``SLOTS`` slots of every rank
+(a rank's gap, naming a straggler, clearing a straggler, the straggler's figures) are those
+of docs/how-it-works.md, "The straggler". Slots are numbered by the wall clock, so they line
+up on hosts whose clocks are about right; where they are not, the i-th last of each rank is
+taken, aligned within a slot or two, which the median over the slots absorbs.
 
 The sampling noise of a slot (100 samples at 20 Hz in 5 s) is about 0.05 of a share; a
 median over 6 to 12 slots brings it to ~0.02, so 0.10 is five of those: balanced ranks are
@@ -38,6 +23,8 @@ import dataclasses
 import json
 import statistics
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+
+from ..core.records import json_int as _int
 
 SLOT_BEATS = 5  # heartbeats per slot (5 s at the default heartbeat)
 SLOTS = 12  # slots a rank publishes: the last minute at the default heartbeat
@@ -402,12 +389,6 @@ def finding_from_json(data: bytes) -> Optional[Tuple[Straggler, ...]]:
         )
     except (UnicodeDecodeError, ValueError, TypeError, KeyError, AttributeError, RecursionError):
         return None
-
-
-def _int(v: Any) -> int:
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise TypeError("not an int")
-    return v
 
 
 __all__ = [

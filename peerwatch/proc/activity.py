@@ -2,39 +2,18 @@
 
 A laggard that works (writes a checkpoint, evaluates, waits for data loader workers that
 decode) and one that is stuck (blocked on a lock, spinning on the same lines, frozen)
-look the same to the collective counters. They differ in what the kernel counts for
-them. While this rank's counters stand still, its watcher samples, once a heartbeat:
+look the same to the collective counters; they differ in what the kernel counts for
+them. While this rank's counters stand still, its watcher samples once a heartbeat the
+signs of work docs/hangs.md ("Busy or stuck") lists: its main thread's CPU time and the
+places its stack was seen at, its other threads' CPU time and the bytes they move
+(peerwatch's own threads excepted), its main thread's own bytes, its descendants' CPU
+time. Each "CPU time" counts the run delay too (``/proc/.../schedstat``: on a crowded host
+a working rank waits for a CPU, a stuck one does not), up to ``WAIT_CAP`` times the CPU
+time used (a thread that only wakes often to sleep again waits at every wake).
 
-- its main thread's CPU time (``/proc/self/task/<tid>/stat``), and the main thread's
-  stack (code objects and lines): how many different places it was seen at;
-- the CPU time of its other threads (torch's intra-op pool computing a forward, a
-  checkpoint thread), peerwatch's own threads excepted;
-- the bytes its threads read and wrote (``/proc/self/io``: files, pipes, sockets),
-  peerwatch's own threads excepted (their /proc walks and heartbeats), and those of the
-  main thread alone (its own ``io``, exact: a slow read of a few bytes a second shows);
-- the CPU time of its descendants (data loader workers, a compiler, a ``tar``).
-
-Each "CPU time" counts the time a thread was runnable but waiting for a CPU too (the run
-delay of ``/proc/.../schedstat``): on a host with more runnable threads than CPUs, a
-rank that works gets a small share of a CPU and waits for the rest, while a stuck one
-neither runs nor waits. A full test run beside four busy loops on 2 cores had a
-laggard's evaluation at 12 % of a core, then under the 10 % that tells it busy: its
-job was ended as stuck. The wait counts up to ``WAIT_CAP`` times the CPU time the thread
-used in the same interval, no more: a thread that only wakes often to sleep again (gloo's
-loop, a 10 ms poll) waits for a CPU at every wake on a crowded host, and counted whole
-that made an idle laggard look busy (13-15 % of a core, beside three busy loops).
-
-A thread blocked on a lock, asleep, or waiting in a collective shows none of these. A
-thread spinning on the same lines shows CPU as one that computes does: the watcher
-samples the stack where the GIL lets it, mostly where C code released it (a torch op),
-so an evaluation or a long op shows at one or two places too. The places are reported,
-not judged: nobody can tell a long computation from an endless loop.
-
-and publishes the figures over the last ``WINDOW`` samples with its heartbeat, so a judge
-on any host can tell (peerwatch.hangs.diagnose.busy_evidence, pure). Each sample costs a few
-small /proc reads, one per thread and per descendant, and a walk of the main thread's
-frames, and only while the counters stand still. A sample whose figures cannot be read
-is not taken: a figure not read is unknown, never idle.
+The figures over the last ``WINDOW`` samples go out with the heartbeat, so a judge on any
+host can tell (peerwatch.hangs.diagnose.busy_evidence, pure). A sample whose figures
+cannot be read is not taken: a figure not read is unknown, never idle.
 """
 
 from __future__ import annotations

@@ -1,25 +1,13 @@
 """The event log, and the records this process writes into ``events/``.
 
-The event log: ``RUN/events.jsonl``, one JSON object per line, every event of the run's
-life on this host, for tools (a log shipper tailing it, ``peerwatch report --timeline``).
-
-Each line is ``{"ts": <time_ns>, "event": "<name>", "rank": <rank or null>, ...fields}``
-(the schema is in docs/events.md). ``ts`` is when the event happened, on the wall clock
-(``time.time_ns()``); lines are in the order they were logged, which for a record read
-later (a sweep) is not the order of ``ts``: sort by ``ts`` for a history.
-
-Appended by whichever process observes the event, each line in one ``write(2)`` on an
-``O_APPEND`` descriptor (:meth:`RunDir.append`), so lines of several processes never
-interleave. That holds within one kernel only: over NFS an append is not atomic across
-its clients, so where several hosts share the run directory each host appends to its own
-``events-<host>.jsonl`` (:meth:`RunDir.per_host`), and :func:`read_run` merges them. A record of ``events/`` (a failure, an acknowledgement...) is logged once per
-run: the one process that creates ``logged/<folder>.<name>`` (``O_EXCL``) logs it. Its
-writer does that at once; records written where Python cannot log them (at exit, by the
-C extension :mod:`peerwatch._exitstatus`) are logged by the peers that read them, by
-sweeps (an enforcer's that signalled peers, after its teardown; the first enforcer's,
-as it leaves) and by the leaving rank itself, which knows its own code.
-
-Never raises: a log that cannot be written is said once at DEBUG; the teardown goes on.
+The event log, ``RUN/events.jsonl`` (``events-<host>.jsonl`` where hosts share the run
+directory), is the one docs/events.md describes: its schema, and how it is written (one
+``write(2)`` a line on an ``O_APPEND`` descriptor, :meth:`RunDir.append`). A record of
+``events/`` is logged once per run, by the one process that creates
+``logged/<folder>.<name>`` (``O_EXCL``): its writer at once; one written where Python
+cannot log it (at exit, by :mod:`peerwatch._exitstatus`) by the peers that read it, by
+the enforcers' sweeps, and by the leaving rank itself, which knows its own code. Never
+raises: a log that cannot be written is said once at DEBUG; the teardown goes on.
 
 :class:`OwnRecords` writes this process's own records into ``events/`` (first writer wins),
 and logs them. They are written by whichever thread ends the rank: its failure (the training
@@ -50,7 +38,7 @@ import os
 import resource  # here, not where it is needed: an import needs a descriptor
 import threading
 import time
-from typing import AbstractSet, Any, Callable, Dict, Iterable, Iterator, List, Optional, Set, Tuple
+from typing import AbstractSet, Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
 from ..core.records import (
     EVENT_TYPES,
@@ -141,19 +129,22 @@ def record(rd: RunDir, sub: str, name: str, rec: object, by: Optional[int]) -> b
     """Log the record ``rec`` of ``sub/name`` unless someone has (``by``: the rank logging
     it). True if this call logged it. Never raises."""
     line = describe(rec)
-    if line is None:
-        return False
-    try:
-        if not rd.claim(LOGGED, f"{sub}.{name}"):
-            return False
-    except OSError as e:
-        _failed(rd, e)
+    if line is None or not _claim(rd, f"{sub}.{name}"):
         return False
     event, rank, ts, fields = line
     if name.startswith("thread-"):
         event = "thread_exception"
     append(rd, event, rank, ts, logged_by=by, **fields)
     return True
+
+
+def _claim(rd: RunDir, key: str) -> bool:
+    """This process is the one to log ``key`` (a folder and a record's name). Never raises."""
+    try:
+        return rd.claim(LOGGED, key)
+    except OSError as e:
+        _failed(rd, e)
+        return False
 
 
 def describe(rec: object) -> Optional[tuple]:
@@ -197,7 +188,7 @@ def sweep(rd: RunDir, by: Optional[int]) -> int:
     Python could not log them. Never raises."""
     logged = 0
     try:
-        for name, rec in _records(rd, _claimed(rd)):
+        for name, rec in _records(rd, set(rd.names(LOGGED))):
             sub = RANKS if isinstance(rec, Registration) else EVENTS
             logged += record(rd, sub, name, rec, by)
     except OSError as e:
@@ -205,14 +196,10 @@ def sweep(rd: RunDir, by: Optional[int]) -> int:
     return logged
 
 
-def _claimed(rd: RunDir) -> Set[str]:
-    """The claim markers there are: a record claimed already is neither read nor claimed
-    again (one listing, where a claim tried on each costs a locked create: hundreds at N=128)."""
-    return set(rd.names(LOGGED))
-
-
-def _records(rd: RunDir, claimed: AbstractSet[str] = frozenset()) -> List[Tuple[str, object]]:
-    """The records of ranks/ and events/ whose claim marker is not in ``claimed``."""
+def _records(rd: RunDir, claimed: AbstractSet[str]) -> List[Tuple[str, object]]:
+    """The records of ranks/ and events/ whose claim marker is not in ``claimed``: a record
+    claimed already is neither read nor claimed again (one listing, where a claim tried on
+    each costs a locked create: hundreds at N=128)."""
     found: List[Tuple[str, object]] = []
     for prefix, rank, name in rd.entries(RANKS):
         if prefix == "rank" and f"{RANKS}.{name}" not in claimed:
@@ -251,12 +238,7 @@ def leaving(code: int) -> None:
     rd, rank = bound(), bound_rank()
     if rd is None or rank is None:
         return
-    name = rank_file("exit", rank)
-    try:
-        if not rd.claim(LOGGED, f"{EVENTS}.{name}"):
-            return
-    except OSError as e:
-        _failed(rd, e)
+    if not _claim(rd, f"{EVENTS}.{rank_file('exit', rank)}"):
         return
     append(rd, "exit", rank, pid=os.getpid(), returncode=code, exit_code=code, signal=None, observed_by=rank,
            signalled_by=None, logged_by=rank)

@@ -1,3 +1,3 @@
 """The command line (report, status, ls, gc, doctor, timeline), above the API: the doctor runs a job.
-Imports: peerwatch, core, proc, rundir, hangs, hosts, verdict.
+Imports: peerwatch, core, proc, rundir, hangs, verdict.
 """

@@ -32,8 +32,8 @@ import uuid
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ..core.errors import RunDirError
+from ..core.mounts import MOUNTINFO, is_network_fs, mount_of, parse_mountinfo
 from ..hangs import collectives
-from ..hosts import sharedfs
 from ..proc import identity
 from ..rundir import basedir, rundir, trust
 
@@ -221,18 +221,6 @@ def check_namespace() -> Check:
                  "run all ranks of a host in one container (or --pid=host) for the fast local path" if hints else "")
 
 
-def _mount_options(mount_point: str) -> List[str]:
-    options: List[str] = []
-    try:
-        for line in _read("/proc/self/mountinfo").splitlines():
-            fields = line.split(" ")
-            if len(fields) > 5 and fields[4] == mount_point:
-                options = fields[5].split(",")
-    except OSError:
-        pass
-    return options
-
-
 def check_base() -> Check:
     base = basedir.base_dir()
     fix_move = "point XDG_RUNTIME_DIR (or XDG_CACHE_HOME) at a local disk, or give each job a PEERWATCH_DIR"
@@ -240,12 +228,11 @@ def check_base() -> Check:
     while not os.path.lexists(existing):
         existing = os.path.dirname(existing)
     try:
-        mounts = sharedfs.parse_mountinfo(_read("/proc/self/mountinfo"))
+        mounts = parse_mountinfo(_read(MOUNTINFO))
     except OSError:
         mounts = []
-    mount = sharedfs.mount_of(os.path.realpath(existing), mounts)
+    mount = mount_of(os.path.realpath(existing), mounts)
     fstype = mount.fstype if mount else "unknown"
-    options = _mount_options(mount.mount_point) if mount else []
     try:
         vfs = os.statvfs(existing)
         free = vfs.f_bavail * vfs.f_frsize
@@ -253,7 +240,7 @@ def check_base() -> Check:
         free = -1
     parts = [f"{base} on {fstype}" + (f" ({mount.mount_point})" if mount else "")]
     parts.append(f"{free / 2**30:.1f} GiB free" if free >= 0 else "free space unknown")
-    if "noexec" in options:
+    if mount and "noexec" in mount.options:
         parts.append("noexec (peerwatch runs nothing from there)")
     if existing == base:
         st = os.lstat(base)
@@ -275,7 +262,7 @@ def check_base() -> Check:
     if 0 <= free < 1 << 20:
         return Check("run dir base", FAIL, detail, "records cannot be written: ranks fail to register",
                      "free some space (`peerwatch gc` removes finished run directories)")
-    if sharedfs.is_network_fs(fstype):
+    if is_network_fs(fstype):
         return Check("run dir base", WARN, detail,
                      "a run directory there is taken as shared by hosts: other hosts' records are polled, and two "
                      "hosts choosing the same name collide", fix_move)

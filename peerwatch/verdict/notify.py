@@ -1,24 +1,16 @@
 """Telling someone: the ``on_verdict`` hook, run once per host after a verdict.
 
-A shell command (``PEERWATCH_ON_VERDICT``, or ``install(on_verdict="...")``) with
-``PEERWATCH_REPORT``, ``PEERWATCH_FAILED_RANK``, ``PEERWATCH_CAUSE`` (and
-``PEERWATCH_EXIT_CODE``, ``PEERWATCH_RUN_DIR``, ``PEERWATCH_HOST``) in its environment, or a
-callable ``f(verdict, report_path)`` (a keyword argument).
+A shell command or a callable ``f(verdict, report_path)``, as docs/notify.md describes
+(its environment, its bound, what it may do). Who runs it: an enforcer of the verdict on
+this host, once it has written the report; of those, the one that creates
+``RUN/claims/notified`` (``O_EXCL``): once per host and run, and once for mp.spawn's main
+process and its workers together (:func:`claim`).
 
-Who: an enforcer of the verdict on this host, once it has written the report; of those,
-the one that creates ``RUN/claims/notified`` (``O_EXCL``). So once per host and run, whichever
-enforcer gets there first (an enforcer always exists while a rank of the host lives); and
-once for mp.spawn's main process and its workers together (:func:`claim`).
-
-Bounded by its own ``on_verdict_timeout`` (whatever ``grace`` is), from its start. A
-command runs below a keeper (:mod:`peerwatch.verdict.keeper`, a child subreaper in a new session):
-its whole process tree, background processes included, is ended at the bound even if its
-rank is killed first, and nothing outside it ever is. Its rank's teardown of its own
-children spares the keeper's tree (:attr:`Hook.pid`). The rank stays until the hook ends or
-its bound passes, without training meanwhile: it waits for a command in one C call that
-keeps the GIL (:meth:`Hook.finish`), so no other thread of the rank runs Python. A callable
-(in a daemon thread) needs the GIL: the training thread runs beside it, and it is left
-behind as the rank exits at the bound. Its failures are logged (WARNING), never raised.
+A command runs below a keeper (:mod:`peerwatch.verdict.keeper`), so its whole tree is ended
+at the bound even if its rank is killed first, and its rank's teardown spares it
+(:attr:`Hook.pid`). The rank waits for a command in one C call that keeps the GIL
+(:meth:`Hook.finish`): it trains no more meanwhile. A callable (a daemon thread) needs the
+GIL, and is left behind as the rank exits at the bound. Failures are logged, never raised.
 """
 
 from __future__ import annotations

@@ -1,80 +1,12 @@
 """The teardown policy, as pure functions: who enforces a verdict, whom to signal and when,
-how long this rank may stay, and the code it exits with.
+how long this rank may stay, the code it exits with, and the order of its steps.
 
 Nothing here touches the OS or a clock; :mod:`peerwatch.executor` carries out a plan's
-steps (rule: the step order), an enforcer's share through :mod:`peerwatch.verdict.enforce`, with the
-OS through :mod:`peerwatch.proc.teardown`. Its rules, named as in docs/how-it-works.md ("The
-teardown's rules") and in the tests:
-
-- **The verdict's exit code.** A torn-down rank exits with the verdict's code. The failed
-  rank itself exits with the code it recorded for its own failure, if it recorded one (a
-  Python exception: 1, ``sys.exit(n)``: n), else with the verdict's.
-- **Who stays.** The main thread leaves by itself when the failure is its own exception
-  or exit (it is on its way out), or when it runs inside ``watch()`` and is told to
-  raise :class:`PeerFailure`; then it is given ``grace`` seconds. Everyone else (a
-  crashed peer's survivors outside ``watch()``, a rank blamed for a hang, a rank whose
-  launcher is gone) leaves at once.
-- **Who enforces.** The lowest :data:`ENFORCERS` live local ranks other than the failed
-  one; the failed rank only when too few others are left (it may be stuck, or about to
-  go). Enforcers wait for acknowledgements, signal the peers that gave none, and rewrite
-  the report. Every rank doing it made teardown O(N^2) (N=128: 11-14 s of CPU on
-  2 cores); three keep it O(N) with spares for a frozen enforcer.
-- **Who reports.** One rank per host writes the report as the teardown begins, the first
-  enforcer, and it alone logs the records of the run's last moments to the event log before
-  it leaves (each report and sweep costs a few ms of CPU that the peers, leaving at the same
-  moment, wait for); and one rank per job prints the summary, after the cause, writing the
-  report to build it: a failing rank that is leaving by itself (it recorded its own
-  exception or exit, and is alive on this host) prints it once its main thread has left,
-  below its own traceback; otherwise the writer of the verdict prints it, at once (before
-  its teardown: a launcher that ends its workers as soon as it sees the failed one,
-  torchrun's agent, must not cut it off), or, where the failed rank has not ended (a hang, a
-  lost host, a rank that never started: no launcher acts on it), once its own stacks and
-  flight recorder are dumped, to name them. Every other rank says its one line
-  (:func:`peerwatch.core.terminal.stop_line`) after the summary, once it is out
-  (:data:`peerwatch.rundir.rundir.SUMMARY_FILE`), waiting for it at most :data:`SUMMARY_WAIT_S`
-  from the verdict, then says it all the same (the rank that was to print the summary may
-  never get to: it may be SIGKILLed too). So a person reads the cause, the summary, then the
-  other ranks, in that order however the processes are scheduled. The waiting ranks look for
-  it every :data:`SUMMARY_POLL_S` for each :data:`SUMMARY_POLL_RANKS` local ranks
-  (:func:`summary_poll_s`): 127 ranks looking every 10 ms took a quarter of 2 cores from the
-  one rank writing the summary, and held a 128-rank teardown up by half.
-- **The ack window.** Peers get ``ack_window`` to acknowledge. While acknowledgements
-  keep arriving the machine is busy rather than the peers stuck (128 ranks on 2 cores
-  take a while to be scheduled): the window stretches to ``ack_window / 4`` after the
-  latest one, never beyond ``4 x ack_window``.
-- **Whom to signal.** Live local peers that neither acknowledged nor are gone; a peer
-  that finished (wrote its success marker) is leaving: it is not asked for a stack dump.
-- **The last resort.** Once teardown begins the process ends within
-  ``ack_window + 3 x grace + 2 s`` even if the watcher thread never runs again.
-- **Leaving at exit.** A rank that failed waits at exit for the verdict on its failure (its
-  peers may be unable to leave by themselves, and its watcher the only one left to end
-  them): ``parent_wait + ack_window + SETTLE_S``, plus the multi-host hold of an exception,
-  plus ``LEAVING_WAIT_NS`` for an exception raised by torch.distributed
-  (rule: echo waits for the leaving; the verdict comes as soon as that peer has ended).
-  During a teardown the exiting main thread gives the watcher ``grace + ack_window + 2 s``
-  to finish its share before leaving itself.
-- **The blind enforcer.** An enforcer that could not write its own acknowledgement (a full
-  disk, a run directory gone) cannot tell a peer that acknowledged only in memory from
-  one that is not leaving: a missing ack file is no evidence then. It waits for its
-  peers' processes to end (pidfds) for ``ack_window + 2 x grace`` (a peer that acted on
-  the verdict leaves within ``grace``, and ends its own children within another), and
-  never signals the other enforcers of the verdict: they leave once their own share is
-  done, and two blind enforcers would otherwise end each other. Its last resort moves
-  out by the same ``2 x grace``. Limit: an enforcer whose watcher never runs (the GIL
-  held in C) is then not ended by the other enforcers.
-- **The step order.** What a rank does once it acts on a verdict, step by step
-  (:class:`Step`; :mod:`peerwatch.executor` carries them out, one call each), is the plan's
-  ``until_ack`` then ``after_ack``: the second part is planned again with the
-  acknowledgement's result (rule: the blind enforcer). The order that matters: the summary
-  of a rank that ended comes first, before the acknowledgement (torchrun's agent SIGTERMs
-  the workers 0-100 ms after it sees the dead one); the peers wait for the acknowledgement,
-  so the rest (the last heartbeat, other hosts, launchers) follows it; where the launcher
-  ends this rank early, the report is written and the hook started before the dumps; the
-  stacks and the flight recorder are dumped before the main thread is interrupted (the
-  collective it waits in is recorded as it stands), and before the summary of a rank that
-  has not ended (it names them); the report is written before the hook starts; a rank that
-  does not stay starts its hook last, right before it stops its training for it (a main
-  thread not leaving by itself is held off Python while the hook runs); it exits last.
+steps, an enforcer's share through :mod:`peerwatch.verdict.enforce`, with the OS through
+:mod:`peerwatch.proc.teardown`. Its rules (the verdict's exit code, who stays, who
+enforces, who reports, the ack window, whom to signal, the last resort, leaving at exit,
+the blind enforcer, the step order) are those of docs/how-it-works.md, "The teardown's
+rules", each cited by name where it is applied.
 """
 
 from __future__ import annotations
@@ -86,7 +18,9 @@ from typing import AbstractSet, Iterable, Optional, Sequence, Tuple
 from ..core.records import EXCEPTION, EXIT, HANG, INTERRUPTED, LOST, MISSING
 from .decide import LEAVING_WAIT_NS
 
-ENFORCERS = 3  # rule: who enforces
+# Rule: who enforces. Every rank enforcing made teardown O(N^2) (N=128: 11-14 s of CPU on
+# 2 cores); three keep it O(N), with spares for a frozen enforcer.
+ENFORCERS = 3
 ACK_STRETCH_FRACTION = 4  # rule: the ack window; it stretches to ack_window / 4 after the latest ack
 ACK_STRETCH_MAX = 4  # rule: the ack window; ... never beyond 4 x ack_window
 LAST_RESORT_GRACES = 3  # rule: the last resort
