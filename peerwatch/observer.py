@@ -284,13 +284,10 @@ class Observer:
         return set(self.of_kind(Ack))
 
     def live_local_ranks(self) -> List[int]:
-        """This host's ranks (ours included) not gone and not finished, lowest first."""
+        """This host's ranks (ours included; :func:`peerwatch.proc.identity.local_ranks`) not
+        gone and not finished, lowest first."""
         finished = self.finished()
-        me = self.me.rank
-        return sorted(
-            r for r in self.registrations
-            if r not in self.gone and r not in finished and (r == me or r in self.peers)
-        )
+        return [r for r in identity.local_ranks(self.registrations) if r not in self.gone and r not in finished]
 
     def local_pids(self) -> Set[int]:
         """The pids of this host's ranks, ours included (a rank's children list skips them)."""
