@@ -621,7 +621,7 @@ class _BeatLoop:
                         identity.pid_namespace(), self._ranks, self.ident)
 
     def _local_success(self) -> bool:
-        return any(name.startswith("success-") for name in self.link.run_dir.names(EVENTS))
+        return any(kind == "success" for kind, _, _ in self.link.run_dir.entries(EVENTS))
 
     def _host_lost(self, j: int, silent_s: float) -> None:
         self._lost_reported.add(j)
