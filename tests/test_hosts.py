@@ -127,8 +127,8 @@ def test_liveness_judges_on_the_local_clock_only() -> None:
     live.observe(3 * S, {1: b"4", 2: b"1"})
     assert live.lost(3 * S) == [2]
     assert live.lost(3 * S, exclude={2}) == []
-    assert live.silent_s(2, 3 * S) == 3.0
-    assert live.silent_s(1, 3 * S) == 0.0
+    assert live.silent_ns(2, 3 * S) == 3 * S
+    assert live.silent_ns(1, 3 * S) == 0
 
 
 def test_liveness_lost_at_exactly_the_timeout_not_before() -> None:
@@ -144,7 +144,7 @@ def test_liveness_forgives_a_gap_of_our_own() -> None:
     live = Liveness(timeout_ns=3 * S)
     live.observe(0, {1: b"1"})
     live.observe(10 * S, {1: b"1"})  # we did not look for 10 s
-    assert live.lost(10 * S) == [] and live.silent_s(1, 10 * S) == 0.0
+    assert live.lost(10 * S) == [] and live.silent_ns(1, 10 * S) == 0
     live.observe(11 * S, {1: b"1"})
     live.observe(12 * S, {1: b"1"})
     assert live.lost(12 * S) == []
@@ -161,7 +161,7 @@ def test_liveness_a_gap_of_half_the_timeout_is_not_forgiven_one_ns_more_is() -> 
     live = Liveness(timeout_ns=10)
     live.observe(0, {1: b"1"})
     live.observe(6, {1: b"1"})  # one more: our gap, the clock restarts
-    assert live.lost(10) == [] and live.silent_s(1, 10) == 4 / 1e9
+    assert live.lost(10) == [] and live.silent_ns(1, 10) == 4
 
 
 def test_liveness_a_gap_restarts_every_host_and_the_last_look_counts() -> None:
@@ -235,7 +235,7 @@ def test_liveness_a_new_value_restarts_the_clock_of_that_host_only() -> None:
 
 
 def test_liveness_news_restarts_a_silence_seen_only_starts_one() -> None:
-    """What a shared filesystem's heartbeats tell (peerwatch.hosts.sharedfs.RemoteBeats)."""
+    """What a shared filesystem's heartbeats tell (peerwatch.hosts.sharedfs.RemoteWatch)."""
     live = Liveness(timeout_ns=4)
     live.seen(2, 1)
     live.seen(2, 3)  # seen again: no news

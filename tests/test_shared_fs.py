@@ -35,7 +35,6 @@ from peerwatch.core.awake import AwakeClock
 from peerwatch.core.errors import RunDirError
 from peerwatch.core.records import LOST, Registration, encode
 from peerwatch.hosts import sharedfs
-from peerwatch.hosts.hosts import Liveness
 from peerwatch.proc.identity import Started
 from peerwatch.rundir.prepare import prepare
 from peerwatch.rundir.rundir import RANKS, RunDir, rank_file
@@ -125,9 +124,9 @@ def test_remote_read_interval() -> None:
     assert sharedfs.remote_read_interval(0.5, 2.5) == 0.5
 
 
-def test_remote_beats_by_inode_then_by_seq() -> None:
-    live = Liveness(timeout_ns=10**12, awake=AwakeClock(10**12))  # the judge never had a gap
-    beats = sharedfs.RemoteBeats(live)
+def test_remote_beats_by_inode_then_by_seq(tmp_path: Path) -> None:
+    beats = sharedfs.RemoteWatch(RunDir(str(tmp_path)), HEARTBEAT_S, 1000.0, AwakeClock(10**12), EXIT_CODE)
+    live = beats.liveness  # the judge never had a gap
     # First listed at t=0: read it.
     assert beats.listed(2, 10, 0)
     beats.observe(2, (7, 1), 0)
@@ -156,7 +155,7 @@ def test_remote_beats_by_inode_then_by_seq() -> None:
     # Observed before it was ever listed: seen then.
     beats.observe(4, (9, 1), 31)
     assert live.changed_ns == {2: 21, 3: 22, 4: 31}
-    beats.forget([2])
+    beats.forget(2)
     assert live.changed_ns == {3: 22, 4: 31}
 
 
@@ -166,7 +165,7 @@ def test_a_remote_ranks_silence_counts_only_from_the_judges_resume(tmp_path: Pat
     clock = AwakeClock.every(HEARTBEAT_S)  # the watcher's, ticked by it
     watch = sharedfs.RemoteWatch(RunDir(str(tmp_path / "run")), HEARTBEAT_S, PEER_TIMEOUT_S, clock, EXIT_CODE)
     now = time.monotonic_ns()
-    watch.beats.observe(2, (7, 1), now - 21 * S)
+    watch.observe(2, (7, 1), now - 21 * S)
     clock.tick(now - 21 * S)
     clock.tick(now - S)  # a look 20 s later: the judge was not running meanwhile
     assert clock.since_ns == now - S
@@ -176,7 +175,7 @@ def test_a_remote_ranks_silence_counts_only_from_the_judges_resume(tmp_path: Pat
 def test_a_judge_writes_up_a_remote_rank_silent_for_peer_timeout(tmp_path: Path) -> None:
     watch = sharedfs.RemoteWatch(RunDir(str(tmp_path / "run")), HEARTBEAT_S, PEER_TIMEOUT_S,
                                  AwakeClock.every(HEARTBEAT_S), EXIT_CODE)
-    watch.beats.observe(2, (7, 1), time.monotonic_ns() - 3 * S)
+    watch.observe(2, (7, 1), time.monotonic_ns() - 3 * S)
     regs = {r: Registration(rank=r, pid=100 + r, ppid=1, start_ticks=5, uid=0, host=host, boot_id=host,
                             pidns=host, time_ns=0) for r, host in ((0, "a"), (2, "b"))}
     [failure] = watch.lost(regs, set(), regs[0])

@@ -570,7 +570,7 @@ class _BeatLoop:
             self.job_ending = True
         for j in hosts_to_declare_lost(self.liveness, now_ns, self._lost_reported, self.job_ending,
                                        self._verdict_known()):
-            self._host_lost(j, self.liveness.silent_s(j, now_ns))
+            self._host_lost(j, self.liveness.silent_ns(j, now_ns) / 1e9)
 
     def _judge_digest(self, digest: Optional[Digest], now_ns: int) -> None:
         """Any other host's: the aggregator's judgement of every host, and our own of the
@@ -587,9 +587,8 @@ class _BeatLoop:
         self.joined = max(self.joined, digest.joined)
         if self.job_ending or self._verdict_known():
             return
-        writer = [j for j in self.liveness.lost(now_ns, exclude=self._lost_reported) if j == digest.by]
-        for j in writer:
-            self._host_lost(j, self.liveness.silent_s(j, now_ns))
+        if digest.by in self.liveness.lost(now_ns, exclude=self._lost_reported):
+            self._host_lost(digest.by, self.liveness.silent_ns(digest.by, now_ns) / 1e9)
         for j in digest.lost:
             if j != self.index and j not in self._lost_reported:
                 self._host_lost(j, self.link.config.peer_timeout)

@@ -104,18 +104,14 @@ def stalled_hosts(beats: Mapping[int, Optional[bytes]]) -> List[int]:
 
 
 class Liveness:
-    """Which peers have fallen silent (rule: a silent host is lost): the one rule by which a
-    host is judged lost, whatever brings its news. A peer (a host, through the store; a rank
-    of another host, on a shared filesystem: :class:`peerwatch.hosts.sharedfs.RemoteBeats`)
-    is lost when no news of it came for ``timeout_ns`` of our own observations, counted from
-    when it was first seen; what is news is its source's to say (here, for the store's beats:
-    a higher sequence number than any seen; a beat with a lower or equal one is an old beat
-    written back). Only this host's monotonic clock counts, no clock is compared across
-    hosts, and a gap of our own is held against nobody: silences count from the judge's last
-    resume (``awake``, :class:`peerwatch.core.awake.AwakeClock`; by default one that finds
-    a gap when more than half the timeout passed between two looks). Hosts whose beat says
-    ``done`` are never lost (the job is ending).
-    """
+    """The one rule by which a host is lost, whatever brings its news (rule: a silent host is
+    lost): a peer (a host, through the store; a rank of another host, on a shared filesystem:
+    :class:`peerwatch.hosts.sharedfs.RemoteWatch`) is lost when no news of it came for
+    ``timeout_ns`` of our own looks since it was first seen. Its source says what is news
+    (:meth:`observe`, for the store: a beat with a higher sequence number than any seen).
+    No clock is compared across hosts, and a gap of our own counts against nobody
+    (``awake``, :class:`peerwatch.core.awake.AwakeClock`; by default, more than half the
+    timeout between two looks is one). A host whose beat says ``done`` is never lost."""
 
     def __init__(self, timeout_ns: int, awake: Optional[AwakeClock] = None) -> None:
         self.timeout_ns = timeout_ns
@@ -162,9 +158,6 @@ class Liveness:
 
     def silent_ns(self, peer: int, now_ns: int) -> int:
         return self._awake.counted_ns(self.changed_ns.get(peer, now_ns), now_ns)
-
-    def silent_s(self, peer: int, now_ns: int) -> float:
-        return self.silent_ns(peer, now_ns) / 1e9
 
 
 # -- the digest: one host reads every beat, every other host reads one key ---------------
@@ -376,13 +369,11 @@ class Absence:
     (we were frozen, starved) restarts the count."""
 
     def __init__(self, timeout_ns: int) -> None:
-        self.timeout_ns = timeout_ns
+        self._awake = AwakeClock(timeout_ns // 2)
         self.since_ns: Optional[int] = None  # hosts missing since then; None: none missing
-        self._last_ns: Optional[int] = None
 
     def observe(self, now_ns: int, missing: int) -> None:
-        gap = self._last_ns is not None and now_ns - self._last_ns > self.timeout_ns // 2
-        self._last_ns = now_ns
+        gap = self._awake.tick(now_ns)
         if missing <= 0:
             self.since_ns = None
         elif self.since_ns is None or gap:
@@ -502,7 +493,7 @@ def lost_rank_failures(liveness: Liveness, now_ns: int, wall_ns: int, registrati
             silent.setdefault((reg.host, reg.pidns), []).append(rank)
     found: List[Failure] = []
     for (host, _), ranks in silent.items():
-        quiet = ", ".join(f"rank {r} for {liveness.silent_s(r, now_ns):.1f}s" for r in ranks)
+        quiet = ", ".join(f"rank {r} for {liveness.silent_ns(r, now_ns) / 1e9:.1f}s" for r in ranks)
         message = (f"host {host} lost: no heartbeat of {quiet} (peer_timeout {liveness.timeout_ns / 1e9:g}s, by the "
                    f"clock of host {judge}): the host is down, cut off, or its ranks are frozen")
         found.extend(Failure(rank=r, pid=registrations[r].pid, time_ns=wall_ns - liveness.silent_ns(r, now_ns),

@@ -5,11 +5,11 @@ A source, in the sense of the data flow (sources -> decide -> teardown -> report
 - :func:`detect` says whether the run directory is shared, and why: ``shared_fs=on``, or
   ``auto`` and the mount table (``/proc/self/mountinfo``, parsed by the pure
   :func:`parse_mountinfo` / :func:`mount_of`) puts it on a network or cluster filesystem.
-- :class:`RemoteWatch` and :class:`RemoteBeats` turn the heartbeats of ranks on *other*
-  hosts into news for :class:`peerwatch.hosts.hosts.Liveness`, measured only on this host's
-  ``CLOCK_MONOTONIC``: a remote heartbeat is news when its file is new (inode) or its
-  ``(pid, seq)`` changed since we last read it, never by comparing its wall clock time stamp
-  with ours (the hosts' clocks may disagree).
+- :class:`RemoteWatch` turns the heartbeats of ranks on *other* hosts into news for
+  :class:`peerwatch.hosts.hosts.Liveness`, measured only on this host's ``CLOCK_MONOTONIC``:
+  a remote heartbeat is news when its file is new (inode) or its ``(pid, seq)`` changed
+  since we last read it, never by comparing its wall clock time stamp with ours (the
+  hosts' clocks may disagree).
 
 What changes in the watcher in shared mode (see ``Watcher._run``):
 
@@ -35,7 +35,7 @@ import dataclasses
 import logging
 import os
 import time
-from typing import TYPE_CHECKING, AbstractSet, Dict, Hashable, Iterable, Mapping, Optional, Tuple
+from typing import TYPE_CHECKING, AbstractSet, Dict, Hashable, Mapping, Optional, Tuple
 
 from ..core.mounts import MOUNTINFO, NETWORK_FS_TYPES, Mount, is_network_fs, mount_of, parse_mountinfo
 from ..core.records import Failure, Heartbeat, Registration
@@ -99,21 +99,50 @@ class _Beat:
     value: object
 
 
-class RemoteBeats:
-    """What is news of each remote rank's heartbeat, told to the rule that judges it
-    (:class:`peerwatch.hosts.hosts.Liveness`, keyed by rank).
+class RemoteWatch:
+    """A judge's source for the other hosts' ranks: their heartbeats, read at most every
+    :func:`remote_read_interval`, as news for the one liveness rule
+    (:class:`peerwatch.hosts.hosts.Liveness`, keyed by rank, counted on the judge's clock ``awake``).
 
-    A judge lists ``heartbeats/`` once per read (one directory listing, not one open per
-    rank) and calls :meth:`listed` with each remote rank's inode number there: every
-    heartbeat is a new file renamed into place, so a new inode is news and the file need not
-    be read. Only when the inode looks unchanged (a frozen rank; a freed inode number reused;
-    a listing served from a client's cache) is the file read and its ``(pid, seq)`` passed
-    to :meth:`observe`, which has the last word. A rank is seen when it is first listed.
+    A read lists ``heartbeats/`` once (not one open per rank) and notes each remote rank's
+    inode (:meth:`listed`): every heartbeat is a new file renamed into place, so a new inode
+    is news and the file need not be read. Only when the inode looks unchanged (a frozen
+    rank; a freed inode number reused; a listing served from a client's cache) is the file
+    read and its ``(pid, seq)`` passed to :meth:`observe`, which has the last word. A rank
+    is seen when it is first listed.
     """
 
-    def __init__(self, liveness: Liveness) -> None:
-        self.liveness = liveness
+    def __init__(self, run_dir: RunDir, heartbeat_interval: float, peer_timeout: float, awake: AwakeClock,
+                 exit_code: int) -> None:
+        self.run_dir = run_dir
+        self.liveness = Liveness(int(peer_timeout * 1e9), awake)
+        self.interval_s = remote_read_interval(heartbeat_interval, peer_timeout)
+        self.exit_code = exit_code  # a lost rank's failure record's
         self._beats: Dict[int, _Beat] = {}
+        self._next_read = 0.0
+
+    def read(self, registrations: Mapping[int, Registration], ended: AbstractSet[int]) -> None:
+        """If due: one listing of ``heartbeats/``, then a read of each remote rank's
+        heartbeat whose inode did not change. Ranks in ``ended`` (a record says how they
+        ended) are dropped."""
+        from ..rundir.rundir import HEARTBEATS, rank_file
+
+        now = time.monotonic()
+        if now < self._next_read:
+            return
+        self._next_read = now + self.interval_s
+        inodes = self.run_dir.inodes(HEARTBEATS)
+        now_ns = time.monotonic_ns()
+        for rank, reg in list(registrations.items()):
+            if is_local(reg):
+                continue
+            if rank in ended:
+                self.forget(rank)
+                continue
+            name = rank_file("rank", rank)
+            if self.listed(rank, inodes.get(name), now_ns):
+                beat = self.run_dir.read(HEARTBEATS, name, Heartbeat)
+                self.observe(rank, (beat.pid, beat.seq) if beat is not None and beat.pid == reg.pid else None, now_ns)
 
     def listed(self, rank: int, inode: Optional[int], now_mono_ns: int) -> bool:
         """Note the inode of rank's heartbeat file (``None``: not listed). Returns True if
@@ -140,48 +169,9 @@ class RemoteBeats:
         # After an inode change the value was unknown: its change is already counted.
         beat.value = value
 
-    def forget(self, ranks: Iterable[int]) -> None:
-        for rank in ranks:
-            self._beats.pop(rank, None)
-            self.liveness.forget(rank)
-
-
-class RemoteWatch:
-    """A judge's source for the other hosts' ranks: reads their heartbeats (through
-    :class:`RemoteBeats`) at most every :func:`remote_read_interval`, and finds those lost
-    by the one liveness rule, counted only while the judge (``awake``: its clock) was awake."""
-
-    def __init__(self, run_dir: RunDir, heartbeat_interval: float, peer_timeout: float, awake: AwakeClock,
-                 exit_code: int) -> None:
-        self.run_dir = run_dir
-        self.liveness = Liveness(int(peer_timeout * 1e9), awake)
-        self.beats = RemoteBeats(self.liveness)
-        self.interval_s = remote_read_interval(heartbeat_interval, peer_timeout)
-        self.exit_code = exit_code  # a lost rank's failure record's
-        self._next_read = 0.0
-
-    def read(self, registrations: Mapping[int, Registration], ended: AbstractSet[int]) -> None:
-        """If due: one listing of ``heartbeats/``, then a read of each remote rank's
-        heartbeat whose inode did not change. Ranks in ``ended`` (a record says how they
-        ended) are dropped."""
-        from ..rundir.rundir import HEARTBEATS, rank_file
-
-        now = time.monotonic()
-        if now < self._next_read:
-            return
-        self._next_read = now + self.interval_s
-        inodes = self.run_dir.inodes(HEARTBEATS)
-        now_ns = time.monotonic_ns()
-        for rank, reg in list(registrations.items()):
-            if is_local(reg):
-                continue
-            if rank in ended:
-                self.beats.forget([rank])
-                continue
-            name = rank_file("rank", rank)
-            if self.beats.listed(rank, inodes.get(name), now_ns):
-                beat = self.run_dir.read(HEARTBEATS, name, Heartbeat)
-                self.beats.observe(rank, (beat.pid, beat.seq) if beat is not None and beat.pid == reg.pid else None, now_ns)
+    def forget(self, rank: int) -> None:
+        self._beats.pop(rank, None)
+        self.liveness.forget(rank)
 
     def lost(self, registrations: Mapping[int, Registration], ended: AbstractSet[int],
              judge: Registration) -> Tuple[Failure, ...]:
@@ -191,6 +181,6 @@ class RemoteWatch:
 
 
 __all__ = [
-    "MOUNTINFO", "NETWORK_FS_TYPES", "NO_INOTIFY_VAR", "POLL_S", "Mount", "RemoteBeats", "RemoteWatch", "detect",
+    "MOUNTINFO", "NETWORK_FS_TYPES", "NO_INOTIFY_VAR", "POLL_S", "Mount", "RemoteWatch", "detect",
     "inotify_disabled", "is_network_fs", "mount_of", "parse_mountinfo", "remote_read_interval",
 ]
