@@ -85,7 +85,7 @@ class Watcher:
         self.thread = threading.Thread(target=self._main, name=f"peerwatch-rank{self.rank}", daemon=True)
         self._launcher_watch: Optional[launchers.LauncherWatch] = None  # set by start()
         self.bridge = bridge.Bridge.for_config(config, run_dir, me)  # other hosts, through the store
-        self._policy = decide.Policy.from_config(config, shared_fs=bool(run_dir.shared), other_hosts=self.bridge is not None)
+        self._policy = decide.Policy.from_config(config, other_hosts=bool(run_dir.shared) or self.bridge is not None)
         # What the watcher thread does on each heartbeat besides judging, in this order: Lightning's
         # observer gives way (rank 0 under Lightning), the bridge's turn, the straggler finding.
         self._chores: List[Callable[[], object]] = [partial(launchers.defer_lightning_observer, self.thread.is_alive)]

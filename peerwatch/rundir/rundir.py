@@ -127,18 +127,15 @@ def blank(data: bytes) -> bool:
 
 
 class HeldFiles(HeldDir):
-    """The files of a held directory: atomic writes (the first writer wins), reads capped in
-    size, listings and metadata; nothing of what the files say (:class:`RunDir` knows that).
-
-    Once :func:`peerwatch.rundir.prepare.prepare` has made and checked the directory, it is held
-    by a descriptor (and so is each of its folders, :class:`peerwatch.rundir.trust.HeldDir`):
-    every later read, write and listing goes through those descriptors, never through the
+    """The files of a held directory, nothing of what they say (:class:`RunDir` knows that):
+    atomic writes (the first writer wins), size-capped reads, listings and metadata, all
+    through the descriptors held since :func:`peerwatch.rundir.prepare.prepare` checked the
+    directory and its folders (:class:`peerwatch.rundir.trust.HeldDir`), never through the
     path again. Paths that :meth:`join` gives are for people (logs, the report); code that
     must open something by path uses :meth:`at`, and code that needs a descriptor or a
     file's metadata :meth:`open_file`, :meth:`open_folder`, :meth:`stat`, :meth:`exists`,
     :meth:`names` and :meth:`inodes` (no module outside this one opens, lists or stats a path
-    of :meth:`join`: tests/test_import.py checks).
-    """
+    of :meth:`join`: tests/test_import.py checks)."""
 
     # -- writing -------------------------------------------------------------------
 
@@ -343,10 +340,8 @@ class HeldFiles(HeldDir):
 
 
 class RunDir(HeldFiles):
-    """One run directory on this host: its layout and its records, read tolerantly (a bad
-    record reads as None) and written atomically (:class:`HeldFiles`). Paths that
-    :meth:`stack_path` gives are for people, as those of :meth:`join`.
-    """
+    """One run directory on this host: its layout (:meth:`stack_path`, like :meth:`join`, is
+    for people) and its records, read tolerantly (a bad one is None), written atomically."""
 
     def __init__(self, path: str, shared: Optional[str] = None) -> None:
         super().__init__(path)
@@ -398,8 +393,6 @@ class RunDir(HeldFiles):
                     os.unlink(name, dir_fd=dir_fd)
         except OSError:
             pass
-
-    # -- records --------------------------------------------------------------------
 
     def read(self, sub: str, name: str, cls: Type[R], strict: bool = False) -> Optional[R]:
         """The record ``sub/name`` of type ``cls``, or None: missing, malformed, or naming a

@@ -69,10 +69,9 @@ Its rules, named as in docs/how-it-works.md ("The decision"), where the code cit
   is the verdict: its first laggard, cause hang, from the diagnosis' ``end_at_ns`` on (at
   once for a hang or a mismatch; for laggards that are busy, not stuck, near the
   collective timeout).
-- **A silent host is lost.** Judged outside the decision, by one rule for both ways news of
-  other hosts comes (:class:`peerwatch.hosts.hosts.Liveness`: the store bridge, a judge on a
-  shared filesystem), which writes a failure record (cause ``lost``) on the lost ranks'
-  behalf: here it is a failure like any other.
+- **A silent host is lost.** Judged before the decision, by one rule whichever way news of the
+  other hosts comes (:class:`peerwatch.hosts.hosts.Liveness`), whose judge writes a failure
+  record (cause ``lost``) on the lost ranks' behalf: here a failure like any other.
 - **Victims are not blamed.** When the root cause found by the rules above is a rank that
   died of the collective timeout (an exception raised by torch.distributed, a SIGABRT or
   exit code 134 from NCCL's watchdog) after a diagnosis of the stall still going on named
@@ -200,14 +199,13 @@ class Policy:
     collective_settle_ns: int = COLLECTIVE_SETTLE_NS
 
     @classmethod
-    def from_config(cls, config: Config, shared_fs: bool = False, other_hosts: bool = False) -> Policy:
-        """The policy a rank's watcher decides by. ``shared_fs``: the run directory is shared
-        by the hosts (peerwatch.hosts.sharedfs); ``other_hosts``: the job spans hosts through a
-        store bridge. Either way a collective exception waits longer for its echo."""
+    def from_config(cls, config: Config, other_hosts: bool = False) -> Policy:
+        """The policy a rank's watcher decides by. ``other_hosts``: the job spans hosts (a store
+        bridge, or a run directory the hosts share): a collective exception waits longer."""
         return cls(
             parent_wait_ns=_ns(config.parent_wait), default_exit_code=config.exit_code,
             hang_timeout=config.hang_timeout,
-            collective_settle_ns=REMOTE_SETTLE_NS if other_hosts or shared_fs else COLLECTIVE_SETTLE_NS,
+            collective_settle_ns=REMOTE_SETTLE_NS if other_hosts else COLLECTIVE_SETTLE_NS,
         )
 
 
