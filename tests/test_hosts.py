@@ -381,6 +381,7 @@ def test_hosts_missing_counts_the_announced_hosts_that_did_not_join() -> None:
 
 def test_absence_counts_only_while_we_look_and_ends_when_nobody_is_missing() -> None:
     a = Absence(timeout_ns=10)
+    assert a.since_ns is None and a.waited_s(5) == 0.0  # before any look: nobody missing yet
     a.observe(0, 0)
     assert a.waited_s(100) == 0.0
     a.observe(1, 2)
