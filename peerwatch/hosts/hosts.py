@@ -104,11 +104,11 @@ def stalled_hosts(beats: Mapping[int, Optional[bytes]]) -> List[int]:
 
 
 class Liveness:
-    """The one rule by which a host is lost, whatever brings its news (rule: a silent host is
-    lost): a peer (a host, through the store; a rank of another host, on a shared filesystem:
-    :class:`peerwatch.hosts.sharedfs.RemoteWatch`) is lost when no news of it came for
-    ``timeout_ns`` of our own looks since it was first seen. Its source says what is news
-    (:meth:`observe`, for the store: a beat with a higher sequence number than any seen).
+    """The one rule by which a host is lost, whatever brings its news
+    (rule: a silent host is lost): a peer (a host, through the store; a rank of another host,
+    on a shared filesystem: :class:`peerwatch.hosts.sharedfs.RemoteWatch`) is lost when no
+    news of it came for ``timeout_ns`` of our own looks since it was first seen. Its source
+    says what is news (:meth:`observe`, for the store: a higher beat sequence number).
     No clock is compared across hosts, and a gap of our own counts against nobody
     (``awake``, :class:`peerwatch.core.awake.AwakeClock`; by default, more than half the
     timeout between two looks is one). A host whose beat says ``done`` is never lost."""
