@@ -54,12 +54,13 @@ class Observer:
 
     def __init__(
         self, run_dir: RunDir, me: Registration, use_pidfd: bool, remote: Optional[sharedfs.RemoteWatch],
-        records: Optional[OwnRecords] = None, interval_s: float = 1.0,
+        records: Optional[OwnRecords] = None, awake: Optional[AwakeClock] = None,
     ) -> None:
         self.run_dir = run_dir
-        # The hang judges' clock: how long they were awake to see a silence. Ticked by the
-        # watcher on every turn of its loop (``interval_s`` at most apart) and as it judges.
-        self.awake = AwakeClock.every(interval_s)
+        # The judges' clock (hangs, and other hosts on a shared filesystem: ``remote``'s): how
+        # long they were awake to see a silence. Ticked by the watcher on every turn of its
+        # loop (a heartbeat at most apart) and as it judges.
+        self.awake = awake if awake is not None else AwakeClock.every(1.0)
         self.me = me
         self.remote = remote  # shared-filesystem mode: other hosts' heartbeats
         self.local = LocalPeers(run_dir, me, use_pidfd, self._post_mortem, self.awake)
@@ -249,9 +250,18 @@ class Observer:
                 self.events[DIAGNOSIS_FILE] = existing
         return wrote
 
-    def record_lost(self, lost: Tuple[Failure, ...]) -> None:
-        """Shared filesystem: say on the lost ranks' behalf that they are lost (first record wins)."""
-        for failure in lost:
+    def judge_remote(self, read: bool) -> None:
+        """Shared filesystem: read the other hosts' heartbeats (``read``: as a judge), then,
+        while no verdict is known, say on the behalf of each remote rank lost that it is
+        (rule: a silent host is lost; first record wins)."""
+        if self.remote is None:
+            return
+        ended = self.ended_ranks()
+        if read:
+            self.remote.read(self.registrations, ended)
+        if VERDICT_FILE in self.events:
+            return
+        for failure in self.remote.lost(self.registrations, ended, self.me):
             name = rank_file("failure", failure.rank)
             if self.write_event(name, failure):
                 logger.error("peerwatch: rank %d declares rank %d lost: %s", self.me.rank, failure.rank, failure.message)
@@ -274,13 +284,10 @@ class Observer:
         return set(self.of_kind(Ack))
 
     def live_local_ranks(self) -> List[int]:
-        """This host's ranks (ours included) not gone and not finished, lowest first."""
+        """This host's ranks (ours included; :func:`peerwatch.proc.identity.local_ranks`) not
+        gone and not finished, lowest first."""
         finished = self.finished()
-        me = self.me.rank
-        return sorted(
-            r for r in self.registrations
-            if r not in self.gone and r not in finished and (r == me or r in self.peers)
-        )
+        return [r for r in identity.local_ranks(self.registrations) if r not in self.gone and r not in finished]
 
     def local_pids(self) -> Set[int]:
         """The pids of this host's ranks, ours included (a rank's children list skips them)."""
@@ -298,11 +305,6 @@ class Observer:
         if self.gone:
             return True
         return any(isinstance(r, (Failure, ExitStatus)) and r.rank != self.me.rank for r in self.events.values())
-
-    def read_remote(self) -> None:
-        """Shared filesystem, as a judge: read the other hosts' heartbeats."""
-        if self.remote is not None:
-            self.remote.read(self.registrations, self.ended_ranks())
 
     def observed(
         self, progress: Optional[OwnProgress] = None, missing: Tuple[int, ...] = (), stale_after_s: float = 0.0,
@@ -323,7 +325,6 @@ class Observer:
             oom_kills=self._oom_kills_since_start(),
             progress=self.local.progress(progress, stale_after_s, own) if progress is not None else {},
             now_mono_ns=time.monotonic_ns(), missing=missing, diagnosis=self.diagnosis(),
-            remote_silence=self.remote.silence(self.awake) if self.remote is not None else {},
             leaving=self.local.leaving() if not isinstance(verdict, Verdict) and _judging_an_echo(failures) else {},
             awake_since_ns=self.awake.since_ns,
             unread=self.unread,

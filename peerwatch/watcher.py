@@ -22,6 +22,7 @@ from functools import partial
 from typing import Callable, List, Optional, Tuple
 
 from . import executor, launchers
+from .core.awake import AwakeClock
 from .core.config import Config
 from .core.records import (
     WATCHER_DEATH,
@@ -68,11 +69,13 @@ class Watcher:
         self.interrupt_installed = interrupt_installed  # our signal handler raises PeerFailure in the main thread
         self.progress = OwnProgress(on_first_beat=self._arm_gil_watchdog)
         use_pidfd = config.use_pidfd and pidfd_supported()
-        remote = sharedfs.RemoteWatch(run_dir, config.heartbeat_interval, config.peer_timeout) if run_dir.shared else None
+        awake = AwakeClock.every(config.heartbeat_interval)  # its judges' clock (peerwatch.core.awake)
+        remote = (sharedfs.RemoteWatch(run_dir, config.heartbeat_interval, config.peer_timeout, awake, config.exit_code)
+                  if run_dir.shared else None)
         # This rank's own records (failure, success...) are written by whichever thread ends
         # it (see Ending), through their own writer, and read back by the observer like any other record.
         own_records = OwnRecords(run_dir, me)
-        self.observer = Observer(run_dir, me, use_pidfd, remote, own_records, config.heartbeat_interval)
+        self.observer = Observer(run_dir, me, use_pidfd, remote, own_records, awake)
         self.heartbeat = HeartbeatWriter(run_dir, me, self.progress, with_position=config.hang_timeout.on,
                                          read_collectives=config.reads_collectives,
                                          measure_waits=config.stragglers, interval_s=config.heartbeat_interval)
@@ -82,7 +85,7 @@ class Watcher:
         self.thread = threading.Thread(target=self._main, name=f"peerwatch-rank{self.rank}", daemon=True)
         self._launcher_watch: Optional[launchers.LauncherWatch] = None  # set by start()
         self.bridge = bridge.Bridge.for_config(config, run_dir, me)  # other hosts, through the store
-        self._policy = decide.Policy.from_config(config, shared_fs=bool(run_dir.shared), other_hosts=self.bridge is not None)
+        self._policy = decide.Policy.from_config(config, other_hosts=bool(run_dir.shared) or self.bridge is not None)
         # What the watcher thread does on each heartbeat besides judging, in this order: Lightning's
         # observer gives way (rank 0 under Lightning), the bridge's turn, the straggler finding.
         self._chores: List[Callable[[], object]] = [partial(launchers.defer_lightning_observer, self.thread.is_alive)]
@@ -239,19 +242,13 @@ class Watcher:
 
     def _judge(self, sched: Schedule, judge_hang: bool, judge_remote: bool, missing: Tuple[int, ...]) -> Optional[Verdict]:
         """Decide from what was observed; the verdict to act on."""
-        obs = self.observer
-        if judge_remote:
-            obs.read_remote()
+        self.observer.judge_remote(read=judge_remote)
         # decide() is pure, and tells us when the mere passing of time could change its
         # answer (recheck_at_ns, on the wall clock: converted to our monotonic one).
         observed = self._observed(judge_hang, missing)
         if judge_hang and self._diagnoser is not None:
             observed = dataclasses.replace(observed, diagnosis=self._diagnoser.look(observed))
         decision = decide.decide(observed, self._policy)
-        if decision.lost:
-            # Shared filesystem: write the lost ranks' failures, then decide from what is written.
-            obs.record_lost(decision.lost)
-            decision = decide.decide(self._observed(judge_hang, missing), self._policy)
         sched.recheck = _monotonic(decision.recheck_at_ns)
         verdict = decision.verdict
         # Across hosts, an exception may be the echo of a death elsewhere: hold it back

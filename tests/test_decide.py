@@ -97,10 +97,10 @@ def lightning_regs(n: int = 4) -> Dict[int, Registration]:
 
 def test_what_a_watcher_was_not_told_is_empty_or_zero():
     """Observed's defaults: no verdict, no OOM kill, no progress, no monotonic time, nothing
-    missing, no remote silence, no diagnosis, nobody leaving."""
+    missing, no diagnosis, nobody leaving."""
     o = Observed(self_rank=0, now_ns=1, registrations={}, successes=frozenset(), failures={}, exit_statuses={}, gone={})
-    assert (o.verdict, o.oom_kills, dict(o.progress), o.now_mono_ns, o.missing, dict(o.remote_silence), o.diagnosis,
-            dict(o.leaving)) == (None, 0, {}, 0, (), {}, None, {})
+    assert (o.verdict, o.oom_kills, dict(o.progress), o.now_mono_ns, o.missing, o.diagnosis,
+            dict(o.leaving)) == (None, 0, {}, 0, (), None, {})
     assert decide(o, POLICY) == Decision(None)
 
 
@@ -993,10 +993,9 @@ def test_a_hang_is_not_judged_while_a_death_is_held_back_and_a_death_beats_it():
     assert (v.rank, v.cause) == (2, VANISHED)
 
 
-# -- rule: a silent host is lost (shared-filesystem mode) ---------------------------------------
+# -- rule: a silent host is lost (judged by peerwatch.hosts.hosts.Liveness: its record is a failure) --------
 
 PEER_S = 30 * ONE_S
-LOST_POLICY = Policy(parent_wait_ns=WAIT_NS, default_exit_code=7, peer_timeout_ns=PEER_S)
 
 
 def two_hosts(n_remote: int = 2) -> Dict[int, Registration]:
@@ -1007,93 +1006,21 @@ def two_hosts(n_remote: int = 2) -> Dict[int, Registration]:
     return regs
 
 
-def judge(silence: Dict[int, int], policy: Policy = LOST_POLICY, **kw: Any) -> Decision:
-    kw.setdefault("registrations", two_hosts())
-    obs = dataclasses.replace(observed(now=WALL, **kw), remote_silence=silence)
-    return decide(obs, policy)
+def lost_record(rank: int, t: int) -> Failure:
+    return failure(rank, t=t, cause=LOST, exception=None, message="host host-b lost: no heartbeat of rank 2 for 31.0s "
+                   "(...)", traceback=None, exit_code=7)
 
 
-def test_a_remote_rank_silent_for_peer_timeout_is_lost_and_written_up():
-    d = judge({2: PEER_S, 3: 20 * ONE_S})
-    message = ("host host-b lost: no heartbeat of rank 2 for 30.0s, rank 3 for 20.0s (peer_timeout 30s, "
-               "by the clock of host host-a): the host is down, cut off, or its ranks are frozen")
-    assert d.lost == (Failure(rank=2, pid=1002, time_ns=WALL - PEER_S, cause=LOST, exit_code=7, message=message),)
-    v = d.verdict
-    assert (v.rank, v.cause, v.exit_code, v.failed_at_ns, v.host) == (2, LOST, 7, WALL - PEER_S, "host-b")
-    assert v.detail == message
-    assert d.recheck_at_ns is None
+def test_a_lost_record_is_the_verdict_with_its_message():
+    d = decide(observed(now=WALL, registrations=two_hosts(), failures=[lost_record(2, WALL - 31 * ONE_S)]), POLICY)
+    assert (d.verdict.rank, d.verdict.cause, d.verdict.exit_code, d.verdict.host) == (2, LOST, 7, "host-b")
+    assert d.verdict.detail == "host host-b lost: no heartbeat of rank 2 for 31.0s (...)"
 
 
-def test_peer_timeout_is_a_boundary():
-    assert judge({2: PEER_S - 1}) == Decision(None)
-    assert judge({2: PEER_S}).verdict.rank == 2
-
-
-def test_a_rank_silent_for_half_of_peer_timeout_is_named_but_not_lost():
-    half = PEER_S // 2
-    d = judge({2: PEER_S + 5, 3: half})
-    assert [f.rank for f in d.lost] == [2]
-    assert "rank 3 for 15.0s" in d.lost[0].message
-    d = judge({2: PEER_S + 5, 3: half - 1})
-    assert "rank 3" not in d.lost[0].message
-    # Silences read in tenths of a second, rounded: 30.05 s is 30.1 s.
-    assert "no heartbeat of rank 2 for 30.1s (" in judge({2: PEER_S + 50_000_000}).lost[0].message
-
-
-def test_every_rank_of_a_lost_host_is_lost_the_longest_silent_first():
-    d = judge({2: PEER_S + 2 * ONE_S, 3: PEER_S + ONE_S, 4: PEER_S + 3 * ONE_S}, registrations=two_hosts(3))
-    assert [f.rank for f in d.lost] == [2, 3, 4]
-    assert d.verdict.rank == 4
-
-
-def test_two_lost_hosts_are_written_up_each_with_its_own_ranks():
-    regs = two_hosts(1)
-    regs[3] = dataclasses.replace(reg(3), host="host-c", boot_id="boot-c")
-    d = judge({2: PEER_S, 3: PEER_S + 1}, registrations=regs)
-    assert [(f.rank, f.message.split(":")[0]) for f in d.lost] == [(2, "host host-b lost"), (3, "host host-c lost")]
-    assert "rank 3" not in d.lost[0].message and "rank 2" not in d.lost[1].message
-    assert d.verdict.rank == 3
-
-
-def test_no_rank_is_ever_lost_without_peer_timeout():
-    assert judge({2: 10**15}, policy=POLICY) == Decision(None)
-
-
-@pytest.mark.parametrize("how", ["success", "failure", "status", "gone"])
-def test_a_remote_rank_known_to_have_ended_is_not_lost(how):
-    kw: Dict[str, Any] = {
-        "success": {"successes": {2}}, "failure": {"failures": [failure(2, t=5)]},
-        "status": {"statuses": [status(2, 5, 1)]}, "gone": {"gone": {2: 5}},
-    }[how]
-    d = judge({2: 10 * PEER_S}, **kw)
-    assert d.lost == ()
-    assert d.verdict is None if how == "success" else d.verdict.cause != LOST
-
-
-def test_an_unregistered_remote_rank_is_not_judged():
-    regs = two_hosts()
-    del regs[2]
-    assert judge({2: 10 * PEER_S}, registrations=regs) == Decision(None)
-
-
-def test_a_lost_host_judged_without_our_own_registration_names_this_host():
-    regs = two_hosts()
-    del regs[0]
-    assert "by the clock of this host" in judge({2: PEER_S}, registrations=regs).lost[0].message
-
-
-def test_a_lost_record_written_by_another_host_is_followed_not_written_again():
-    message = "host host-b lost: no heartbeat of rank 2 for 31.0s (...)"
-    written = failure(2, t=WALL - 31 * ONE_S, cause=LOST, exception=None, message=message, traceback=None,
-                      exit_code=7)
-    d = judge({2: 31 * ONE_S, 3: 31 * ONE_S}, failures=[written])
-    assert (d.verdict.rank, d.verdict.cause, d.verdict.detail) == (2, LOST, message)
-    assert d.lost == ()  # rank 3 is lost too, but rank 2's record is the verdict
-
-
-def test_an_earlier_failure_is_the_cause_and_nothing_is_written_for_a_lost_rank():
-    d = judge({2: PEER_S}, failures=[failure(1, t=WALL - 2 * PEER_S)])
-    assert (d.verdict.rank, d.verdict.cause, d.lost) == (1, EXCEPTION, ())
+def test_an_earlier_failure_is_the_cause_not_a_rank_lost_since():
+    failures = [failure(1, t=WALL - 2 * PEER_S), lost_record(2, WALL - PEER_S)]
+    d = decide(observed(now=WALL, registrations=two_hosts(), failures=failures), POLICY)
+    assert (d.verdict.rank, d.verdict.cause) == (1, EXCEPTION)
 
 
 # -- rules: the diagnosis is the verdict, victims are not blamed ----------------------------------
@@ -1231,17 +1158,14 @@ def test_policy_from_config_takes_hang_timeout_as_parsed(hang_timeout: Any, seco
 
 def test_policy_from_config_sets_every_field():
     assert {f.name for f in dataclasses.fields(Policy)} == {  # a new field: set it in from_config, test it here
-        "parent_wait_ns", "default_exit_code", "hang_timeout", "peer_timeout_ns", "collective_settle_ns"}
+        "parent_wait_ns", "default_exit_code", "hang_timeout", "collective_settle_ns"}
     c = _config(parent_wait=0.25, exit_code=7, hang_timeout=30, peer_timeout=45)
     assert Policy.from_config(c) == Policy(parent_wait_ns=250_000_000, default_exit_code=7,
-                                           hang_timeout=HangSetting(seconds=30.0), peer_timeout_ns=0,
+                                           hang_timeout=HangSetting(seconds=30.0),
                                            collective_settle_ns=COLLECTIVE_SETTLE_NS)
-    # Only a run directory shared by the hosts judges their ranks lost here (else the bridge does).
-    assert Policy.from_config(c, shared_fs=True).peer_timeout_ns == 45 * 10**9
     # A job that spans hosts gives a collective exception longer to turn out an echo
     # (rule: a collective exception settles).
-    assert Policy.from_config(c, shared_fs=True).collective_settle_ns == REMOTE_SETTLE_NS == 2 * 10**9
-    assert Policy.from_config(c, other_hosts=True).collective_settle_ns == REMOTE_SETTLE_NS
+    assert Policy.from_config(c, other_hosts=True).collective_settle_ns == REMOTE_SETTLE_NS == 2 * 10**9
 
 
 def test_a_collective_exception_waits_longer_for_an_echo_where_the_job_spans_hosts():
@@ -1253,7 +1177,7 @@ def test_a_collective_exception_waits_longer_for_an_echo_where_the_job_spans_hos
     d = decide(obs, remote)
     assert d.verdict is None and d.recheck_at_ns == 10**9 + REMOTE_SETTLE_NS, d
     assert Policy.from_config(_config()) == Policy(parent_wait_ns=100_000_000, default_exit_code=1,
-                                                   hang_timeout=HangSetting(), peer_timeout_ns=0)
+                                                   hang_timeout=HangSetting())
 
 
 @pytest.mark.parametrize(("hang_timeout", "hang_warn", "expected"), [

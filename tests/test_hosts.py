@@ -7,11 +7,24 @@ constant or a deleted statement in ``hosts/hosts.py`` fails one of them).
 from __future__ import annotations
 
 import json
+from typing import AbstractSet, Dict, Optional, Tuple
 
 import pytest
 
+from peerwatch.core.awake import AwakeClock
 from peerwatch.core.config import Config
-from peerwatch.core.records import EXCEPTION, EXIT, LOST, SIGNAL, VANISHED, Failure, Verdict, decode, encode
+from peerwatch.core.records import (
+    EXCEPTION,
+    EXIT,
+    LOST,
+    SIGNAL,
+    VANISHED,
+    Failure,
+    Registration,
+    Verdict,
+    decode,
+    encode,
+)
 from peerwatch.hosts.hosts import (
     CONNECT_BACKOFF_MAX_S,
     DONE,
@@ -31,6 +44,7 @@ from peerwatch.hosts.hosts import (
     hosts_to_read,
     interval_deadline_s,
     lost_host_failure,
+    lost_rank_failures,
     lost_store_failure,
     may_be_echo,
     missing_hosts_failure,
@@ -113,8 +127,8 @@ def test_liveness_judges_on_the_local_clock_only() -> None:
     live.observe(3 * S, {1: b"4", 2: b"1"})
     assert live.lost(3 * S) == [2]
     assert live.lost(3 * S, exclude={2}) == []
-    assert live.silent_s(2, 3 * S) == 3.0
-    assert live.silent_s(1, 3 * S) == 0.0
+    assert live.silent_ns(2, 3 * S) == 3 * S
+    assert live.silent_ns(1, 3 * S) == 0
 
 
 def test_liveness_lost_at_exactly_the_timeout_not_before() -> None:
@@ -130,7 +144,7 @@ def test_liveness_forgives_a_gap_of_our_own() -> None:
     live = Liveness(timeout_ns=3 * S)
     live.observe(0, {1: b"1"})
     live.observe(10 * S, {1: b"1"})  # we did not look for 10 s
-    assert live.lost(10 * S) == [] and live.silent_s(1, 10 * S) == 0.0
+    assert live.lost(10 * S) == [] and live.silent_ns(1, 10 * S) == 0
     live.observe(11 * S, {1: b"1"})
     live.observe(12 * S, {1: b"1"})
     assert live.lost(12 * S) == []
@@ -147,7 +161,7 @@ def test_liveness_a_gap_of_half_the_timeout_is_not_forgiven_one_ns_more_is() -> 
     live = Liveness(timeout_ns=10)
     live.observe(0, {1: b"1"})
     live.observe(6, {1: b"1"})  # one more: our gap, the clock restarts
-    assert live.lost(10) == [] and live.silent_s(1, 10) == 4 / 1e9
+    assert live.lost(10) == [] and live.silent_ns(1, 10) == 4
 
 
 def test_liveness_a_gap_restarts_every_host_and_the_last_look_counts() -> None:
@@ -168,14 +182,14 @@ def test_liveness_a_done_host_is_never_lost() -> None:
     live.observe(4 * S, {1: DONE + b"6", 2: b"9"})
     assert live.lost(4 * S) == [] and live.done == {1}
     live.observe(5 * S, {1: None, 2: b"10"})  # unknown this time: no change
-    assert live.lost(5 * S) == [] and live.values[1] == DONE + b"6"
+    assert live.lost(5 * S) == [] and live.seqs[1] == 6 and live.changed_ns[1] == 1 * S
 
 
 def test_liveness_an_unknown_beat_is_no_sign_of_life() -> None:
     live = Liveness(timeout_ns=4)
     live.observe(0, {1: b"1"})
     live.observe(2, {1: None, 3: None})
-    assert 3 not in live.changed_ns and 3 not in live.values
+    assert 3 not in live.changed_ns and 3 not in live.seqs
     assert live.lost(4) == [1]
 
 
@@ -206,7 +220,7 @@ def test_stalled_hosts_are_those_whose_last_beat_ends_in_s() -> None:
 def test_liveness_a_host_whose_beat_is_never_readable_is_lost_from_when_it_was_seen() -> None:
     live = Liveness(timeout_ns=4)
     live.observe(1, {1: b"garbage", 2: b"1"})
-    assert live.changed_ns == {1: 1, 2: 1} and live.values == {2: b"1"} and live.seqs == {2: 1}
+    assert live.changed_ns == {1: 1, 2: 1} and live.seqs == {2: 1}
     live.observe(3, {1: b"still garbage", 2: b"2"})
     assert live.changed_ns == {1: 1, 2: 3}  # not news: the silence still counts from the first look
     assert live.lost(4) == [] and live.lost(5) == [1]
@@ -216,8 +230,109 @@ def test_liveness_a_new_value_restarts_the_clock_of_that_host_only() -> None:
     live = Liveness(timeout_ns=4)
     live.observe(0, {1: b"1", 2: b"1"})
     live.observe(2, {1: b"2", 2: b"1"})
-    assert live.changed_ns == {1: 2, 2: 0} and live.values == {1: b"2", 2: b"1"}
+    assert live.changed_ns == {1: 2, 2: 0} and live.seqs == {1: 2, 2: 1}
     assert live.lost(4) == [2] and live.lost(6) == [1, 2]
+
+
+def test_liveness_news_restarts_a_silence_seen_only_starts_one() -> None:
+    """What a shared filesystem's heartbeats tell (peerwatch.hosts.sharedfs.RemoteWatch)."""
+    live = Liveness(timeout_ns=4)
+    live.seen(2, 1)
+    live.seen(2, 3)  # seen again: no news
+    assert live.silent_ns(2, 5) == 4 and live.lost(5) == [2]
+    live.news(2, 5)
+    assert live.silent_ns(2, 8) == 3 and live.lost(8) == [] and live.lost(9) == [2]
+    live.forget(2)
+    assert live.lost(100) == [] and live.silent_ns(2, 100) == 0
+
+
+def test_liveness_counts_on_the_clock_it_is_given() -> None:
+    """A shared filesystem's judge counts on its watcher's clock, ticked by its owner: a gap
+    of its own (more than its cap between two ticks) restarts every silence."""
+    clock = AwakeClock(cap_ns=2)
+    live = Liveness(timeout_ns=10, awake=clock)
+    live.seen(1, 0)
+    clock.tick(0)
+    clock.tick(5)  # the judge was not running from 0 to 5
+    assert live.silent_ns(1, 9) == 4 and live.lost(15) == [1] and live.lost(14) == []
+
+
+# -- the lost ranks of a shared filesystem (rule: a silent host is lost) -----------------------
+
+PEER_S = 30 * S
+NOW = 1000 * S  # the judge's monotonic clock
+WALL = 5000 * S  # the records' time
+
+
+def _rank(rank: int, host: str) -> Registration:
+    return Registration(rank=rank, pid=1000 + rank, ppid=1, start_ticks=5, uid=0, host=host, boot_id=f"boot-{host}",
+                        pidns=f"pid:[{host}]", time_ns=0)
+
+
+def _two_hosts(n_remote: int = 2) -> Dict[int, Registration]:
+    """Ranks 0, 1 on host-a (the judge's); ranks 2.. on host-b."""
+    return {r: _rank(r, "host-a" if r < 2 else "host-b") for r in range(2 + n_remote)}
+
+
+def _lost(silence: Dict[int, int], registrations: Optional[Dict[int, Registration]] = None,
+          ended: AbstractSet[int] = frozenset()) -> Tuple[Failure, ...]:
+    live = Liveness(PEER_S)
+    for rank, silent_ns in silence.items():
+        live.seen(rank, NOW - silent_ns)
+    return lost_rank_failures(live, NOW, WALL, registrations or _two_hosts(), ended, "host-a", 7)
+
+
+def test_a_remote_rank_silent_for_peer_timeout_is_lost_and_written_up() -> None:
+    message = ("host host-b lost: no heartbeat of rank 2 for 30.0s, rank 3 for 20.0s (peer_timeout 30s, "
+               "by the clock of host host-a): the host is down, cut off, or its ranks are frozen")
+    failure = Failure(rank=2, pid=1002, time_ns=WALL - PEER_S, cause=LOST, exit_code=7, message=message)
+    assert _lost({2: PEER_S, 3: 20 * S}) == (failure,)
+    obs = Observed(self_rank=0, now_ns=WALL, registrations=_two_hosts(), successes=set(), failures={2: failure},
+                   exit_statuses={}, gone={})
+    v = decide(obs, Policy(parent_wait_ns=0, default_exit_code=1)).verdict  # a failure like any other
+    assert v is not None and (v.rank, v.cause, v.exit_code, v.failed_at_ns, v.host, v.detail) == (
+        2, LOST, 7, WALL - PEER_S, "host-b", message)
+
+
+def test_peer_timeout_is_a_boundary() -> None:
+    assert _lost({2: PEER_S - 1}) == ()
+    assert [f.rank for f in _lost({2: PEER_S})] == [2]
+
+
+def test_a_rank_silent_for_half_of_peer_timeout_is_named_but_not_lost() -> None:
+    half = PEER_S // 2
+    lost = _lost({2: PEER_S + 5, 3: half})
+    assert [f.rank for f in lost] == [2] and "rank 3 for 15.0s" in lost[0].message
+    assert "rank 3" not in _lost({2: PEER_S + 5, 3: half - 1})[0].message
+    # Silences read in tenths of a second, rounded: 30.05 s is 30.1 s.
+    assert "no heartbeat of rank 2 for 30.1s (" in _lost({2: PEER_S + 50_000_000})[0].message
+
+
+def test_every_rank_of_a_lost_host_is_lost_each_from_when_it_fell_silent() -> None:
+    lost = _lost({2: PEER_S + 2 * S, 3: PEER_S + S, 4: PEER_S + 3 * S}, _two_hosts(3))
+    assert [(f.rank, f.time_ns) for f in lost] == [(2, WALL - PEER_S - 2 * S), (3, WALL - PEER_S - S),
+                                                  (4, WALL - PEER_S - 3 * S)]
+
+
+def test_two_lost_hosts_are_written_up_each_with_its_own_ranks() -> None:
+    regs = _two_hosts(1)
+    regs[3] = _rank(3, "host-c")
+    lost = _lost({2: PEER_S, 3: PEER_S + 1}, regs)
+    assert [(f.rank, f.message.split(":")[0]) for f in lost] == [(2, "host host-b lost"), (3, "host host-c lost")]
+    assert "rank 3" not in lost[0].message and "rank 2" not in lost[1].message
+
+
+def test_a_remote_rank_known_to_have_ended_is_neither_lost_nor_named() -> None:
+    """A success marker, a failure record (another judge's lost record too), an exit status."""
+    assert _lost({2: 10 * PEER_S}, ended={2}) == ()
+    lost = _lost({2: 10 * PEER_S, 3: 10 * PEER_S}, ended={2})
+    assert [f.rank for f in lost] == [3] and "rank 2" not in lost[0].message
+
+
+def test_an_unregistered_remote_rank_is_not_judged() -> None:
+    regs = _two_hosts()
+    del regs[2]
+    assert _lost({2: 10 * PEER_S}, regs) == ()
 
 
 # -- which hosts to look at --------------------------------------------------------------
@@ -266,6 +381,7 @@ def test_hosts_missing_counts_the_announced_hosts_that_did_not_join() -> None:
 
 def test_absence_counts_only_while_we_look_and_ends_when_nobody_is_missing() -> None:
     a = Absence(timeout_ns=10)
+    assert a.since_ns is None and a.waited_s(5) == 0.0  # before any look: nobody missing yet
     a.observe(0, 0)
     assert a.waited_s(100) == 0.0
     a.observe(1, 2)

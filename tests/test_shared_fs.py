@@ -1,7 +1,8 @@
 """Shared-filesystem mode (docs/shared-filesystem.md): several hosts, one run directory.
 
-Unit tests: the mount-table parser and detection, the "lost" rule of ``decide``, the run
-directory's rules when another host holds a slot.
+Unit tests: the mount-table parser and detection, the remote heartbeats as news for the
+liveness rule (the rule and its records: tests/test_hosts.py), the run directory's rules
+when another host holds a slot.
 
 End to end: two simulated hosts on this machine, each a real separate PID namespace
 (``unshare --pid --fork --mount-proc``) with its own hostname (``--uts``), sharing one
@@ -37,7 +38,6 @@ from peerwatch.hosts import sharedfs
 from peerwatch.proc.identity import Started
 from peerwatch.rundir.prepare import prepare
 from peerwatch.rundir.rundir import RANKS, RunDir, rank_file
-from peerwatch.verdict import decide
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -47,6 +47,7 @@ PEER_TIMEOUT_S = 2.5
 EXIT_CODE = 42  # PEERWATCH_EXIT_CODE of every rank: tells a verdict's code from a default 1
 READY_TIMEOUT_S = 20.0
 POLL_S = 0.02  # how often the test looks at the READY folder (it has no event source)
+S = 1_000_000_000
 
 # -- the mount table -------------------------------------------------------------------
 
@@ -123,119 +124,65 @@ def test_remote_read_interval() -> None:
     assert sharedfs.remote_read_interval(0.5, 2.5) == 0.5
 
 
-def test_remote_beats_by_inode_then_by_seq() -> None:
-    beats = sharedfs.RemoteBeats()
+def test_remote_beats_by_inode_then_by_seq(tmp_path: Path) -> None:
+    beats = sharedfs.RemoteWatch(RunDir(str(tmp_path)), HEARTBEAT_S, 1000.0, AwakeClock(10**12), EXIT_CODE)
+    live = beats.liveness  # the judge never had a gap
     # First listed at t=0: read it.
     assert beats.listed(2, 10, 0)
     beats.observe(2, (7, 1), 0)
     # A new inode: a new heartbeat, no read needed; the clock restarts.
     assert not beats.listed(2, 11, 5)
-    assert beats.silence(6) == {2: 1}
+    assert live.silent_ns(2, 6) == 1
     # Same inode (frozen, or a reused inode number): read; its first value after an inode
     # change is not a new change (already counted at t=5).
     assert beats.listed(2, 11, 8)
     beats.observe(2, (7, 4), 8)
-    assert beats.silence(9) == {2: 4}
+    assert live.silent_ns(2, 9) == 4
     # Same inode, same seq: silent since t=5.
     assert beats.listed(2, 11, 12)
     beats.observe(2, (7, 4), 12)
-    assert beats.silence(20) == {2: 15}
+    assert live.silent_ns(2, 20) == 15
     # An inode number reused (11 again, but the seq moved): the read tells.
     assert beats.listed(2, 11, 21)
     beats.observe(2, (7, 9), 21)
-    assert beats.silence(22) == {2: 1}
+    assert live.silent_ns(2, 22) == 1
     # Not listed (no heartbeat file, or the listing failed): read; None is a value too.
     assert beats.listed(3, None, 22)
     beats.observe(3, None, 22)
     assert beats.listed(3, None, 30)
     beats.observe(3, None, 30)
-    assert beats.silence(40) == {2: 19, 3: 18}
-    beats.forget([2])
-    assert beats.silence(40) == {3: 18}
+    assert (live.silent_ns(2, 40), live.silent_ns(3, 40)) == (19, 18)
+    # Observed before it was ever listed: seen then.
+    beats.observe(4, (9, 1), 31)
+    assert live.changed_ns == {2: 21, 3: 22, 4: 31}
+    beats.forget(2)
+    assert live.changed_ns == {3: 22, 4: 31}
 
 
 def test_a_remote_ranks_silence_counts_only_from_the_judges_resume(tmp_path: Path) -> None:
     """The judge was stopped 20 s (the whole job suspended): the heartbeat it last saw 21 s
     ago has been silent 1 s that it saw, not 21 (before, lost at once on resume)."""
-    watch = sharedfs.RemoteWatch(RunDir(str(tmp_path / "run")), HEARTBEAT_S, PEER_TIMEOUT_S)
+    clock = AwakeClock.every(HEARTBEAT_S)  # the watcher's, ticked by it
+    watch = sharedfs.RemoteWatch(RunDir(str(tmp_path / "run")), HEARTBEAT_S, PEER_TIMEOUT_S, clock, EXIT_CODE)
     now = time.monotonic_ns()
-    watch.beats.observe(2, (7, 1), now - 21 * S)
-    clock = AwakeClock.every(HEARTBEAT_S)
+    watch.observe(2, (7, 1), now - 21 * S)
     clock.tick(now - 21 * S)
     clock.tick(now - S)  # a look 20 s later: the judge was not running meanwhile
     assert clock.since_ns == now - S
-    assert S <= watch.silence(clock)[2] < 20 * S
+    assert S <= watch.liveness.silent_ns(2, time.monotonic_ns()) < 20 * S
 
 
-# -- the "lost" rule (pure) ------------------------------------------------------------
-
-S = 1_000_000_000
-
-
-def _reg(rank: int, host: str) -> Registration:
-    return Registration(rank=rank, pid=100 + rank, ppid=1, start_ticks=5, uid=0, host=host,
-                        boot_id=f"boot-{host}", pidns=f"pid:[{host}]", time_ns=0)
-
-
-REGS = {0: _reg(0, "a"), 1: _reg(1, "a"), 2: _reg(2, "b"), 3: _reg(3, "b"), 4: _reg(4, "c")}
-POLICY = decide.Policy(parent_wait_ns=0, default_exit_code=EXIT_CODE, peer_timeout_ns=30 * S)
-
-
-def _obs(silence: Dict[int, int], **kw: object) -> decide.Observed:
-    fields = dict(self_rank=0, now_ns=1000 * S, registrations=REGS, successes=set(), failures={},
-                  exit_statuses={}, gone={}, remote_silence=silence)
-    fields.update(kw)
-    return decide.Observed(**fields)  # type: ignore[arg-type]
-
-
-def test_remote_ranks_silent_for_peer_timeout_are_lost() -> None:
-    d = decide.decide(_obs({2: 31 * S, 3: 30 * S, 4: 29 * S}), POLICY)
-    assert d.verdict is not None
-    assert [f.rank for f in d.lost] == [2, 3]  # host c's rank 4 is not silent for long enough
-    assert {f.cause for f in d.lost} == {LOST}
-    assert {f.exit_code for f in d.lost} == {EXIT_CODE}
-    assert d.lost[0].time_ns == 1000 * S - 31 * S  # when it went silent, by our clock
-    message = d.lost[0].message
-    assert message == d.lost[1].message
-    assert message == (
-        "host b lost: no heartbeat of rank 2 for 31.0s, rank 3 for 30.0s (peer_timeout 30s, by the clock "
-        "of host a): the host is down, cut off, or its ranks are frozen"
-    )
-    v = d.verdict
-    assert (v.rank, v.cause, v.exit_code, v.host, v.detail) == (2, LOST, EXIT_CODE, "b", message)
-
-
-def test_lost_message_names_the_hosts_other_silent_ranks() -> None:
-    d = decide.decide(_obs({2: 31 * S, 3: 16 * S}), POLICY)
-    assert [f.rank for f in d.lost] == [2]  # rank 3 is named, not (yet) declared lost
-    assert str(d.lost[0].message).startswith("host b lost: no heartbeat of rank 2 for 31.0s, rank 3 for 16.0s (")
-    d = decide.decide(_obs({2: 31 * S, 3: 14 * S}), POLICY)
-    assert str(d.lost[0].message).startswith("host b lost: no heartbeat of rank 2 for 31.0s (")
-
-
-def test_lost_needs_silence_no_end_record_and_a_timeout() -> None:
-    assert decide.decide(_obs({2: 29 * S}), POLICY).verdict is None
-    assert decide.decide(_obs({2: 31 * S}, successes={2}), POLICY).verdict is None
-    off = decide.Policy(parent_wait_ns=0, default_exit_code=1)
-    assert decide.decide(_obs({2: 3000 * S}), off).verdict is None
-    assert decide.decide(_obs({9: 3000 * S}), POLICY).verdict is None  # not registered: unknown host
-
-
-def test_a_written_lost_record_is_not_written_again() -> None:
-    first = decide.decide(_obs({2: 31 * S, 3: 31 * S}), POLICY)
-    failures = {f.rank: f for f in first.lost}
-    again = decide.decide(_obs({2: 32 * S, 3: 32 * S}, failures=failures), POLICY)
-    assert again.lost == ()
-    assert again.verdict is not None and (again.verdict.rank, again.verdict.cause) == (2, LOST)
-    assert again.verdict.detail == first.lost[0].message
-
-
-def test_an_earlier_real_failure_wins_over_lost() -> None:
-    from peerwatch.core.records import EXCEPTION, Failure
-
-    boom = Failure(rank=4, pid=104, time_ns=900 * S, cause=EXCEPTION, exit_code=1, exception="ValueError", message="x")
-    d = decide.decide(_obs({2: 31 * S}, failures={4: boom}), POLICY)  # rank 2 silent since 969 s
-    assert d.verdict is not None and d.verdict.rank == 4 and d.lost == ()
+def test_a_judge_writes_up_a_remote_rank_silent_for_peer_timeout(tmp_path: Path) -> None:
+    watch = sharedfs.RemoteWatch(RunDir(str(tmp_path / "run")), HEARTBEAT_S, PEER_TIMEOUT_S,
+                                 AwakeClock.every(HEARTBEAT_S), EXIT_CODE)
+    watch.observe(2, (7, 1), time.monotonic_ns() - 3 * S)
+    regs = {r: Registration(rank=r, pid=100 + r, ppid=1, start_ticks=5, uid=0, host=host, boot_id=host,
+                            pidns=host, time_ns=0) for r, host in ((0, "a"), (2, "b"))}
+    [failure] = watch.lost(regs, set(), regs[0])
+    assert (failure.rank, failure.pid, failure.cause, failure.exit_code) == (2, 102, LOST, EXIT_CODE)
+    assert failure.message.startswith("host b lost: no heartbeat of rank 2 for ")
+    assert "s (peer_timeout 2.5s, by the clock of host a)" in failure.message
+    assert watch.lost(regs, {2}, regs[0]) == ()  # it has a record of how it ended
 
 
 # -- the run directory ------------------------------------------------------------------

@@ -1,20 +1,15 @@
-"""The store bridge's plan for the hang diagnosis across hosts (peerwatch.hosts.bridge:
+"""The store bridge's plan for the hang diagnosis across hosts (peerwatch.hosts.bridge._Stalls:
 which interval publishes this host's summary, which reads the others'): no store, no
 thread, one interval's decisions at a time (docs/multi-node.md, "Hangs across hosts")."""
 
 from __future__ import annotations
 
 import json
-import os
-import threading
-import time
 from pathlib import Path
 from typing import Optional
 
-from peerwatch.core.config import Config, LauncherFacts
-from peerwatch.core.records import Registration
 from peerwatch.hangs.diagnose import FLOOR_S, STUCK_S, RankState, Summary, refresh_ns, summarize
-from peerwatch.hosts.bridge import _BeatLoop, _Link, _TorchGate
+from peerwatch.hosts.bridge import _Stalls
 from peerwatch.hosts.store_protocol import Seen
 from peerwatch.proc.activity import Activity
 from peerwatch.rundir.rundir import REMOTE_STALLS_FILE, TMP, RunDir
@@ -26,15 +21,10 @@ STUCK = int(STUCK_S * S)
 EVERY = refresh_ns(LEARNT // 1_000_000, S)  # 7.5 s at the default threshold
 
 
-def _loop(tmp_path: Path) -> _BeatLoop:
-    config = Config.resolve({"heartbeat_interval": 1.0}, env={})
-    facts = LauncherFacts(wants_store=True, spans_hosts=True, store="127.0.0.1:1", run_id="stall-plan")
+def _loop(tmp_path: Path) -> _Stalls:
     run_dir = RunDir(str(tmp_path))
     run_dir.make_folder(TMP)
-    link = _Link(config, run_dir, facts, None, threading.Event())  # type: ignore[arg-type]
-    me = Registration(rank=0, pid=os.getpid(), ppid=os.getppid(), start_ticks=0, uid=os.getuid(), host="hosta",
-                      boot_id="b", pidns="p", time_ns=time.time_ns())
-    return _BeatLoop(link, me, "ident", lambda: 1, threading.Event(), lambda: False, _TorchGate())
+    return _Stalls(run_dir, interval_s=1.0)
 
 
 def _host_a(now: int) -> Optional[Summary]:
@@ -52,10 +42,10 @@ def _host_b(cpu_ms: int) -> Summary:
     return b
 
 
-def _read(loop: _BeatLoop, b: Summary, now: int) -> None:
-    """One interval that read host b's summary (host 1, standing still by its beat)."""
-    loop._take_stalls(True, Seen(index=0, registered=False, new_hosts={}, beats={}, requests=1,
-                                 stalls={1: b.to_json()}, stalled=(1,)), True, now)
+def _read(loop: _Stalls, a: Optional[Summary], b: Summary, now: int) -> None:
+    """One interval that read host b's summary (host 1, standing still by its beat), ours ``a``."""
+    loop.take(a, False, Seen(index=0, registered=False, new_hosts={}, beats={}, requests=1,
+                             stalls={1: b.to_json()}, stalled=(1,)), True, now)
 
 
 def test_a_host_plainly_stuck_makes_every_host_standing_still_exchange_from_the_stuck_threshold(tmp_path: Path):
@@ -67,19 +57,20 @@ def test_a_host_plainly_stuck_makes_every_host_standing_still_exchange_from_the_
     now = ONSET + STUCK
     a = _host_a(now)
     assert a is not None and not a.public()
-    assert not loop._public(a) and loop._stall_plan(a, False, now) == (False, False)  # nobody else: no traffic
-    loop._stalled = (1,)  # host b's beat says it stands still
-    assert loop._stall_plan(a, False, now) == (False, True)  # read at once, publish nothing yet
-    _read(loop, _host_b(cpu_ms=0), now)
+    assert not loop.public(a) and loop.plan(a, False, now) == (False, False)  # nobody else: no traffic
+    loop.stalled = (1,)  # host b's beat says it stands still
+    assert loop.plan(a, False, now) == (False, True)  # read at once, publish nothing yet
+    _read(loop, a, _host_b(cpu_ms=0), now)
     hosts = json.loads((tmp_path / REMOTE_STALLS_FILE).read_text())["hosts"]
     assert [Summary.from_json(text.encode()).host for _, text in hosts] == ["hostb"]  # type: ignore[union-attr]
-    assert loop._public(a)  # the echo: b's judges need ours
+    assert loop.public(a)  # the echo: b's judges need ours
     now += S
-    assert loop._stall_plan(a, True, now) == (True, False)  # ours at once; b's already read
-    loop._stall_token, loop._stall_published_ns = a.stall, now
-    assert loop._stall_plan(a, True, now + S) == (False, False)  # at most every refresh
-    assert loop._stall_plan(a, True, now - S + EVERY) == (False, True)  # b's again: it holds a stuck rank
-    assert loop._stall_plan(a, True, now + EVERY) == (True, True)
+    assert loop.plan(a, True, now) == (True, False)  # ours at once; b's already read
+    loop.take(a, True, Seen(index=0, registered=False, new_hosts={}, beats={}, requests=1, stalled=(1,)), False,
+              now)  # published ours
+    assert loop.plan(a, True, now + S) == (False, False)  # at most every refresh
+    assert loop.plan(a, True, now - S + EVERY) == (False, True)  # b's again: it holds a stuck rank
+    assert loop.plan(a, True, now + EVERY) == (True, True)
 
 
 def test_a_busy_host_standing_still_costs_no_more_than_before(tmp_path: Path):
@@ -89,23 +80,23 @@ def test_a_busy_host_standing_still_costs_no_more_than_before(tmp_path: Path):
     now = ONSET + STUCK
     a = _host_a(now)
     assert a is not None
-    loop._stalled = (1,)
-    assert loop._stall_plan(a, False, now) == (False, True)
-    _read(loop, _host_b(cpu_ms=7000), now)
-    assert not loop._public(a)
-    assert loop._stall_plan(a, False, now + EVERY) == (False, False)  # no refresh before ours is public
+    loop.stalled = (1,)
+    assert loop.plan(a, False, now) == (False, True)
+    _read(loop, a, _host_b(cpu_ms=7000), now)
+    assert not loop.public(a)
+    assert loop.plan(a, False, now + EVERY) == (False, False)  # no refresh before ours is public
     half = _host_a(ONSET + LEARNT // 2)
-    assert half is not None and half.public() and loop._public(half)
-    assert loop._stall_plan(half, True, ONSET + LEARNT // 2) == (True, True)  # as before: from half the threshold
+    assert half is not None and half.public() and loop.public(half)
+    assert loop.plan(half, True, ONSET + LEARNT // 2) == (True, True)  # as before: from half the threshold
 
 
 def test_the_echo_ends_with_the_stuck_host_standing_still(tmp_path: Path):
     loop = _loop(tmp_path)
     now = ONSET + STUCK
     a = _host_a(now)
-    loop._stalled = (1,)
-    _read(loop, _host_b(cpu_ms=0), now)
-    assert loop._public(a)
-    loop._take_stalls(True, Seen(index=0, registered=False, new_hosts={}, beats={}, requests=1, stalled=()), False,
-                      now + S)  # host b moved again: its beat no longer says s
-    assert not loop._public(a) and loop._remote == {}
+    loop.stalled = (1,)
+    _read(loop, a, _host_b(cpu_ms=0), now)
+    assert loop.public(a)
+    loop.take(a, False, Seen(index=0, registered=False, new_hosts={}, beats={}, requests=1, stalled=()), False,
+              now + S)  # host b moved again: its beat no longer says s
+    assert not loop.public(a) and loop.remote == {}

@@ -42,7 +42,9 @@ The parts, and the thread that owns each one's fields (written by it alone; othe
   set); ``stopped`` is set by :meth:`~Bridge.stop` from any thread.
 - :class:`_BeatLoop` (the beat thread, ``peerwatch-bridge-beat-rank<N>``): this host's beat
   and index, what it knows of the other hosts and their liveness, whether the store answers
-  (``bridge.up``, ``bridge.json``), the ``lost`` records it wrote.
+  (``bridge.up``, ``bridge.json``), the ``lost`` records it wrote; and the parts it calls,
+  whose fields are the beat thread's too: :class:`_Stalls` (the hang diagnosis across hosts)
+  and :class:`_Absentees` (the hosts announced that never joined).
 - :class:`_VerdictWaiter` (the waiter thread, ``peerwatch-bridge-wait-rank<N>``): its own
   connection, blocked in the store's ``wait``, and the verdict taken from the store.
 - :class:`_TorchGate`: whether torch.distributed, as the application imported it, can serve a
@@ -239,6 +241,150 @@ class _TorchGate:
         return self.usable
 
 
+class _Stalls:
+    """The hang diagnosis across hosts, for the beat thread (which owns every field): this
+    host's stall as its hang judges last wrote it (``RUN/stall.json``), which interval
+    publishes it and reads the other hosts' (:meth:`plan`), and the other hosts' stalls,
+    each one's last move turned into this host's clock once per stall, handed to the judges
+    in ``RUN/stalls-remote.json`` (:meth:`take`)."""
+
+    def __init__(self, run_dir: RunDir, interval_s: float) -> None:
+        self.run_dir, self.interval_s = run_dir, interval_s
+        self._token: Optional[str] = None  # our stall as last published, and when
+        self._published_ns = 0
+        self._read_ns = 0  # the others' last read then
+        self.stalled: Tuple[int, ...] = ()  # the other hosts that stand still, as the beat thread last read
+        self.remote: Dict[int, Tuple[str, int, bytes]] = {}  # host -> (its stall, its last move on our clock, summary)
+        self.laggards: Set[int] = set()  # hosts whose summary has ranks not waiting in a collective (ours too)
+        self._stuck: Set[int] = set()  # hosts whose summary holds a plainly stuck rank (Summary.stuck)
+        self._file = False  # RUN/stalls-remote.json names hosts
+
+    def local(self) -> Optional[diagnose.Summary]:
+        """This host's stall, as its hang judges last wrote it (None: its ranks move)."""
+        fresh_ns = int((STALL_FRESH_BEATS * self.interval_s + 1.0) * 1e9)
+        try:
+            if time.time_ns() - self.run_dir.stat("", STALL_FILE).st_mtime_ns > fresh_ns:
+                return None
+        except OSError:
+            return None
+        data = self.run_dir.read_bytes("", STALL_FILE, limit=diagnose.MAX_SUMMARY_BYTES)
+        return diagnose.Summary.from_json(data) if data else None
+
+    def public(self, stall: Optional[diagnose.Summary]) -> bool:
+        """Our summary goes to the store (and our beat says ``s``): by its own right
+        (:meth:`~peerwatch.hangs.diagnose.Summary.public`), or because another host's, read
+        while we stand still, holds a plainly stuck rank: its judges need ours to name it too."""
+        return stall is not None and (stall.public() or bool(self._stuck))
+
+    def plan(self, stall: Optional[diagnose.Summary], public: bool, now_ns: int) -> Tuple[bool, bool]:
+        """Publish our summary, read the others'? A new stall at once, then at most every
+        refresh; the others' also as soon as another host starts to stand still.
+
+        ``public``: our summary is published (from half the threshold; or from the stuck one
+        where it holds a plainly stuck rank, or another host's does: then every host standing
+        still publishes, so that each one's judges see the others). Before that it is our
+        judges' alone: the others' are read once per host that starts to stand still, and
+        every refresh only while one of them holds a plainly stuck rank."""
+        if stall is None:
+            return False, False
+        every = diagnose.refresh_ns(stall.threshold_ms, int(self.interval_s * 1e9))
+        publish = public and (stall.stall != self._token or now_ns - self._published_ns >= every)
+        new = set(self.stalled) - set(self.remote)
+        due = now_ns - self._read_ns >= every and (public or bool(self._stuck))
+        return publish, due or bool(new)
+
+    def take(self, stall: Optional[diagnose.Summary], published: bool, seen: Seen, read: bool, now_ns: int) -> None:
+        """After an interval that published our ``stall`` (or not) and read the others'
+        (``read``): keep the other hosts' stalls and hand them to the judges."""
+        if published and stall is not None:
+            self._token, self._published_ns = stall.stall, now_ns
+        before = dict(self.remote)
+        still = set(seen.stalled) if stall is not None else set()
+        self.remote = {j: v for j, v in self.remote.items() if j in still}
+        self.laggards &= still
+        self._stuck &= still
+        for j, data in seen.stalls.items() if read else ():
+            summary = diagnose.Summary.from_json(data) if data is not None else None
+            if summary is None or j not in still:
+                continue
+            if summary.detailed:
+                self.laggards.add(j)
+            else:
+                self.laggards.discard(j)
+            if summary.stuck:
+                self._stuck.add(j)
+            else:
+                self._stuck.discard(j)
+            old = self.remote.get(j)
+            moved = old[1] if old is not None and old[0] == summary.stall else now_ns - summary.age_ms * 1_000_000
+            self.remote[j] = (summary.stall, moved, bytes(data))  # type: ignore[arg-type]
+        if read:
+            self._read_ns = now_ns
+        if not (read or self.remote != before or (self._file and not self.remote)):
+            return
+        body = {"hosts": [[moved, data.decode("utf-8", "replace")] for _, moved, data in self.remote.values()]}
+        try:
+            self.run_dir.write("", REMOTE_STALLS_FILE, json.dumps(body).encode(), replace=True)
+            self._file = bool(self.remote)
+        except OSError as e:
+            logger.debug("peerwatch: cannot write %s: %s", REMOTE_STALLS_FILE, e)  # the judges see this host only
+
+
+class _Absentees:
+    """Hosts the launcher announced that never joined (no beat of theirs read), for the beat
+    thread (which owns every field): not silence but an error, said once from peer_timeout
+    on, and a ``lost`` record after ``JOIN_TIMEOUTS`` of them, unless every rank of the job is
+    announced by a host that joined (the launcher's count was too high) or the job is
+    ending or judged."""
+
+    def __init__(self, link: _Link, verdict_known: Callable[[], bool]) -> None:
+        self.link = link
+        self._verdict_known = verdict_known
+        self._absence = Absence(int(link.config.peer_timeout * 1e9))
+        self._said = False  # their absence logged (an error), once
+        self._settled = False  # judged: lost, or the launcher's count was too high
+
+    def judge(self, counted: int, hosts: Dict[int, HostInfo], ending: bool, joined: Callable[[], List[int]]) -> None:
+        """One look, ``counted`` hosts known to have joined (us included); ``hosts``: the
+        records known (grown here by those read again), ``joined``: the hosts' indices."""
+        expected = self.link.facts.expected_hosts
+        if expected is None or self._settled:
+            return
+        now_ns = time.monotonic_ns()
+        missing = hosts_missing(expected, counted - 1)
+        self._absence.observe(now_ns, missing)
+        waited_s, peer_timeout = self._absence.waited_s(now_ns), self.link.config.peer_timeout
+        if waited_s < peer_timeout or ending or self._verdict_known():
+            return
+        if waited_s < JOIN_TIMEOUTS * peer_timeout:
+            if not self._said:
+                self._said = True
+                logger.error("peerwatch: %d of the %d hosts the launcher announced have not joined through the "
+                             "store at %s in %.0fs; they are judged lost after %.0fs", missing, expected,
+                             self.link.address, waited_s, JOIN_TIMEOUTS * peer_timeout)
+            return
+        self._settled = True
+        if self._all_ranks_announced(hosts, joined()):
+            logger.info("peerwatch: every rank is on a host that joined: the job has fewer hosts than the %d the "
+                        "launcher's variables imply", expected)
+            return
+        _write_failure(self.link.run_dir, missing_hosts_failure(missing, expected, waited_s, hosts,
+                                                               self.link.config, time.time_ns()))
+
+    def _all_ranks_announced(self, hosts: Dict[int, HostInfo], joined: List[int]) -> bool:
+        """Read the joined hosts' ``host/<j>`` again (their ranks may have grown since): does
+        every rank of the job belong to one?"""
+        link = self.link
+        try:
+            fresh, _ = link.client.call(functools.partial(read_hosts, prefix=link.prefix, indices=joined,
+                                                          seal=link.seal), link.op_timeout_s)
+        except Exception as e:  # noqa: BLE001
+            logger.debug("peerwatch: the hosts' records cannot be read again (%s); naming the ranks known", e)
+            fresh = {}
+        hosts.update({j: h for j, h in fresh.items() if h.ranks})
+        return bool(link.config.world_size) and not unannounced_ranks(hosts, link.config.world_size)
+
+
 class _BeatLoop:
     """The beat thread: once per heartbeat, this host's beat and the digest, or, on the
     aggregator, every host's beat (one bounded :func:`.store_protocol.exchange`) and the
@@ -256,9 +402,7 @@ class _BeatLoop:
         self.index: Optional[int] = None
         self.hosts: Dict[int, HostInfo] = {}
         self.liveness = Liveness(int(link.config.peer_timeout * 1e9))
-        self.absence = Absence(int(link.config.peer_timeout * 1e9))  # announced hosts that never joined
-        self._missing_said = False  # their absence logged (an error), once
-        self._missing_settled = False  # judged: lost, or the launcher's count was too high
+        self._absentees = _Absentees(link, verdict_known)  # announced hosts that never joined
         self.job_ending = False
         # The store has answered, and has not been silent for peer_timeout since: one slow
         # or failed interval (a loaded host) is no sign that the other hosts cannot reach us,
@@ -272,14 +416,7 @@ class _BeatLoop:
         self._ranks_mtime: Optional[int] = None
         self._state: Dict[str, Any] = {}  # the last bridge.json written
         self._up = UpFlag(link.run_dir)
-        # The hang diagnosis across hosts: our stall as last published, and the other hosts'.
-        self._stall_token: Optional[str] = None
-        self._stall_published_ns = 0
-        self._stalls_read_ns = 0
-        self._remote: Dict[int, Tuple[str, int, bytes]] = {}  # host -> (its stall, its last move on our clock, summary)
-        self._laggards: Set[int] = set()  # hosts whose summary has ranks not waiting in a collective (ours too)
-        self._stuck: Set[int] = set()  # hosts whose summary holds a plainly stuck rank (Summary.stuck)
-        self._remote_file = False  # RUN/stalls-remote.json names hosts
+        self._stalls = _Stalls(link.run_dir, link.config.heartbeat_interval)  # the hang diagnosis across hosts
         self._relay = StraggleRelay(link.run_dir, link.config.heartbeat_interval) if link.config.stragglers else None
         # The digest (docs/multi-node.md): one host, the aggregator, reads every beat and
         # publishes one key; every other host reads that key alone.
@@ -293,7 +430,6 @@ class _BeatLoop:
         self.joined = 1  # hosts whose beat was read (here, or by the aggregator: the digest), us included
         self._registered = 0  # the hosts counter, as read while not aggregating and hosts were missing
         self._count = 0  # the hosts counter, as last read here or in the digest
-        self._stalled: Tuple[int, ...] = ()  # the other hosts that stand still, as last read
 
     @property
     def counted(self) -> int:
@@ -344,10 +480,10 @@ class _BeatLoop:
             self.job_ending = True
         me = self._host_to_announce()
         link = self.link
-        stall = self._local_stall()
-        public = self._public(stall)
+        stall = self._stalls.local()
+        public = self._stalls.public(stall)
         now_ns = time.monotonic_ns()
-        publish, read = self._stall_plan(stall, public, now_ns)
+        publish, read = self._stalls.plan(stall, public, now_ns)
         aggregating = self.term is not None
         plan = Exchange(link.prefix, self.index, self.ident,
                         beat_value(self._seq(), self.job_ending, stalled=public and self.index is not None),
@@ -360,7 +496,7 @@ class _BeatLoop:
                                 connect_allowance_s(peer_timeout))
         self._learn(seen, me)
         self._digest_known = self._digest_known or seen.digest_there
-        self._stalled = seen.stalled
+        self._stalls.stalled = seen.stalled
         self._count = min(max(self._count, seen.count, seen.digest.count if seen.digest else 0), MAX_HOSTS)
         if not aggregating:  # a host that took an index has joined, read by the aggregator yet or not
             self._registered = max(self._registered, min(seen.count, MAX_HOSTS))
@@ -372,10 +508,10 @@ class _BeatLoop:
         else:
             self._judge_digest(seen.digest, seen_ns)
         self._role(seen, plan.beat, stall if public else None, seen_ns)
-        self._judge_missing()
-        if plan.stall is not None and stall is not None:
-            self._stall_token, self._stall_published_ns = stall.stall, now_ns
-        self._take_stalls(stall is not None, seen, read, now_ns)
+        if self.index is not None:  # the hosts that joined: those judged here, or all below the counter
+            self._absentees.judge(self.counted, self.hosts, self.job_ending, lambda: sorted(self.liveness.changed_ns)
+                                  if self.term is not None else list(range(self._count)))
+        self._stalls.take(stall, plan.stall is not None, seen, read, now_ns)
         self.connected = True
         self.answered.set()
         self._up.set(True)
@@ -394,77 +530,6 @@ class _BeatLoop:
                                                      interval_deadline_s(peer_timeout), connect_allowance_s(peer_timeout))
         self.requests += requests
         self._relay.take(plan, profiles, found)
-
-    # -- the hang diagnosis across hosts ----------------------------------------------------
-
-    def _local_stall(self) -> Optional[diagnose.Summary]:
-        """This host's stall, as its hang judges last wrote it (None: its ranks move)."""
-        run_dir = self.link.run_dir
-        fresh_ns = int((STALL_FRESH_BEATS * self.link.config.heartbeat_interval + 1.0) * 1e9)
-        try:
-            if time.time_ns() - run_dir.stat("", STALL_FILE).st_mtime_ns > fresh_ns:
-                return None
-        except OSError:
-            return None
-        data = run_dir.read_bytes("", STALL_FILE, limit=diagnose.MAX_SUMMARY_BYTES)
-        return diagnose.Summary.from_json(data) if data else None
-
-    def _public(self, stall: Optional[diagnose.Summary]) -> bool:
-        """Our summary goes to the store (and our beat says ``s``): by its own right
-        (:meth:`~peerwatch.hangs.diagnose.Summary.public`), or because another host's, read
-        while we stand still, holds a plainly stuck rank: its judges need ours to name it too."""
-        return stall is not None and (stall.public() or bool(self._stuck))
-
-    def _stall_plan(self, stall: Optional[diagnose.Summary], public: bool, now_ns: int) -> Tuple[bool, bool]:
-        """Publish our summary, read the others'? A new stall at once, then at most every
-        refresh; the others' also as soon as another host starts to stand still.
-
-        ``public``: our summary is published (from half the threshold; or from the stuck one
-        where it holds a plainly stuck rank, or another host's does: then every host standing
-        still publishes, so that each one's judges see the others). Before that it is our
-        judges' alone: the others' are read once per host that starts to stand still, and
-        every refresh only while one of them holds a plainly stuck rank."""
-        if stall is None:
-            return False, False
-        every = diagnose.refresh_ns(stall.threshold_ms, int(self.link.config.heartbeat_interval * 1e9))
-        publish = public and (stall.stall != self._stall_token or now_ns - self._stall_published_ns >= every)
-        new = set(self._stalled) - set(self._remote)
-        due = now_ns - self._stalls_read_ns >= every and (public or bool(self._stuck))
-        return publish, due or bool(new)
-
-    def _take_stalls(self, stalled: bool, seen: Seen, read: bool, now_ns: int) -> None:
-        """Keep the other hosts' stalls (each one's last move on our clock, fixed per stall)
-        and hand them to the judges in RUN/stalls-remote.json."""
-        before = dict(self._remote)
-        still = set(seen.stalled) if stalled else set()
-        self._remote = {j: v for j, v in self._remote.items() if j in still}
-        self._laggards &= still
-        self._stuck &= still
-        for j, data in seen.stalls.items() if read else ():
-            summary = diagnose.Summary.from_json(data) if data is not None else None
-            if summary is None or j not in still:
-                continue
-            if summary.detailed:
-                self._laggards.add(j)
-            else:
-                self._laggards.discard(j)
-            if summary.stuck:
-                self._stuck.add(j)
-            else:
-                self._stuck.discard(j)
-            old = self._remote.get(j)
-            moved = old[1] if old is not None and old[0] == summary.stall else now_ns - summary.age_ms * 1_000_000
-            self._remote[j] = (summary.stall, moved, bytes(data))  # type: ignore[arg-type]
-        if read:
-            self._stalls_read_ns = now_ns
-        if not (read or self._remote != before or (self._remote_file and not self._remote)):
-            return
-        body = {"hosts": [[moved, data.decode("utf-8", "replace")] for _, moved, data in self._remote.values()]}
-        try:
-            self.link.run_dir.write("", REMOTE_STALLS_FILE, json.dumps(body).encode(), replace=True)
-            self._remote_file = bool(self._remote)
-        except OSError as e:
-            logger.debug("peerwatch: cannot write %s: %s", REMOTE_STALLS_FILE, e)  # the judges see this host only
 
     def _host_to_announce(self) -> Optional[HostInfo]:
         """Our host/<i>, when it is to be (re)written: first, and when the local ranks changed."""
@@ -505,7 +570,7 @@ class _BeatLoop:
             self.job_ending = True
         for j in hosts_to_declare_lost(self.liveness, now_ns, self._lost_reported, self.job_ending,
                                        self._verdict_known()):
-            self._host_lost(j, self.liveness.silent_s(j, now_ns))
+            self._host_lost(j, self.liveness.silent_ns(j, now_ns) / 1e9)
 
     def _judge_digest(self, digest: Optional[Digest], now_ns: int) -> None:
         """Any other host's: the aggregator's judgement of every host, and our own of the
@@ -522,9 +587,8 @@ class _BeatLoop:
         self.joined = max(self.joined, digest.joined)
         if self.job_ending or self._verdict_known():
             return
-        writer = [j for j in self.liveness.lost(now_ns, exclude=self._lost_reported) if j == digest.by]
-        for j in writer:
-            self._host_lost(j, self.liveness.silent_s(j, now_ns))
+        if digest.by in self.liveness.lost(now_ns, exclude=self._lost_reported):
+            self._host_lost(digest.by, self.liveness.silent_ns(digest.by, now_ns) / 1e9)
         for j in digest.lost:
             if j != self.index and j not in self._lost_reported:
                 self._host_lost(j, self.link.config.peer_timeout)
@@ -552,7 +616,7 @@ class _BeatLoop:
         # Past MAX_DIGEST_LIST hosts standing still, the others read the laggard candidates first.
         mine = [seen.index] if stall is not None else []
         stalls = stalled_for_digest(list(seen.stalled) + mine,
-                                    self._laggards | (set(mine) if stall is not None and stall.detailed else set()))
+                                    self._stalls.laggards | (set(mine) if stall is not None and stall.detailed else set()))
         rank0 = next((j for j, h in self.hosts.items() if 0 in h.ranks), None)
         digest = Digest(seen.index, term, beat, self._count, self.joined, lost, stalls, self.job_ending, rank0, more)
         link = self.link
@@ -560,49 +624,6 @@ class _BeatLoop:
                          interval_deadline_s(link.config.peer_timeout))
         self.last_digest = digest
         self.requests += 1
-
-    def _judge_missing(self) -> None:
-        """Hosts the launcher announced that never joined (no beat of theirs read): not
-        silence but an error, said once from peer_timeout on, and a ``lost`` record after
-        ``JOIN_TIMEOUTS`` of them, unless every rank of the job is announced by a host that
-        joined (the launcher's count was too high) or the job is ending or judged."""
-        expected = self.link.facts.expected_hosts
-        if self.index is None or expected is None or self._missing_settled:
-            return
-        now_ns = time.monotonic_ns()
-        self.absence.observe(now_ns, hosts_missing(expected, self.counted - 1))
-        waited_s, peer_timeout = self.absence.waited_s(now_ns), self.link.config.peer_timeout
-        if waited_s < peer_timeout or self.job_ending or self._verdict_known():
-            return
-        missing = hosts_missing(expected, self.counted - 1)
-        if waited_s < JOIN_TIMEOUTS * peer_timeout:
-            if not self._missing_said:
-                self._missing_said = True
-                logger.error("peerwatch: %d of the %d hosts the launcher announced have not joined through the "
-                             "store at %s in %.0fs; they are judged lost after %.0fs", missing, expected,
-                             self.link.address, waited_s, JOIN_TIMEOUTS * peer_timeout)
-            return
-        self._missing_settled = True
-        if self._all_ranks_announced():
-            logger.info("peerwatch: every rank is on a host that joined: the job has fewer hosts than the %d the "
-                        "launcher's variables imply", expected)
-            return
-        _write_failure(self.link.run_dir, missing_hosts_failure(missing, expected, waited_s, self.hosts,
-                                                               self.link.config, time.time_ns()))
-
-    def _all_ranks_announced(self) -> bool:
-        """Read the joined hosts' ``host/<j>`` again (their ranks may have grown since): does
-        every rank of the job belong to one?"""
-        link = self.link
-        joined = sorted(self.liveness.changed_ns) if self.term is not None else list(range(self._count))
-        try:
-            fresh, _ = link.client.call(functools.partial(read_hosts, prefix=link.prefix, indices=joined,
-                                                          seal=link.seal), link.op_timeout_s)
-        except Exception as e:  # noqa: BLE001
-            logger.debug("peerwatch: the hosts' records cannot be read again (%s); naming the ranks known", e)
-            fresh = {}
-        self.hosts.update({j: h for j, h in fresh.items() if h.ranks})
-        return bool(link.config.world_size) and not unannounced_ranks(self.hosts, link.config.world_size)
 
     def _unreachable(self, error: Exception, last_ok: Optional[float]) -> None:
         logger.debug("peerwatch: store %s: %r", self.link.address, error)
@@ -621,7 +642,7 @@ class _BeatLoop:
                         identity.pid_namespace(), self._ranks, self.ident)
 
     def _local_success(self) -> bool:
-        return any(name.startswith("success-") for name in self.link.run_dir.names(EVENTS))
+        return any(kind == "success" for kind, _, _ in self.link.run_dir.entries(EVENTS))
 
     def _host_lost(self, j: int, silent_s: float) -> None:
         self._lost_reported.add(j)

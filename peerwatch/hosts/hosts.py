@@ -1,10 +1,12 @@
-"""What a store bridge knows of the other hosts, and the rules it judges them by. Pure.
+"""What this host knows of the other hosts, and the rules it judges them by. Pure.
 
 No I/O, no threads, no clock: every function takes the time it needs as an argument, so
 every rule here is unit-tested (``tests/test_hosts.py``) without a store or a process.
+:class:`Liveness` judges a silent host lost whichever way its news comes: through the store
+(the bridge) or on a shared filesystem (:mod:`.sharedfs`).
 
 Mutable state: a :class:`Liveness` is owned by the thread that calls it (the bridge's beat
-thread); everything else here is immutable.
+thread; on a shared filesystem, a judge's watcher thread); everything else here is immutable.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import AbstractSet, Dict, List, Mapping, Optional, Set, Tuple
 
 from ..core.awake import AwakeClock
 from ..core.config import Config
-from ..core.records import EXCEPTION, EXIT, LOST, Failure, Verdict
+from ..core.records import EXCEPTION, EXIT, LOST, Failure, Registration, Verdict
 
 DONE = b"done:"  # a beat that starts so: a rank of that host finished cleanly; the job is ending
 # A local exception may be the echo of a failure on another host (a collective that lost
@@ -102,25 +104,32 @@ def stalled_hosts(beats: Mapping[int, Optional[bytes]]) -> List[int]:
 
 
 class Liveness:
-    """Which hosts have stopped beating, judged on this host's monotonic clock only.
+    """The one rule by which a host is lost, whatever brings its news
+    (rule: a silent host is lost): a peer (a host, through the store; a rank of another host,
+    on a shared filesystem: :class:`peerwatch.hosts.sharedfs.RemoteWatch`) is lost when no
+    news of it came for ``timeout_ns`` of our own looks since it was first seen. Its source
+    says what is news (:meth:`observe`, for the store: a higher beat sequence number).
+    No clock is compared across hosts, and a gap of our own counts against nobody
+    (``awake``, :class:`peerwatch.core.awake.AwakeClock`; by default, more than half the
+    timeout between two looks is one). A host whose beat says ``done`` is never lost."""
 
-    A host is lost when its beat's sequence number has not grown for ``timeout_ns`` of our
-    own observations (a beat with a lower or equal one is an old beat written back: no news). No clock is compared across hosts. If we ourselves were not running for
-    a while (frozen, starved: more than half the timeout between two looks), that gap is not
-    held against anyone: silences count from our resume (:class:`peerwatch.core.awake.AwakeClock`).
-    Hosts whose beat says ``done`` are never lost (the job is ending).
-    """
-
-    def __init__(self, timeout_ns: int) -> None:
+    def __init__(self, timeout_ns: int, awake: Optional[AwakeClock] = None) -> None:
         self.timeout_ns = timeout_ns
-        self.values: Dict[int, bytes] = {}
         self.seqs: Dict[int, int] = {}  # the highest sequence number seen per host
-        self.changed_ns: Dict[int, int] = {}
+        self.changed_ns: Dict[int, int] = {}  # peer -> when its last news came (or it was first seen)
         self.done: Set[int] = set()
-        self._awake = AwakeClock(timeout_ns // 2)
+        self._awake = awake if awake is not None else AwakeClock(timeout_ns // 2)
+
+    def seen(self, peer: int, now_ns: int) -> None:
+        """``peer`` is known, with no news: its silence counts from when it was first seen."""
+        self.changed_ns.setdefault(peer, now_ns)
+
+    def news(self, peer: int, now_ns: int) -> None:
+        """News of ``peer``: its silence starts again."""
+        self.changed_ns[peer] = now_ns
 
     def observe(self, now_ns: int, beats: Mapping[int, Optional[bytes]]) -> None:
-        """One look at every host's beat (None: not known this time, no change)."""
+        """One look at every host's beat in the store (None: not known this time, no change)."""
         self._awake.tick(now_ns)
         for host, value in beats.items():
             if value is None:
@@ -129,28 +138,26 @@ class Liveness:
             # turn (replayed by whoever can reach the store) are not a host that beats.
             seq = beat_seq(value)
             if seq is None or (host in self.seqs and seq <= self.seqs[host]):
-                self.changed_ns.setdefault(host, now_ns)  # seen: its silence counts from now
+                self.seen(host, now_ns)
                 continue
             self.seqs[host] = seq
             if value.startswith(DONE):
                 self.done.add(host)
-            self.values[host] = value
-            self.changed_ns[host] = now_ns
+            self.news(host, now_ns)
 
-    def forget(self, host: int) -> None:
-        """No longer judge ``host`` here (another host judges it); its sequence number is
-        kept: an old beat of it written back is still no news."""
-        self.changed_ns.pop(host, None)
-        self.values.pop(host, None)
+    def forget(self, peer: int) -> None:
+        """No longer judge ``peer`` here (another judge does, or it ended); a host's sequence
+        number is kept: an old beat of it written back is still no news."""
+        self.changed_ns.pop(peer, None)
 
     def lost(self, now_ns: int, exclude: AbstractSet[int] = frozenset()) -> List[int]:
         return sorted(
-            h for h, t in self.changed_ns.items()
-            if h not in self.done and h not in exclude and self._awake.counted_ns(t, now_ns) >= self.timeout_ns
+            p for p in self.changed_ns
+            if p not in self.done and p not in exclude and self.silent_ns(p, now_ns) >= self.timeout_ns
         )
 
-    def silent_s(self, host: int, now_ns: int) -> float:
-        return self._awake.counted_ns(self.changed_ns.get(host, now_ns), now_ns) / 1e9
+    def silent_ns(self, peer: int, now_ns: int) -> int:
+        return self._awake.counted_ns(self.changed_ns.get(peer, now_ns), now_ns)
 
 
 # -- the digest: one host reads every beat, every other host reads one key ---------------
@@ -362,13 +369,11 @@ class Absence:
     (we were frozen, starved) restarts the count."""
 
     def __init__(self, timeout_ns: int) -> None:
-        self.timeout_ns = timeout_ns
+        self._awake = AwakeClock(timeout_ns // 2)
         self.since_ns: Optional[int] = None  # hosts missing since then; None: none missing
-        self._last_ns: Optional[int] = None
 
     def observe(self, now_ns: int, missing: int) -> None:
-        gap = self._last_ns is not None and now_ns - self._last_ns > self.timeout_ns // 2
-        self._last_ns = now_ns
+        gap = self._awake.tick(now_ns)
         if missing <= 0:
             self.since_ns = None
         elif self.since_ns is None or gap:
@@ -473,6 +478,29 @@ def lost_host_failure(info: HostInfo, silent_s: float, config: Config, now_ns: i
     )
 
 
+def lost_rank_failures(liveness: Liveness, now_ns: int, wall_ns: int, registrations: Mapping[int, Registration],
+                       ended: AbstractSet[int], judge: str, exit_code: int) -> Tuple[Failure, ...]:
+    """The records a judge writes on a shared filesystem, where ``liveness`` is kept per rank of
+    the other hosts (``now_ns`` its clock, ``wall_ns`` the records' time) by a judge on host
+    ``judge``: one for each rank lost and not ``ended`` (rule: a silent host is lost), with a
+    message that names its host and each of that host's ranks silent for half the timeout or
+    more (a frozen host's last heartbeats land at slightly different times)."""
+    lost = liveness.lost(now_ns, exclude=ended)
+    silent: Dict[Tuple[str, str], List[int]] = {}
+    for rank in sorted(liveness.changed_ns) if lost else ():
+        reg = registrations.get(rank)
+        if reg is not None and rank not in ended and liveness.silent_ns(rank, now_ns) >= liveness.timeout_ns // 2:
+            silent.setdefault((reg.host, reg.pidns), []).append(rank)
+    found: List[Failure] = []
+    for (host, _), ranks in silent.items():
+        quiet = ", ".join(f"rank {r} for {liveness.silent_ns(r, now_ns) / 1e9:.1f}s" for r in ranks)
+        message = (f"host {host} lost: no heartbeat of {quiet} (peer_timeout {liveness.timeout_ns / 1e9:g}s, by the "
+                   f"clock of host {judge}): the host is down, cut off, or its ranks are frozen")
+        found.extend(Failure(rank=r, pid=registrations[r].pid, time_ns=wall_ns - liveness.silent_ns(r, now_ns),
+                             cause=LOST, exit_code=exit_code, message=message) for r in ranks if r in lost)
+    return tuple(found)
+
+
 def missing_hosts_failure(missing: int, expected: int, waited_s: float, hosts: Mapping[int, HostInfo],
                           config: Config, now_ns: int) -> Failure:
     """The record a bridge writes for hosts the launcher announced that never joined: on the
@@ -521,7 +549,7 @@ __all__ = [
     "STALLED", "MAX_DIGEST_LIST", "MAX_DIGEST_BYTES", "Absence", "Digest", "DigestWatch", "FIRST_SPREAD_PER_HOST_S", "aggregate_term", "bounded", "first_spread_s", "stalled_for_digest",
     "successor_distance", "takeover_ns", "beat_seq", "stalled_hosts", "HostInfo", "Liveness", "beat_value", "connect_allowance_s",
     "host_ident", "hosts_missing", "missing_hosts_failure", "parse_count", "unannounced_ranks",
-    "hosts_to_declare_lost", "hosts_to_read", "interval_deadline_s", "lost_host_failure", "lost_store_failure",
+    "hosts_to_declare_lost", "hosts_to_read", "interval_deadline_s", "lost_host_failure", "lost_rank_failures", "lost_store_failure",
     "may_be_echo", "next_backoff_s", "op_timeout_s", "peers_to_watch", "ranks_text", "report_store_lost",
     "roster_incomplete", "settle_deadline", "store_holder", "store_silent_for",
 ]

@@ -5,11 +5,11 @@ A source, in the sense of the data flow (sources -> decide -> teardown -> report
 - :func:`detect` says whether the run directory is shared, and why: ``shared_fs=on``, or
   ``auto`` and the mount table (``/proc/self/mountinfo``, parsed by the pure
   :func:`parse_mountinfo` / :func:`mount_of`) puts it on a network or cluster filesystem.
-- :class:`RemoteWatch` and :class:`RemoteBeats` turn the heartbeats of ranks on *other*
-  hosts into "silent for so long", measured only on this host's ``CLOCK_MONOTONIC``: a
-  remote heartbeat counts as alive when its file is new (inode) or its ``(pid, seq)``
-  changed since we last read it, never by comparing its wall clock time stamp with ours
-  (the hosts' clocks may disagree).
+- :class:`RemoteWatch` turns the heartbeats of ranks on *other* hosts into news for
+  :class:`peerwatch.hosts.hosts.Liveness`, measured only on this host's ``CLOCK_MONOTONIC``:
+  a remote heartbeat is news when its file is new (inode) or its ``(pid, seq)`` changed
+  since we last read it, never by comparing its wall clock time stamp with ours (the
+  hosts' clocks may disagree).
 
 What changes in the watcher in shared mode (see ``Watcher._run``):
 
@@ -18,9 +18,11 @@ What changes in the watcher in shared mode (see ``Watcher._run``):
   ranks) list them every :data:`POLL_S`; every rank still rescans once per heartbeat, and
   local writes (an ack, a verdict made here) still wake the local ranks through inotify;
 - the judges look at the heartbeats of the remote ranks every :func:`remote_read_interval`
-  (one listing of ``heartbeats/``; a file is read only when its inode did not change)
-  and feed their silence to :func:`peerwatch.verdict.decide.decide`, which declares a rank
-  whose heartbeat has not moved for ``peer_timeout`` lost (rule: a silent host is lost);
+  (one listing of ``heartbeats/``; a file is read only when its inode did not change) and
+  feed their news to the liveness rule of the store bridge too
+  (:class:`peerwatch.hosts.hosts.Liveness`): a rank whose heartbeat has not moved for
+  ``peer_timeout`` is lost (rule: a silent host is lost), and the judge writes its failure
+  record, from which the verdict follows as from any failure;
 - heartbeats are always written to a temp file, closed, then renamed into place: NFS
   gives close-to-open consistency, so a reader on another host that opens the file after
   the rename sees the whole new record, never a torn in-place write;
@@ -33,11 +35,12 @@ import dataclasses
 import logging
 import os
 import time
-from typing import TYPE_CHECKING, AbstractSet, Dict, Hashable, Iterable, Mapping, Optional
+from typing import TYPE_CHECKING, AbstractSet, Dict, Hashable, Mapping, Optional, Tuple
 
 from ..core.mounts import MOUNTINFO, NETWORK_FS_TYPES, Mount, is_network_fs, mount_of, parse_mountinfo
-from ..core.records import Heartbeat, Registration
+from ..core.records import Failure, Heartbeat, Registration
 from ..proc.identity import is_local
+from .hosts import Liveness, lost_rank_failures
 
 if TYPE_CHECKING:
     from ..core.awake import AwakeClock
@@ -94,66 +97,28 @@ _UNKNOWN = object()  # a heartbeat known to have changed, not yet read
 class _Beat:
     inode: Optional[int]
     value: object
-    since_ns: int
-
-
-class RemoteBeats:
-    """When each remote rank's heartbeat last changed, by this host's monotonic clock.
-
-    A judge lists ``heartbeats/`` once per read (one directory listing, not one open per
-    rank) and calls :meth:`listed` with each remote rank's inode number there: every
-    heartbeat is a new file renamed into place, so a new inode means a new heartbeat and
-    the file need not be read. Only when the inode looks unchanged (a frozen rank; a
-    freed inode number reused; a listing served from a client's cache) is the file read
-    and its ``(pid, seq)`` passed to :meth:`observe`, which has the last word. A rank's
-    clock starts when it is first listed, and restarts on every change seen.
-    """
-
-    def __init__(self) -> None:
-        self._beats: Dict[int, _Beat] = {}
-
-    def listed(self, rank: int, inode: Optional[int], now_mono_ns: int) -> bool:
-        """Note the inode of rank's heartbeat file (``None``: not listed). Returns True if
-        the file must be read (then pass what it says to :meth:`observe`)."""
-        beat = self._beats.get(rank)
-        if beat is None:
-            self._beats[rank] = _Beat(inode, _UNKNOWN, now_mono_ns)
-            return True
-        if inode is not None and beat.inode is not None and inode != beat.inode:
-            beat.inode, beat.value, beat.since_ns = inode, _UNKNOWN, now_mono_ns
-            return False
-        if inode is not None:
-            beat.inode = inode
-        return True
-
-    def observe(self, rank: int, value: Hashable, now_mono_ns: int) -> None:
-        """What rank's heartbeat says now (``(pid, seq)``; ``None`` if there is none)."""
-        beat = self._beats.get(rank)
-        if beat is None:
-            self._beats[rank] = _Beat(None, value, now_mono_ns)
-            return
-        if beat.value is not _UNKNOWN and beat.value != value:
-            beat.since_ns = now_mono_ns
-        # After an inode change the value was unknown: its change is already counted.
-        beat.value = value
-
-    def forget(self, ranks: Iterable[int]) -> None:
-        for rank in ranks:
-            self._beats.pop(rank, None)
-
-    def silence(self, now_mono_ns: int) -> Mapping[int, int]:
-        """rank -> nanoseconds since its heartbeat last changed (or since first listed)."""
-        return {rank: max(0, now_mono_ns - b.since_ns) for rank, b in self._beats.items()}
 
 
 class RemoteWatch:
-    """A judge's source for the other hosts' ranks: reads their heartbeats (through
-    :class:`RemoteBeats`) at most every :func:`remote_read_interval`."""
+    """A judge's source for the other hosts' ranks: their heartbeats, read at most every
+    :func:`remote_read_interval`, as news for the one liveness rule
+    (:class:`peerwatch.hosts.hosts.Liveness`, keyed by rank, counted on the judge's clock ``awake``).
 
-    def __init__(self, run_dir: RunDir, heartbeat_interval: float, peer_timeout: float) -> None:
+    A read lists ``heartbeats/`` once (not one open per rank) and notes each remote rank's
+    inode (:meth:`listed`): every heartbeat is a new file renamed into place, so a new inode
+    is news and the file need not be read. Only when the inode looks unchanged (a frozen
+    rank; a freed inode number reused; a listing served from a client's cache) is the file
+    read and its ``(pid, seq)`` passed to :meth:`observe`, which has the last word. A rank
+    is seen when it is first listed.
+    """
+
+    def __init__(self, run_dir: RunDir, heartbeat_interval: float, peer_timeout: float, awake: AwakeClock,
+                 exit_code: int) -> None:
         self.run_dir = run_dir
-        self.beats = RemoteBeats()
+        self.liveness = Liveness(int(peer_timeout * 1e9), awake)
         self.interval_s = remote_read_interval(heartbeat_interval, peer_timeout)
+        self.exit_code = exit_code  # a lost rank's failure record's
+        self._beats: Dict[int, _Beat] = {}
         self._next_read = 0.0
 
     def read(self, registrations: Mapping[int, Registration], ended: AbstractSet[int]) -> None:
@@ -172,21 +137,50 @@ class RemoteWatch:
             if is_local(reg):
                 continue
             if rank in ended:
-                self.beats.forget([rank])
+                self.forget(rank)
                 continue
             name = rank_file("rank", rank)
-            if self.beats.listed(rank, inodes.get(name), now_ns):
+            if self.listed(rank, inodes.get(name), now_ns):
                 beat = self.run_dir.read(HEARTBEATS, name, Heartbeat)
-                self.beats.observe(rank, (beat.pid, beat.seq) if beat is not None and beat.pid == reg.pid else None, now_ns)
+                self.observe(rank, (beat.pid, beat.seq) if beat is not None and beat.pid == reg.pid else None, now_ns)
 
-    def silence(self, awake: AwakeClock) -> Dict[int, int]:
-        """rank -> ns its heartbeat has not changed, by this host's monotonic clock, counted
-        only while the judge (``awake``: its clock) was awake to see it."""
-        now_ns = time.monotonic_ns()
-        return {rank: max(0, awake.counted_ns(now_ns - ns, now_ns)) for rank, ns in self.beats.silence(now_ns).items()}
+    def listed(self, rank: int, inode: Optional[int], now_mono_ns: int) -> bool:
+        """Note the inode of rank's heartbeat file (``None``: not listed). Returns True if
+        the file must be read (then pass what it says to :meth:`observe`)."""
+        beat = self._beats.get(rank)
+        if beat is None:
+            self._beats[rank] = _Beat(inode, _UNKNOWN)
+            self.liveness.seen(rank, now_mono_ns)
+            return True
+        if inode is not None and beat.inode is not None and inode != beat.inode:
+            beat.inode, beat.value = inode, _UNKNOWN
+            self.liveness.news(rank, now_mono_ns)
+            return False
+        if inode is not None:
+            beat.inode = inode
+        return True
+
+    def observe(self, rank: int, value: Hashable, now_mono_ns: int) -> None:
+        """What rank's heartbeat says now (``(pid, seq)``; ``None`` if there is none)."""
+        beat = self._beats.setdefault(rank, _Beat(None, value))
+        self.liveness.seen(rank, now_mono_ns)
+        if beat.value is not _UNKNOWN and beat.value != value:
+            self.liveness.news(rank, now_mono_ns)
+        # After an inode change the value was unknown: its change is already counted.
+        beat.value = value
+
+    def forget(self, rank: int) -> None:
+        self._beats.pop(rank, None)
+        self.liveness.forget(rank)
+
+    def lost(self, registrations: Mapping[int, Registration], ended: AbstractSet[int],
+             judge: Registration) -> Tuple[Failure, ...]:
+        """The failure records to write for the remote ranks lost now (rule: a silent host is lost)."""
+        return lost_rank_failures(self.liveness, time.monotonic_ns(), time.time_ns(), registrations, ended,
+                                  judge.host, self.exit_code)
 
 
 __all__ = [
-    "MOUNTINFO", "NETWORK_FS_TYPES", "NO_INOTIFY_VAR", "POLL_S", "Mount", "RemoteBeats", "RemoteWatch", "detect",
+    "MOUNTINFO", "NETWORK_FS_TYPES", "NO_INOTIFY_VAR", "POLL_S", "Mount", "RemoteWatch", "detect",
     "inotify_disabled", "is_network_fs", "mount_of", "parse_mountinfo", "remote_read_interval",
 ]

@@ -126,69 +126,16 @@ def blank(data: bytes) -> bool:
     return not data.strip(BLANK)
 
 
-class RunDir(HeldDir):
-    """One run directory on this host, and its records. Reads are tolerant; writes are atomic.
-
-    Once :func:`peerwatch.rundir.prepare.prepare` has made and checked the directory, it is held
-    by a descriptor (and so is each of its folders, :class:`peerwatch.rundir.trust.HeldDir`):
-    every later read, write and listing goes through those descriptors, never through the
-    path again. Paths that :meth:`join` and :meth:`stack_path` give are for people (logs,
-    the report); code that must open something by path uses :meth:`at`, and code that needs
-    a descriptor or a file's metadata :meth:`open_file`, :meth:`open_folder`, :meth:`stat`,
-    :meth:`exists`, :meth:`names` and :meth:`inodes` (no module outside this one opens, lists or stats a
-    path of :meth:`join`: tests/test_import.py checks).
-    """
-
-    def __init__(self, path: str, shared: Optional[str] = None) -> None:
-        super().__init__(path)
-        # Why several hosts share this directory (shared-filesystem mode; see sharedfs),
-        # or None: it belongs to this host.
-        self.shared = shared
-        # The run's world size once known (from this rank's registration): records of
-        # ranks outside it are not records of this run.
-        self.world_size: Optional[int] = None
-
-    def per_host(self, name: str) -> str:
-        """The name of this host's own copy of the file ``name``: ``name`` itself where the
-        run directory is this host's, ``<stem>-<host>.<ext>`` where several hosts share it
-        (``events.jsonl`` -> ``events-node3.jsonl``): what each host appends to or claims
-        for itself (an append over NFS is not atomic across its clients)."""
-        if self.shared is None:
-            return name
-        stem, dot, ext = name.partition(".")
-        return f"{stem}-{safe_name(identity.hostname())}{dot}{ext}"
-
-    def stack_path(self, rank: int) -> str:
-        """Where rank ``rank`` keeps its stack file (open for faulthandler as long as it runs); for people."""
-        return self.join(STACKS, stack_name(rank))
-
-    def stack_at(self, rank: int) -> str:
-        """Rank ``rank``'s stack file, through the held descriptor (see :meth:`at`): to open or check it."""
-        return self.at(STACKS, stack_name(rank))
-
-    def hold_folders(self) -> None:
-        """Create the run directory's folders (0700) where missing, check them, and hold
-        them (the directory itself is held: :meth:`hold`). Raises RunDirError."""
-        for sub in _SUBDIRS:
-            self.hold_folder(sub)
-
-    # -- registration --------------------------------------------------------------
-
-    def publish_registration(self, reg: Registration) -> None:
-        """Write this rank's pid file: from now on its peers watch it. (:func:`peerwatch.rundir.prepare.prepare`
-        does, under its lock; anything else would race another process claiming the slot.)"""
-        self.write(RANKS, rank_file("rank", reg.rank), encode(reg), replace=True)
-
-    def withdraw_registration(self, reg: Registration) -> None:
-        """Remove this rank's pid file if it is still ``reg`` (the rank could not be watched
-        after all: install() failed after :func:`peerwatch.rundir.prepare.prepare`). Never raises."""
-        name = rank_file("rank", reg.rank)
-        try:
-            if self.read(RANKS, name, Registration) == reg:
-                with self._dir(RANKS) as dir_fd:
-                    os.unlink(name, dir_fd=dir_fd)
-        except OSError:
-            pass
+class HeldFiles(HeldDir):
+    """The files of a held directory, nothing of what they say (:class:`RunDir` knows that):
+    atomic writes (the first writer wins), size-capped reads, listings and metadata, all
+    through the descriptors held since :func:`peerwatch.rundir.prepare.prepare` checked the
+    directory and its folders (:class:`peerwatch.rundir.trust.HeldDir`), never through the
+    path again. Paths that :meth:`join` gives are for people (logs, the report); code that
+    must open something by path uses :meth:`at`, and code that needs a descriptor or a
+    file's metadata :meth:`open_file`, :meth:`open_folder`, :meth:`stat`, :meth:`exists`,
+    :meth:`names` and :meth:`inodes` (no module outside this one opens, lists or stats a path
+    of :meth:`join`: tests/test_import.py checks)."""
 
     # -- writing -------------------------------------------------------------------
 
@@ -322,7 +269,7 @@ class RunDir(HeldDir):
             return False
         return True
 
-    # -- reading -------------------------------------------------------------------
+    # -- reading ----------------------------------------------------------------
 
     def read_bytes(self, sub: str, name: str, limit: int = MAX_RECORD_BYTES, strict: bool = False) -> Optional[bytes]:
         """The file's bytes, or None if it is missing, not a regular file, a symlink or too big.
@@ -368,6 +315,85 @@ class RunDir(HeldDir):
         finally:
             os.close(fd)
 
+    def names(self, sub: str) -> List[str]:
+        """Every name in folder ``sub``; none if it is missing or cannot be listed (warned)."""
+        try:
+            with self._dir(sub) as dir_fd:
+                return os.listdir(dir_fd)
+        except FileNotFoundError:
+            return []
+        except OSError as e:
+            self.warn_once(self.join(sub), f"cannot be listed ({e.strerror})")
+            return []
+
+    def inodes(self, sub: str) -> Dict[str, int]:
+        """Every name in folder ``sub`` with its inode, in one listing (a file replaced by a
+        rename shows a new inode); none if it is missing or cannot be listed (warned)."""
+        try:
+            with self._dir(sub) as dir_fd, os.scandir(dir_fd) as it:
+                return {entry.name: entry.inode() for entry in it}
+        except FileNotFoundError:
+            return {}
+        except OSError as e:
+            self.warn_once(self.join(sub), f"cannot be listed ({e.strerror})")
+            return {}
+
+
+class RunDir(HeldFiles):
+    """One run directory on this host: its layout (:meth:`stack_path`, like :meth:`join`, is
+    for people) and its records, read tolerantly (a bad one is None), written atomically."""
+
+    def __init__(self, path: str, shared: Optional[str] = None) -> None:
+        super().__init__(path)
+        # Why several hosts share this directory (shared-filesystem mode; see sharedfs),
+        # or None: it belongs to this host.
+        self.shared = shared
+        # The run's world size once known (from this rank's registration): records of
+        # ranks outside it are not records of this run.
+        self.world_size: Optional[int] = None
+
+    def per_host(self, name: str) -> str:
+        """The name of this host's own copy of the file ``name``: ``name`` itself where the
+        run directory is this host's, ``<stem>-<host>.<ext>`` where several hosts share it
+        (``events.jsonl`` -> ``events-node3.jsonl``): what each host appends to or claims
+        for itself (an append over NFS is not atomic across its clients)."""
+        if self.shared is None:
+            return name
+        stem, dot, ext = name.partition(".")
+        return f"{stem}-{safe_name(identity.hostname())}{dot}{ext}"
+
+    def stack_path(self, rank: int) -> str:
+        """Where rank ``rank`` keeps its stack file (open for faulthandler as long as it runs); for people."""
+        return self.join(STACKS, stack_name(rank))
+
+    def stack_at(self, rank: int) -> str:
+        """Rank ``rank``'s stack file, through the held descriptor (see :meth:`at`): to open or check it."""
+        return self.at(STACKS, stack_name(rank))
+
+    def hold_folders(self) -> None:
+        """Create the run directory's folders (0700) where missing, check them, and hold
+        them (the directory itself is held: :meth:`hold`). Raises RunDirError."""
+        for sub in _SUBDIRS:
+            self.hold_folder(sub)
+
+    # -- registration --------------------------------------------------------------
+
+    def publish_registration(self, reg: Registration) -> None:
+        """Write this rank's pid file: from now on its peers watch it. (:func:`peerwatch.rundir.prepare.prepare`
+        does, under its lock; anything else would race another process claiming the slot.)"""
+        self.write(RANKS, rank_file("rank", reg.rank), encode(reg), replace=True)
+
+    def withdraw_registration(self, reg: Registration) -> None:
+        """Remove this rank's pid file if it is still ``reg`` (the rank could not be watched
+        after all: install() failed after :func:`peerwatch.rundir.prepare.prepare`). Never raises."""
+        name = rank_file("rank", reg.rank)
+        try:
+            if self.read(RANKS, name, Registration) == reg:
+                with self._dir(RANKS) as dir_fd:
+                    os.unlink(name, dir_fd=dir_fd)
+        except OSError:
+            pass
+
     def read(self, sub: str, name: str, cls: Type[R], strict: bool = False) -> Optional[R]:
         """The record ``sub/name`` of type ``cls``, or None: missing, malformed, or naming a
         rank outside the run's world size (each logged once). ``strict``: see :meth:`read_bytes`."""
@@ -394,29 +420,6 @@ class RunDir(HeldDir):
         if isinstance(record, Registration) or self.world_size is None:
             return None  # a registration is judged with the reader's own (rundir.same_job), which says more
         return next((r for r in named_ranks(record) if r >= self.world_size), None)
-
-    def names(self, sub: str) -> List[str]:
-        """Every name in folder ``sub``; none if it is missing or cannot be listed (warned)."""
-        try:
-            with self._dir(sub) as dir_fd:
-                return os.listdir(dir_fd)
-        except FileNotFoundError:
-            return []
-        except OSError as e:
-            self.warn_once(self.join(sub), f"cannot be listed ({e.strerror})")
-            return []
-
-    def inodes(self, sub: str) -> Dict[str, int]:
-        """Every name in folder ``sub`` with its inode, in one listing (a file replaced by a
-        rename shows a new inode); none if it is missing or cannot be listed (warned)."""
-        try:
-            with self._dir(sub) as dir_fd, os.scandir(dir_fd) as it:
-                return {entry.name: entry.inode() for entry in it}
-        except FileNotFoundError:
-            return {}
-        except OSError as e:
-            self.warn_once(self.join(sub), f"cannot be listed ({e.strerror})")
-            return {}
 
     def entries(self, sub: str) -> Iterator[Tuple[str, int, str]]:
         """(prefix, rank, name) of the rank files in sub; other entries are skipped."""
@@ -517,6 +520,6 @@ class InPlace:
 __all__ = [
     "BLANK", "InPlace", "EVENTS", "HEARTBEATS", "RANKS", "REPORT_FILE", "SUMMARY_FILE", "STACKS", "TMP", "VERDICT_FILE",
     "DIAGNOSIS_FILE", "REMOTE_STALLS_FILE", "SPAWNED_RUN", "STALL_FILE", "STRAGGLERS_FILE", "STRAGGLE_FILE", "STRAGGLE_HOSTS_FILE",
-    "FLIGHT_RECORDER", "NOT_NOW", "RunDir", "fr_dump_name", "parse_fr_dump_name", "parse_rank_file", "rank_file", "safe_name", "same_job", "blank",
+    "FLIGHT_RECORDER", "HeldFiles", "NOT_NOW", "RunDir", "fr_dump_name", "parse_fr_dump_name", "parse_rank_file", "rank_file", "safe_name", "same_job", "blank",
     "stack_name",
 ]

@@ -69,12 +69,9 @@ Its rules, named as in docs/how-it-works.md ("The decision"), where the code cit
   is the verdict: its first laggard, cause hang, from the diagnosis' ``end_at_ns`` on (at
   once for a hang or a mismatch; for laggards that are busy, not stuck, near the
   collective timeout).
-- **A silent host is lost.** Shared-filesystem mode: a rank on another host whose
-  heartbeat has not changed for ``peer_timeout``, by this host's monotonic clock (from the
-  judge's last resume), and that has no success marker nor any other record of how it
-  ended, is lost (its host died, is cut off, or is frozen). The watcher writes a failure
-  record (cause ``lost``) on its behalf, naming the host and its silent ranks, so that
-  every host and the report see the same cause.
+- **A silent host is lost.** Judged before the decision, by one rule whichever way news of the
+  other hosts comes (:class:`peerwatch.hosts.hosts.Liveness`), whose judge writes a failure
+  record (cause ``lost``) on the lost ranks' behalf: here a failure like any other.
 - **Victims are not blamed.** When the root cause found by the rules above is a rank that
   died of the collective timeout (an exception raised by torch.distributed, a SIGABRT or
   exit code 134 from NCCL's watchdog) after a diagnosis of the stall still going on named
@@ -168,9 +165,6 @@ class Observed:
     progress: Mapping[int, RankState] = dataclasses.field(default_factory=dict)
     now_mono_ns: int = 0
     missing: Tuple[int, ...] = ()  # ranks that never registered by startup_timeout (to fail on)
-    # Ranks on other hosts (shared-filesystem mode) -> how long their heartbeat has not
-    # changed, in ns of this host's monotonic clock. Only the ranks this watcher judges.
-    remote_silence: Mapping[int, int] = dataclasses.field(default_factory=dict)
     # Why the job stopped moving, as a judge of this host diagnosed it (peerwatch.hangs.diagnose).
     diagnosis: Optional[Diagnosis] = None
     # rank -> when it began to leave (time_ns; its heartbeat's leaving_ns): its program
@@ -201,20 +195,17 @@ class Policy:
     default_exit_code: int
     # Seconds: a hang when nothing moved that long (rule: no rank moved); auto: (rule: the diagnosis is the verdict).
     hang_timeout: HangSetting = HangSetting()
-    peer_timeout_ns: int = 0  # 0: remote ranks are never judged lost
     # How long a collective exception waits (rule: a collective exception settles; REMOTE_SETTLE_NS across hosts).
     collective_settle_ns: int = COLLECTIVE_SETTLE_NS
 
     @classmethod
-    def from_config(cls, config: Config, shared_fs: bool = False, other_hosts: bool = False) -> Policy:
-        """The policy a rank's watcher decides by. ``shared_fs``: the run directory is shared
-        by the hosts (peerwatch.hosts.sharedfs), the only place a rank of another host is judged
-        lost here (through the store, the bridge judges it). ``other_hosts``: the job spans
-        hosts (a store bridge, or a shared run directory)."""
+    def from_config(cls, config: Config, other_hosts: bool = False) -> Policy:
+        """The policy a rank's watcher decides by. ``other_hosts``: the job spans hosts (a store
+        bridge, or a run directory the hosts share): a collective exception waits longer."""
         return cls(
             parent_wait_ns=_ns(config.parent_wait), default_exit_code=config.exit_code,
-            hang_timeout=config.hang_timeout, peer_timeout_ns=_ns(config.peer_timeout) if shared_fs else 0,
-            collective_settle_ns=REMOTE_SETTLE_NS if other_hosts or shared_fs else COLLECTIVE_SETTLE_NS,
+            hang_timeout=config.hang_timeout,
+            collective_settle_ns=REMOTE_SETTLE_NS if other_hosts else COLLECTIVE_SETTLE_NS,
         )
 
 
@@ -226,9 +217,6 @@ def _ns(seconds: float) -> int:
 class Decision:
     verdict: Optional[Verdict]
     recheck_at_ns: Optional[int] = None  # decide again by then, even if nothing happens
-    # Failure records (cause lost) the watcher must write on the lost ranks' behalf
-    # before acting on the verdict, which is made from the first of them.
-    lost: Tuple[Failure, ...] = ()
 
 
 def _held_horizon(obs: Observed, first: Optional[Verdict]) -> Optional[int]:
@@ -252,8 +240,6 @@ def decide(obs: Observed, policy: Policy) -> Decision:
     for rank, status in obs.exit_statuses.items():
         if rank not in obs.successes and rank not in obs.failures:
             found.append(_from_status(obs, status, policy))
-    lost = _lost(obs, policy)
-    found.extend(_from_failure(obs, f, policy) for f in lost)
     for rank, seen_ns in obs.gone.items():
         if rank in obs.successes or rank in obs.failures or rank in obs.exit_statuses:
             continue
@@ -288,8 +274,6 @@ def decide(obs: Observed, policy: Policy) -> Decision:
             first, oom_suspected=True,
             detail=f"{first.detail}; likely killed by the OOM killer ({obs.oom_kills} OOM kill(s) during the run)",
         )
-    if first.cause == LOST and any(f.rank == first.rank for f in lost):
-        return Decision(first, lost=lost)
     return Decision(first)
 
 
@@ -351,37 +335,6 @@ def _collective_settled_ns(obs: Observed, first: Optional[Verdict], settle_ns: i
         if rank not in ended:
             settled_ns = max(settled_ns, obs.leaving[rank] + LEAVING_WAIT_NS)
     return settled_ns
-
-
-def _lost(obs: Observed, policy: Policy) -> Tuple[Failure, ...]:
-    """Failure records for the remote ranks silent for peer_timeout
-    (rule: a silent host is lost). The message names the host and each of its ranks silent
-    for half of peer_timeout or more (a frozen host's last heartbeats land at slightly
-    different times)."""
-    if not policy.peer_timeout_ns:
-        return ()
-    ended = set(obs.successes) | set(obs.failures) | set(obs.exit_statuses) | set(obs.gone)
-    silent: Dict[Tuple[str, str], List[int]] = {}
-    for rank, silent_ns in sorted(obs.remote_silence.items()):
-        reg = obs.registrations.get(rank)
-        if silent_ns >= policy.peer_timeout_ns // 2 and rank not in ended and reg is not None:
-            silent.setdefault((reg.host, reg.pidns), []).append(rank)
-    me = obs.registrations.get(obs.self_rank)
-    judge = f"host {me.host}" if me is not None else "this host"
-    found = []
-    for (host, _), ranks in silent.items():
-        lost = [r for r in ranks if obs.remote_silence[r] >= policy.peer_timeout_ns]
-        quiet = ", ".join(f"rank {r} for {obs.remote_silence[r] / 1e9:.1f}s" for r in ranks)
-        message = (
-            f"host {host} lost: no heartbeat of {quiet} (peer_timeout {policy.peer_timeout_ns / 1e9:g}s, "
-            f"by the clock of {judge}): the host is down, cut off, or its ranks are frozen"
-        )
-        for rank in lost:
-            found.append(Failure(
-                rank=rank, pid=obs.registrations[rank].pid, time_ns=obs.now_ns - obs.remote_silence[rank],
-                cause=LOST, exit_code=policy.default_exit_code, message=message,
-            ))
-    return tuple(found)
 
 
 def _missing(obs: Observed, policy: Policy) -> Verdict:
