@@ -284,10 +284,15 @@ class Observer:
         return set(self.of_kind(Ack))
 
     def live_local_ranks(self) -> List[int]:
-        """This host's ranks (ours included; :func:`peerwatch.proc.identity.local_ranks`) not
-        gone and not finished, lowest first."""
-        finished = self.finished()
-        return [r for r in identity.local_ranks(self.registrations) if r not in self.gone and r not in finished]
+        """This host's ranks (ours included; :func:`peerwatch.proc.identity.local_ranks`) that
+        this rank watches, not gone and not finished, lowest first. One it does not watch (a
+        registration under another uid) is never seen gone: it must not be taken for a judge
+        or an enforcer."""
+        finished, me = self.finished(), self.me.rank
+        return [
+            r for r in identity.local_ranks(self.registrations)
+            if r not in self.gone and r not in finished and (r == me or r in self.peers)
+        ]
 
     def local_pids(self) -> Set[int]:
         """The pids of this host's ranks, ours included (a rank's children list skips them)."""

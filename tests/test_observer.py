@@ -155,6 +155,20 @@ def test_a_registration_wakes_the_observer_through_inotify_and_a_killed_peer_is_
     assert observed.exit_statuses == {1: status} and set(observed.gone) == {1}
 
 
+def test_a_rank_registered_under_another_uid_is_never_a_live_local_rank(run, observers, peers):
+    """A registration of this host under another uid is not watched (never signalled, never
+    seen gone): counted live, a dead one would stay a judge or an enforcer for ever."""
+    obs = observers()
+    proc = peers()
+    reg = _reg(1, proc.pid)
+    foreign = Registration(**{**reg.__dict__, "uid": reg.uid + 1})
+    assert run.write(RANKS, rank_file("rank", 1), encode(foreign))
+    mine = peers()
+    _register(run, 2, mine.pid)
+    _until(obs, lambda: 2 in obs.peers, "rank 2's registration seen")
+    assert 1 not in obs.peers and obs.live_local_ranks() == [0, 2]
+
+
 def test_a_new_record_wakes_the_watcher_and_none_does_once_it_stopped_watching_folders(run, observers):
     """The folder watch sits in the watcher's own poll set: a record linked into events/
     wakes wait() at once (a poll alone would sleep the whole timeout). After
