@@ -7,7 +7,7 @@ is gone. The runs alternate the checkouts (A, B, A, B...) so that load drifts hi
 
 Each ``--lib`` is a checkout: its ranks are its own ``tests/rank_program.py`` with its
 ``peerwatch`` on PYTHONPATH. Times are taken here, with pidfds: from the kill to the last
-rank gone (and to the verdict, from the verdict record's own time, where the checkout
+rank gone, to the first survivor gone (and to the verdict, from the verdict record's own time, where the checkout
 writes one). Prints one row per run and one per checkout over all its runs, with the
 1-minute load beside each run (the figures mean little above ~4 on 2 cores).
 """
@@ -40,8 +40,9 @@ def _commit(lib: Path) -> str:
     return out.stdout.strip() or str(lib)
 
 
-def trial(lib: Path, ranks: int, victim: int, workdir: Path) -> Tuple[float, Optional[float]]:
-    """One job of ``ranks`` siblings; returns (ms kill -> all gone, ms kill -> verdict)."""
+def trial(lib: Path, ranks: int, victim: int, workdir: Path) -> Tuple[float, float, Optional[float]]:
+    """One job of ``ranks`` siblings; returns ms from the kill to the last rank gone, to the
+    first survivor gone, and to the verdict."""
     run_dir, ready = workdir / "run", workdir / "ready"
     ready.mkdir()
     env = dict(os.environ, PEERWATCH_DIR=str(run_dir), PEERWATCH_GRACE="2", WORLD_SIZE=str(ranks),
@@ -58,7 +59,8 @@ def trial(lib: Path, ranks: int, victim: int, workdir: Path) -> Tuple[float, Opt
                 raise RuntimeError("ranks did not start")
             time.sleep(0.01)  # polling the ready files, deadline-bounded
         pids = {r: int((ready / f"rank-{r}").read_text()) for r in range(ranks)}
-        fds = [os.pidfd_open(pid) for pid in pids.values()]
+        fds = [os.pidfd_open(pid) for r, pid in pids.items() if r != victim]
+        first_ms = 0.0
         time.sleep(0.2)  # every watcher past its first scan of the run directory
         killed_ns = time.time_ns()
         os.kill(pids[victim], signal.SIGKILL)
@@ -66,6 +68,8 @@ def trial(lib: Path, ranks: int, victim: int, workdir: Path) -> Tuple[float, Opt
             ready_fds, _, _ = select.select(fds, [], [], GONE_S)
             if not ready_fds:
                 raise RuntimeError("the job did not end")
+            if not first_ms:
+                first_ms = (time.time_ns() - killed_ns) / 1e6
             for fd in ready_fds:
                 os.close(fd)
                 fds.remove(fd)
@@ -81,7 +85,7 @@ def trial(lib: Path, ranks: int, victim: int, workdir: Path) -> Tuple[float, Opt
         verdict_ms = (verdict["detected_at_ns"] - killed_ns) / 1e6
     except (OSError, ValueError, KeyError, TypeError):
         pass
-    return gone_ms, verdict_ms
+    return gone_ms, first_ms, verdict_ms
 
 
 def _fmt(values: List[float]) -> str:
@@ -103,27 +107,30 @@ def main() -> None:
     names = {lib: _commit(lib) for lib in libs}
     rnd = random.Random(a.seed)
     rows: List[List[str]] = []
-    every: Dict[Path, Tuple[List[float], List[float]]] = {lib: ([], []) for lib in libs}
+    every: Dict[Path, Tuple[List[float], List[float], List[float]]] = {lib: ([], [], []) for lib in libs}
     for run in range(a.runs):
         for lib in libs:
             gones: List[float] = []
+            firsts: List[float] = []
             verdicts: List[float] = []
             load = load1()
             for _ in range(a.trials):
                 with tempfile.TemporaryDirectory() as d:
-                    gone, verdict = trial(lib, a.ranks, rnd.randrange(a.ranks), Path(d))
+                    gone, first, verdict = trial(lib, a.ranks, rnd.randrange(a.ranks), Path(d))
                 gones.append(gone)
+                firsts.append(first)
                 if verdict is not None:
                     verdicts.append(verdict)
             every[lib][0].extend(gones)
             every[lib][1].extend(verdicts)
-            rows.append([names[lib], str(run + 1), f"{load:.1f}", _fmt(verdicts), _fmt(gones)])
+            every[lib][2].extend(firsts)
+            rows.append([names[lib], str(run + 1), f"{load:.1f}", _fmt(verdicts), _fmt(firsts), _fmt(gones)])
             print(f"run {run + 1} {names[lib]}: all gone {_fmt(gones)} ms (load {load:.1f})", file=sys.stderr, flush=True)
     for lib in libs:
-        rows.append([f"**{names[lib]}**", "all", "", _fmt(every[lib][1]), _fmt(every[lib][0])])
+        rows.append([f"**{names[lib]}**", "all", "", _fmt(every[lib][1]), _fmt(every[lib][2]), _fmt(every[lib][0])])
     print(f"N = {a.ranks} sibling ranks (install(), sleeping), one SIGKILLed at random; "
           f"{a.trials} trials a run; ms, median (min-max)\n")
-    print(table(["checkout", "run", "load (1 min)", "kill -> verdict", "kill -> all gone"], rows))
+    print(table(["checkout", "run", "load (1 min)", "kill -> verdict", "kill -> first survivor gone", "kill -> all gone"], rows))
 
 
 if __name__ == "__main__":

@@ -68,6 +68,12 @@ class Ending:
     def verdict(self) -> Optional[Verdict]:
         return self._verdict if self.verdict_seen.is_set() else None
 
+    @property
+    def peer_verdict(self) -> Optional[Verdict]:
+        """The verdict, if it names another rank: this rank is torn down on its account."""
+        v = self.verdict
+        return v if v is not None and v.rank != self.rank else None
+
     def known(self, verdict: Verdict) -> None:
         """The watcher thread acts on ``verdict``: made known in this process."""
         self._verdict = verdict

@@ -84,8 +84,8 @@ class Registry:
     def on_interrupt(self, signum: int, frame: Any) -> None:
         """The INTERRUPT_SIGNAL handler: PeerFailure in the main thread, inside watch()."""
         e = self.ending()
-        v = e.verdict if e is not None else None
-        if e is not None and v is not None and e.in_watch > 0 and v.rank != e.rank:
+        v = e.peer_verdict if e is not None else None
+        if e is not None and v is not None and e.in_watch > 0:
             raise PeerFailure.from_verdict(v)
 
 
@@ -102,17 +102,15 @@ def consequence_of_peer_failure(e: Ending, exc: Optional[BaseException] = None) 
     SIGINT): it is recorded at once, so that where every rank got the same SIGINT (Ctrl-C)
     each says so before the verdict, which then blames none (rule: interrupts are not failures).
     """
-    v = e.verdict
-    if v is not None:
-        return v if v.rank != e.rank else None
+    if e.verdict is not None:
+        return e.peer_verdict
     if isinstance(exc, KeyboardInterrupt):
         return None
     e.settle(SETTLE_S)
     if not e.peer_failed():
         return None
     e.verdict_seen.wait(e.config.parent_wait + SETTLE_S)
-    v = e.verdict
-    return v if v is not None and v.rank != e.rank else None
+    return e.peer_verdict
 
 
 _C_LONG_MAX = (1 << (8 * struct.calcsize("l") - 1)) - 1
@@ -134,8 +132,7 @@ def record_exception(e: Ending, exc: BaseException, tb: Optional[TracebackType],
     """Record ``exc`` as this rank's failure (unless a verdict on a peer is known already).
     ``seen_ns``: when it reached us (``time.time_ns()``), before any wait of ours; the
     failure's own time, as near to its raise as peerwatch can see (``raised_ns``)."""
-    v = e.verdict
-    if v is not None and v.rank != e.rank:
+    if e.peer_verdict is not None:
         return  # we are being torn down: what we raise now is a consequence, not a cause
     if isinstance(exc, SystemExit):
         code = exit_status(exc.code)
@@ -361,8 +358,7 @@ def echoed(e: Ending) -> Optional[Verdict]:
     if not e.echo:
         return None
     e.await_own_verdict()
-    v = e.verdict
-    return v if v is not None and v.rank != e.rank else None
+    return e.peer_verdict
 
 
 def tell_consequence(
