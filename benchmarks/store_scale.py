@@ -17,9 +17,13 @@ requests the hosts made (counted by each beat loop), the bytes the store server 
 wrote (its /proc io counters: every byte of every request and answer), the server's CPU;
 the startup (every host counted: the time from the first registration, and the hosts
 judged lost meanwhile, which must be none); then one host stops beating (its loop is no
-longer called) and the time until every other host has recorded it ``lost``; then a
-verdict is published (as a host's bridge does) and the time until every host's waiter has
-taken it. "before" is the protocol at ``--before`` (a git revision: its ``peerwatch/``,
+longer called) and the time until every other host knows it is lost, by either way the
+news travels: the ``lost`` record a host writes from its own judgement or from the digest,
+or the verdict on it. As in a real job, the first host to write that record publishes the
+verdict (its watchers decide, its bridge offers it with ``compare_set``; here at once, from
+a connection opened beforehand), unless a verdict came first; the table gives the time
+from the kill to that first judgement, and from the verdict's publication to every
+host's waiter. "before" is the protocol at ``--before`` (a git revision: its ``peerwatch/``,
 extracted to a temporary directory, with this tree's built C extension), "after" this
 tree's. Prints one markdown table.
 
@@ -90,10 +94,22 @@ def worker(first: int, count: int, args: Dict[str, Any], port: int, base: str, c
     verdict_at: Dict[int, float] = {}
     original_write = bridge_mod._write_failure
 
+    published: Dict[str, Any] = {}  # the verdict this process offered: when, and whether it was first
+
+    def publish(failure: Any) -> None:
+        v = Verdict(rank=failure.rank, cause=failure.cause, exit_code=1, failed_at_ns=time.time_ns(), detected_by=0,
+                    detected_at_ns=time.time_ns(), host="sim", detail="lost (benchmark)")
+        sent = time.monotonic()
+        won = publish_verdict(pub_store, facts.key_prefix, encode(v))
+        published.update(sent=sent, won=won)
+
     def write_failure(run_dir: Any, failure: Any) -> None:
         host = int(os.path.basename(run_dir.path)[4:])
         lost_at.setdefault((host, failure.rank), time.monotonic())
         original_write(run_dir, failure)
+        if host not in verdict_at and "started" not in published:  # no verdict here yet: decide and offer one
+            published["started"] = True
+            threading.Thread(target=publish, args=(failure,), daemon=True).start()
 
     bridge_mod._write_failure = write_failure
     ranks, hosts, interval = args["ranks"], args["hosts"], args["interval"]
@@ -104,6 +120,8 @@ def worker(first: int, count: int, args: Dict[str, Any], port: int, base: str, c
     }, env={})
     facts = LauncherFacts.resolve(config, {})
     me = identity.self_info()
+    pub_store = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=30))  # a bridge's connection, open beforehand
     stopped = threading.Event()
     loops: Dict[int, Any] = {}
     waiters: List[threading.Thread] = []
@@ -186,16 +204,8 @@ def worker(first: int, count: int, args: Dict[str, Any], port: int, base: str, c
         elif msg[0] == "lost":
             victim_rank = msg[1] * ranks
             conn.send({"at": {h: t for (h, r), t in lost_at.items() if r == victim_rank}})
-        elif msg[0] == "publish":
-            v = Verdict(rank=0, cause="signal", exit_code=137, failed_at_ns=time.time_ns(), detected_by=0,
-                        detected_at_ns=time.time_ns(), host="sim00000", detail="killed by SIGKILL (benchmark)")
-            store = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
-                                  timeout=datetime.timedelta(seconds=30))
-            sent = time.monotonic()
-            publish_verdict(store, facts.key_prefix, encode(v))
-            conn.send({"sent": sent})
         elif msg == "verdicts":
-            conn.send({"at": dict(verdict_at)})
+            conn.send({"at": dict(verdict_at), "published": {k: v for k, v in published.items() if k != "started"}})
         elif msg == "stop":
             stopped.set()
             runner.join(10)
@@ -286,27 +296,27 @@ def run_one(variant: str, root: str, hosts: int, a: argparse.Namespace) -> Dict[
             seen: Dict[int, float] = {}
             for r in ask(("lost", victim)):
                 seen.update(r["at"])
-            if len(seen) >= hosts - 1 or time.monotonic() > deadline:
-                break
-            time.sleep(0.2)  # polling the workers, deadline-bounded
-        delays = sorted(t - frozen_at for h, t in seen.items() if h != victim)
-        fig["lost_known_by"] = len(delays)
-        fig["lost_median_s"] = statistics.median(delays) if delays else None
-        fig["lost_all_s"] = max(delays) if len(delays) >= hosts - 1 else None
-        conns[0].send(("publish",))
-        sent = conns[0].recv()["sent"]
-        deadline = time.monotonic() + 30.0
-        while True:
             got: Dict[int, float] = {}
+            sent: Optional[float] = None
             for r in ask("verdicts"):
                 got.update(r["at"])
-            if len(got) >= hosts or time.monotonic() > deadline:
+                if r["published"].get("won"):
+                    sent = r["published"]["sent"]
+            others = [h for h in range(hosts) if h != victim]
+            if all(h in got for h in others) or time.monotonic() > deadline:
                 break
-            time.sleep(0.1)  # polling the workers, deadline-bounded
-        vd = sorted(t - sent for t in got.values())
+            time.sleep(0.2)  # polling the workers, deadline-bounded
+        known = sorted(min(t for t in (seen.get(h), got.get(h)) if t is not None) - frozen_at
+                       for h in others if h in seen or h in got)
+        fig["lost_known_by"] = len(known)
+        fig["lost_median_s"] = statistics.median(known) if known else None
+        fig["lost_all_s"] = max(known) if len(known) >= hosts - 1 else None
+        fig["first_judged_s"] = min(seen.values()) - frozen_at if seen else None
+        fig["by_digest"] = sum(1 for h in others if h in seen and (h not in got or seen[h] <= got[h]))
+        vd = sorted(got[h] - sent for h in others if h in got) if sent is not None else []
         fig["verdict_known_by"] = len(vd)
         fig["verdict_median_ms"] = 1000 * statistics.median(vd) if vd else None
-        fig["verdict_all_ms"] = 1000 * max(vd) if len(vd) >= hosts else None
+        fig["verdict_all_ms"] = 1000 * max(vd) if len(vd) >= hosts - 1 else None
         ask("stop")
     finally:
         if old_path is None:
@@ -370,11 +380,13 @@ def main() -> None:
     print(f"\n## Store traffic: simulated hosts x {a.ranks} ranks, one TCPStore on loopback, heartbeat "
           f"{a.interval:g}s, peer_timeout {a.peer_timeout:g}s, {a.seconds:g}s measured, {os.cpu_count()} CPUs\n")
     print("| protocol | hosts | requests/s per host | server bytes/s per host | server CPU | startup: all counted "
-          "(lost meanwhile) | dead host known everywhere (median) | verdict at every host (median) |")
-    print("|---|---|---|---|---|---|---|---|")
+          "(lost meanwhile) | dead host: first judged | dead host known everywhere (median) | its verdict at every "
+          "host (median) |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for f, (variant, _, _) in zip(figs, runs):
         print(f"| {variant} | {f['hosts']} | {f['requests_per_host_s']:.2f} | {f['bytes_per_host_s']:.0f} B/s | "
               f"{f['server_cpu_pct']:.1f} % | {f['startup_s']:.1f} s ({f['lost_at_startup']}) | "
+              f"{_fmt(f['first_judged_s'], '.2f')} s | "
               f"{_fmt(f['lost_all_s'], '.2f')} s ({_fmt(f['lost_median_s'], '.2f')} s) | "
               f"{_fmt(f['verdict_all_ms'], '.0f')} ms ({_fmt(f['verdict_median_ms'], '.0f')} ms) |")
     after = [f for f in figs if f["variant"] == "after"]
