@@ -98,11 +98,12 @@ class FolderWatch:
     per-user limit of instances or watches reached): the watcher then rescans on a timer.
     """
 
-    def __init__(self, folders: List[str], disabled: bool = False) -> None:
+    def __init__(self, folders: List[str], disabled: bool = False, quiet: bool = False) -> None:
         self.active = False
         self.fd: Optional[int] = None
         self._owned: Optional[OwnedFd] = None
         self._inodes: List[int] = []  # of the folders, as fdinfo lists them
+        self._say = logger.debug if quiet else logger.warning  # quiet: a short wait that polls without it
         if not disabled:
             self._start(folders)
 
@@ -110,7 +111,7 @@ class FolderWatch:
         try:
             init, add, last_errno = _libc_calls()
         except (OSError, AttributeError) as e:
-            logger.warning("peerwatch: inotify cannot be called (%s); polling instead", e)
+            self._say("peerwatch: inotify cannot be called (%s); polling instead", e)
             return
         fd = init(os.O_NONBLOCK | os.O_CLOEXEC)
         if fd < 0:
@@ -118,7 +119,7 @@ class FolderWatch:
             why = os.strerror(err)
             if err == errno.EMFILE:
                 why = "out of inotify instances (fs.inotify.max_user_instances, per user) or of descriptors"
-            logger.warning("peerwatch: cannot watch the run directory with inotify (%s); polling instead", why)
+            self._say("peerwatch: cannot watch the run directory with inotify (%s); polling instead", why)
             return
         try:
             for folder in folders:
@@ -128,7 +129,7 @@ class FolderWatch:
                 self._inodes.append(os.stat(folder).st_ino)
         except OSError as e:
             os.close(fd)
-            logger.warning("peerwatch: cannot watch %s with inotify (%s); polling instead", folders, e)
+            self._say("peerwatch: cannot watch %s with inotify (%s); polling instead", folders, e)
             return
         self.fd = fd
         self._owned = OwnedFd(fd)
