@@ -2,7 +2,8 @@
 
     .venv/bin/python benchmarks/teardown_profile.py --ranks 32 --trials 3 [--cprofile 25] [--lib PATH]
 
-Runs :func:`teardown_latency.trial` (Lightning-style ranks sleeping in Python, one SIGKILLed)
+Runs :func:`teardown_latency.trial` (Lightning-style ranks sleeping in Python, one SIGKILLed;
+``--style sibling``: every rank started by the benchmark)
 with a ``sitecustomize`` on the ranks' path that notes each rank's CPU time (``process_time``)
 from the moment it takes a peer for gone (or its verdict, whichever is first) and from
 ``Watcher._act`` to ``leave.flush_and_exit``. On 2 cores the teardown's length is the sum
@@ -99,6 +100,7 @@ def main() -> None:
     p.add_argument("--ranks", type=int, default=32)
     p.add_argument("--trials", type=int, default=3)
     p.add_argument("--cprofile", type=int, default=0, metavar="K", help="print the K heaviest functions")
+    p.add_argument("--style", choices=["lightning", "sibling"], default="lightning")
     p.add_argument("--lib", default=os.path.join(HERE, ".."), help="the checkout whose peerwatch the ranks import")
     args = p.parse_args()
     site = tempfile.mkdtemp(prefix="pw-teardown-profile-")
@@ -113,7 +115,7 @@ def main() -> None:
     for i in range(args.trials):
         out = os.environ["PWPROF_DIR"] = tempfile.mkdtemp(prefix="pw-teardown-profile-")
         outs.append(out)
-        _, gone_ms, _ = teardown_latency.trial(args.ranks, "lightning", args.ranks // 2, tempfile.mkdtemp())
+        _, gone_ms, _ = teardown_latency.trial(args.ranks, args.style, args.ranks // 2, tempfile.mkdtemp())
         recs = [json.load(open(path)) for path in glob.glob(os.path.join(out, "*.json"))]
         rank0 = [r["from_death_ms"] for r in recs if r["rank"] == 0]
         others = [r["from_death_ms"] for r in recs if r["rank"] != 0]
