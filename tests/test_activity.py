@@ -105,10 +105,13 @@ def test_a_thread_that_computes_on_a_crowded_cpu_counts_as_working(one_busy_cpu:
     the quarter counted, and near the 10 % that tells a laggard busy, a loaded host's
     busy laggard was ended as stuck. How much of the wait counts is capped (WAIT_CAP times the
     CPU used), so what it shows depends on how crowded the CPU is: at least twice its time on
-    the CPU (only that counted before), and well over the share that tells a laggard busy."""
+    the CPU (only that counted before), and twice the share that tells a laggard busy. That
+    holds while the thread gets 4 % of the CPU or more (five times its CPU at most counts); the
+    busy loops here leave it about a quarter, and a host loaded besides (a full run beside 8
+    more busy loops) about 6 %: the thread counted 24 %, which 3 times the share failed."""
     figures = _figures(one_busy_cpu, "compute")
     assert figures["share"] >= min(0.8, 2 * figures["on_cpu"]), figures
-    assert figures["share"] >= 3 * BUSY_OTHER_SHARE, figures
+    assert figures["share"] >= 2 * BUSY_OTHER_SHARE, figures
 
 
 @pytest.mark.timeout(60)
