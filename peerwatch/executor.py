@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import select
 import threading
 import time
 from typing import Any, Callable, Dict, Optional
@@ -27,7 +26,6 @@ from .hangs.heartbeat import HeartbeatWriter
 from .hosts.bridge import Bridge
 from .observer import Observer
 from .proc import teardown
-from .proc.waker import FolderWatch
 from .rundir import exitwatch
 from .rundir.eventlog import log as log_event
 from .rundir.eventlog import sweep as sweep_events
@@ -236,42 +234,20 @@ def _say_stop_line(t: Teardown) -> None:
     """The one line this rank says when a peer failed, below the summary (rule: who reports).
     Waits for the summary at most SUMMARY_WAIT_S from the verdict; past it, says its
     line all the same (the rank that was to print the summary may never get to)."""
-    if not t.run_dir.exists(CLAIMS, SUMMARY_FILE) and not _await_summary(t.run_dir, t.acted + _plan.SUMMARY_WAIT_S,
-                                                                           t.plan.summary_poll_s):
-        logger.debug("peerwatch: rank %d: no summary within %gs of the verdict", t.rank, _plan.SUMMARY_WAIT_S)
+    deadline = t.acted + _plan.SUMMARY_WAIT_S
+    pause = _plan.SUMMARY_FIRST_LOOK_S  # the summary is usually out within a few ms: look soon, then less often
+    while not t.run_dir.exists(CLAIMS, SUMMARY_FILE):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            logger.debug("peerwatch: rank %d: no summary within %gs of the verdict", t.rank, _plan.SUMMARY_WAIT_S)
+            break
+        time.sleep(min(pause, left))  # only here, during a teardown
+        pause = min(2 * pause, t.plan.summary_poll_s)
     v = t.verdict
     logger.error("%s", terminal.stop_line(
         terminal.who(v.rank, v.pid, v.host), v.detail or v.cause, terminal.who(t.rank, t.me.pid, t.me.host),
         t.plan.exit_code, interrupted=v.cause == INTERRUPTED,
     ))
-
-
-def _await_summary(run_dir: RunDir, deadline: float, poll_s: float) -> bool:
-    """Wait until the summary is marked out (True), or ``deadline`` passes (False): woken by
-    the mark's creation (inotify on the claims folder), else by looking every ``poll_s``."""
-    try:
-        run_dir.make_folder(CLAIMS)
-    except OSError:
-        pass  # looked for all the same: the writer makes it too
-    watch = FolderWatch([run_dir.join(CLAIMS)], quiet=True)
-    try:
-        while not run_dir.exists(CLAIMS, SUMMARY_FILE):  # after the watch began: a mark made before is seen here
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return False
-            if watch.active and watch.fd is not None:
-                try:
-                    select.select([watch.fd], [], [], left)
-                except (OSError, ValueError):
-                    watch.abandon()  # the number is not ours any more: look every poll_s
-                    continue
-                if not watch.drain():
-                    watch.abandon()
-            else:
-                time.sleep(min(poll_s, left))  # only here, during a teardown
-        return True
-    finally:
-        watch.stop()
 
 
 @_carries_out(Step.LET_LAUNCHER_SEE)

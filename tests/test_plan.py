@@ -349,7 +349,7 @@ def test_the_failed_rank_alone_on_its_host_writes_the_report_starts_the_hook_the
     p = plan(situation(self_rank=2, failed_rank=2, cause=EXCEPTION, own_exit_code=1, live_local_ranks=(2,), on_verdict=True))
     assert p.after_ack == (
         S.ARM_LAST_RESORT, S.FINAL_HEARTBEAT, S.TELL_LAUNCHERS, S.DUMP_STACKS, S.DUMP_FLIGHT_RECORDER,
-        S.TEAR_DOWN_PEERS, S.WRITE_REPORT, S.START_HOOK, S.WAIT_MAIN, S.WRITE_SUMMARY_BELOW_TRACEBACK,
+        S.TEAR_DOWN_PEERS, S.STOP_WATCHING_FOLDERS, S.WRITE_REPORT, S.START_HOOK, S.WAIT_MAIN, S.WRITE_SUMMARY_BELOW_TRACEBACK,
         S.TEAR_DOWN_CHILDREN, S.FINAL_HEARTBEAT, S.SWEEP_RECORDS, S.FINISH_HOOK, S.EXIT,
     )
 
@@ -361,7 +361,7 @@ def test_under_torchrun_the_writer_prints_the_summary_before_its_ack_and_starts_
     assert p.until_ack == (S.HOLD_SIGTERM, S.ARM_EXIT_WATCH, S.WRITE_SUMMARY, S.ACK)
     assert p.after_ack == (
         S.ARM_LAST_RESORT, S.FINAL_HEARTBEAT, S.TELL_LAUNCHERS, S.START_HOOK, S.DUMP_STACKS,
-        S.DUMP_FLIGHT_RECORDER, S.TEAR_DOWN_PEERS, S.TEAR_DOWN_CHILDREN, S.WRITE_REPORT, S.FINAL_HEARTBEAT,
+        S.DUMP_FLIGHT_RECORDER, S.TEAR_DOWN_PEERS, S.STOP_WATCHING_FOLDERS, S.TEAR_DOWN_CHILDREN, S.WRITE_REPORT, S.FINAL_HEARTBEAT,
         S.SAY_STOP_LINE, S.LET_LAUNCHER_SEE, S.SWEEP_RECORDS, S.FINISH_HOOK, S.EXIT,
     )
 
@@ -379,7 +379,7 @@ def test_an_enforcer_outside_watch_tears_down_peers_then_its_children_writes_the
     assert steps(p) == (
         S.ARM_EXIT_WATCH, S.ACK,
         S.ARM_LAST_RESORT, S.FINAL_HEARTBEAT, S.TELL_LAUNCHERS, S.DUMP_STACKS, S.DUMP_FLIGHT_RECORDER,
-        S.TEAR_DOWN_PEERS, S.TEAR_DOWN_CHILDREN, S.WRITE_REPORT, S.FINAL_HEARTBEAT, S.SAY_STOP_LINE,
+        S.TEAR_DOWN_PEERS, S.STOP_WATCHING_FOLDERS, S.TEAR_DOWN_CHILDREN, S.WRITE_REPORT, S.FINAL_HEARTBEAT, S.SAY_STOP_LINE,
         S.SWEEP_RECORDS, S.START_HOOK, S.FINISH_HOOK, S.EXIT,
     )
 
@@ -424,7 +424,7 @@ def test_a_hang_is_summarized_once_dumped_and_the_main_thread_interrupted_after(
     assert p.until_ack == (S.ARM_EXIT_WATCH, S.ACK)
     assert p.after_ack == (
         S.ARM_LAST_RESORT, S.FINAL_HEARTBEAT, S.TELL_LAUNCHERS, S.DUMP_STACKS, S.DUMP_FLIGHT_RECORDER,
-        S.WRITE_SUMMARY, S.INTERRUPT_MAIN, S.TEAR_DOWN_PEERS, S.WRITE_REPORT, S.WAIT_MAIN, S.TEAR_DOWN_CHILDREN,
+        S.WRITE_SUMMARY, S.INTERRUPT_MAIN, S.TEAR_DOWN_PEERS, S.STOP_WATCHING_FOLDERS, S.WRITE_REPORT, S.WAIT_MAIN, S.TEAR_DOWN_CHILDREN,
         S.FINAL_HEARTBEAT, S.SAY_STOP_LINE, S.SWEEP_RECORDS, S.EXIT,
     )
 
@@ -464,6 +464,12 @@ def test_in_every_situation_the_order_that_matters_holds() -> None:
             assert before(seq, S.WAIT_MAIN, S.TEAR_DOWN_CHILDREN), why
         if p.enforcer and p.stop_line:
             assert before(seq, S.TEAR_DOWN_PEERS, S.SAY_STOP_LINE), why
+        # Every rank stops watching the folders before it exits (a process that exits with
+        # inotify watches held waits for the kernel to free them), an enforcer once its
+        # peers acknowledged or were signalled.
+        assert seq.count(S.STOP_WATCHING_FOLDERS) == 1, why
+        if p.enforcer:
+            assert seq[seq.index(S.TEAR_DOWN_PEERS) + 1] == S.STOP_WATCHING_FOLDERS, why
         if p.stop_line and p.print_summary:
             summary = S.WRITE_SUMMARY if S.WRITE_SUMMARY in seq else S.WRITE_SUMMARY_BELOW_TRACEBACK
             assert before(seq, summary, S.SAY_STOP_LINE), why

@@ -52,22 +52,23 @@ IN_ONLYDIR = 0x01000000
 NEW_ENTRIES = IN_CREATE | IN_MOVED_TO | IN_ONLYDIR
 READ_BYTES = 65536  # one read drains this much; a queue holds at most 16384 events of 16+ bytes
 
-_Calls = Tuple[Callable[[int], int], Callable[[int, bytes, int], int], Callable[[], int]]
+_Calls = Tuple[Callable[[int], int], Callable[[int, bytes, int], int], Callable[[], int], Callable[[int, int], int]]
 _calls: Optional[_Calls] = None
 
 
 def _libc_calls() -> _Calls:
-    """inotify_init1, inotify_add_watch and errno, bound once. OSError or AttributeError
-    where this C library has no inotify."""
+    """inotify_init1, inotify_add_watch, errno and inotify_rm_watch, bound once. OSError or
+    AttributeError where this C library has no inotify."""
     global _calls
     if _calls is None:
         import ctypes
 
         libc = ctypes.CDLL(None, use_errno=True)
-        init, add = libc.inotify_init1, libc.inotify_add_watch
+        init, add, rm = libc.inotify_init1, libc.inotify_add_watch, libc.inotify_rm_watch
         init.argtypes, init.restype = [ctypes.c_int], ctypes.c_int
         add.argtypes, add.restype = [ctypes.c_int, ctypes.c_char_p, ctypes.c_uint32], ctypes.c_int
-        _calls = (init, add, ctypes.get_errno)
+        rm.argtypes, rm.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+        _calls = (init, add, ctypes.get_errno, rm)
     return _calls
 
 
@@ -98,20 +99,20 @@ class FolderWatch:
     per-user limit of instances or watches reached): the watcher then rescans on a timer.
     """
 
-    def __init__(self, folders: List[str], disabled: bool = False, quiet: bool = False) -> None:
+    def __init__(self, folders: List[str], disabled: bool = False) -> None:
         self.active = False
         self.fd: Optional[int] = None
         self._owned: Optional[OwnedFd] = None
         self._inodes: List[int] = []  # of the folders, as fdinfo lists them
-        self._say = logger.debug if quiet else logger.warning  # quiet: a short wait that polls without it
+        self._wds: List[int] = []  # the watches, as inotify_add_watch numbered them
         if not disabled:
             self._start(folders)
 
     def _start(self, folders: List[str]) -> None:
         try:
-            init, add, last_errno = _libc_calls()
+            init, add, last_errno, _ = _libc_calls()
         except (OSError, AttributeError) as e:
-            self._say("peerwatch: inotify cannot be called (%s); polling instead", e)
+            logger.warning("peerwatch: inotify cannot be called (%s); polling instead", e)
             return
         fd = init(os.O_NONBLOCK | os.O_CLOEXEC)
         if fd < 0:
@@ -119,17 +120,19 @@ class FolderWatch:
             why = os.strerror(err)
             if err == errno.EMFILE:
                 why = "out of inotify instances (fs.inotify.max_user_instances, per user) or of descriptors"
-            self._say("peerwatch: cannot watch the run directory with inotify (%s); polling instead", why)
+            logger.warning("peerwatch: cannot watch the run directory with inotify (%s); polling instead", why)
             return
         try:
             for folder in folders:
-                if add(fd, os.fsencode(folder), NEW_ENTRIES) < 0:
+                wd = add(fd, os.fsencode(folder), NEW_ENTRIES)
+                if wd < 0:
                     err = last_errno()
                     raise OSError(err, f"{os.strerror(err)}: {folder}")
+                self._wds.append(wd)
                 self._inodes.append(os.stat(folder).st_ino)
         except OSError as e:
             os.close(fd)
-            self._say("peerwatch: cannot watch %s with inotify (%s); polling instead", folders, e)
+            logger.warning("peerwatch: cannot watch %s with inotify (%s); polling instead", folders, e)
             return
         self.fd = fd
         self._owned = OwnedFd(fd)
@@ -166,6 +169,22 @@ class FolderWatch:
         self._owned = None
         self.fd = None
         self.active = False
+
+    def release(self) -> None:
+        """Watch no more, at once: the watches are removed and the number forgotten, but
+        left open to the process's end. Closing an instance that still has watches waits
+        for the kernel to free them (an SRCU grace period: up to 20 ms here, where 8 ranks
+        close theirs at once), and a teardown must not wait for that; the watches removed
+        now are freed meanwhile, so the process's exit closes an empty instance at no cost."""
+        if self._owned is not None and self.intact():
+            try:
+                rm = _libc_calls()[3]
+                for wd in self._wds:
+                    rm(self._owned.fd, wd)
+            except (OSError, AttributeError):
+                self.stop()
+                return
+        self.abandon()
 
     def stop(self) -> None:
         """Close the instance, if the number still is ours (its watches go with it)."""
@@ -234,16 +253,20 @@ class Waker:
         """No more wakes from the folders, for a rank that acts on a verdict and looks at
         them no more: every rank that leaves adds a record to ``events/`` (its
         acknowledgement, its exit), and at N = 128 each watching rank would wake and rescan
-        for every one of them. stop() has nothing left to do."""
+        for every one of them. The watch is released, not closed (FolderWatch.release: the
+        rank leaves soon, and a close would hold its teardown). stop() has nothing left to do."""
         with self._folders_lock:
-            self._close_folders()
+            self._close_folders(release=True)
 
-    def _close_folders(self) -> None:
+    def _close_folders(self, release: bool = False) -> None:
         """Under ``_folders_lock``. The watcher thread may be asleep on the number: its
         poll set is made anew, and a number it does not know any more is never read."""
         folders, self._folders = self._folders, None
         if folders is not None:
-            folders.stop()
+            if release:
+                folders.release()
+            else:
+                folders.stop()
             self._repaired = True
 
     def _drain_folders(self, fd: int, flags: int) -> bool:

@@ -37,6 +37,10 @@ SUMMARY_WAIT_S = 1.0
 # sends it about 0.1 s after it reaped the failed worker; it waits 30 s before a SIGKILL).
 HOLD_SIGTERM_S = 3.0
 SUMMARY_POLL_S = 0.01  # how often a waiting rank looks for the summary, for up to SUMMARY_POLL_RANKS local ranks
+# Its first look comes this long after it began to wait, each next one twice as long after
+# (up to summary_poll_s): the summary is usually out a few ms after the verdict, and a rank
+# that looked only every 10 ms left up to 10 ms after it.
+SUMMARY_FIRST_LOOK_S = 0.001
 SUMMARY_POLL_RANKS = 8  # more local ranks than this look for it proportionally less often
 _LEAVES_BY_ITSELF = (EXCEPTION, EXIT)  # rule: who stays; causes whose rank's main thread is already leaving
 # Rule: who reports. Causes whose rank has not ended (stuck, on another host, never there):
@@ -211,7 +215,9 @@ def _after_ack(s: Situation, p: Plan) -> Tuple[Step, ...]:
     steps += [Step.DUMP_STACKS, Step.DUMP_FLIGHT_RECORDER]
     steps += [Step.WRITE_SUMMARY] if p.summary_after_dumps else []
     steps += [Step.INTERRUPT_MAIN] if p.interrupt_main else []
-    steps += [Step.TEAR_DOWN_PEERS] if p.enforcer else []
+    # An enforcer watches the folders for its peers' acknowledgements, then no more: a
+    # process that exits still watching waits for the kernel to free the watches.
+    steps += [Step.TEAR_DOWN_PEERS, Step.STOP_WATCHING_FOLDERS] if p.enforcer else []
     steps += [] if p.stay else [Step.TEAR_DOWN_CHILDREN]
     steps += [Step.WRITE_REPORT] if p.write_report else []  # while the peers are still leaving
     if p.stay:
@@ -301,6 +307,6 @@ def ask_for_stacks(rank: int, finished: AbstractSet[int]) -> bool:
 
 
 __all__ = [
-    "BLIND_GRACES", "ENFORCERS", "SUMMARY_POLL_RANKS", "SUMMARY_POLL_S", "SUMMARY_WAIT_S", "AckWindow", "Plan", "Situation", "Step", "ask_for_stacks", "enforcers", "exit_code", "leave_join_s", "missing_ranks",
+    "BLIND_GRACES", "ENFORCERS", "SUMMARY_FIRST_LOOK_S", "SUMMARY_POLL_RANKS", "SUMMARY_POLL_S", "SUMMARY_WAIT_S", "AckWindow", "Plan", "Situation", "Step", "ask_for_stacks", "enforcers", "exit_code", "leave_join_s", "missing_ranks",
     "pending", "plan", "verdict_wait_s",
 ]
