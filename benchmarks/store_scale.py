@@ -1,6 +1,6 @@
 """Store traffic at scale: N simulated hosts speaking the real bridge protocol to one TCPStore.
 
-    sudo PYTHONPATH=. python benchmarks/store_scale.py [--hosts 64,256,1024] [--before fb1c56d]
+    sudo PYTHONPATH=. python benchmarks/store_scale.py [--hosts 64,256,1024] [--before REV]
         [--before-hosts 64,256] [--procs 4] [--interval 1] [--peer-timeout 5] [--seconds 15]
 
 One TCPStore server on 127.0.0.1 in a process of its own. Each simulated host is the
@@ -24,8 +24,9 @@ verdict (its watchers decide, its bridge offers it with ``compare_set``; here at
 a connection opened beforehand), unless a verdict came first; the table gives the time
 from the kill to that first judgement, and from the verdict's publication to every
 host's waiter. "before" is the protocol at ``--before`` (a git revision: its ``peerwatch/``,
-extracted to a temporary directory, with this tree's built C extension), "after" this
-tree's. Prints one markdown table.
+extracted to a temporary directory, with this tree's built C extension; it must have this
+tree's package layout, dec8ddb or later, since the hosts are driven through its modules),
+"after" this tree's. Prints one markdown table.
 
 As root, runs itself in a network namespace of its own with only loopback (see
 benchmarks/bridge_load.py: torch's client asks DNS about every address it connects to).
@@ -286,6 +287,9 @@ def run_one(variant: str, root: str, hosts: int, a: argparse.Namespace) -> Dict[
             "aggregators": sorted(h for s in st1 for h in s["aggregating"]),
             "code": st1[0]["code"],
         })
+        if not os.path.realpath(fig["code"]).startswith(os.path.realpath(root) + os.sep):
+            raise SystemExit(f"{variant}: the hosts ran {fig['code']}, not the code under {root} (a --before "
+                             "revision must have the layout of this tree: peerwatch/hosts/, since dec8ddb)")
         # A host goes silent (not an aggregator: the aggregator's own loss is judged by its digest).
         victim = hosts - 1
         owner = victim // per
@@ -356,7 +360,8 @@ def main() -> None:
     _isolate()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hosts", default="64,256,1024", help="the numbers of hosts of the new protocol")
-    parser.add_argument("--before", default="fb1c56d", help="the git revision of the old protocol ('' for none)")
+    parser.add_argument("--before", default="", help="a git revision to compare, with this tree's layout ('' for none; "
+                        "the O(hosts^2) protocol, fb1c56d, predates it: its figures are in docs/performance.md)")
     parser.add_argument("--before-hosts", default="64,256",
                         help="the numbers of hosts of the old protocol (each reads every beat: 1024 does not keep up)")
     parser.add_argument("--procs", type=int, default=4)
