@@ -121,6 +121,44 @@ def test_a_closed_number_is_not_ours_and_not_drained(folders, watches):
     watch.abandon()
 
 
+def test_a_released_watch_watches_nothing_keeps_its_number_and_stop_closes_it(folders, watches, tmp_path):
+    """A teardown releases its watch rather than close it (a close with watches held waits
+    for the kernel to free them): nothing watched any more, the number still open and
+    ours, not polled; stop() closes it."""
+    watch = _watch(folders, watches)
+    fd = watch.fd
+    assert fd is not None
+    watch.release()
+    assert watch.fd is None and not watch.active
+    assert watched_inodes(fd) == [], "every watch removed"
+    os.fstat(fd)  # still open
+    (tmp_path / "temp").write_text("{}")
+    os.link(tmp_path / "temp", os.path.join(folders[0], "exit-00001.json"))
+    assert _drained_to_ignored(fd), "a new entry no longer queues an event"
+    watch.stop()
+    with pytest.raises(OSError):
+        os.fstat(fd)
+
+
+def _drained_to_ignored(fd: int) -> bool:
+    """Only IN_IGNORED events (the watches' removal) are queued on ``fd``."""
+    import struct
+
+    os.set_blocking(fd, False)
+    try:
+        data = os.read(fd, 65536)
+    except BlockingIOError:
+        return True
+    IN_IGNORED = 0x8000
+    offset = 0
+    while offset < len(data):
+        _, mask, _, name_len = struct.unpack_from("iIII", data, offset)
+        if not mask & IN_IGNORED:
+            return False
+        offset += 16 + name_len
+    return True
+
+
 def test_disabled_or_a_missing_folder_means_polling_with_no_descriptor_left(folders, caplog):
     before = set(os.listdir("/proc/self/fd"))
     assert not FolderWatch(folders, disabled=True).active

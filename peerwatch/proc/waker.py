@@ -143,8 +143,7 @@ class FolderWatch:
         (True where ``/proc/self/fdinfo`` cannot tell)."""
         if self._owned is None or not self._owned.intact():
             return False
-        assert self.fd is not None
-        inodes = watched_inodes(self.fd)
+        inodes = watched_inodes(self._owned.fd)
         return inodes is None or all(ino in inodes for ino in self._inodes)
 
     def drain(self) -> bool:
@@ -171,20 +170,25 @@ class FolderWatch:
         self.active = False
 
     def release(self) -> None:
-        """Watch no more, at once: the watches are removed and the number forgotten, but
-        left open to the process's end. Closing an instance that still has watches waits
-        for the kernel to free them (an SRCU grace period: up to 20 ms here, where 8 ranks
-        close theirs at once), and a teardown must not wait for that; the watches removed
-        now are freed meanwhile, so the process's exit closes an empty instance at no cost."""
-        if self._owned is not None and self.intact():
-            try:
-                rm = _libc_calls()[3]
-                for wd in self._wds:
-                    rm(self._owned.fd, wd)
-            except (OSError, AttributeError):
-                self.stop()
-                return
-        self.abandon()
+        """Watch no more, at once: the watches are removed, the number is no longer polled
+        (:attr:`fd` None) but stays open, to :meth:`stop` or the process's end. Closing an
+        instance that still has watches waits for the kernel to free them (an SRCU grace
+        period: up to 20 ms here, where 8 ranks close theirs at once), and a teardown must
+        not wait for that; the watches removed now are freed meanwhile, so a later close
+        (the process's exit) finds an empty instance and costs nothing."""
+        if self._owned is None or not self.intact():
+            self.abandon()
+            return
+        try:
+            rm = _libc_calls()[3]
+            for wd in self._wds:
+                rm(self._owned.fd, wd)
+        except (OSError, AttributeError):
+            self.stop()
+            return
+        self._inodes = []  # watching nothing now: still ours if the same kind of file
+        self.fd = None
+        self.active = False
 
     def stop(self) -> None:
         """Close the instance, if the number still is ours (its watches go with it)."""
@@ -223,6 +227,7 @@ class Waker:
         self._folder_args: Optional[Tuple[Callable[[], List[str]], bool]] = None
         self._folders_lock = threading.Lock()
         self._folders: Optional[FolderWatch] = None  # swapped under _folders_lock only
+        self._released: Optional[FolderWatch] = None  # a watch released, its number open (under _folders_lock)
         self._stopped = False  # stop() was called: no folder watch is made any more (under _folders_lock)
 
     # -- the folders (inotify) -----------------------------------------------------------
@@ -262,11 +267,15 @@ class Waker:
         """Under ``_folders_lock``. The watcher thread may be asleep on the number: its
         poll set is made anew, and a number it does not know any more is never read."""
         folders, self._folders = self._folders, None
+        if release and folders is not None:
+            folders.release()
+            self._released = folders  # closed by stop(), if the process gets there
+        elif folders is not None:
+            folders.stop()
+        if not release and self._released is not None:
+            self._released.stop()
+            self._released = None
         if folders is not None:
-            if release:
-                folders.release()
-            else:
-                folders.stop()
             self._repaired = True
 
     def _drain_folders(self, fd: int, flags: int) -> bool:
