@@ -64,6 +64,7 @@ class Target:
     label: str  # "rank 3" or "pid 812, a child of rank 3": for people
     pidfd: Optional[int] = None
     rank: Optional[int] = None  # the rank it is (not a descendant's): for the event log
+    dump_asked: bool = False  # a STACKS_SIGNAL was sent to it (terminate waits for the dump)
 
     def close(self) -> None:
         if self.pidfd is not None:
@@ -242,7 +243,9 @@ def send(target: Target, sig: int, reason: str, note: Note = _no_note) -> bool:
     except OSError as e:
         logger.warning("peerwatch: could not send %s to %s: %s", signal_label(sig), _named(target), e)
         return False
-    if sig != STACKS_SIGNAL:
+    if sig == STACKS_SIGNAL:
+        target.dump_asked = True
+    else:
         logger.warning("peerwatch: sent %s to %s: %s", signal_label(sig), _named(target), reason)
     note("signal", target.rank, pid=target.pid, signal=signal_label(sig), target=target.label, reason=reason)
     return True
@@ -321,10 +324,12 @@ def _wait_dumps_taken(targets: Sequence[Target], deadline: float) -> None:
     SIGURG (23), before any thread of the target ran, ends it by its default action before
     faulthandler writes a line; sent while faulthandler writes, it cuts the dump short.
     Once one was seen busy, two quiet looks in a row end the wait (between taking the
-    signal and entering the handler, a thread shows neither). A stopped target cannot take
-    it: not waited for.
+    signal and entering the handler, a thread shows neither). A target asked for a dump
+    gets those two looks even if the first shows neither: it may be in that moment (a
+    quiet full run once had its stack file empty). A stopped target cannot take it: not
+    waited for.
     """
-    waiting = [t for t in targets if _dumping(t.pid)]
+    waiting = [t for t in targets if t.dump_asked or _dumping(t.pid)]
     quiet = 0
     while waiting and quiet < 2 and time.monotonic() < deadline:
         time.sleep(_DUMP_POLL_S)  # no event says "dump written"; bounded, and only in teardown
