@@ -253,13 +253,17 @@ class Waker:
         with self._folders_lock:
             self._stopped = True
             self._close_folders()
+            if self._released is not None:
+                self._released.stop()
+                self._released = None
 
     def stop_watching_folders(self) -> None:
         """No more wakes from the folders, for a rank that acts on a verdict and looks at
         them no more: every rank that leaves adds a record to ``events/`` (its
         acknowledgement, its exit), and at N = 128 each watching rank would wake and rescan
         for every one of them. The watch is released, not closed (FolderWatch.release: the
-        rank leaves soon, and a close would hold its teardown). stop() has nothing left to do."""
+        rank leaves soon, and a close would hold its teardown); stop() closes it, if the
+        process gets there."""
         with self._folders_lock:
             self._close_folders(release=True)
 
@@ -267,16 +271,14 @@ class Waker:
         """Under ``_folders_lock``. The watcher thread may be asleep on the number: its
         poll set is made anew, and a number it does not know any more is never read."""
         folders, self._folders = self._folders, None
-        if release and folders is not None:
+        if folders is None:
+            return
+        if release:
             folders.release()
-            self._released = folders  # closed by stop(), if the process gets there
-        elif folders is not None:
+            self._released = folders
+        else:
             folders.stop()
-        if not release and self._released is not None:
-            self._released.stop()
-            self._released = None
-        if folders is not None:
-            self._repaired = True
+        self._repaired = True
 
     def _drain_folders(self, fd: int, flags: int) -> bool:
         """The folder watch's descriptor ``fd`` fired: drain it. False if ``fd`` is not
