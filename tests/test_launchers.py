@@ -215,8 +215,13 @@ def test_torchrun_restart_is_a_new_run(job_dir: Path) -> None:
         names = [d.name for d in job.run_dirs()]
         assert len(names) == 2 and names[0].endswith("-r0") and names[1].endswith("-r1"), names
         assert names[0][: -len("-r0")] == names[1][: -len("-r1")]
+        # As in test_torchrun_worker_sigkilled: the agent may stop the survivors before
+        # any of them has the verdict (CI saw r0 without a report once); where one was
+        # written, it names the killed rank.
         reports = job.reports()
-        assert reports[names[0]]["verdict"]["rank"] == 1
+        assert set(reports) <= {names[0]}, sorted(reports)
+        if names[0] in reports:
+            assert reports[names[0]]["verdict"]["rank"] == 1
         successes = sorted(p.name for p in (job.base / "peerwatch" / names[1] / "events").glob("success-*"))
         assert len(successes) == 4, successes
         assert not (job.base / "peerwatch" / names[1] / "events" / "verdict.json").exists()
