@@ -117,7 +117,7 @@ def test_owners_stuck_in_a_request_do_not_pile_up_per_retry() -> None:
 
 def test_calls_queued_behind_a_hung_one_fail_when_it_is_given_up() -> None:
     client = StoreClient(lambda t: object(), 1.0, "test-owner")
-    release = threading.Event()
+    release, entered = threading.Event(), threading.Event()
     behind: List[BaseException] = []
 
     def queued() -> None:
@@ -126,9 +126,14 @@ def test_calls_queued_behind_a_hung_one_fail_when_it_is_given_up() -> None:
         except StoreOverrun as e:
             behind.append(e)
 
-    hung = threading.Thread(target=lambda: pytest.raises(StoreOverrun, client.call, lambda c: release.wait(10.0), 0.5))
+    def hangs(c: object) -> None:
+        entered.set()
+        release.wait(10.0)
+
+    # Given up after 2 s: the call behind it must be queued by then (a loaded machine).
+    hung = threading.Thread(target=lambda: pytest.raises(StoreOverrun, client.call, hangs, 2.0))
     hung.start()
-    time.sleep(0.1)
+    assert entered.wait(5.0)
     waiter = threading.Thread(target=queued)
     waiter.start()
     waiter.join(5.0)
@@ -148,18 +153,22 @@ def test_connecting_gets_its_allowance_only_when_there_is_no_connection() -> Non
 
 def test_close_fails_waiting_callers_at_once_and_joins_idle_owners() -> None:
     client = StoreClient(lambda t: object(), 1.0, "test-owner")
-    release = threading.Event()
+    release, entered = threading.Event(), threading.Event()
     errors: List[BaseException] = []
+
+    def hangs(c: object) -> None:
+        entered.set()
+        release.wait(10.0)
 
     def caller() -> None:
         try:
-            client.call(lambda c: release.wait(10.0), 30.0)
+            client.call(hangs, 30.0)
         except StoreOverrun as e:
             errors.append(e)
 
     t = threading.Thread(target=caller)
     t.start()
-    time.sleep(0.1)
+    assert entered.wait(5.0)
     started = time.monotonic()
     stuck = client.close(time.monotonic() + 0.3)
     t.join(5.0)
