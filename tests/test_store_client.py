@@ -9,7 +9,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, List
+from typing import Any, Callable, List
 
 import pytest
 
@@ -115,6 +115,16 @@ def test_owners_stuck_in_a_request_do_not_pile_up_per_retry() -> None:
     client.close(time.monotonic() + 5.0)
 
 
+def _hangs(entered: threading.Event, release: threading.Event) -> Callable[[object], None]:
+    """A store request that says it has begun, then hangs until released (10 s at most)."""
+
+    def request(c: object) -> None:
+        entered.set()
+        release.wait(10.0)
+
+    return request
+
+
 def test_calls_queued_behind_a_hung_one_fail_when_it_is_given_up() -> None:
     client = StoreClient(lambda t: object(), 1.0, "test-owner")
     release, entered = threading.Event(), threading.Event()
@@ -126,12 +136,8 @@ def test_calls_queued_behind_a_hung_one_fail_when_it_is_given_up() -> None:
         except StoreOverrun as e:
             behind.append(e)
 
-    def hangs(c: object) -> None:
-        entered.set()
-        release.wait(10.0)
-
     # Given up after 2 s: the call behind it must be queued by then (a loaded machine).
-    hung = threading.Thread(target=lambda: pytest.raises(StoreOverrun, client.call, hangs, 2.0))
+    hung = threading.Thread(target=lambda: pytest.raises(StoreOverrun, client.call, _hangs(entered, release), 2.0))
     hung.start()
     assert entered.wait(5.0)
     waiter = threading.Thread(target=queued)
@@ -156,13 +162,9 @@ def test_close_fails_waiting_callers_at_once_and_joins_idle_owners() -> None:
     release, entered = threading.Event(), threading.Event()
     errors: List[BaseException] = []
 
-    def hangs(c: object) -> None:
-        entered.set()
-        release.wait(10.0)
-
     def caller() -> None:
         try:
-            client.call(hangs, 30.0)
+            client.call(_hangs(entered, release), 30.0)
         except StoreOverrun as e:
             errors.append(e)
 
