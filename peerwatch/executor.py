@@ -96,19 +96,10 @@ def failed_rank_speaks(observer: Observer, self_rank: int, verdict: Verdict) -> 
 
 
 # -- the steps, in the order the plan usually gives them -----------------------------------
-
-_STEPS: Dict[Step, Callable[[Teardown], None]] = {}  # filled by @_carries_out below
-
-
-def _carries_out(step: Step) -> Callable[[Callable[[Teardown], None]], Callable[[Teardown], None]]:
-    """The function below carries out ``step`` (the one place a step is bound to its code)."""
-    def bind(fn: Callable[[Teardown], None]) -> Callable[[Teardown], None]:
-        _STEPS[step] = fn
-        return fn
-    return bind
+# A step that is one call is a line of the table at the end of this part; the others are
+# functions.
 
 
-@_carries_out(Step.HOLD_SIGTERM)
 def _hold_sigterm(t: Teardown) -> None:
     # Under torchrun and mp.spawn the launcher's SIGTERM comes about 0.1 s after it saw
     # the failed worker end: noted, and this rank ends by it once it said what happened.
@@ -116,20 +107,11 @@ def _hold_sigterm(t: Teardown) -> None:
         log_event("sigterm_held", t.rank, seconds=_plan.HOLD_SIGTERM_S)
 
 
-@_carries_out(Step.ARM_EXIT_WATCH)
-def _arm_exit_watch(t: Teardown) -> None:
-    # From now on this rank's end is recorded as it happens (the verdict's code, or a
-    # launcher's SIGTERM).
-    exitwatch.arm_leaving(t.rank)
-
-
-@_carries_out(Step.ACK)
 def _acknowledge(t: Teardown) -> None:
     ack = Ack(rank=t.rank, pid=os.getpid(), time_ns=time.time_ns(), deadline_ns=int(t.leave_by * 1e9))
     t.ack_written = t.observer.write_event(rank_file("ack", t.rank), ack)
 
 
-@_carries_out(Step.SAY_BLIND)
 def _say_blind(t: Teardown) -> None:
     logger.error(
         "peerwatch: rank %d could not write its acknowledgement to %s: it waits up to %gs for its peers "
@@ -138,53 +120,11 @@ def _say_blind(t: Teardown) -> None:
     )
 
 
-@_carries_out(Step.STOP_WATCHING_FOLDERS)
-def _stop_watching_folders(t: Teardown) -> None:
-    t.observer.local.stop_watching_folders()
-
-
-@_carries_out(Step.ARM_LAST_RESORT)
-def _arm_last_resort(t: Teardown) -> None:
-    t.stacks.arm_last_resort(t.plan.last_resort_s)
-
-
-@_carries_out(Step.TELL_HOSTS)
 def _tell_hosts(t: Teardown) -> None:
     assert t.bridge is not None  # the plan tells other hosts only where there is a bridge
     t.bridge.on_verdict(t.verdict)  # at most ~1 s, 2 s taking over
 
 
-@_carries_out(Step.FINAL_HEARTBEAT)
-def _final_heartbeat(t: Teardown) -> None:
-    t.heartbeat.write_last(t.observer.local_pids)  # the step it stopped at, for the report
-
-
-@_carries_out(Step.TELL_LAUNCHERS)
-def _tell_launchers(t: Teardown) -> None:
-    launchers.on_verdict(t.verdict)  # Lightning's observer must not SIGKILL us meanwhile
-
-
-@_carries_out(Step.WRITE_REPORT)
-def _write_report(t: Teardown) -> None:
-    # Written while the peers are still leaving (their exit codes expected, not yet seen):
-    # waiting for them would let this rank's own training run on. ``peerwatch report``
-    # rebuilds from the records, with the codes as they happened.
-    _report_now(t, print_summary=False)
-
-
-@_carries_out(Step.WRITE_SUMMARY)
-def _write_summary(t: Teardown) -> None:
-    _report_now(t, print_summary=True)
-
-
-@_carries_out(Step.WRITE_SUMMARY_BELOW_TRACEBACK)
-def _write_summary_below_traceback(t: Teardown) -> None:
-    # The rank's own traceback is out now (a hook up the chain, torch's, holds it back until
-    # the main thread has left it): the summary follows it, without repeating it.
-    _report_now(t, print_summary=True, traceback=False)
-
-
-@_carries_out(Step.START_HOOK)
 def _start_hook(t: Teardown) -> None:
     """Someone is told, once per host, for at most on_verdict_timeout (not grace), which
     this rank then waits for."""
@@ -193,34 +133,12 @@ def _start_hook(t: Teardown) -> None:
         t.stacks.arm_last_resort(t.plan.last_resort_s + t.on_verdict_timeout_s)  # the rank waits for it
 
 
-@_carries_out(Step.DUMP_STACKS)
-def _dump_stacks(t: Teardown) -> None:
-    t.stacks.dump()
-
-
-@_carries_out(Step.DUMP_FLIGHT_RECORDER)
-def _dump_flight_recorder(t: Teardown) -> None:
-    t.flight_recorder.dump("teardown")
-
-
-@_carries_out(Step.INTERRUPT_MAIN)
-def _interrupt_main(t: Teardown) -> None:
-    teardown.raise_in_main_thread(PeerFailure.bound_to(t.verdict), t.interrupt_installed)
-
-
-@_carries_out(Step.TEAR_DOWN_PEERS)
-def _tear_down_peers(t: Teardown) -> None:
-    enforce.tear_down_peers(t.observer, t.verdict, t.plan.ack_window_s, t.situation.grace_s, set(t.plan.trusted))
-
-
-@_carries_out(Step.TEAR_DOWN_CHILDREN)
 def _tear_down_children(t: Teardown) -> None:
     # The hook's command is spared: its own bound (Hook.finish) ends it.
     spare = {t.hook.pid} if t.hook is not None and t.hook.pid is not None else set()
     enforce.tear_down_own_children(t.rank, t.observer.local_pids(), t.situation.grace_s, spare)
 
 
-@_carries_out(Step.WAIT_MAIN)
 def _wait_main(t: Teardown) -> None:
     # The main thread is leaving by itself (PeerFailure, or its own exception); at exit it
     # sets `main_left` and waits for us. If it is stuck, we end it.
@@ -229,7 +147,6 @@ def _wait_main(t: Teardown) -> None:
                      terminal.who(t.rank, t.me.pid, t.me.host), t.situation.grace_s, t.plan.exit_code)
 
 
-@_carries_out(Step.SAY_STOP_LINE)
 def _say_stop_line(t: Teardown) -> None:
     """The one line this rank says when a peer failed, below the summary (rule: who reports).
     Waits for the summary at most SUMMARY_WAIT_S from the verdict; past it, says its
@@ -250,17 +167,6 @@ def _say_stop_line(t: Teardown) -> None:
     ))
 
 
-@_carries_out(Step.LET_LAUNCHER_SEE)
-def _let_launcher_see(t: Teardown) -> None:
-    launchers.before_exit(t.me, t.run_dir, t.verdict)  # under torchrun: the agent sees the failed worker first
-
-
-@_carries_out(Step.SWEEP_RECORDS)
-def _sweep_records(t: Teardown) -> None:
-    sweep_events(t.run_dir, t.rank)  # the last records of peers that left meanwhile
-
-
-@_carries_out(Step.FINISH_HOOK)
 def _finish_hook(t: Teardown) -> None:
     if t.hook is not None:
         # This rank stays until its hook ends or its bound passes (a launcher may end what
@@ -269,9 +175,43 @@ def _finish_hook(t: Teardown) -> None:
         t.hook.finish(hold_gil=not t.plan.stay)
 
 
-@_carries_out(Step.EXIT)
-def _exit(t: Teardown) -> None:
-    leave.flush_and_exit(t.plan.exit_code)
+# Each step bound to its code (the one place that does it; what a step returns is not used).
+# Every call is looked up as the step runs, so what a test patches is what runs.
+_STEPS: Dict[Step, Callable[[Teardown], object]] = {
+    Step.HOLD_SIGTERM: _hold_sigterm,
+    # From now on this rank's end is recorded as it happens (the verdict's code, or a
+    # launcher's SIGTERM).
+    Step.ARM_EXIT_WATCH: lambda t: exitwatch.arm_leaving(t.rank),
+    Step.ACK: _acknowledge,
+    Step.SAY_BLIND: _say_blind,
+    Step.STOP_WATCHING_FOLDERS: lambda t: t.observer.local.stop_watching_folders(),
+    Step.ARM_LAST_RESORT: lambda t: t.stacks.arm_last_resort(t.plan.last_resort_s),
+    Step.TELL_HOSTS: _tell_hosts,
+    Step.FINAL_HEARTBEAT: lambda t: t.heartbeat.write_last(t.observer.local_pids),  # the step it stopped at, for the report
+    Step.TELL_LAUNCHERS: lambda t: launchers.on_verdict(t.verdict),  # Lightning's observer must not SIGKILL us meanwhile
+    # Written while the peers are still leaving (their exit codes expected, not yet seen):
+    # waiting for them would let this rank's own training run on. ``peerwatch report``
+    # rebuilds from the records, with the codes as they happened.
+    Step.WRITE_REPORT: lambda t: _report_now(t, print_summary=False),
+    Step.WRITE_SUMMARY: lambda t: _report_now(t, print_summary=True),
+    # The rank's own traceback is out now (a hook up the chain, torch's, holds it back until
+    # the main thread has left it): the summary follows it, without repeating it.
+    Step.WRITE_SUMMARY_BELOW_TRACEBACK: lambda t: _report_now(t, print_summary=True, traceback=False),
+    Step.START_HOOK: _start_hook,
+    Step.DUMP_STACKS: lambda t: t.stacks.dump(),
+    Step.DUMP_FLIGHT_RECORDER: lambda t: t.flight_recorder.dump("teardown"),
+    Step.INTERRUPT_MAIN: lambda t: teardown.raise_in_main_thread(PeerFailure.bound_to(t.verdict), t.interrupt_installed),
+    Step.TEAR_DOWN_PEERS: lambda t: enforce.tear_down_peers(
+        t.observer, t.verdict, t.plan.ack_window_s, t.situation.grace_s, set(t.plan.trusted)),
+    Step.TEAR_DOWN_CHILDREN: _tear_down_children,
+    Step.WAIT_MAIN: _wait_main,
+    Step.SAY_STOP_LINE: _say_stop_line,
+    # under torchrun: the agent sees the failed worker first
+    Step.LET_LAUNCHER_SEE: lambda t: launchers.before_exit(t.me, t.run_dir, t.verdict),
+    Step.SWEEP_RECORDS: lambda t: sweep_events(t.run_dir, t.rank),  # the last records of peers that left meanwhile
+    Step.FINISH_HOOK: _finish_hook,
+    Step.EXIT: lambda t: leave.flush_and_exit(t.plan.exit_code),
+}
 
 
 # -- the report ----------------------------------------------------------------------------
