@@ -151,33 +151,23 @@ class Config:
         return config
 
     def _validate(self) -> None:
-        if self.on_verdict_timeout <= 0:
-            raise ConfigError(
-                "on_verdict_timeout", self.on_verdict_timeout, self.source_of("on_verdict_timeout"),
-                "must be above 0 (the hook's bound)",
-            )
-        if self.heartbeat_interval <= 0:
-            raise ConfigError(
-                "heartbeat_interval", self.heartbeat_interval, self.source_of("heartbeat_interval"), "must be above 0"
-            )
-        for option, seconds in (("hang_timeout", self.hang_timeout.seconds), ("gil_timeout", self.gil_timeout)):
-            if seconds is not None and seconds < 2 * self.heartbeat_interval:
-                raise ConfigError(
-                    option, seconds, self.source_of(option),
-                    f"must be 0 (off) or at least twice heartbeat_interval ({self.heartbeat_interval:g}s)",
-                )
-        if self.world_size is not None and self.rank is not None and self.rank >= self.world_size:
-            raise ConfigError(
-                "rank", self.rank, self.source_of("rank"),
-                f"rank must be below world_size={self.world_size} ({self.source_of('world_size')})",
-            )
-        if self.peer_timeout < 2 * self.heartbeat_interval:
-            raise ConfigError(
-                "peer_timeout", self.peer_timeout, self.source_of("peer_timeout"),
-                f"must be at least twice heartbeat_interval ({self.heartbeat_interval:g}s)",
-            )
-        if self.world_size == 0:
-            raise ConfigError("world_size", 0, self.source_of("world_size"), "must be at least 1")
+        hook, beat = self.on_verdict_timeout, self.heartbeat_interval
+        hang, gil = self.hang_timeout.seconds, self.gil_timeout
+        twice_beat = f"at least twice heartbeat_interval ({beat:g}s)"
+        # (option, its value, broken?, why), in the order checked: the first broken one is raised.
+        rules: Tuple[Tuple[str, Any, bool, str], ...] = (
+            ("on_verdict_timeout", hook, hook <= 0, "must be above 0 (the hook's bound)"),
+            ("heartbeat_interval", beat, beat <= 0, "must be above 0"),
+            ("hang_timeout", hang, hang is not None and hang < 2 * beat, f"must be 0 (off) or {twice_beat}"),
+            ("gil_timeout", gil, gil is not None and gil < 2 * beat, f"must be 0 (off) or {twice_beat}"),
+            ("rank", self.rank, self.world_size is not None and self.rank is not None and self.rank >= self.world_size,
+             f"rank must be below world_size={self.world_size} ({self.source_of('world_size')})"),
+            ("peer_timeout", self.peer_timeout, self.peer_timeout < 2 * beat, f"must be {twice_beat}"),
+            ("world_size", 0, self.world_size == 0, "must be at least 1"),
+        )
+        for option, value, broken, why in rules:
+            if broken:
+                raise ConfigError(option, value, self.source_of(option), why)
 
 
 def _non_negative_int(raw: Any) -> int:

@@ -147,38 +147,34 @@ def _claim(rd: RunDir, key: str) -> bool:
         return False
 
 
+# Each logged record's event, the attribute that says when, and its fields in order: each
+# copied from the record, or worked out from it where _WORKED_OUT names it.
+_LOGGED: Dict[type, Tuple[str, str, Tuple[str, ...]]] = {
+    Registration: ("register", "time_ns", ("pid", "host", "world_size", "local_rank")),
+    Success: ("success", "time_ns", ("pid",)),
+    Failure: ("failure", "time_ns", ("pid", "cause", "exit_code", "exception", "message", "thread", "host")),
+    ExitStatus: ("exit", "time_ns", ("pid", "returncode", "exit_code", "signal", "observed_by", "signalled_by")),
+    Ack: ("ack", "time_ns", ("pid",)),
+    Verdict: ("verdict", "detected_at_ns", ("cause", "exit_code", "pid", "host", "signal", "exception", "detail",
+                                            "failed_at_ns", "detected_by", "oom_suspected", "laggards")),
+    NotSignalled: ("not_signalled", "time_ns", ("pid", "reason", "observed_by")),
+    Interrupt: ("interrupt", "time_ns", ("pid", "signal", "signalled_by")),
+    WatcherDeath: ("watcher_death", "time_ns", ("pid", "exception", "message")),
+}
+_WORKED_OUT: Dict[Tuple[type, str], Callable[[Any], Any]] = {
+    (ExitStatus, "exit_code"): lambda rec: returncode_exit_code(rec.returncode),
+    (ExitStatus, "signal"): lambda rec: signal_name(-rec.returncode) if rec.returncode < 0 else None,
+    (Verdict, "detail"): lambda rec: rec.detail or None,
+    (Verdict, "laggards"): lambda rec: list(rec.laggards),
+}
+
+
 def describe(rec: object) -> Optional[tuple]:
     """(event, rank, ts, fields) of a record; None for what is not logged."""
-    if isinstance(rec, Registration):
-        return "register", rec.rank, rec.time_ns, {
-            "pid": rec.pid, "host": rec.host, "world_size": rec.world_size, "local_rank": rec.local_rank}
-    if isinstance(rec, Success):
-        return "success", rec.rank, rec.time_ns, {"pid": rec.pid}
-    if isinstance(rec, Failure):
-        return "failure", rec.rank, rec.time_ns, {
-            "pid": rec.pid, "cause": rec.cause, "exit_code": rec.exit_code, "exception": rec.exception,
-            "message": rec.message, "thread": rec.thread, "host": rec.host}
-    if isinstance(rec, ExitStatus):
-        sig = signal_name(-rec.returncode) if rec.returncode < 0 else None
-        return "exit", rec.rank, rec.time_ns, {
-            "pid": rec.pid, "returncode": rec.returncode, "exit_code": returncode_exit_code(rec.returncode),
-            "signal": sig, "observed_by": rec.observed_by, "signalled_by": rec.signalled_by}
-    if isinstance(rec, Ack):
-        return "ack", rec.rank, rec.time_ns, {"pid": rec.pid}
-    if isinstance(rec, Verdict):
-        return "verdict", rec.rank, rec.detected_at_ns, {
-            "cause": rec.cause, "exit_code": rec.exit_code, "pid": rec.pid, "host": rec.host,
-            "signal": rec.signal, "exception": rec.exception, "detail": rec.detail or None,
-            "failed_at_ns": rec.failed_at_ns, "detected_by": rec.detected_by,
-            "oom_suspected": rec.oom_suspected, "laggards": list(rec.laggards)}
-    if isinstance(rec, NotSignalled):
-        return "not_signalled", rec.rank, rec.time_ns, {
-            "pid": rec.pid, "reason": rec.reason, "observed_by": rec.observed_by}
-    if isinstance(rec, Interrupt):
-        return "interrupt", rec.rank, rec.time_ns, {"pid": rec.pid, "signal": rec.signal, "signalled_by": rec.signalled_by}
-    if isinstance(rec, WatcherDeath):
-        return "watcher_death", rec.rank, rec.time_ns, {
-            "pid": rec.pid, "exception": rec.exception, "message": rec.message}
+    for cls, (event, when, names) in _LOGGED.items():
+        if isinstance(rec, cls):
+            fields = {n: _WORKED_OUT[cls, n](rec) if (cls, n) in _WORKED_OUT else getattr(rec, n) for n in names}
+            return event, getattr(rec, "rank"), getattr(rec, when), fields  # noqa: B009
     return None
 
 

@@ -383,11 +383,10 @@ def check_torch() -> Check:
         return Check("torch", WARN, f"import torch failed: {facts['error']}",
                      "no store bridge; hangs are not placed in a collective", "repair the torch installation")
     parts = [f"torch {facts.get('version', '?')}"]
-    if "dist_error" in facts:
-        return Check("torch", WARN, f"{parts[0]}; torch.distributed cannot be imported ({facts['dist_error']})",
-                     "no store bridge: a multi-host job's hosts do not learn of each other's failures", "a torch build with distributed")
-    if not facts.get("dist"):
-        return Check("torch", WARN, f"{parts[0]}; built without torch.distributed",
+    if "dist_error" in facts or not facts.get("dist"):
+        why = (f"torch.distributed cannot be imported ({facts['dist_error']})" if "dist_error" in facts
+               else "built without torch.distributed")
+        return Check("torch", WARN, f"{parts[0]}; {why}",
                      "no store bridge: a multi-host job's hosts do not learn of each other's failures", "a torch build with distributed")
     parts.append("gloo " + ("yes" if facts.get("gloo") else "no"))
     parts.append("nccl " + ("yes" if facts.get("nccl") else "no"))

@@ -83,7 +83,7 @@ def _reap(leader: int, status: list[int | None]) -> bool:
         if pid == 0:
             return False
         if pid == leader:
-            status[0] = os.waitstatus_to_exitcode(st) if hasattr(os, "waitstatus_to_exitcode") else st >> 8
+            status[0] = os.waitstatus_to_exitcode(st)
         # Another one: a background process of the command, ended (or reparented here, then ended).
 
 
