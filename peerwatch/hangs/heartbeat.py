@@ -18,7 +18,7 @@ import os
 import sys
 import threading
 import time
-from typing import AbstractSet, Callable, Optional, Tuple
+from typing import AbstractSet, Any, Callable, Dict, Optional, Tuple
 
 from ..core.records import Heartbeat, Registration, encode
 from ..proc import teardown
@@ -117,6 +117,7 @@ class HeartbeatWriter:
         self._timeouts_read: set = set()  # groups whose collective timeout was looked for
         self._activity = ActivitySampler()  # sampled while the counters stand still (busy or stuck?)
         self._published: Optional[Heartbeat] = None  # the last record written, guarded by _lock
+        self._stamped: Optional[Stamped] = None  # the last record written in place, to write again
         # The straggler's measure: sampled once the counters are read (torch.distributed in use).
         self._sampler: Optional[WaitSampler] = WaitSampler(me.rank) if measure_waits and read_collectives else None
         self._sampling = False
@@ -132,6 +133,8 @@ class HeartbeatWriter:
         """This rank's heartbeat as last written (its collectives and signs of work, for
         a judge judging itself); None before the first one."""
         with self._lock:
+            if self._published is None and self._stamped is not None:
+                self._published = self._stamped.last()
             return self._published
 
     def training(self) -> bool:
@@ -208,11 +211,10 @@ class HeartbeatWriter:
             if sampling:
                 self._activity.sample(self._children)
             self._ending = self._ending or last  # from now on, whole files only
-            beat = self._record()
+            fields = self._fields()
             if self._ending:
-                self._last_step = beat.step
-            self._published = beat
-            self._write(beat, atomic=self._ending)
+                self._last_step = fields["step"]
+            self._write(fields, atomic=self._ending)
 
     def write_last(self, peer_pids: Callable[[], AbstractSet[int]]) -> None:
         """The step this rank stopped at, for the report and ``peerwatch status``: the last
@@ -234,14 +236,15 @@ class HeartbeatWriter:
             self._leaving_ns, self._unsaid = time.time_ns(), True
         self.write(peer_pids, last=True)
 
-    def _record(self) -> Heartbeat:
+    def _fields(self) -> Dict[str, Any]:
+        """Every field of the next record but ``time_ns`` and ``seq``: what it says."""
         # Where the main thread is: for the hang judges, and once the counters stop moving.
         stalled = self._still > 0 and bool(self._counters)
         where, waiting = main_thread_position() if self._with_position or stalled else ("", False)
         activity = self._activity.current()
         p = self._progress
-        return Heartbeat(
-            rank=self._me.rank, pid=os.getpid(), time_ns=time.time_ns(), seq=self._seq, step=p.step,
+        return dict(
+            rank=self._me.rank, pid=os.getpid(), step=p.step,
             progress_ns=p.progress_ns, paused=p.paused > 0, children=self._children, where=where,
             in_collective=waiting, collectives=self._counters, moved_ns=self._moved_ns, entered=self._entered,
             pg_timeout_ms=min(self._reader.timeout_ms.values(), default=0),
@@ -250,15 +253,50 @@ class HeartbeatWriter:
             leaving_ns=self._leaving_ns, waits=self._waits.slots(), enqueued=self._enqueued.rows(),
         )
 
-    def _write(self, beat: Heartbeat, atomic: bool = False) -> None:
+    def _write(self, fields: Dict[str, Any], atomic: bool = False) -> None:
+        """Write the record of ``fields``, now. A record that says what the last one said (an
+        idle rank's, beat after beat) is the last one's bytes with a new time and seq: one
+        ``pwrite`` and no encoding (:class:`Stamped`)."""
         rd = self._run_dir
+        now = time.time_ns()
         try:
             if rd.shared or atomic:
-                rd.write(HEARTBEATS, rank_file("rank", self._me.rank), encode(beat), replace=True)
-            else:
-                self._file.write(encode(beat))
+                self._stamped = None
+                self._published = Heartbeat(time_ns=now, seq=self._seq, **fields)
+                rd.write(HEARTBEATS, rank_file("rank", self._me.rank), encode(self._published), replace=True)
+                return
+            stamped = self._stamped
+            if stamped is None or stamped.fields != fields:
+                stamped = self._stamped = Stamped(fields)
+            self._published = None  # made from _stamped when asked for (published())
+            self._file.write(stamped.at(now, self._seq))
         except OSError as e:
             rd.warn_once(rd.join(HEARTBEATS), f"heartbeat cannot be written ({e.strerror})")
 
 
-__all__ = ["CHILDREN_SCAN_EVERY", "HeartbeatWriter", "OwnProgress", "main_thread_position"]
+class Stamped:
+    """A heartbeat's encoding, kept to be written again with a new ``time_ns`` and ``seq``
+    while every other field stays as it is (``fields``: all of them but those two)."""
+
+    def __init__(self, fields: Dict[str, Any]) -> None:
+        self.fields = fields
+        self._time_ns, self._seq = 0, 0
+        data = encode(self.last())
+        head, found, tail = data.partition(b'"time_ns":0,"seq":0')
+        # Found in the encoding itself: a record whose two fields are not side by side there
+        # (another encoding) is encoded whole every time, never written wrong.
+        self._parts = (head + b'"time_ns":', b',"seq":', tail) if found else None
+
+    def at(self, time_ns: int, seq: int) -> bytes:
+        """The record's bytes with this time and seq."""
+        self._time_ns, self._seq = time_ns, seq
+        if self._parts is None:
+            return encode(self.last())
+        head, middle, tail = self._parts
+        return b"%s%d%s%d%s" % (head, time_ns, middle, seq, tail)
+
+    def last(self) -> Heartbeat:
+        """The record last made by :meth:`at`."""
+        return Heartbeat(time_ns=self._time_ns, seq=self._seq, **self.fields)
+
+__all__ = ["CHILDREN_SCAN_EVERY", "HeartbeatWriter", "OwnProgress", "Stamped", "main_thread_position"]
