@@ -120,9 +120,10 @@ class Ending:
                 self._settle.wait(left)
 
     def looks_asked(self) -> int:
-        """The watcher thread, before it looks: how many looks were asked for so far."""
-        with self._settle:
-            return self._requested
+        """The watcher thread, before it looks: how many looks were asked for so far. Read
+        without the lock (on every turn): a request counted after the read wakes the
+        watcher again, and is answered by its next look."""
+        return self._requested
 
     def looked(self, upto: int) -> None:
         """The watcher thread took a full look: the settles that asked before it are answered."""

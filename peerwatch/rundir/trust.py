@@ -184,6 +184,7 @@ class HeldDir:
         # "" -> the directory, "events" -> its folder...: held once hold() checked them.
         self._fds: Dict[str, int] = {}
         self._ids: Dict[str, Tuple[int, int]] = {}  # (st_dev, st_ino) of each, as checked
+        self._paths: Dict[str, str] = {}  # lost()'s paths, joined once (it looks on every turn)
         self._fd_lock = threading.RLock()
 
     def join(self, *parts: str) -> str:
@@ -301,8 +302,11 @@ class HeldDir:
         top, held = self._ids.get(""), self._ids.get(sub)
         if top is None or held is None:
             return None
+        path = self._paths.get(sub)
+        if path is None:
+            path = self._paths[sub] = self.join(sub)
         try:
-            now = _dir_id(self.join(sub))
+            now = _dir_id(path)
             if now == held:
                 return None
             top_now = _dir_id(self.path)
