@@ -123,9 +123,10 @@ class Diagnoser:
         summary = diagnose.summarize(local, host, obs.now_mono_ns, threshold_ns, obs.awake_since_ns, stuck_ns)
         if summary is None:
             if self._stall_written:  # it moved again: the bridge stops saying it stands still
-                self._stall_written = not self._write(STALL_FILE, b"{}")
+                self._stall_written = not self._observer.run_dir.write_or_log(STALL_FILE, b"{}")
             return local
-        self._stall_written = self._write(STALL_FILE, summary.to_json()) or self._stall_written
+        written = self._observer.run_dir.write_or_log(STALL_FILE, summary.to_json())  # else the other hosts miss it
+        self._stall_written = written or self._stall_written
         remote = self._remote(summary.threshold_ms)
         if not remote:
             return local
@@ -138,10 +139,7 @@ class Diagnoser:
         run_dir = self._observer.run_dir
         path = run_dir.join(REMOTE_STALLS_FILE)
         fresh_ns = int(REMOTE_FRESH_S * 1e9) + 2 * diagnose.refresh_ns(threshold_ms, self._interval_ns)
-        try:
-            if time.time_ns() - run_dir.stat("", REMOTE_STALLS_FILE).st_mtime_ns > fresh_ns:
-                return {}
-        except OSError:
+        if not run_dir.recent(REMOTE_STALLS_FILE, fresh_ns):
             return {}
         data = run_dir.read_bytes("", REMOTE_STALLS_FILE)
         out: Dict[int, diagnose.RankState] = {}
@@ -155,13 +153,6 @@ class Diagnoser:
             run_dir.warn_once(path, "is not a list of other hosts' stalls; ignored")
             return {}
         return out
-
-    def _write(self, name: str, data: bytes) -> bool:
-        try:
-            return self._observer.run_dir.write("", name, data, replace=True)
-        except OSError as e:
-            logger.debug("peerwatch: cannot write %s: %s", name, e)  # the other hosts will not see this stall
-            return False
 
     def _what_next(self, record: Diagnosis) -> str:
         """What the log line promises: the job goes on, or when it ends."""

@@ -200,10 +200,7 @@ class _Kept:
         return self.run_dir.read_bytes("", self.name, limit=256)
 
     def save(self, value: bytes) -> None:
-        try:
-            self.run_dir.write("", self.name, value)
-        except OSError as e:
-            logger.debug("peerwatch: cannot write %s: %s", self.name, e)  # a successor settles it again
+        self.run_dir.write_or_log(self.name, value, replace=False)  # not written: a successor settles it again
 
 
 class _TorchGate:
@@ -261,11 +258,7 @@ class _Stalls:
 
     def local(self) -> Optional[diagnose.Summary]:
         """This host's stall, as its hang judges last wrote it (None: its ranks move)."""
-        fresh_ns = int((STALL_FRESH_BEATS * self.interval_s + 1.0) * 1e9)
-        try:
-            if time.time_ns() - self.run_dir.stat("", STALL_FILE).st_mtime_ns > fresh_ns:
-                return None
-        except OSError:
+        if not self.run_dir.recent(STALL_FILE, int((STALL_FRESH_BEATS * self.interval_s + 1.0) * 1e9)):
             return None
         data = self.run_dir.read_bytes("", STALL_FILE, limit=diagnose.MAX_SUMMARY_BYTES)
         return diagnose.Summary.from_json(data) if data else None
@@ -323,11 +316,8 @@ class _Stalls:
         if not (read or self.remote != before or (self._file and not self.remote)):
             return
         body = {"hosts": [[moved, data.decode("utf-8", "replace")] for _, moved, data in self.remote.values()]}
-        try:
-            self.run_dir.write("", REMOTE_STALLS_FILE, json.dumps(body).encode(), replace=True)
+        if self.run_dir.write_or_log(REMOTE_STALLS_FILE, json.dumps(body).encode()):  # else: the judges see ours only
             self._file = bool(self.remote)
-        except OSError as e:
-            logger.debug("peerwatch: cannot write %s: %s", REMOTE_STALLS_FILE, e)  # the judges see this host only
 
 
 class _Absentees:
@@ -679,10 +669,7 @@ class _BeatLoop:
         if state == self._state:
             return
         self._state = state
-        try:
-            link.run_dir.write("", STATE_FILE, json.dumps(state).encode(), replace=True)
-        except OSError as e:
-            logger.debug("peerwatch: cannot write %s: %s", STATE_FILE, e)  # for people only: no harm
+        link.run_dir.write_or_log(STATE_FILE, json.dumps(state).encode())  # for people only: not written, no harm
 
 
 class _VerdictWaiter:

@@ -206,6 +206,11 @@ def _is_nonce(value: bytes) -> bool:
     return len(value) == 2 * NONCE_BYTES and all(ch in b"0123456789abcdef" for ch in value)
 
 
+def _put(c: Any, seal: Seal, key: str, value: bytes) -> None:
+    """Set ``key`` (the full key, with its prefix) to ``value``, signed (:meth:`Seal.sign`)."""
+    c.set(key, seal.sign(key, value))
+
+
 def establish_nonce(c: Any, prefix: str, seal: Seal) -> Optional[bytes]:
     """The run's nonce (None without a secret): the one this host holds, else the one the store
     holds, else ours, proposed with compare_set (the first host wins). A value there that is
@@ -417,18 +422,15 @@ def exchange(c: Any, x: Exchange) -> Seen:
         establish_nonce(c, x.prefix, seal)
         requests += 1
     if x.stall is not None:  # before the beat that says it is there: a multi_get waits for a missing key
-        key = x.prefix + diag_key(index)
-        c.set(key, seal.sign(key, x.stall))
+        _put(c, seal, x.prefix + diag_key(index), x.stall)
         requests += 1
-    key = x.prefix + beat_key(index)
-    c.set(key, seal.sign(key, x.beat))
+    send_beat(c, x.prefix, index, x.beat, seal)
     requests += 1
     if x.beat.startswith(DONE):
         say_ending(c, x.prefix, seal)
         requests += 1
     if x.me is not None:
-        key = x.prefix + host_key(index)
-        c.set(key, seal.sign(key, dataclasses.replace(x.me, index=index).to_json()))
+        _put(c, seal, x.prefix + host_key(index), dataclasses.replace(x.me, index=index).to_json())
         requests += 1
     dkey = x.prefix + DIGEST
     there = x.digest_known
@@ -487,14 +489,12 @@ def exchange(c: Any, x: Exchange) -> Seen:
 
 def say_ending(c: Any, prefix: str, seal: Seal = NO_SEAL) -> None:
     """This host's rank finished cleanly: every host reads it at its next interval."""
-    key = prefix + ENDING
-    c.set(key, seal.sign(key, ENDING_SAID))
+    _put(c, seal, prefix + ENDING, ENDING_SAID)
 
 
 def publish_digest(c: Any, prefix: str, digest: Digest, seal: Seal = NO_SEAL) -> None:
     """The aggregator's one write for every other host."""
-    key = prefix + DIGEST
-    c.set(key, seal.sign(key, digest.to_json()))
+    _put(c, seal, prefix + DIGEST, digest.to_json())
 
 
 def strag_key(index: int) -> str:
@@ -523,8 +523,7 @@ def straggle_exchange(c: Any, x: StraggleExchange) -> Tuple[Dict[int, bytes], Op
     Keys are checked before they are read: a multi_get waits for a missing one."""
     requests = 0
     if x.mine is not None:
-        key = x.prefix + strag_key(x.index)
-        c.set(key, x.seal.sign(key, x.mine))
+        _put(c, x.seal, x.prefix + strag_key(x.index), x.mine)
         requests += 1
     profiles: Dict[int, bytes] = {}
     keys = [x.prefix + strag_key(j) for j in x.others]
@@ -541,7 +540,7 @@ def straggle_exchange(c: Any, x: StraggleExchange) -> Tuple[Dict[int, bytes], Op
     found: Optional[bytes] = None
     key = x.prefix + STRAG_FOUND
     if x.found is not None:
-        c.set(key, x.seal.sign(key, x.found))
+        _put(c, x.seal, key, x.found)
         requests += 1
     if x.read_found:
         requests += 1
@@ -561,8 +560,7 @@ def read_host(c: Any, prefix: str, index: int, seal: Seal = NO_SEAL) -> HostInfo
 
 
 def send_beat(c: Any, prefix: str, index: int, beat: bytes, seal: Seal = NO_SEAL) -> None:
-    key = prefix + beat_key(index)
-    c.set(key, seal.sign(key, beat))
+    _put(c, seal, prefix + beat_key(index), beat)
 
 
 def publish_verdict(c: Any, prefix: str, data: bytes, seal: Seal = NO_SEAL,

@@ -63,7 +63,7 @@ class StragglerWatch:
         host = identity.hostname()
         profiles = self._local_profiles(own, peers, host)
         if self._spans_hosts:
-            self._write(STRAGGLE_FILE, host_json(host, profiles))
+            self._run_dir.write_or_log(STRAGGLE_FILE, host_json(host, profiles))  # not written: the next slot
             remote = self._remote()
             if remote is None:
                 return  # not host 0 (its bridge brings the finding), or its bridge is not up yet
@@ -75,7 +75,7 @@ class StragglerWatch:
         before = self._previous()
         found = find(profiles, {s.rank: s.since_ns for s in before}, now_ns)
         if [(s.rank, s.late_ms, s.share) for s in found] != [(s.rank, s.late_ms, s.share) for s in before]:
-            self._write(STRAGGLERS_FILE, finding_json(found, now_ns))
+            self._run_dir.write_or_log(STRAGGLERS_FILE, finding_json(found, now_ns))  # not written: the next slot
         log_changes(before, found)
         self._found = found
         return found
@@ -107,10 +107,7 @@ class StragglerWatch:
         """The other hosts' profiles (host 0's bridge wrote them); None where this host does
         not judge the job (the file is not there, or stale)."""
         path = self._run_dir.join(STRAGGLE_HOSTS_FILE)
-        try:
-            if time.time_ns() - self._run_dir.stat("", STRAGGLE_HOSTS_FILE).st_mtime_ns > HOSTS_FRESH_SLOTS * self._slot_s * 1e9:
-                return None
-        except OSError:
+        if not self._run_dir.recent(STRAGGLE_HOSTS_FILE, HOSTS_FRESH_SLOTS * self._slot_s * 1e9):
             return None
         data = self._run_dir.read_bytes("", STRAGGLE_HOSTS_FILE, limit=64 * 1024 * 1024)
         out: Dict[int, Profile] = {}
@@ -121,12 +118,6 @@ class StragglerWatch:
             self._run_dir.warn_once(path, "is not a list of other hosts' waits; ignored")
             return None
         return out
-
-    def _write(self, name: str, data: bytes) -> None:
-        try:
-            self._run_dir.write("", name, data, replace=True)
-        except OSError as e:
-            logger.debug("peerwatch: cannot write %s: %s", name, e)  # the finding waits for the next slot
 
 
 class StraggleRelay:
@@ -148,7 +139,8 @@ class StraggleRelay:
         if index is None or (self._last_ns is not None and now - self._last_ns < self._slot_ns):
             return None
         self._last_ns = now
-        mine = self._fresh(STRAGGLE_FILE)
+        fresh = self._run_dir.recent(STRAGGLE_FILE, HOSTS_FRESH_SLOTS * self._slot_ns)
+        mine = self._run_dir.read_bytes("", STRAGGLE_FILE) if fresh else None
         if index != 0:
             return StraggleExchange(prefix, index, mine, [], None, True, seal)
         found = self._run_dir.read_bytes("", STRAGGLERS_FILE)
@@ -161,7 +153,7 @@ class StraggleRelay:
             if x.found is not None:
                 self._published = x.found
             body = {"hosts": [v.decode("utf-8", "replace") for _, v in sorted(profiles.items())]}
-            self._write(STRAGGLE_HOSTS_FILE, json.dumps(body).encode())
+            self._run_dir.write_or_log(STRAGGLE_HOSTS_FILE, json.dumps(body).encode())
             return
         if found is None or found == self._copied:
             return
@@ -169,24 +161,9 @@ class StraggleRelay:
         if after is None:
             return
         before = read_finding(self._run_dir) if self._copied is None else finding_from_json(self._copied)
-        if self._write(STRAGGLERS_FILE, found):
+        if self._run_dir.write_or_log(STRAGGLERS_FILE, found):
             log_changes(before or (), after)
             self._copied = found
-
-    def _fresh(self, name: str) -> Optional[bytes]:
-        try:
-            if time.time_ns() - self._run_dir.stat("", name).st_mtime_ns > HOSTS_FRESH_SLOTS * self._slot_ns:
-                return None
-        except OSError:
-            return None
-        return self._run_dir.read_bytes("", name)
-
-    def _write(self, name: str, data: bytes) -> bool:
-        try:
-            return self._run_dir.write("", name, data, replace=True)
-        except OSError as e:
-            logger.debug("peerwatch: cannot write %s: %s", name, e)
-            return False
 
 
 def _rows(beat: Heartbeat) -> List[Enqueued]:

@@ -26,6 +26,7 @@ writer wins).
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import stat
 import threading
@@ -65,6 +66,7 @@ _SUBDIRS = (RANKS, EVENTS, HEARTBEATS, STACKS, TMP)
 NOT_NOW = frozenset((errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS, errno.EAGAIN, errno.EINTR))
 
 R = TypeVar("R")
+logger = logging.getLogger("peerwatch")
 
 
 def rank_file(prefix: str, rank: int, suffix: str = ".json") -> str:
@@ -191,6 +193,16 @@ class HeldFiles(HeldDir):
                 except FileNotFoundError:
                     pass
 
+    def write_or_log(self, name: str, data: bytes, replace: bool = True) -> bool:
+        """:meth:`write` the file ``name`` of the run directory (replacing it, unless not
+        ``replace``), for a file the run can do without: True if written, False where it
+        was not (an OSError is logged at DEBUG, never raised)."""
+        try:
+            return self.write("", name, data, replace=replace)
+        except OSError as e:
+            logger.debug("peerwatch: cannot write %s: %s", name, e)
+            return False
+
     def claim(self, sub: str, name: str) -> bool:
         """Create the empty file ``sub/name`` (``sub`` made 0700 if missing); True for the
         one process that created it, False for every other (``O_EXCL``): who does a thing
@@ -268,6 +280,15 @@ class HeldFiles(HeldDir):
         except OSError:
             return False
         return True
+
+    def recent(self, name: str, max_age_ns: float) -> bool:
+        """Is the file ``name`` of the run directory there, and was it last modified at most
+        ``max_age_ns`` ago (``time.time_ns()``)? False where it cannot be looked at: a file
+        another process rewrites, that it stopped writing."""
+        try:
+            return time.time_ns() - self.stat("", name).st_mtime_ns <= max_age_ns
+        except OSError:
+            return False
 
     # -- reading ----------------------------------------------------------------
 
