@@ -845,10 +845,6 @@ class Bridge:
         return self._beat.index if self._beat else None
 
     @property
-    def hosts(self) -> Dict[int, HostInfo]:
-        return self._beat.hosts if self._beat else {}
-
-    @property
     def joined(self) -> int:
         """Hosts known to have joined, this one included (:attr:`_BeatLoop.counted`)."""
         return self._beat.counted if self._beat else 0
@@ -857,10 +853,6 @@ class Bridge:
     def aggregating(self) -> bool:
         """Does this host read every host's beat and publish the digest?"""
         return self._beat is not None and self._beat.term is not None
-
-    @property
-    def liveness(self) -> Optional[Liveness]:
-        return self._beat.liveness if self._beat else None
 
     @property
     def job_ending(self) -> bool:

@@ -412,10 +412,14 @@ def _diagnosed_hang(obs: Observed, policy: Policy) -> Decision:
     detail = d.detail
     if d.finding == BUSY:
         detail += f"; ended by hang_timeout=auto after {(obs.now_ns - d.stalled_at_ns) / 1e9:.0f}s, before the collective timeout"
-    return Decision(Verdict(
-        **_base(obs, rank, dict(d.hosts).get(rank)), cause=HANG, exit_code=HANG_EXIT_CODE,
-        failed_at_ns=d.stalled_at_ns, detail=detail, laggards=d.laggards,
-    ))
+    return Decision(_hang_verdict(obs, d, detail))
+
+
+def _hang_verdict(obs: Observed, d: Diagnosis, detail: str) -> Verdict:
+    """The verdict of a diagnosis: its first laggard, cause hang, failed when the stall began."""
+    rank = d.laggards[0]
+    return Verdict(**_base(obs, rank, dict(d.hosts).get(rank)), cause=HANG, exit_code=HANG_EXIT_CODE,
+                   failed_at_ns=d.stalled_at_ns, detail=detail, laggards=d.laggards)
 
 
 def _victim_of_hang(obs: Observed, first: Verdict) -> Verdict:
@@ -434,12 +438,7 @@ def _victim_of_hang(obs: Observed, first: Verdict) -> Verdict:
     if not timeout:
         return first
     how = first.detail or first.cause
-    return Verdict(
-        **_base(obs, d.laggards[0], dict(d.hosts).get(d.laggards[0])), cause=HANG, exit_code=HANG_EXIT_CODE,
-        failed_at_ns=d.stalled_at_ns,
-        detail=f"{d.detail}; rank {first.rank} then failed waiting for it ({how}): a consequence",
-        laggards=d.laggards,
-    )
+    return _hang_verdict(obs, d, f"{d.detail}; rank {first.rank} then failed waiting for it ({how}): a consequence")
 
 
 def _interrupt_of(obs: Observed, rank: int) -> Optional[Tuple[str, Optional[int], int]]:
