@@ -50,6 +50,7 @@ from _common import (  # noqa: E402
     load1,
     machine,
     peerwatch_commit,
+    quantile,
     reap,
     table,
     tree,
@@ -257,6 +258,13 @@ def run(runs: int, workdir: Optional[str] = None) -> None:
     print(table(["case", "finding (a / b)", "diagnosis a", "diagnosis b", "verdict a", "verdict b", "all gone",
                  "verdict names", "exit codes"], rows))
     print()
+    if runs > 1:
+        print(table(["case", "runs", "diagnosis a p50 / p90 / max", "diagnosis b p50 / p90 / max",
+                     "verdict a p50 / p90 / max", "verdict b p50 / p90 / max", "all gone p50 / p90 / max"],
+                    [[name, str(len(rs))] + [_spread([r[h][key] for r in rs]) for key in ("diagnosis_s", "verdict_s")
+                                             for h in ("hosta", "hostb")] + [_spread([r["gone_s"] for r in rs])]
+                     for name, rs in _by_case(notes)]))
+        print()
     for name, r in notes:
         print(f"## {name}")
         for h in ("hosta", "hostb"):
@@ -268,6 +276,22 @@ def run(runs: int, workdir: Optional[str] = None) -> None:
             for line in r[h]["log"][-12:]:
                 print("   ", line)
         print()
+
+
+def _by_case(notes: List[tuple]) -> List[tuple]:
+    cases: Dict[str, List[Dict]] = {}
+    for name, r in notes:
+        cases.setdefault(name, []).append(r)
+    return list(cases.items())
+
+
+def _spread(values: List[Optional[float]]) -> str:
+    """p50 / p90 / max of the runs that have the figure (and how many lack it)."""
+    seen = [v for v in values if v is not None]
+    missing = f" ({len(values) - len(seen)} without)" if len(seen) < len(values) else ""
+    if not seen:
+        return "-" + missing
+    return f"{quantile(seen, 0.5):.1f} / {quantile(seen, 0.9):.1f} / {max(seen):.1f} s{missing}"
 
 
 def _name(v: Optional[tuple]) -> str:
