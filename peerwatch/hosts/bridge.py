@@ -855,6 +855,10 @@ class Bridge:
         return self._beat is not None and self._beat.term is not None
 
     @property
+    def liveness(self) -> Optional[Liveness]:
+        return self._beat.liveness if self._beat else None
+
+    @property
     def job_ending(self) -> bool:
         return self._beat.job_ending if self._beat else False
 
