@@ -43,9 +43,9 @@ def test_waiting_ranks_are_grouped_and_the_others_detailed_and_it_round_trips() 
 
 
 def test_garbage_is_no_summary() -> None:
-    for junk in (b"", b"{}", b"[]", b'{"v":1}', b'{"v":2,"host":"a","stall":"1","age_ms":1}',
-                 b'{"v":1,"host":"a","stall":"1","age_ms":true}', b"\xff", b" " * (MAX_SUMMARY_BYTES + 1),
-                 b'{"v":1,"host":"a","stall":"1","age_ms":1,"ranks":[[1,{"c":[["0","x",1]]}]]}'):
+    for junk in (b"", b"{}", b"[]", b'{"v":1}', b'{"v":3,"host":"a","stall":"1","age_ms":1}',
+                 b'{"v":2,"host":"a","stall":"1","age_ms":true}', b"\xff", b" " * (MAX_SUMMARY_BYTES + 1),
+                 b'{"v":2,"host":"a","stall":"1","age_ms":1,"ranks":[[1,{"c":[["0","x",1]]}]]}'):
         assert Summary.from_json(junk) is None, junk
 
 
@@ -109,14 +109,14 @@ def test_a_summary_of_64_kib_is_read_and_a_byte_more_is_not() -> None:
 
 
 def test_ages_and_thresholds_read_as_they_were_written_never_below_zero() -> None:
-    back = Summary.from_json(b'{"v":1,"host":"a","stall":"9","age_ms":0,"threshold_ms":0}')
+    back = Summary.from_json(b'{"v":2,"host":"a","stall":"9","age_ms":0,"threshold_ms":0}')
     assert back == Summary("a", "9", 0, 0)
-    assert Summary.from_json(b'{"v":1,"host":"a","stall":"9","age_ms":-5,"threshold_ms":-1}') == Summary("a", "9", 0, 0)
-    assert Summary.from_json(b'{"v":1,"host":"a","stall":"9","age_ms":3}') == Summary("a", "9", 3, 0)
+    assert Summary.from_json(b'{"v":2,"host":"a","stall":"9","age_ms":-5,"threshold_ms":-1}') == Summary("a", "9", 0, 0)
+    assert Summary.from_json(b'{"v":2,"host":"a","stall":"9","age_ms":3}') == Summary("a", "9", 3, 0)
 
 
 def test_a_detailed_ranks_state_and_place_are_cut() -> None:
-    data = (b'{"v":1,"host":"a","stall":"9","age_ms":1,"ranks":[[4,{"c":[],"e":[],"s":"Dx","at":"'
+    data = (b'{"v":2,"host":"a","stall":"9","age_ms":1,"ranks":[[4,{"c":[],"e":[],"s":"Dx","at":"'
             + b"w" * 400 + b'"}],[5,{"s":""}]]}')
     back = Summary.from_json(data)
     assert back is not None

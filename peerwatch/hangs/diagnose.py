@@ -424,7 +424,7 @@ class Threshold:
 
 # -- a host's stall, as the other hosts' judges need it ------------------------------------
 
-SUMMARY_VERSION = 1
+SUMMARY_VERSION = 2  # 2: runs of ranks as [first, last] (a host's 8 ranks, a merge's thousands)
 # A host says it stands still from this share of the warning threshold on: a slow step
 # never reaches the store, and the other hosts have it well before the threshold. Sooner,
 # from the stuck threshold, only where its summary holds a plainly stuck rank
@@ -436,6 +436,36 @@ PUBLISH_FRACTION = 0.5
 REFRESH_FRACTION = 1 / 8
 MAX_DETAILED = 32  # ranks of one host described in full (the others waiting in a collective are grouped)
 MAX_SUMMARY_BYTES = 64 * 1024  # a larger value in the store is not a summary of ours
+MAX_SUMMARY_RANKS = 65_536  # ranks one summary (or a merge of many, peerwatch.hangs.merged) may name, at most
+
+
+def spans(ranks: Sequence[int]) -> List[Any]:
+    """Sorted ``ranks`` as JSON, each run of three or more as ``[first, last]``: a host's
+    ranks are a run, and so are thousands of ranks waiting alike across hosts."""
+    out: List[Any] = []
+    i, ranks = 0, sorted(ranks)
+    while i < len(ranks):
+        j = i
+        while j + 1 < len(ranks) and ranks[j + 1] == ranks[j] + 1:
+            j += 1
+        out.extend([[ranks[i], ranks[j]]] if j - i >= 2 else ranks[i:j + 1])
+        i = j + 1
+    return out
+
+
+def unspan(items: Any, counted: Optional[List[int]] = None) -> Tuple[int, ...]:
+    """The ranks of :func:`spans`' output; ValueError past ``MAX_SUMMARY_RANKS`` in all
+    (``counted``: ranks read before, in the same value): a run is cheap to write and
+    costly to expand."""
+    counted = counted if counted is not None else [0]
+    out: List[int] = []
+    for item in items:
+        first, last = (_int(item[0]), _int(item[1])) if isinstance(item, list) and len(item) == 2 else (_int(item),) * 2
+        counted[0] += last - first + 1
+        if first < 0 or last < first or counted[0] > MAX_SUMMARY_RANKS:
+            raise ValueError("not a run of ranks, or too many")
+        out.extend(range(first, last + 1))
+    return tuple(out)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -455,15 +485,19 @@ class Summary:
     stuck: bool = False
 
     def to_json(self) -> bytes:
+        return json.dumps(self.body(), separators=(",", ":")).encode()
+
+    def body(self) -> Dict[str, Any]:
+        """The summary as JSON values (:meth:`to_json`; a merge of several holds these)."""
         body: Dict[str, Any] = {
             "v": SUMMARY_VERSION, "host": self.host, "stall": self.stall, "age_ms": self.age_ms,
             "threshold_ms": self.threshold_ms,
-            "waiting": [[list(ranks), _state_out(s, full=False)] for ranks, s in self.waiting],
+            "waiting": [[spans(ranks), _state_out(s, full=False)] for ranks, s in self.waiting],
             "ranks": [[r, _state_out(s, full=True)] for r, s in self.detailed],
         }
         if self.stuck:
             body["stuck"] = True
-        return json.dumps(body, separators=(",", ":")).encode()
+        return body
 
     @classmethod
     def from_json(cls, data: bytes) -> Optional[Summary]:
@@ -471,16 +505,22 @@ class Summary:
         if len(data) > MAX_SUMMARY_BYTES:
             return None
         try:
-            body = json.loads(data.decode("utf-8"))
+            return cls.from_body(json.loads(data.decode("utf-8")))
+        except (UnicodeDecodeError, ValueError, RecursionError):
+            return None
+
+    @classmethod
+    def from_body(cls, body: Any) -> Optional[Summary]:
+        """:meth:`from_json` of a value already parsed (its size checked by the caller)."""
+        try:
             if not isinstance(body, dict) or body.get("v") != SUMMARY_VERSION:
                 return None
-            waiting = tuple(
-                (tuple(_int(r) for r in ranks), _state_in(s)) for ranks, s in body.get("waiting", ())
-            )
+            counted = [0]  # ranks read so far, against MAX_SUMMARY_RANKS
+            waiting = tuple((unspan(ranks, counted), _state_in(s)) for ranks, s in body.get("waiting", ()))
             detailed = tuple((_int(r), _state_in(s)) for r, s in body.get("ranks", ()))
             return cls(str(body["host"]), str(body["stall"]), max(0, _int(body["age_ms"])),
                        max(0, _int(body.get("threshold_ms", 0))), waiting, detailed, body.get("stuck") is True)
-        except (UnicodeDecodeError, ValueError, TypeError, KeyError, AttributeError, RecursionError):
+        except (ValueError, TypeError, KeyError, AttributeError, RecursionError):
             return None
 
     def ranks(self) -> List[int]:
@@ -582,6 +622,6 @@ def _state_in(d: Any) -> RankState:
 __all__ = [
     "BUSY_END_FRACTION", "CAP_FRACTION", "FACTOR", "FLOOR_S", "FROZEN_STATES", "Found", "RankState", "STOPPED_STATES",
     "STUCK_S", "STUCK_SAMPLES", "Threshold", "WARMUP_GAPS", "busy_evidence", "diagnose", "explain", "last_move",
-    "plainly_stuck", "MAX_DETAILED", "PUBLISH_FRACTION", "REFRESH_FRACTION", "Summary", "refresh_ns", "remote_ranks",
-    "summarize",
+    "plainly_stuck", "MAX_DETAILED", "MAX_SUMMARY_BYTES", "MAX_SUMMARY_RANKS", "PUBLISH_FRACTION", "REFRESH_FRACTION",
+    "Summary", "refresh_ns", "remote_ranks", "spans", "summarize", "unspan",
 ]
