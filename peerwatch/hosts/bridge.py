@@ -68,7 +68,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Set, Tuple
 from ..core import terminal
 from ..core.config import Config, LauncherFacts
 from ..core.records import Failure, Registration, Verdict, decode, encode
-from ..hangs import diagnose
+from ..hangs import diagnose, merged
 from ..hangs.collectives import imported, torch_loaded
 from ..proc import identity
 from ..rundir.rundir import EVENTS, RANKS, REMOTE_STALLS_FILE, STALL_FILE, VERDICT_FILE, RunDir, rank_file
@@ -243,7 +243,9 @@ class _Stalls:
     host's stall as its hang judges last wrote it (``RUN/stall.json``), which interval
     publishes it and reads the other hosts' (:meth:`plan`), and the other hosts' stalls,
     each one's last move turned into this host's clock once per stall, handed to the judges
-    in ``RUN/stalls-remote.json`` (:meth:`take`)."""
+    in ``RUN/stalls-remote.json`` (:meth:`take`). The aggregator reads every standing-still
+    host's summary and merges them (:meth:`merged`: ``diag/all``); any other host reads
+    that merge."""
 
     def __init__(self, run_dir: RunDir, interval_s: float) -> None:
         self.run_dir, self.interval_s = run_dir, interval_s
@@ -251,10 +253,16 @@ class _Stalls:
         self._published_ns = 0
         self._read_ns = 0  # the others' last read then
         self.stalled: Tuple[int, ...] = ()  # the other hosts that stand still, as the beat thread last read
-        self.remote: Dict[int, Tuple[str, int, bytes]] = {}  # host -> (its stall, its last move on our clock, summary)
+        # Key (a host's index, or "crowd" for a merge's) -> (its stall, its last move on our clock).
+        self.remote: Dict[str, Tuple[diagnose.Summary, int]] = {}
+        self.covered: Set[int] = set()  # the hosts whose stall the last reads hold (for a merge: all it merged)
+        self._merge = False  # the last read was a merge (diag/all): kept whole until the next
         self.laggards: Set[int] = set()  # hosts whose summary has ranks not waiting in a collective (ours too)
-        self._stuck: Set[int] = set()  # hosts whose summary holds a plainly stuck rank (Summary.stuck)
+        self._stuck: Set[str] = set()  # keys whose summary holds a plainly stuck rank (Summary.stuck)
         self._file = False  # RUN/stalls-remote.json names hosts
+        self.mine: Optional[diagnose.Summary] = None  # our stall as last published (the aggregator merges it)
+        self._merged: Optional[bytes] = None  # the merge as last published (the aggregator's)
+        self._changed = False  # the stalls held (or ours) changed since the last merge
 
     def local(self) -> Optional[diagnose.Summary]:
         """This host's stall, as its hang judges last wrote it (None: its ranks move)."""
@@ -282,42 +290,64 @@ class _Stalls:
             return False, False
         every = diagnose.refresh_ns(stall.threshold_ms, int(self.interval_s * 1e9))
         publish = public and (stall.stall != self._token or now_ns - self._published_ns >= every)
-        new = set(self.stalled) - set(self.remote)
+        new = set(self.stalled) - self.covered
         due = now_ns - self._read_ns >= every and (public or bool(self._stuck))
         return publish, due or bool(new)
 
     def take(self, stall: Optional[diagnose.Summary], published: bool, seen: Seen, read: bool, now_ns: int) -> None:
         """After an interval that published our ``stall`` (or not) and read the others'
-        (``read``): keep the other hosts' stalls and hand them to the judges."""
+        (``read``; the aggregator also reads at once the hosts that start to stand still):
+        keep the other hosts' stalls and hand them to the judges."""
         if published and stall is not None:
-            self._token, self._published_ns = stall.stall, now_ns
+            self._token, self._published_ns, self.mine = stall.stall, now_ns, stall
         before = dict(self.remote)
         still = set(seen.stalled) if stall is not None else set()
-        self.remote = {j: v for j, v in self.remote.items() if j in still}
+        merge = merged.Merged.from_json(seen.merged) if seen.merged is not None else None
+        if merge is not None:  # a merge replaces every stall read before
+            found = dict(merge.summaries(seen.index))
+            self.remote, self.covered, self._merge = {}, set(merge.of), True
+        else:
+            found = {str(j): s for j, s in ((j, diagnose.Summary.from_json(d) if d else None) for j, d in seen.stalls.items())
+                     if s is not None and j in still}
+            if self._merge and (found or not still):  # a merge stands while anyone stands still, or until we aggregate
+                self.remote, self._merge = {}, False
+            if not self._merge:
+                self.remote = {k: v for k, v in self.remote.items() if int(k) in still}
+                self.covered = {int(k) for k in self.remote} | {int(k) for k in found}
         self.laggards &= still
-        self._stuck &= still
-        for j, data in seen.stalls.items() if read else ():
-            summary = diagnose.Summary.from_json(data) if data is not None else None
-            if summary is None or j not in still:
-                continue
-            if summary.detailed:
-                self.laggards.add(j)
-            else:
-                self.laggards.discard(j)
-            if summary.stuck:
-                self._stuck.add(j)
-            else:
-                self._stuck.discard(j)
-            old = self.remote.get(j)
-            moved = old[1] if old is not None and old[0] == summary.stall else now_ns - summary.age_ms * 1_000_000
-            self.remote[j] = (summary.stall, moved, bytes(data))  # type: ignore[arg-type]
+        self._stuck = {k for k in self._stuck if k in self.remote or k in found}
+        for key, summary in found.items():
+            if key.isdigit():
+                (self.laggards.add if summary.detailed else self.laggards.discard)(int(key))
+            (self._stuck.add if summary.stuck else self._stuck.discard)(key)
+            old = self.remote.get(key) or before.get(key)
+            moved = old[1] if old is not None and old[0].stall == summary.stall else now_ns - summary.age_ms * 1_000_000
+            self.remote[key] = (summary, moved)
+        read = read or bool(found) or merge is not None
         if read:
             self._read_ns = now_ns
-        if not (read or self.remote != before or (self._file and not self.remote)):
+        changed = read or self.remote.keys() != before.keys()
+        self._changed = self._changed or changed or published
+        if not (changed or (self._file and not self.remote)):
             return
-        body = {"hosts": [[moved, data.decode("utf-8", "replace")] for _, moved, data in self.remote.values()]}
+        body = {"hosts": [[moved, s.to_json().decode("utf-8", "replace")] for s, moved in self.remote.values()]}
         if self.run_dir.write_or_log(REMOTE_STALLS_FILE, json.dumps(body).encode()):  # else: the judges see ours only
             self._file = bool(self.remote)
+
+    def merged(self, me: int, stalled: bool) -> Optional[bytes]:
+        """The aggregator's merge of every stall it holds and ours (``stalled``: ours is
+        public), for ``diag/all``: None while it has not changed since it was last published."""
+        if not self._changed:
+            return None
+        self._changed = False
+        stalls = {int(k): s for k, (s, _) in self.remote.items() if k.isdigit()}
+        if stalled and self.mine is not None:
+            stalls[me] = self.mine
+        data = merged.merge(stalls).to_json()
+        if data == self._merged:
+            return None
+        self._merged = data
+        return data
 
 
 class _Absentees:
@@ -414,6 +444,7 @@ class _BeatLoop:
         self.digest: Optional[Digest] = None  # the digest as last read
         self.last_digest: Optional[Digest] = None  # the digest we last published (for on_success's done)
         self._digest_known = False  # the key is there: read without a check first
+        self._merged_known = False  # diag/all is there: read without a check first
         self._watch = DigestWatch(int(link.config.peer_timeout * 1e9))
         self._takeover_ns = takeover_ns(link.config.peer_timeout, link.config.heartbeat_interval)
         self._writer: Optional[int] = None  # the digest's writer, judged here by its digest while we read
@@ -479,6 +510,7 @@ class _BeatLoop:
                         beat_value(self._seq(), self.job_ending, stalled=public and self.index is not None),
                         me, dict(self.hosts), link.facts.expected_hosts, link.seal,
                         stall=stall.to_json() if stall is not None and publish else None, read_stalls=read,
+                        covered=frozenset(self._stalls.covered), merged_known=self._merged_known,
                         verdict_from=link.verdict_from, aggregate=aggregating, digest_known=self._digest_known,
                         count_hosts=not aggregating and hosts_missing(link.facts.expected_hosts, self.counted - 1) > 0)
         peer_timeout = link.config.peer_timeout
@@ -486,6 +518,7 @@ class _BeatLoop:
                                 connect_allowance_s(peer_timeout))
         self._learn(seen, me)
         self._digest_known = self._digest_known or seen.digest_there
+        self._merged_known = self._merged_known or seen.merged_there
         self._stalls.stalled = seen.stalled
         self._count = min(max(self._count, seen.count, seen.digest.count if seen.digest else 0), MAX_HOSTS)
         if not aggregating:  # a host that took an index has joined, read by the aggregator yet or not
@@ -497,11 +530,11 @@ class _BeatLoop:
             self._judge(seen.beats)
         else:
             self._judge_digest(seen.digest, seen_ns)
+        self._stalls.take(stall, plan.stall is not None, seen, read, now_ns)
         self._role(seen, plan.beat, stall if public else None, seen_ns)
         if self.index is not None:  # the hosts that joined: those judged here, or all below the counter
             self._absentees.judge(self.counted, self.hosts, self.job_ending, lambda: sorted(self.liveness.changed_ns)
                                   if self.term is not None else list(range(self._count)))
-        self._stalls.take(stall, plan.stall is not None, seen, read, now_ns)
         self.connected = True
         self.answered.set()
         self._up.set(True)
@@ -609,11 +642,13 @@ class _BeatLoop:
                                     self._stalls.laggards | (set(mine) if stall is not None and stall.detailed else set()))
         rank0 = next((j for j, h in self.hosts.items() if 0 in h.ranks), None)
         digest = Digest(seen.index, term, beat, self._count, self.joined, lost, stalls, self.job_ending, rank0, more)
+        # Every stall we hold, merged for the hosts that read the digest (diag/all), where it changed.
+        merge = self._stalls.merged(seen.index, stall is not None) if stalls else None
         link = self.link
-        link.client.call(functools.partial(publish_digest, prefix=link.prefix, digest=digest, seal=link.seal),
-                         interval_deadline_s(link.config.peer_timeout))
+        link.client.call(functools.partial(publish_digest, prefix=link.prefix, digest=digest, seal=link.seal,
+                                           merged=merge), interval_deadline_s(link.config.peer_timeout))
         self.last_digest = digest
-        self.requests += 1
+        self.requests += 1 + (merge is not None)
 
     def _unreachable(self, error: Exception, last_ok: Optional[float]) -> None:
         logger.debug("peerwatch: store %s: %r", self.link.address, error)

@@ -11,6 +11,8 @@ Every key lives under ``peerwatch/<run_id>/``::
     beat/<i>     host i's heartbeat: "<seq>", or "done:<seq>" once a rank there succeeded;
                  "<seq>s" while its ranks stand still (its summary is in diag/<i>)
     diag/<i>     host i's stall summary (peerwatch.hangs.diagnose.Summary), while its ranks stand still
+    diag/all     the aggregator's merge of every diag/<i> (peerwatch.hangs.merged, bounded): what
+                 every other host reads while its ranks stand still
     digest       the aggregator's (one host, elected through this key: hosts.aggregate_term):
                  its own beat, the hosts it judged lost, those that stand still, whether one
                  is done (JSON, bounded: hosts.Digest); every other host reads it alone
@@ -22,7 +24,7 @@ Every key lives under ``peerwatch/<run_id>/``::
                  (:func:`verdict_key`; with a secret, names derived from it and the nonce)
 
 With a store secret (``store_secret``, docs/security.md), ``host/<i>``, ``beat/<i>``,
-``diag/<i>``, ``digest`` and the verdict hold ``pw-hmac2:<nonce>:<HMAC-SHA256 of nonce, key and value,
+``diag/<i>``, ``diag/all``, ``digest`` and the verdict hold ``pw-hmac2:<nonce>:<HMAC-SHA256 of nonce, key and value,
 hex>:<value>`` (:class:`Seal`); ``nonce`` is signed the same way with an empty nonce. A
 value that is not signed so, or signed for another run's nonce, is read as "not there",
 with one warning per kind of key and reason.
@@ -44,7 +46,7 @@ import hmac
 import logging
 import secrets
 import threading
-from typing import Any, Dict, List, Mapping, Optional, Protocol, Set, Tuple
+from typing import AbstractSet, Any, Dict, List, Mapping, Optional, Protocol, Set, Tuple
 
 from ..core.records import Verdict, decode
 from .hosts import (
@@ -63,6 +65,7 @@ from .hosts import (
 logger = logging.getLogger("peerwatch")
 
 HOSTS, VERDICT, NONCE, DIGEST = "hosts", "verdict", "nonce", "digest"
+DIAG_ALL = "diag/all"  # every standing-still host's stall, merged by the aggregator (peerwatch.hangs.merged)
 # Said by a host whose rank finished cleanly, read by every host each interval with the
 # digest: the job is ending, so a host (or the store) going quiet is no failure. Said in one
 # hop: through the aggregator's digest it took two intervals, and a store served from the
@@ -310,7 +313,11 @@ class Exchange:
     expected: Optional[int]  # how many hosts the launcher says the job has
     seal: Seal = NO_SEAL
     stall: Optional[bytes] = None  # our stall summary to publish in diag/<i> (peerwatch.hangs.diagnose.Summary), or None
-    read_stalls: bool = False  # read the summaries of the hosts whose beat says they stand still
+    # Read the other hosts' stalls: the aggregator, the summary of every host whose beat
+    # says it stands still; every other host, the aggregator's merge of them (diag/all).
+    read_stalls: bool = False
+    covered: AbstractSet[int] = frozenset()  # the aggregator holds these hosts' summaries: the others are read at once
+    merged_known: bool = False  # diag/all is there (seen once): no check before the get
     verdict_from: Optional[VerdictFrom] = None  # settled at registration: the host's first look
     # The aggregator (True) reads every host's beat (and the digest, to find another
     # writer); every other host (False) reads the digest alone, and the records of the two
@@ -339,6 +346,8 @@ class Seen:
     count: int = 0  # the hosts counter, if read
     stalled: Tuple[int, ...] = ()  # the other hosts that stand still: by their beats, or by the digest
     ending: bool = False  # a host said the job is ending (:data:`ENDING`)
+    merged: Optional[bytes] = None  # diag/all, if read (not the aggregator)
+    merged_there: bool = False  # diag/all exists
 
 
 def register(c: Any, prefix: str, ident: str, seal: Seal = NO_SEAL) -> int:
@@ -406,7 +415,9 @@ def exchange(c: Any, x: Exchange) -> Seen:
     """Register if need be, beat, publish our host/<i> if it changed; then, as the
     aggregator, learn new hosts and read every other host's beat (and the digest); as any
     other host, read the digest alone (docs/multi-node.md). A host that stands still reads
-    the summaries of the others that do (at most ``MAX_DIGEST_LIST`` where the digest names them)."""
+    the others' stalls: the aggregator, the summaries of the hosts whose beat says they
+    stand still (those it does not hold yet at once, the others when ``read_stalls``);
+    any other host, their merge (``diag/all``), when ``read_stalls``."""
     requests = 0
     index = x.index
     seal = x.seal
@@ -477,14 +488,27 @@ def exchange(c: Any, x: Exchange) -> Seen:
         stalled = tuple(stalled_hosts(beats))
     else:
         stalled = tuple(j for j in (digest.stalled if digest is not None else ()) if j != index)[:MAX_DIGEST_LIST]
+    # A hang's diagnosis on this host needs what the others' ranks do (docs/multi-node.md).
     stalls: Dict[int, Optional[bytes]] = {}
-    if stalled and x.read_stalls:  # a hang's diagnosis on this host needs what the others' ranks do (docs/multi-node.md)
-        keys = [x.prefix + diag_key(j) for j in stalled]
+    wanted = [j for j in stalled if x.read_stalls or j not in x.covered] if x.aggregate else []
+    if wanted:
+        keys = [x.prefix + diag_key(j) for j in wanted]
         values = c.multi_get(keys)
-        stalls = {j: seal.open(key, v) for j, key, v in zip(stalled, keys, values)}
+        stalls = {j: seal.open(key, v) for j, key, v in zip(wanted, keys, values)}
         requests += 1
+    merged: Optional[bytes] = None
+    merged_there = x.merged_known
+    if stalled and x.read_stalls and not x.aggregate:
+        mkey = x.prefix + DIAG_ALL
+        if not merged_there:  # a get waits for a missing key
+            merged_there = bool(c.check([mkey]))
+            requests += 1
+        if merged_there:
+            merged = seal.open(mkey, bytes(c.get(mkey)))
+            requests += 1
     ending = said is not None and seal.open(ekey, bytes(said)) == ENDING_SAID
-    return Seen(index, x.index is None, new_hosts, beats, requests, stalls, digest, there, count, stalled, ending)
+    return Seen(index, x.index is None, new_hosts, beats, requests, stalls, digest, there, count, stalled, ending,
+                merged, merged_there)
 
 
 def say_ending(c: Any, prefix: str, seal: Seal = NO_SEAL) -> None:
@@ -492,8 +516,12 @@ def say_ending(c: Any, prefix: str, seal: Seal = NO_SEAL) -> None:
     _put(c, seal, prefix + ENDING, ENDING_SAID)
 
 
-def publish_digest(c: Any, prefix: str, digest: Digest, seal: Seal = NO_SEAL) -> None:
-    """The aggregator's one write for every other host."""
+def publish_digest(c: Any, prefix: str, digest: Digest, seal: Seal = NO_SEAL, merged: Optional[bytes] = None) -> None:
+    """The aggregator's write for every other host: its digest, and the merge of the
+    stalls (``diag/all``) first where it changed (it is there before a digest names a
+    host standing still: a get waits for a missing key)."""
+    if merged is not None:
+        _put(c, seal, prefix + DIAG_ALL, merged)
     _put(c, seal, prefix + DIGEST, digest.to_json())
 
 
@@ -598,7 +626,7 @@ def poll_verdict(c: Any, prefix: str, seal: Seal = NO_SEAL, verdict_from: Option
 
 
 __all__ = [
-    "DIGEST", "ENDING", "HOSTS", "NONCE", "NO_SEAL", "SIGNED", "STRAG_FOUND", "VERDICT", "VERDICT_TRIES", "Exchange",
+    "DIAG_ALL", "DIGEST", "ENDING", "HOSTS", "NONCE", "NO_SEAL", "SIGNED", "STRAG_FOUND", "VERDICT", "VERDICT_TRIES", "Exchange",
     "NonceMemo", "Seal", "Seen", "StraggleExchange", "acceptable_verdict", "beat_key", "believed_count", "diag_key", "establish_nonce",
     "exchange", "host_key", "publish_digest", "index_key", "poll_verdict", "publish_verdict", "read_count", "read_host", "read_hosts",
     "register", "say_ending", "send_beat",
