@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import pytest
+
 from peerwatch.hangs.diagnose import (
     MAX_DETAILED,
     MAX_SUMMARY_BYTES,
+    MAX_SUMMARY_RANKS,
     PUBLISH_FRACTION,
     RankState,
     Summary,
     diagnose,
     refresh_ns,
     remote_ranks,
+    spans,
     summarize,
+    unspan,
 )
 from peerwatch.proc.activity import Activity
 
@@ -123,3 +128,23 @@ def test_a_detailed_ranks_state_and_place_are_cut() -> None:
     (r4, s4), (r5, s5) = back.detailed
     assert (r4, s4.state, s4.where) == (4, "D", "w" * 300)
     assert (r5, s5.state, s5.where) == (5, "?", "")
+
+
+def test_ranks_are_written_as_runs_of_three_or_more_and_read_back_within_bounds() -> None:
+    """``spans``: sorted ranks, each run of three or more as [first, last] (two in a row
+    are two numbers); ``unspan`` reads them back, and refuses a bool, a negative rank, a
+    run backwards, and more than ``MAX_SUMMARY_RANKS`` in all (``counted`` across calls)."""
+    assert spans([0, 1, 2, 3, 7, 9, 10, 11]) == [[0, 3], 7, [9, 11]]
+    assert spans([11, 3, 4, 9, 10]) == [3, 4, [9, 11]]
+    assert spans([4, 5]) == [4, 5] and spans([]) == []
+    for ranks in ([0, 1, 2, 3, 7, 9, 10, 11], [4, 5], [1, 3, 5], list(range(1000)) + [2000]):
+        assert unspan(spans(ranks)) == tuple(ranks)
+    assert unspan([[0, MAX_SUMMARY_RANKS - 1]]) == tuple(range(MAX_SUMMARY_RANKS))
+    for bad in ([True], [[True, 3]], [-1], [[-1, 3]], [[5, 2]], [[0, MAX_SUMMARY_RANKS]], [[0, 10**9]], ["3"],
+                [[0, MAX_SUMMARY_RANKS // 2], [0, MAX_SUMMARY_RANKS // 2]]):
+        with pytest.raises((ValueError, TypeError)):
+            unspan(bad)
+    counted = [MAX_SUMMARY_RANKS - 5]
+    assert unspan([[0, 4]], counted) == (0, 1, 2, 3, 4) and counted == [MAX_SUMMARY_RANKS]
+    with pytest.raises(ValueError):
+        unspan([7], counted)
