@@ -10,6 +10,7 @@ digest, and its successor takes over: a host killed after that is still seen los
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
@@ -23,9 +24,11 @@ pytest.importorskip("torch")
 
 from peerwatch.core.config import Config  # noqa: E402
 from peerwatch.core.records import LOST, Failure, Registration, encode  # noqa: E402
+from peerwatch.hangs.diagnose import RankState, Summary  # noqa: E402
 from peerwatch.hosts.bridge import Bridge  # noqa: E402
 from peerwatch.proc import identity  # noqa: E402
-from peerwatch.rundir.rundir import _SUBDIRS, EVENTS, RANKS, RunDir, rank_file  # noqa: E402
+from peerwatch.proc.activity import Activity  # noqa: E402
+from peerwatch.rundir.rundir import _SUBDIRS, EVENTS, RANKS, REMOTE_STALLS_FILE, STALL_FILE, RunDir, rank_file  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -58,6 +61,7 @@ class _Counting:
             self.requests += 1
             for key in reads:
                 kind = key.split("/")[2] if key.count("/") >= 2 else key
+                kind = "diag/all" if key.endswith("/diag/all") else kind  # the merge apart from diag/<j>
                 self.read[kind] = self.read.get(kind, 0) + 1
 
     def set(self, key: str, value: Any) -> None:
@@ -290,5 +294,79 @@ def test_a_clean_end_reaches_every_host_in_one_read_without_the_aggregator(store
         done.on_success()
         _until("the other host knows the job is ending", lambda: reader.job_ending, 20.0, lambda: _state(bridges))
     finally:
+        for b in bridges:
+            b.stop()
+
+
+def _stall(n: int, laggard: int, age_ms: int) -> Summary:
+    """Host ``n``'s summary in a hang: its two ranks wait in all_reduce #31, or, on the
+    ``laggard`` host, never got past #30 (plainly stuck: a whole window with no work)."""
+    ranks = (2 * n, 2 * n + 1)
+    if n != laggard:
+        waiting = RankState(collectives=(("0", 31, 30),), entered=(("0", 31, "allreduce", "[[1]] Float"),),
+                            in_collective=True)
+        return Summary(f"host{n}", "onset", age_ms, 60_000, ((ranks, waiting),))
+    idle = Activity(span_ms=7000, cpu_ms=0, places=1, other_cpu_ms=0, io_bytes=0, children_cpu_ms=0, samples=8)
+    stuck = RankState(collectives=(("0", 30, 30),), entered=(("0", 30, "allreduce", "[[1]] Float"),), state="S",
+                      where="train.py:12 in loop", activity=idle)
+    return Summary(f"host{n}", "onset", age_ms, 60_000, (), tuple((r, stuck) for r in ranks), stuck=True)
+
+
+def _remote_ranks(b: Bridge) -> Dict[int, str]:
+    """Rank -> host, of the other hosts' ranks that this host's judges are handed."""
+    try:
+        hosts = json.loads(b.run_dir.read_bytes("", REMOTE_STALLS_FILE) or b"{}").get("hosts", [])
+    except ValueError:  # being replaced: looked at again
+        return {}
+    out: Dict[int, str] = {}
+    for _, text in hosts:
+        s = Summary.from_json(text.encode())
+        if s is not None:
+            out.update({r: s.host for ranks, _ in s.waiting for r in ranks})
+            out.update({r: s.host + " (detailed)" for r, _ in s.detailed})
+    return out
+
+
+def test_every_host_reads_the_stalls_merged_in_one_key_and_names_a_whole_host_behind(store, tmp_path: Path) -> None:
+    """Every host stands still, host 4 stuck behind the others: the aggregator reads each
+    host's summary (diag/<j>) and merges them into diag/all; every other host reads that
+    one key, never a diag/<j>, and hands its judges every other host's ranks, host 4's in
+    full. Before, each host read up to 64 diag/<j> (a host beyond them was unseen)."""
+    hosts, laggard = 6, 4
+    counters = [_Counting(store()) for _ in range(hosts)]
+    bridges = [_host(tmp_path, n, counters[n], "digest-merged") for n in range(hosts)]
+    stop = threading.Event()
+
+    def judges() -> None:  # each host's hang judges, rewriting its stall as it ages
+        onset = time.monotonic()
+        while not stop.wait(HEARTBEAT_S):
+            age = int((time.monotonic() - onset) * 1000) + 10_000  # stood still for the stuck threshold already
+            for n, b in enumerate(bridges):
+                b.run_dir.write_or_log(STALL_FILE, _stall(n, laggard, age).to_json())
+
+    writer = threading.Thread(target=judges, daemon=True)
+    try:
+        _until("every host counted by the digest", lambda: all(b.joined == hosts and b.connected for b in bridges),
+               START_S, lambda: _state(bridges))
+        for c in counters:
+            c.reset()
+        writer.start()
+        everyone = {r for n in range(hosts) for r in (2 * n, 2 * n + 1)}
+        _until("every host handed every other host's ranks, host 4's in full",
+               lambda: all(set(_remote_ranks(b)) | {2 * n, 2 * n + 1} >= everyone
+                           and _remote_ranks(b).get(2 * laggard, "").endswith("(detailed)")
+                           for n, b in enumerate(bridges) if n != laggard), 30.0,
+               lambda: "\n".join(f"host{n}: {_remote_ranks(b)}" for n, b in enumerate(bridges)))
+        for b, c in zip(bridges, counters):
+            with c._lock:
+                read = dict(c.read)
+            if b.aggregating:
+                assert read.get("diag", 0) >= hosts - 1 and read.get("diag/all", 0) == 0, read
+            else:
+                assert read.get("diag", 0) == 0 and read.get("diag/all", 0) >= 1, (b.index, read)
+    finally:
+        stop.set()
+        if writer.is_alive():
+            writer.join(5)
         for b in bridges:
             b.stop()

@@ -4,6 +4,7 @@ thread, one interval's decisions at a time (docs/multi-node.md, "Hangs across ho
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Optional
@@ -100,3 +101,43 @@ def test_the_echo_ends_with_the_stuck_host_standing_still(tmp_path: Path):
     loop.take(a, False, Seen(index=0, registered=False, new_hosts={}, beats={}, requests=1, stalled=()), False,
               now + S)  # host b moved again: its beat no longer says s
     assert not loop.public(a) and loop.remote == {}
+
+
+def _merge_read(loop: _Stalls, a: Optional[Summary], stalls: dict, now: int, me: int = 0) -> None:
+    """One interval that read the aggregator's merge (diag/all) of ``stalls`` (index -> summary)."""
+    from peerwatch.hangs.merged import merge
+
+    loop.take(a, False, Seen(index=me, registered=False, new_hosts={}, beats={}, requests=1, stalled=tuple(stalls),
+                             merged=merge(stalls).to_json()), True, now)
+
+
+def test_a_merge_read_again_keeps_every_hosts_last_move_where_it_was(tmp_path: Path):
+    """A host that is not the aggregator reads the merge, not each host's summary: the
+    stuck host whole (its stuck rank makes ours public: the echo), the hosts waiting as one
+    crowd. Read again a refresh later, with older ages, no last move jitters (it would read
+    as "moved again"); a host that starts to stand still is read at once, then covered."""
+    loop = _loop(tmp_path)
+    now = ONSET + STUCK
+    a = _host_a(now)
+    assert a is not None
+    waiting = RankState(collectives=(("0", 21, 20),), in_collective=True)
+    c = Summary("hostc", "c1", STUCK // 1_000_000, LEARNT // 1_000_000, (((4, 5), waiting),))
+    loop.stalled = (1, 2)
+    assert loop.plan(a, False, now) == (False, True)  # not covered yet: read at once
+    _merge_read(loop, a, {1: _host_b(cpu_ms=0), 2: c}, now)
+    assert set(loop.remote) == {"1", "crowd"} and loop.covered == {1, 2}
+    assert loop.public(a)  # host b, whole in the merge, holds a stuck rank
+    moved = {k: m for k, (_, m) in loop.remote.items()}
+    later = now + EVERY
+    made = 300  # ms before the read: each summary was made a little before it was read
+    c_older = dataclasses.replace(c, age_ms=c.age_ms + EVERY // 1_000_000 - made)
+    b_older = dataclasses.replace(_host_b(cpu_ms=0), age_ms=STUCK // 1_000_000 + EVERY // 1_000_000 - made)
+    _merge_read(loop, a, {1: b_older, 2: c_older}, later)
+    assert {k: m for k, (_, m) in loop.remote.items()} == moved
+    hosts = json.loads((tmp_path / REMOTE_STALLS_FILE).read_text())["hosts"]
+    assert sorted(Summary.from_json(t.encode()).host for _, t in hosts) == ["hostb", "hostc"]  # type: ignore[union-attr]
+    loop.stalled = (1, 2, 3)
+    assert loop.plan(a, True, later + S)[1]  # host 3 is new: read the merge again at once
+    _merge_read(loop, a, {1: b_older, 2: c_older, 0: a}, later + S)  # ours merged too (in the crowd)
+    assert set(loop.remote) == {"1", "crowd"} and loop.covered == {0, 1, 2}
+    assert loop.plan(a, True, later + 2 * S)[1]  # host 3 is still not in it: again

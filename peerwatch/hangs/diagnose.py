@@ -510,12 +510,14 @@ class Summary:
             return None
 
     @classmethod
-    def from_body(cls, body: Any) -> Optional[Summary]:
-        """:meth:`from_json` of a value already parsed (its size checked by the caller)."""
+    def from_body(cls, body: Any, counted: Optional[List[int]] = None) -> Optional[Summary]:
+        """:meth:`from_json` of a value already parsed (its size checked by the caller);
+        ``counted``: the ranks named so far in the same value (a merge of several), which
+        may name ``MAX_SUMMARY_RANKS`` in all."""
         try:
             if not isinstance(body, dict) or body.get("v") != SUMMARY_VERSION:
                 return None
-            counted = [0]  # ranks read so far, against MAX_SUMMARY_RANKS
+            counted = counted if counted is not None else [0]
             waiting = tuple((unspan(ranks, counted), _state_in(s)) for ranks, s in body.get("waiting", ()))
             detailed = tuple((_int(r), _state_in(s)) for r, s in body.get("ranks", ()))
             return cls(str(body["host"]), str(body["stall"]), max(0, _int(body["age_ms"])),

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import AbstractSet, Any, Dict, List, Mapping, Optional, Tuple
 
 from ..core.records import json_int as _int
 from .diagnose import MAX_SUMMARY_BYTES, MAX_SUMMARY_RANKS, RankState, Summary, spans, unspan
@@ -35,7 +35,9 @@ MERGED_VERSION = 1
 MAX_WHOLE = 16  # hosts whose summary a merge keeps whole (those that may hold a laggard first)
 MAX_MERGED_BYTES = MAX_SUMMARY_BYTES  # a merge is at most this long (a longer value is not one)
 WHOLE_BYTES = MAX_MERGED_BYTES // 2  # the whole summaries' share of it
-CROWD_BYTES = MAX_MERGED_BYTES // 2 - 1024  # the crowd's (a few hundred bytes in a hang), less the rest of the merge
+OF_BYTES = 4096  # the hosts merged, as runs of indices, at most (past it: those the digest names)
+CROWD_BYTES = MAX_MERGED_BYTES // 2 - OF_BYTES - 1024  # the crowd's (a few hundred bytes in a hang), less the rest
+LABEL_CHARS = 64  # of the crowd's first host name and stall token (read from the store: anyone's)
 MAX_CROWD_GROUPS = 64  # distinct waits in the crowd (a hang has a few: where the ranks wait, and the ranks behind)
 
 
@@ -69,16 +71,27 @@ class Merged:
             body = json.loads(data.decode("utf-8"))
             if not isinstance(body, dict) or body.get("v") != MERGED_VERSION:
                 return None
-            whole = tuple((_int(j), s) for j, s in ((j, Summary.from_body(b)) for j, b in body.get("whole", ()))
+            counted = [0]  # ranks named in the whole value, against MAX_SUMMARY_RANKS: runs are cheap to write
+            entries = body.get("whole", ())
+            if len(entries) > MAX_WHOLE:
+                return None
+            whole = tuple((_int(j), s) for j, s in ((j, Summary.from_body(b, counted)) for j, b in entries)
                           if s is not None)
-            crowd = Summary.from_body(body["crowd"]) if body.get("crowd") is not None else None
+            crowd = Summary.from_body(body["crowd"], counted) if body.get("crowd") is not None else None
+            if counted[0] > MAX_SUMMARY_RANKS:  # a summary refused for it: the value is not one of ours
+                return None
             return cls(unspan(body.get("of", ())), whole, crowd, max(0, _int(body.get("out", 0))))
         except (UnicodeDecodeError, ValueError, TypeError, KeyError, AttributeError, RecursionError):
             return None
 
 
-def merge(stalls: Mapping[int, Summary]) -> Merged:
-    """One merge of the hosts' ``stalls`` (host index -> its summary), bounded."""
+def merge(stalls: Mapping[int, Summary], named: AbstractSet[int] = frozenset()) -> Merged:
+    """One merge of the hosts' ``stalls`` (host index -> its summary), bounded. ``of`` names
+    them all where that takes at most ``OF_BYTES``, else those in ``named`` (the hosts the
+    digest names: the ones a reader looks for)."""
+    of = tuple(sorted(stalls))
+    if len(json.dumps(spans(of))) > OF_BYTES:
+        of = tuple(j for j in of if j in named)
     top = _tops(stalls)
     suspects = sorted(j for j, s in stalls.items() if s.detailed or any(_behind(w, top) for _, w in s.waiting))
     whole: List[Tuple[int, Summary]] = []
@@ -89,8 +102,9 @@ def merge(stalls: Mapping[int, Summary]) -> Merged:
             whole.append((j, stalls[j]))
             size += n
     kept = {j for j, _ in whole}
-    crowd, left_out = _crowd({j: s for j, s in stalls.items() if j not in kept}, top)
-    return Merged(tuple(sorted(stalls)), tuple(whole), crowd, left_out)
+    crowd, left_out = _crowd({j: s for j, s in stalls.items() if j not in kept}, top,
+                             sum(len(s.ranks()) for _, s in whole))
+    return Merged(of, tuple(whole), crowd, left_out)
 
 
 def _tops(stalls: Mapping[int, Summary]) -> Dict[str, int]:
@@ -107,10 +121,10 @@ def _behind(state: RankState, top: Mapping[str, int]) -> bool:
     return any(enqueued < top[group] for group, enqueued, _ in state.collectives)
 
 
-def _crowd(stalls: Mapping[int, Summary], top: Mapping[str, int]) -> Tuple[Optional[Summary], int]:
+def _crowd(stalls: Mapping[int, Summary], top: Mapping[str, int], named: int) -> Tuple[Optional[Summary], int]:
     """The waiting ranks of ``stalls`` as one summary (the groups behind first, then the
-    largest), and how many ranks did not fit. A detailed rank of a host here (past
-    ``MAX_WHOLE``) is left out too."""
+    largest), and how many ranks did not fit (``named``: ranks the merge names already).
+    A detailed rank of a host here (past ``MAX_WHOLE``) is left out too."""
     if not stalls:
         return None, 0
     groups: Dict[Tuple[Any, ...], Tuple[RankState, List[int]]] = {}
@@ -121,9 +135,10 @@ def _crowd(stalls: Mapping[int, Summary], top: Mapping[str, int]) -> Tuple[Optio
     left_out = sum(len(s.detailed) for s in stalls.values())
     latest = min(stalls.items(), key=lambda kv: (kv[1].age_ms, kv[0]))[1]  # the job moved last there
     first = stalls[min(stalls)]
-    label = first.host if len(stalls) == 1 else f"{first.host} and {len(stalls) - 1} other hosts"
+    host = first.host[:LABEL_CHARS]
+    label = host if len(stalls) == 1 else f"{host} and {len(stalls) - 1} other hosts"
     waiting: List[Tuple[Tuple[int, ...], RankState]] = []
-    size, named = 0, 0
+    size = 0
     for state, members in ordered:
         entry = (tuple(sorted(members)), state)
         n = len(Summary("", "", 0, 0, (entry,)).to_json())  # with a summary's few fixed bytes: an upper bound
@@ -132,7 +147,7 @@ def _crowd(stalls: Mapping[int, Summary], top: Mapping[str, int]) -> Tuple[Optio
             continue
         waiting.append(entry)
         size, named = size + n, named + len(members)
-    crowd = Summary(label, latest.stall, latest.age_ms, min(s.threshold_ms for s in stalls.values()), tuple(waiting))
+    crowd = Summary(label, latest.stall[:LABEL_CHARS], latest.age_ms, min(s.threshold_ms for s in stalls.values()), tuple(waiting))
     return crowd, left_out
 
 

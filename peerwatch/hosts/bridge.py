@@ -334,16 +334,17 @@ class _Stalls:
         if self.run_dir.write_or_log(REMOTE_STALLS_FILE, json.dumps(body).encode()):  # else: the judges see ours only
             self._file = bool(self.remote)
 
-    def merged(self, me: int, stalled: bool) -> Optional[bytes]:
+    def merged(self, me: int, stalled: bool, named: Tuple[int, ...]) -> Optional[bytes]:
         """The aggregator's merge of every stall it holds and ours (``stalled``: ours is
-        public), for ``diag/all``: None while it has not changed since it was last published."""
+        public), for ``diag/all``: None while it has not changed since it was last published.
+        ``named``: the hosts standing still that the digest names."""
         if not self._changed:
             return None
         self._changed = False
         stalls = {int(k): s for k, (s, _) in self.remote.items() if k.isdigit()}
         if stalled and self.mine is not None:
             stalls[me] = self.mine
-        data = merged.merge(stalls).to_json()
+        data = merged.merge(stalls, frozenset(named)).to_json()
         if data == self._merged:
             return None
         self._merged = data
@@ -643,7 +644,7 @@ class _BeatLoop:
         rank0 = next((j for j, h in self.hosts.items() if 0 in h.ranks), None)
         digest = Digest(seen.index, term, beat, self._count, self.joined, lost, stalls, self.job_ending, rank0, more)
         # Every stall we hold, merged for the hosts that read the digest (diag/all), where it changed.
-        merge = self._stalls.merged(seen.index, stall is not None) if stalls else None
+        merge = self._stalls.merged(seen.index, stall is not None, stalls) if stalls else None
         link = self.link
         link.client.call(functools.partial(publish_digest, prefix=link.prefix, digest=digest, seal=link.seal,
                                            merged=merge), interval_deadline_s(link.config.peer_timeout))
