@@ -2,6 +2,7 @@
 
     sudo PYTHONPATH=. python benchmarks/store_scale.py [--hosts 64,256,1024] [--before REV]
         [--before-hosts 64,256] [--procs 4] [--interval 1] [--peer-timeout 5] [--seconds 15]
+        [--stall-seconds 15]
 
 One TCPStore server on 127.0.0.1 in a process of its own. Each simulated host is the
 bridge's real beat loop (``peerwatch.hosts.bridge._BeatLoop``: its exchange with the store, its
@@ -15,18 +16,37 @@ one thread each, blocked in C. Hosts are spread over ``--procs`` processes.
 Measured per protocol and number of hosts, the steady state for ``--seconds``: the store
 requests the hosts made (counted by each beat loop), the bytes the store server read and
 wrote (its /proc io counters: every byte of every request and answer), the server's CPU;
-the startup (every host counted: the time from the first registration, and the hosts
-judged lost meanwhile, which must be none); then one host stops beating (its loop is no
-longer called) and the time until every other host knows it is lost, by either way the
-news travels: the ``lost`` record a host writes from its own judgement or from the digest,
-or the verdict on it. As in a real job, the first host to write that record publishes the
-verdict (its watchers decide, its bridge offers it with ``compare_set``; here at once, from
-a connection opened beforehand), unless a verdict came first; the table gives the time
-from the kill to that first judgement, and from the verdict's publication to every
-host's waiter. "before" is the protocol at ``--before`` (a git revision: its ``peerwatch/``,
-extracted to a temporary directory, with this tree's built C extension; it must have this
-tree's package layout, dec8ddb or later, since the hosts are driven through its modules),
-"after" this tree's. Prints one markdown table.
+the startup (every host counted: the time from the first registration, and the hosts judged
+lost meanwhile, which must be none); then a whole host behind (below); then one host stops
+beating (its loop is no longer called) and the time until every other host knows it is
+lost, by either way the news travels: the ``lost`` record a host writes from its own
+judgement or from the digest, or the verdict on it. As in a real job, the first host to
+write that record publishes the verdict (its watchers decide, its bridge offers it with
+``compare_set``; here at once, from a connection opened beforehand), unless a verdict came
+first; the table gives the time from the kill to that first judgement, and from the
+verdict's publication to every host's waiter. "before" is the protocol at ``--before`` (a
+git revision: its ``peerwatch/``, extracted to a temporary directory, with this tree's
+built C extension; it must have this tree's package layout, dec8ddb or later, since the
+hosts are driven through its modules), "after" this tree's. Prints one markdown table, and
+one for the stall.
+
+A whole host behind (``--stall-seconds``, 0: none): every host's ranks stand still, as if
+for the stuck threshold already (``STALL_AGE_MS``). The loop thread plays each host's hang
+judges: before each of its intervals it rewrites the host's ``RUN/stall.json`` (a
+:class:`peerwatch.hangs.diagnose.Summary`, built by the code under test, aged as of now),
+the file the bridge publishes from. Every host's ranks wait inside all_reduce #31, but the
+laggard's (one host mid-range, not an aggregator), stuck before it, at #30, not in a
+collective, with a whole window of samples and no work (``diagnose.plainly_stuck``): its
+summary is public at once, and the others' follow as they read it. After each interval the
+loop thread reads the host's ``RUN/stalls-remote.json`` (what the bridge hands the judges)
+when it was replaced. Measured: the store's load from ``STALL_SETTLE_S`` into the stall,
+for ``--stall-seconds`` (requests and server bytes per host, server CPU, as above); the time
+from the stall's start until each other host's file holds the laggard's ranks in detail
+(those that have it by ``STALL_DEADLINE_S`` are counted); and, at the end, the diagnosis
+one reader host's judges would make (``diagnose.diagnose`` over its own ranks and the
+summaries in its file): does it name the laggard's ranks, and if not, why. Then the ranks
+move again (``{}`` in stall.json) a few intervals before the host is frozen. Neither
+protocol's store keys are touched: only the two files, which both keep.
 
 As root, runs itself in a network namespace of its own with only loopback (see
 benchmarks/bridge_load.py: torch's client asks DNS about every address it connects to).
