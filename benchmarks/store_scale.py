@@ -40,12 +40,13 @@ collective, with a whole window of samples and no work (``diagnose.plainly_stuck
 summary is public at once, and the others' follow as they read it. After each interval the
 loop thread reads the host's ``RUN/stalls-remote.json`` (what the bridge hands the judges)
 when it was replaced. Measured: the store's load from ``STALL_SETTLE_S`` into the stall,
-for ``--stall-seconds`` (requests and server bytes per host, server CPU, as above); the time
-from the stall's start until each other host's file holds the laggard's ranks in detail
-(those that have it by ``STALL_DEADLINE_S`` are counted); and, at the end, the diagnosis
-one reader host's judges would make (``diagnose.diagnose`` over its own ranks and the
-summaries in its file): does it name the laggard's ranks, and if not, why. Then the ranks
-move again (``{}`` in stall.json) a few intervals before the host is frozen. Neither
+for ``--stall-seconds`` (requests and server bytes per host, server CPU, as above; best a
+multiple of the summaries' refresh, 7.5 s: each host publishes and reads once a refresh);
+the time from the stall's start until each other host's file holds the laggard's ranks in
+detail (those that have it by ``STALL_DEADLINE_S`` are counted); and, at the end, the
+diagnosis one reader host's judges would make (``diagnose.diagnose`` over its own ranks and
+the summaries in its file): does it name the laggard's ranks, and if not, why. Then the
+ranks move again (``{}`` in stall.json) a few intervals before the host is frozen. Neither
 protocol's store keys are touched: only the two files, which both keep.
 
 As root, runs itself in a network namespace of its own with only loopback (see
@@ -575,20 +576,25 @@ def main() -> None:
     parser.add_argument("--peer-timeout", type=float, default=5.0)
     parser.add_argument("--seconds", type=float, default=15.0, help="steady state measured")
     parser.add_argument("--stall-seconds", type=float, default=15.0,
-                        help="a whole host behind: the stall measured, from %gs into it (0: no stall phase)" % STALL_SETTLE_S)
+                        help="a whole host behind: the stall measured, from %gs into it (0: no stall phase); best a "
+                        "multiple of the summaries' refresh (%gs, an eighth of their threshold: each host publishes "
+                        "its summary and reads the others' once a refresh)" % (STALL_SETTLE_S, STALL_THRESHOLD_MS / 8000))
     parser.add_argument("--json", default="")
     parser.add_argument("--no-netns", action="store_true")
     a = parser.parse_args()
     runs: List[Tuple[str, str, int]] = []
-    if a.before:
-        old = extract(a.before)
-        runs += [(f"before ({a.before})", old, int(n)) for n in a.before_hosts.split(",") if n]
+    old = extract(a.before) if a.before else ""
+    runs += [(f"before ({a.before})", old, int(n)) for n in a.before_hosts.split(",") if n and old]
     runs += [("after", ROOT, int(n)) for n in a.hosts.split(",") if n]
     figs = []
-    for variant, root, n in runs:
-        print(f"... {variant}, {n} hosts", file=sys.stderr, flush=True)
-        figs.append(run_one(variant.split()[0], root, n, a))
-        print(json.dumps(figs[-1]), file=sys.stderr, flush=True)
+    try:
+        for variant, root, n in runs:
+            print(f"... {variant}, {n} hosts", file=sys.stderr, flush=True)
+            figs.append(run_one(variant.split()[0], root, n, a))
+            print(json.dumps(figs[-1]), file=sys.stderr, flush=True)
+    finally:
+        if old:  # the extracted revision
+            shutil.rmtree(old, ignore_errors=True)
     print(f"\n## Store traffic: simulated hosts x {a.ranks} ranks, one TCPStore on loopback, heartbeat "
           f"{a.interval:g}s, peer_timeout {a.peer_timeout:g}s, {a.seconds:g}s measured, {os.cpu_count()} CPUs\n")
     print("| protocol | hosts | requests/s per host | server bytes/s per host | server CPU | startup: all counted "
