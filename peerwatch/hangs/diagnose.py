@@ -576,9 +576,9 @@ def remote_ranks(summary: Summary, moved_mono_ns: int) -> Dict[int, RankState]:
     summary was made (its last move plus its age: the reader's clock too)."""
     seen = moved_mono_ns + summary.age_ms * 1_000_000
     out: Dict[int, RankState] = {}
-    for ranks, s in summary.waiting:
-        for r in ranks:
-            out[r] = dataclasses.replace(s, moved_mono_ns=moved_mono_ns, host=summary.host, seen_mono_ns=seen)
+    for ranks, s in summary.waiting:  # one state for a group (thousands of ranks in a merge's crowd)
+        out.update(dict.fromkeys(ranks, dataclasses.replace(s, moved_mono_ns=moved_mono_ns, host=summary.host,
+                                                            seen_mono_ns=seen)))
     for r, s in summary.detailed:
         out[r] = dataclasses.replace(s, moved_mono_ns=moved_mono_ns, host=summary.host, seen_mono_ns=seen)
     return out
