@@ -17,9 +17,11 @@ While this host's ranks stand still (its hang judges say so in ``RUN/stall.json`
 from half the threshold, or from the stuck one where it holds a plainly stuck rank or another
 host's does), the beat says so too (``<seq>s``), the interval also sets this host's
 summary in ``diag/<i>`` (when it is new, then at most every ``refresh_ns``), and reads, as
-often, the summaries of the other hosts whose beat (or the digest) says they stand still
-(one ``multi_get``, at most ``MAX_DIGEST_LIST`` through the digest); it writes them, each host's last move turned into this host's clock once
-per stall, into ``RUN/stalls-remote.json`` for the judges. Before its summary is public, it
+often, the other hosts' stalls: the aggregator, the summaries of the hosts whose beat says
+they stand still (one ``multi_get``), which it merges into ``diag/all``
+(:mod:`peerwatch.hangs.merged`, bounded); every other host, that one key. It writes them,
+each one's last move turned into this host's clock once per stall, into
+``RUN/stalls-remote.json`` for the judges. Before its summary is public, it
 reads the others' only once per host that starts to stand still, and every refresh while one
 holds a plainly stuck rank. A job that moves costs nothing more.
 
@@ -637,7 +639,7 @@ class _BeatLoop:
         if was is None or term is None:
             return
         lost, more = bounded(self.liveness.lost(now_ns))
-        # Past MAX_DIGEST_LIST hosts standing still, the others read the laggard candidates first.
+        # Past MAX_DIGEST_LIST hosts standing still, the digest names the laggard candidates first.
         mine = [seen.index] if stall is not None else []
         stalls = stalled_for_digest(list(seen.stalled) + mine,
                                     self._stalls.laggards | (set(mine) if stall is not None and stall.detailed else set()))

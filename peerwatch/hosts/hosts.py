@@ -237,10 +237,10 @@ def bounded(hosts: List[int]) -> Tuple[Tuple[int, ...], int]:
 
 
 def stalled_for_digest(stalled: List[int], first: AbstractSet[int]) -> Tuple[int, ...]:
-    """The hosts standing still that a digest names (every other host reads their
-    summaries): at most ``MAX_DIGEST_LIST``, those in ``first`` first (the hosts whose
-    summary holds ranks that do not wait inside a collective: the laggard candidates),
-    then the lowest indices."""
+    """The hosts standing still that a digest names (every other host reads their merged
+    summaries, ``diag/all``, again while one of them is not in it yet): at most
+    ``MAX_DIGEST_LIST``, those in ``first`` first (the hosts whose summary holds ranks that
+    do not wait inside a collective: the laggard candidates), then the lowest indices."""
     return tuple(sorted(set(stalled), key=lambda j: (j not in first, j))[:MAX_DIGEST_LIST])
 
 
