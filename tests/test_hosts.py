@@ -131,6 +131,25 @@ def test_liveness_judges_on_the_local_clock_only() -> None:
     assert live.silent_ns(1, 3 * S) == 0
 
 
+def test_a_look_a_few_ms_short_of_the_timeout_judges_with_looks_a_heartbeat_apart() -> None:
+    """Looks a heartbeat apart, each timed after its exchange with the store: the one that
+    saw the last beat took 4 ms, the fifth after it 1 ms, so it finds 4.997 s of silence
+    with a timeout of 5 s. It judges (within a tenth of a heartbeat); without the
+    heartbeat given, the next look would, a whole heartbeat later (measured: a lost host
+    known at peer_timeout plus two heartbeats). A silence shorter by more is not judged."""
+    ms = S // 1000
+    regular = Liveness(timeout_ns=5 * S, look_ns=S)
+    strict = Liveness(timeout_ns=5 * S)
+    for live in (regular, strict):
+        live.observe(4 * ms, {1: b"1"})
+        for k in range(1, 5):
+            live.observe(k * S + ms, {1: b"1"})
+    assert regular.lost(5 * S + ms) == [1] and strict.lost(5 * S + ms) == []
+    early = Liveness(timeout_ns=5 * S, look_ns=S)
+    early.observe(0, {1: b"1"})
+    assert early.lost(5 * S - S // 10 - 1) == [] and early.lost(5 * S - S // 10) == [1]
+
+
 def test_liveness_lost_at_exactly_the_timeout_not_before() -> None:
     live = Liveness(timeout_ns=4)
     live.observe(0, {1: b"1", 2: b"1"})

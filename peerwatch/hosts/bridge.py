@@ -424,7 +424,7 @@ class _BeatLoop:
         self._gate = gate
         self.index: Optional[int] = None
         self.hosts: Dict[int, HostInfo] = {}
-        self.liveness = Liveness(int(link.config.peer_timeout * 1e9))
+        self.liveness = Liveness(int(link.config.peer_timeout * 1e9), look_ns=int(link.config.heartbeat_interval * 1e9))
         self._absentees = _Absentees(link, verdict_known)  # announced hosts that never joined
         self.job_ending = False
         # The store has answered, and has not been silent for peer_timeout since: one slow

@@ -36,6 +36,7 @@ MAX_HOST_BYTES = 65_536  # a host/<j> value longer than this is garbage
 # A host the launcher announces that has not joined (no beat of it read) after this many
 # peer_timeouts of our looks is lost; it is an error, said once, from one peer_timeout on.
 JOIN_TIMEOUTS = 10
+LOOK_SLACK = 0.1  # of a heartbeat: how much short of the timeout a look's silence may be and still judge (Liveness)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,10 +112,17 @@ class Liveness:
     says what is news (:meth:`observe`, for the store: a higher beat sequence number).
     No clock is compared across hosts, and a gap of our own counts against nobody
     (``awake``, :class:`peerwatch.core.awake.AwakeClock`; by default, more than half the
-    timeout between two looks is one). A host whose beat says ``done`` is never lost."""
+    timeout between two looks is one). A host whose beat says ``done`` is never lost.
 
-    def __init__(self, timeout_ns: int, awake: Optional[AwakeClock] = None) -> None:
+    ``look_ns``: how far apart the looks are (a heartbeat; 0: not regular). A silence that
+    falls short of the timeout by less than ``LOOK_SLACK`` of it counts as the timeout: looks
+    a heartbeat apart are timed after their exchange with the store, and one whose exchange
+    was a few ms quicker than the first's would otherwise wait a whole heartbeat more (a
+    lost host known at peer_timeout plus two heartbeats, not one)."""
+
+    def __init__(self, timeout_ns: int, awake: Optional[AwakeClock] = None, look_ns: int = 0) -> None:
         self.timeout_ns = timeout_ns
+        self._due_ns = timeout_ns - int(LOOK_SLACK * look_ns)  # the silence judged lost
         self.seqs: Dict[int, int] = {}  # the highest sequence number seen per host
         self.changed_ns: Dict[int, int] = {}  # peer -> when its last news came (or it was first seen)
         self.done: Set[int] = set()
@@ -153,7 +161,7 @@ class Liveness:
     def lost(self, now_ns: int, exclude: AbstractSet[int] = frozenset()) -> List[int]:
         return sorted(
             p for p in self.changed_ns
-            if p not in self.done and p not in exclude and self.silent_ns(p, now_ns) >= self.timeout_ns
+            if p not in self.done and p not in exclude and self.silent_ns(p, now_ns) >= self._due_ns
         )
 
     def silent_ns(self, peer: int, now_ns: int) -> int:
@@ -546,7 +554,7 @@ def lost_store_failure(
 
 __all__ = [
     "CONNECT_BACKOFF_MAX_S", "DONE", "JOIN_TIMEOUTS", "MAX_HOSTS", "MAX_HOST_BYTES", "READ_BATCH", "REMOTE_SETTLE_S",
-    "STALLED", "MAX_DIGEST_LIST", "MAX_DIGEST_BYTES", "Absence", "Digest", "DigestWatch", "FIRST_SPREAD_PER_HOST_S", "aggregate_term", "bounded", "first_spread_s", "stalled_for_digest",
+    "LOOK_SLACK", "STALLED", "MAX_DIGEST_LIST", "MAX_DIGEST_BYTES", "Absence", "Digest", "DigestWatch", "FIRST_SPREAD_PER_HOST_S", "aggregate_term", "bounded", "first_spread_s", "stalled_for_digest",
     "successor_distance", "takeover_ns", "beat_seq", "stalled_hosts", "HostInfo", "Liveness", "beat_value", "connect_allowance_s",
     "host_ident", "hosts_missing", "missing_hosts_failure", "parse_count", "unannounced_ranks",
     "hosts_to_declare_lost", "hosts_to_read", "interval_deadline_s", "lost_host_failure", "lost_rank_failures", "lost_store_failure",
