@@ -293,3 +293,31 @@ def test_the_crowd_is_as_old_as_its_youngest_host_and_a_reader_skips_its_own_who
     assert [k for k, _ in m.summaries(7)] == ["5", "crowd"]
     assert [k for k, _ in m.summaries(4)] == [k for k, _ in m.summaries(None)] == ["5", "7", "crowd"]
     assert dict(m.summaries(None))["5"] == stalls[5]
+
+
+def test_a_hang_at_ten_thousand_hosts_is_still_named_from_the_merge() -> None:
+    """80,000 ranks waiting alike are more than a merge may name (MAX_SUMMARY_RANKS): the
+    crowd keeps the lowest of them, counts the rest, and a reader still names the host
+    behind (a group dropped whole would leave nobody at #31: no finding at all)."""
+    hosts, laggard = 10_000, 4_321
+    waiting = RankState(collectives=(("0", 31, 30),), entered=(("0", 31, "allreduce", "[[1]] Float"),),
+                        in_collective=True)
+    stuck = RankState(collectives=(("0", 30, 30),), entered=(("0", 30, "allreduce", "[[1]] Float"),), state="S",
+                      where="train.py:12 in loop",
+                      activity=Activity(span_ms=7000, cpu_ms=0, places=1, other_cpu_ms=0, io_bytes=0,
+                                        children_cpu_ms=0, samples=8))
+    stalls = {h: Summary(f"h{h}", "t", 20_000, 60_000, ((tuple(range(8 * h, 8 * h + 8)), waiting),))
+              for h in range(hosts) if h != laggard}
+    stalls[laggard] = Summary(f"h{laggard}", "t", 20_000, 60_000, (),
+                              tuple((r, stuck) for r in range(8 * laggard, 8 * laggard + 8)), stuck=True)
+    m = merge(stalls)
+    back = Merged.from_json(m.to_json())
+    assert back is not None and back.crowd is not None
+    assert sum(len(r) for r, _ in back.crowd.waiting) == MAX_SUMMARY_RANKS - 8
+    assert back.left_out == 8 * hosts - MAX_SUMMARY_RANKS
+    now = 1000 * S
+    ranks: dict = {}
+    for _, s in back.summaries(0):
+        ranks.update(remote_ranks(s, now - 20 * S))
+    found = diagnose(ranks, now, 60 * S, 0, 0, 10 * S)
+    assert found is not None and found.laggards == tuple(range(8 * laggard, 8 * laggard + 8))

@@ -611,6 +611,7 @@ def test_activity_of_a_heartbeats_field_and_back() -> None:
     assert a == Activity(span_ms=4000, cpu_ms=0, places=1, other_cpu_ms=2, io_bytes=3, children_cpu_ms=0, samples=8,
                          main_io_bytes=1)
     assert a.as_tuple() == (4000, 0, 1, 2, 3, 0, 8, 1)
+    assert a.as_tuple() == dataclasses.astuple(a)  # every field, in order (a new one must be added there)
     assert Activity.of((0,) * 8) == Activity(0, 0, 0, 0, 0, 0, 0, 0)  # zero is a figure, not a missing one
     for values in ((), (1,) * 7, (1,) * 9, (1, 1, 1, -1, 1, 1, 1, 1)):
         assert Activity.of(values) is None, values

@@ -97,10 +97,11 @@ def merge(stalls: Mapping[int, Summary], named: AbstractSet[int] = frozenset()) 
     whole: List[Tuple[int, Summary]] = []
     size = 0
     for j in suspects:  # past the bounds, a suspect's waiting ranks join the crowd
-        n = len(stalls[j].to_json())
-        if len(whole) < MAX_WHOLE and size + n <= WHOLE_BYTES:
-            whole.append((j, stalls[j]))
-            size += n
+        n = len(stalls[j].to_json()) if len(whole) < MAX_WHOLE else 0
+        if not n or size + n > WHOLE_BYTES:
+            break
+        whole.append((j, stalls[j]))
+        size += n
     kept = {j for j, _ in whole}
     crowd, left_out = _crowd({j: s for j, s in stalls.items() if j not in kept}, top,
                              sum(len(s.ranks()) for _, s in whole))
@@ -140,13 +141,16 @@ def _crowd(stalls: Mapping[int, Summary], top: Mapping[str, int], named: int) ->
     waiting: List[Tuple[Tuple[int, ...], RankState]] = []
     size = 0
     for state, members in ordered:
-        entry = (tuple(sorted(members)), state)
+        # Past MAX_SUMMARY_RANKS (80,000 ranks waiting alike at 10,000 hosts), a group keeps its
+        # lowest ranks: where they wait is what the diagnosis needs, the rest are counted.
+        kept = tuple(sorted(members)[:max(0, MAX_SUMMARY_RANKS - named)])
+        entry = (kept, state)
         n = len(Summary("", "", 0, 0, (entry,)).to_json())  # with a summary's few fixed bytes: an upper bound
-        if len(waiting) >= MAX_CROWD_GROUPS or size + n > CROWD_BYTES or named + len(members) > MAX_SUMMARY_RANKS:
+        if not kept or len(waiting) >= MAX_CROWD_GROUPS or size + n > CROWD_BYTES:
             left_out += len(members)
             continue
         waiting.append(entry)
-        size, named = size + n, named + len(members)
+        size, named, left_out = size + n, named + len(kept), left_out + len(members) - len(kept)
     crowd = Summary(label, latest.stall[:LABEL_CHARS], latest.age_ms, min(s.threshold_ms for s in stalls.values()), tuple(waiting))
     return crowd, left_out
 
