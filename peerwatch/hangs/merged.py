@@ -13,7 +13,8 @@ wait for them, and those wait alike:
 - every other host's waiting ranks join one summary, the *crowd*: grouped by what they
   published (hosts whose ranks all wait in the same all_reduce are one group, their ranks
   runs of numbers), last moved when the latest of them moved, named after its first host
-  and how many more.
+  and how many more; past ``MAX_SUMMARY_RANKS`` ranks in all (80,000 waiting alike at
+  10,000 hosts of 8), a group keeps its lowest ranks and counts the others.
 
 So the diagnosis of a merge names the laggards that the diagnosis of every summary names
 (the rules look at sequence numbers per process group, at the ranks behind and at what
