@@ -8,7 +8,7 @@ merges them here, and every other host reads the merge with one ``get``
 wait for them, and those wait alike:
 
 - a host that may hold a laggard keeps its summary whole (at most ``MAX_WHOLE`` hosts and
-  ``MAX_MERGED_BYTES``): one with a rank not waiting inside a collective, or waiting
+  ``WHOLE_BYTES``): one with a rank not waiting inside a collective, or waiting
   behind another rank of its process group (a lower sequence number);
 - every other host's waiting ranks join one summary, the *crowd*: grouped by what they
   published (hosts whose ranks all wait in the same all_reduce are one group, their ranks
