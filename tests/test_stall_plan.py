@@ -20,6 +20,7 @@ ONSET = 100 * S
 LEARNT = int(FLOOR_S * S)
 STUCK = int(STUCK_S * S)
 EVERY = refresh_ns(LEARNT // 1_000_000, S)  # 7.5 s at the default threshold
+STUCK_EVERY = refresh_ns(LEARNT // 1_000_000, S, stuck=True)  # 2.5 s: a summary holding a plainly stuck rank
 
 
 def _loop(tmp_path: Path) -> _Stalls:
@@ -70,8 +71,62 @@ def test_a_host_plainly_stuck_makes_every_host_standing_still_exchange_from_the_
     loop.take(a, True, Seen(index=0, registered=False, new_hosts={}, beats={}, requests=1, stalled=(1,)), False,
               now)  # published ours
     assert loop.plan(a, True, now + S) == (False, False)  # at most every refresh
-    assert loop.plan(a, True, now - S + EVERY) == (False, True)  # b's again: it holds a stuck rank
+    assert loop.plan(a, True, now - S + STUCK_EVERY - 1) == (False, False)
+    assert loop.plan(a, True, now - S + STUCK_EVERY) == (False, True)  # b's again, sooner: it holds a stuck rank
+    assert loop.plan(a, True, now + EVERY - 1) == (False, True)  # ours (nothing stuck in it) every refresh
     assert loop.plan(a, True, now + EVERY) == (True, True)
+
+
+def test_a_plainly_stuck_host_publishes_every_quarter_of_the_stuck_threshold(tmp_path: Path):
+    """Host b's own side: its summary holds a plainly stuck rank and host a's ranks wait
+    for it in a collective, so it is published every STUCK_EVERY, not every refresh. Its
+    news crosses three such refreshes (b publishes, the aggregator reads, every other host
+    reads the merge) and a heartbeat, and still reaches every host younger than the stuck
+    threshold (older news waits for the learnt one). Alone (nobody known to wait in a
+    collective: every rank sleeping, say) it is a stall the stuck threshold names nobody
+    in, refreshed as any."""
+    assert STUCK_EVERY == int(2.5 * S) < EVERY and 3 * STUCK_EVERY + S < STUCK
+    loop = _loop(tmp_path)
+    b = _host_b(cpu_ms=0)
+    assert b.stuck and loop.public(b)
+    now = ONSET + STUCK
+    assert loop.plan(b, True, now) == (True, True)  # a new stall: at once (and the others' read once)
+    loop.take(b, True, Seen(index=1, registered=False, new_hosts={}, beats={}, requests=1, stalled=()), True, now)
+    assert loop.plan(b, True, now + STUCK_EVERY) == (False, False)  # nobody waits for it (yet): every refresh
+    assert loop.plan(b, True, now + EVERY) == (True, True)
+    a = _host_a(now)
+    assert a is not None
+    loop.stalled = (0,)  # host a stands still: its ranks wait in all_reduce #21
+    loop.take(b, False, Seen(index=1, registered=False, new_hosts={}, beats={}, requests=1, stalls={0: a.to_json()},
+                             stalled=(0,)), True, now + S)
+    assert loop.plan(b, True, now + STUCK_EVERY - 1) == (False, False)
+    assert loop.plan(b, True, now + STUCK_EVERY) == (True, False)
+    busy = _host_b(cpu_ms=7000)  # a sign of work: no longer plainly stuck, every refresh again
+    assert not busy.stuck and busy.stall == b.stall
+    assert loop.plan(busy, True, now + STUCK_EVERY) == (False, False)
+
+
+def test_a_stall_with_many_stuck_hosts_is_refreshed_as_any(tmp_path: Path):
+    """Host a's ranks wait; five hosts hold plainly stuck ranks: more than FAST_STUCK_HOSTS,
+    so host a reads them every refresh (the merge every host reads would be large)."""
+    from peerwatch.hosts.bridge import FAST_STUCK_HOSTS
+
+    loop = _loop(tmp_path)
+    now = ONSET + STUCK
+    a = _host_a(now)
+    assert a is not None
+    b = _host_b(cpu_ms=0)
+    few = {j: dataclasses.replace(b, host=f"host{j}").to_json() for j in range(1, FAST_STUCK_HOSTS + 1)}
+    loop.stalled = tuple(few)
+    loop.take(a, False, Seen(index=0, registered=False, new_hosts={}, beats={}, requests=1, stalls=few,
+                             stalled=tuple(few)), True, now)
+    assert loop.plan(a, True, now + STUCK_EVERY)[1]  # a few: sooner
+    many = {**few, FAST_STUCK_HOSTS + 1: dataclasses.replace(b, host="hostmany").to_json()}
+    loop.stalled = tuple(many)
+    loop.take(a, False, Seen(index=0, registered=False, new_hosts={}, beats={}, requests=1, stalls=many,
+                             stalled=tuple(many)), True, now)
+    assert not loop.plan(a, True, now + STUCK_EVERY)[1]
+    assert loop.plan(a, True, now + EVERY)[1]
 
 
 def test_a_busy_host_standing_still_costs_no_more_than_before(tmp_path: Path):

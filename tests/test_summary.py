@@ -72,6 +72,9 @@ def test_a_host_whose_ranks_all_lag_is_named_by_the_other() -> None:
 def test_refresh_is_a_share_of_the_threshold_at_least_a_heartbeat() -> None:
     assert refresh_ns(60_000, S) == int(7.5 * S)
     assert refresh_ns(3000, S // 2) == S // 2
+    assert refresh_ns(60_000, S, stuck=True) == int(2.5 * S)  # a quarter of STUCK_S: its news stays fresh
+    assert refresh_ns(60_000, 4 * S, stuck=True) == 4 * S  # at most once a heartbeat
+    assert refresh_ns(8000, S, stuck=True) == S  # never slower than the threshold's own refresh
 
 
 def test_a_host_standing_still_for_exactly_the_share_of_the_threshold_says_so() -> None:

@@ -434,6 +434,12 @@ PUBLISH_FRACTION = 0.5
 # often, as a share of the threshold (and at most once a heartbeat): the judges need it
 # once, before the threshold, and its signs of work as they grow.
 REFRESH_FRACTION = 1 / 8
+# While a summary holds a plainly stuck rank, this share of STUCK_S instead: a remote rank
+# counts as plainly stuck only while its news is younger than the stuck threshold, and the
+# news crosses three refreshes (its host publishes, the aggregator reads and merges, every
+# other host reads the merge): 3 x 2.5 s and a heartbeat stay under 10 s. It lasts seconds:
+# fresh news of a plainly stuck laggard ends the job.
+STUCK_REFRESH_FRACTION = 1 / 4
 MAX_DETAILED = 32  # ranks of one host described in full (the others waiting in a collective are grouped)
 MAX_SUMMARY_BYTES = 64 * 1024  # a larger value in the store is not a summary of ours
 MAX_SUMMARY_RANKS = 65_536  # ranks one summary (or a merge of many, peerwatch.hangs.merged) may name, at most
@@ -584,9 +590,11 @@ def remote_ranks(summary: Summary, moved_mono_ns: int) -> Dict[int, RankState]:
     return out
 
 
-def refresh_ns(threshold_ms: int, interval_ns: int) -> int:
-    """How often a standing-still host's summary is published, and the others' read."""
-    return max(interval_ns, int(threshold_ms * 1e6 * REFRESH_FRACTION))
+def refresh_ns(threshold_ms: int, interval_ns: int, stuck: bool = False) -> int:
+    """How often a standing-still host's summary is published, and the others' read;
+    ``stuck``: the summary (or one read) holds a plainly stuck rank."""
+    every = max(interval_ns, int(threshold_ms * 1e6 * REFRESH_FRACTION))
+    return min(every, max(interval_ns, int(STUCK_S * 1e9 * STUCK_REFRESH_FRACTION))) if stuck else every
 
 
 def _waiting(s: RankState) -> bool:

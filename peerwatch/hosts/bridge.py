@@ -144,6 +144,9 @@ TAKEOVER_CONNECT_S = 1.0
 STOP_BUDGET_S = 1.0  # stop() joins the bridge's threads for at most this long
 GATE_POLL_S = 1.0  # how often the waiter, waiting for the beat thread's gate, looks at stopped
 TORCH_POLL_S = 0.1  # how often the beat thread looks whether the application's import of torch has finished
+# A stall whose plainly stuck ranks are on at most this many hosts is refreshed every quarter
+# of the stuck threshold (_Stalls._nameable): the merge every host then reads keeps them whole.
+FAST_STUCK_HOSTS = 4
 STALL_FRESH_BEATS = 3  # RUN/stall.json older than this many heartbeats (+1 s): the judges stopped writing it
 
 
@@ -287,14 +290,29 @@ class _Stalls:
         where it holds a plainly stuck rank, or another host's does: then every host standing
         still publishes, so that each one's judges see the others). Before that it is our
         judges' alone: the others' are read once per host that starts to stand still, and
-        every refresh only while one of them holds a plainly stuck rank."""
+        every refresh only while one of them holds a plainly stuck rank. A summary holding a
+        plainly stuck rank is published, and read, every quarter of the stuck threshold
+        (``diagnose.refresh_ns``) while the stall is one it can name (:meth:`_nameable`):
+        its news must reach every host younger than that."""
         if stall is None:
             return False, False
-        every = diagnose.refresh_ns(stall.threshold_ms, int(self.interval_s * 1e9))
-        publish = public and (stall.stall != self._token or now_ns - self._published_ns >= every)
+        interval_ns = int(self.interval_s * 1e9)
+        fast = self._nameable(stall)
+        publish_every = diagnose.refresh_ns(stall.threshold_ms, interval_ns, stuck=fast and stall.stuck)
+        publish = public and (stall.stall != self._token or now_ns - self._published_ns >= publish_every)
         new = set(self.stalled) - self.covered
-        due = now_ns - self._read_ns >= every and (public or bool(self._stuck))
+        read_every = diagnose.refresh_ns(stall.threshold_ms, interval_ns, stuck=fast and bool(self._stuck))
+        due = now_ns - self._read_ns >= read_every and (public or bool(self._stuck))
         return publish, due or bool(new)
+
+    def _nameable(self, stall: diagnose.Summary) -> bool:
+        """The stall looks like a hang the stuck threshold names (a plainly stuck rank, a few
+        hosts' at most, and ranks waiting inside a collective): its news is refreshed sooner.
+        Not a stall in which every rank sleeps outside collectives (nobody is named), nor one
+        with many stuck hosts (the merge every host reads would be large)."""
+        stuck = len(self._stuck) + stall.stuck
+        return 0 < stuck <= FAST_STUCK_HOSTS and (
+            bool(stall.waiting) or any(s.waiting for s, _ in self.remote.values()))
 
     def take(self, stall: Optional[diagnose.Summary], published: bool, seen: Seen, read: bool, now_ns: int) -> None:
         """After an interval that published our ``stall`` (or not) and read the others'
