@@ -273,6 +273,36 @@ def test_an_exit_is_observed_by_the_records_field_not_by_its_message(tmp_path: P
     assert (by_rank(_report.build(rd))[1]["exit_code"], by_rank(_report.build(rd))[1]["exit_observed"]) == (3, True)
 
 
+def test_a_rank_whose_keyboardinterrupt_came_after_the_verdict_still_shows_the_signal(tmp_path: Path) -> None:
+    """Ctrl-C under load: rank 0 raised its KeyboardInterrupt at once; ranks 1 and 2 were noted
+    by their watchers as having got the SIGINT, and the job was judged interrupted before their
+    main threads raised theirs (a consequence then, not recorded as a failure). Their entries
+    said signal None (CI: {'SIGINT', None}); their watchers' notes say SIGINT, and who sent it."""
+    from peerwatch.core.records import EXCEPTION, INTERRUPTED, ExitStatus, Failure, Interrupt, Verdict, encode
+    from peerwatch.proc import identity
+    from peerwatch.rundir.rundir import EVENTS, VERDICT_FILE, rank_file
+    from peerwatch.verdict import report as _report
+
+    me, sender = identity.self_info(), 4242
+    rd, now = _run_of_this_process(tmp_path, 3)
+    rd.write(EVENTS, VERDICT_FILE, encode(Verdict(
+        rank=0, cause=INTERRUPTED, exit_code=130, failed_at_ns=now, detected_by=0, detected_at_ns=now, pid=me.pid,
+        signal="SIGINT", signalled_by=sender, detail="SIGINT from outside the job, pid 4242; all 3 ranks got it")))
+    rd.write(EVENTS, rank_file("failure", 0), encode(Failure(
+        rank=0, pid=me.pid, time_ns=now, cause=EXCEPTION, exit_code=130, exception="KeyboardInterrupt",
+        signal="SIGINT", signalled_by=sender)))
+    for rank in (1, 2):
+        rd.write(EVENTS, rank_file("interrupt", rank), encode(Interrupt(
+            rank=rank, pid=me.pid, time_ns=now, signal="SIGINT", signalled_by=sender)))
+    for rank in range(3):
+        rd.write(EVENTS, rank_file("exit", rank), encode(ExitStatus(rank=rank, pid=me.pid, time_ns=now, returncode=130,
+                                                                    observed_by=rank)))
+    report = json.loads(json.dumps(_report.build(rd)))
+    _validate(report)
+    assert {r: (e["state"], e["exit_code"], e["signal"], e["signalled_by"]) for r, e in by_rank(report).items()} == {
+        r: ("interrupted", 130, "SIGINT", sender) for r in range(3)}, report["ranks"]
+
+
 def _run_of_this_process(tmp_path: Path, ranks: int):
     """A run directory whose ``ranks`` ranks are all this process (rank 0 prepared it); and when."""
     import time

@@ -18,6 +18,7 @@ from ..core.records import (
     ExitStatus,
     Failure,
     Heartbeat,
+    Interrupt,
     Registration,
     Verdict,
     returncode_exit_code,
@@ -247,6 +248,9 @@ def _rank_entry(
     status = events["exit"].get(rank)
     state = _state(rank, reg, events, verdict)
     failure = events["failure"].get(rank)
+    # Its watcher's note that it got the job's signal: the one word from a rank whose own
+    # KeyboardInterrupt came after the verdict (a consequence, not recorded as a failure).
+    interrupt = events["interrupt"].get(rank) if state == INTERRUPTED_STATE else None
     code, observed = _exit_code(state, status, failure, verdict)
     ended_at = _ended_at(rank, events)
     if ended_at is None and state in (TORN_DOWN, NOT_SIGNALLED, INTERRUPTED_STATE) and verdict is not None:
@@ -258,8 +262,8 @@ def _rank_entry(
         "state": state,
         "exit_code": code,
         "exit_observed": observed,
-        "signal": _signal_of(status, failure),
-        "signalled_by": status.signalled_by if status is not None else (failure.signalled_by if failure else None),
+        "signal": _signal_of(status, failure, interrupt),
+        "signalled_by": _sender_of(status, failure, interrupt),
         "stack_file": stack if _non_empty(stack) else None,
         "last_heartbeat_ns": beat.time_ns if beat else None,
         "step": beat.step if beat else None,
@@ -275,11 +279,22 @@ def _rank_entry(
     }
 
 
-def _signal_of(status: Optional[ExitStatus], failure: Optional[Failure]) -> Optional[str]:
-    """The signal the rank ended by (its exit status), or that raised its failure (SIGINT)."""
+def _signal_of(status: Optional[ExitStatus], failure: Optional[Failure], interrupt: Optional[Interrupt]) -> Optional[str]:
+    """The signal the rank ended by (its exit status), or that raised its failure (SIGINT),
+    or that its watcher saw it get (an interrupted job)."""
     if status is not None and status.returncode < 0:
         return signal_name(-status.returncode)
-    return failure.signal if failure is not None else None
+    if failure is not None and failure.signal is not None:
+        return failure.signal
+    return interrupt.signal if interrupt is not None else None
+
+
+def _sender_of(status: Optional[ExitStatus], failure: Optional[Failure], interrupt: Optional[Interrupt]) -> Optional[int]:
+    """Who sent the signal of ``_signal_of``, where known."""
+    for said in (status, failure, interrupt):
+        if said is not None and said.signalled_by is not None:
+            return said.signalled_by
+    return None
 
 
 def stragglers_entry(rd: RunDir) -> List[Dict[str, Any]]:
