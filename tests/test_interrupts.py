@@ -126,5 +126,6 @@ def test_a_sigint_to_a_job_whose_rank_waits_in_c_is_an_interrupt(make_job) -> No
     report = job.report()
     _no_blame(job, logs, report)
     assert (job.run_dir / "events" / "interrupt-00002.json").exists(), logs
+    assert {r["signal"] for r in report["ranks"]} == {"SIGINT"}, report["ranks"]  # rank 2's from its watcher's note
     logged = [json.loads(line) for line in (job.run_dir / "events.jsonl").read_text().splitlines()]
     assert any(e["event"] == "interrupt" and e["rank"] == 2 and e["signal"] == "SIGINT" for e in logged), logged
