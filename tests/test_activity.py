@@ -140,7 +140,7 @@ def test_a_thread_that_wakes_every_10_ms_on_a_crowded_cpu_shows_no_work(one_busy
 # -- the main thread's own signs, sampled from a watcher thread --------------------------
 
 MAIN = r"""
-import json, os, sys, threading, time
+import json, os, resource, sys, threading, time
 from peerwatch.proc.activity import ActivitySampler
 from peerwatch.hangs.diagnose import RankState, busy_evidence
 
@@ -163,6 +163,10 @@ def look():
     sampler = ActivitySampler()
     for i in range(SAMPLES + 1):
         if work == "emfile" and i == SAMPLES:  # the last look fails: EMFILE
+            # A low limit: each open waits for the GIL the computing main thread holds (5 ms
+            # a switch), so filling 20,000 descriptors took 45 s of the test's 60.
+            soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+            resource.setrlimit(resource.RLIMIT_NOFILE, (min(soft, len(os.listdir("/proc/self/fd")) + 8), hard))
             held = []
             try:
                 while True:
